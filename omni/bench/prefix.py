@@ -1,0 +1,109 @@
+"""`omni bench prefix`: long-document QA with and without prefix caching.
+
+One ~2,000-token document, then follow-up questions about it, one at a time
+(as a user would send them). Mean TTFT of the questions with caching vs
+without. Plus the miss case (no shared prefixes): throughput with caching on
+vs off, to show caching costs nothing when it cannot help.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from .workloads import Timer, long_document, questions
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin:smollm2")
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--num-questions", type=int, default=16)
+    p.add_argument("--miss-requests", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def make_engine(path, caching: bool, emit_hidden_states: bool = False):
+    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.scheduler import SchedulerConfig
+
+    return StageEngine(StageEngineConfig(
+        name="bench", model_path=path, enable_prefix_caching=caching, emit_hidden_states=emit_hidden_states,
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=0)))
+
+
+def run_one(engine, rid: str, ids: list[int], max_tokens: int):
+    """Submit one request and run it to completion; returns its StageOutput."""
+    from omni.engine.sampling import SamplingParams
+    from omni.outputs import StageInput
+
+    engine.add_request(StageInput(rid, prompt_token_ids=ids,
+                                  sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o
+    return out
+
+
+def qa_ttfts(engine, doc_ids: list[int], question_ids: list[list[int]], max_tokens: int = 4):
+    run_one(engine, "doc", doc_ids, 1)  # the document is read once first (as in a chat session)
+    outs = [run_one(engine, f"q{i}", doc_ids + q, max_tokens) for i, q in enumerate(question_ids)]
+    return [o.metrics["ttft_s"] for o in outs], outs
+
+
+def qa_workload(path, args):
+    from omni.engine.engine import StageEngine  # noqa: F401  (import cost outside timings)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    doc = long_document(tok, args.doc_tokens, args.seed)
+    doc_ids = tok(doc)["input_ids"]
+    q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q in questions(args.num_questions, args.seed)]
+    return tok, doc_ids, q_ids
+
+
+def run(args) -> dict:
+    from omni.engine.sampling import SamplingParams
+    from omni.outputs import StageInput
+    from stages.checkpoints import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tok, doc_ids, q_ids = qa_workload(path, args)
+    print(f"document: {len(doc_ids)} tokens, {len(q_ids)} questions")
+    res = {}
+    answers = {}
+    for caching in (True, False):
+        engine = make_engine(path, caching)
+        ttfts, outs = qa_ttfts(engine, doc_ids, q_ids)
+        answers[caching] = [o.token_ids for o in outs]
+        res[caching] = statistics.mean(ttfts)
+        print(f"caching={caching}: mean TTFT {res[caching] * 1000:.1f} ms, "
+              f"hit rate {engine.stats()['prefix_cache_hit_rate']:.3f}")
+    assert answers[True] == answers[False], "prefix caching changed outputs"
+
+    # Miss case: unrelated prompts, batched; throughput with caching on vs off.
+    rng = random.Random(args.seed + 1)
+    vocab = len(tok)
+    prompts = [[rng.randrange(100, vocab) for _ in range(256)] for _ in range(args.miss_requests)]
+    tps = {}
+    for rep in range(2):  # alternate on/off twice to spread machine noise over both
+        for caching in (True, False):
+            engine = make_engine(path, caching)
+            run_one(engine, "warm", [100] * 8, 1)
+            with Timer() as t:
+                for i, p in enumerate(prompts):
+                    engine.add_request(StageInput(f"m{i}", prompt_token_ids=p, sampling_params=SamplingParams(
+                        temperature=0.0, max_tokens=32, ignore_eos=True)))
+                n = 0
+                while engine.has_unfinished():
+                    n += sum(len(o.token_ids) for o in engine.step())
+            tps.setdefault(caching, []).append(n / t.elapsed)
+    on, off = max(tps[True]), max(tps[False])
+    print(f"miss case: caching on {on:.1f} tok/s, off {off:.1f} tok/s")
+    return {
+        "model": str(args.model), "doc_tokens": len(doc_ids), "num_questions": len(q_ids),
+        "ttft_cached_ms": res[True] * 1000, "ttft_uncached_ms": res[False] * 1000,
+        "ttft_speedup": res[False] / res[True],
+        "miss_tokens_per_s_cached": on, "miss_tokens_per_s_uncached": off,
+        "miss_throughput_ratio": on / off,
+    }

@@ -1,0 +1,121 @@
+"""`omni bench throughput`: omni vs transformers on the same requests.
+
+SmolLM2-135M, 32 requests with prompt lengths 32-512 and max_tokens 16-128
+(ignore_eos: every request generates exactly what it asked for). Output
+tokens/s for omni's engine, transformers' `generate` on one padded batch, and
+transformers' continuous batching (`generate_batch` manager), same dtype.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .workloads import Timer, throughput_requests
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin:smollm2", help="model path or builtin:NAME")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--skip-hf", action="store_true", help="time omni only")
+
+
+def _omni(path, reqs, dtype) -> tuple[float, int]:
+    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.sampling import SamplingParams
+    from omni.engine.scheduler import SchedulerConfig
+    from omni.outputs import StageInput
+
+    engine = StageEngine(StageEngineConfig(
+        name="bench", model_path=path, dtype=dtype, enable_prefix_caching=True, emit_hidden_states=False,
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=0)))
+    # Warm-up (one short request) so one-time costs stay out of the timing.
+    engine.add_request(StageInput("warm", prompt_token_ids=[100] * 8, sampling_params=SamplingParams(max_tokens=2)))
+    while engine.has_unfinished():
+        engine.step()
+    produced = 0
+    with Timer() as t:
+        for i, r in enumerate(reqs):
+            engine.add_request(StageInput(str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
+                temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)))
+        while engine.has_unfinished():
+            for out in engine.step():
+                produced += len(out.token_ids)
+    return t.elapsed, produced
+
+
+def _hf_generate(model, reqs) -> tuple[float, int]:
+    max_len = max(len(r.prompt_token_ids) for r in reqs)
+    pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
+    ids = torch.full((len(reqs), max_len), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(reqs):  # left padding, as decoder-only generation needs
+        ids[i, max_len - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        mask[i, max_len - len(r.prompt_token_ids):] = 1
+    max_new = max(r.max_tokens for r in reqs)
+    with torch.inference_mode(), Timer() as t:
+        model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                       do_sample=False, pad_token_id=pad)
+    # Only the tokens each request asked for are useful output.
+    return t.elapsed, sum(r.max_tokens for r in reqs)
+
+
+def _hf_generate_batch(model, reqs) -> tuple[float, int]:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs),
+                           eos_token_id=None, pad_token_id=model.config.eos_token_id)
+    manager = model.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    try:
+        produced = 0
+        with Timer() as t:
+            ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens) for r in reqs]
+            pending = set(ids)
+            while pending:
+                res = manager.get_result(timeout=600)
+                if res is None:
+                    raise RuntimeError("transformers continuous batching stopped without a result")
+                if res.is_finished():
+                    pending.discard(res.request_id)
+                    produced += len(res.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=60)
+    return t.elapsed, produced
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from stages.checkpoints import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    reqs = throughput_requests(args.num_requests, model.config.vocab_size, args.seed)
+    expected = sum(r.max_tokens for r in reqs)
+    print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
+          f"{expected} output tokens, threads={torch.get_num_threads()}")
+    t_omni, n_omni = _omni(path, reqs, args.dtype)
+    assert n_omni == expected, (n_omni, expected)
+    result = {"model": str(args.model), "num_requests": len(reqs), "output_tokens": expected,
+              "omni_s": t_omni, "omni_tokens_per_s": n_omni / t_omni}
+    print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s")
+    if not args.skip_hf:
+        t_gen, n_gen = _hf_generate(model, reqs)
+        print(f"hf generate (padded): {t_gen:.2f}s, {n_gen / t_gen:.1f} tok/s")
+        try:
+            model_cb = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                            attn_implementation="sdpa").eval()
+            t_cb, n_cb = _hf_generate_batch(model_cb, reqs)
+            cb_tps = n_cb / t_cb
+            print(f"hf generate_batch: {t_cb:.2f}s, {cb_tps:.1f} tok/s")
+        except Exception as exc:  # report, do not hide: the key is then null
+            print(f"hf generate_batch failed: {type(exc).__name__}: {exc}")
+            cb_tps = None
+        best = max(x for x in (n_gen / t_gen, cb_tps) if x is not None)
+        result.update(hf_generate_tokens_per_s=n_gen / t_gen, hf_generate_batch_tokens_per_s=cb_tps,
+                      speedup_vs_best_hf=result["omni_tokens_per_s"] / best)
+    return result

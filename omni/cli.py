@@ -1,0 +1,261 @@
+"""The `omni` command.
+
+    omni run CONFIG [--prompt P ...] [--prompts-file F] [--output-dir D]
+                    [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json]
+    omni validate CONFIG [--stage-overrides JSON] [--json]
+    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni)
+
+Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config or usage.
+`omni bench` prints the benchmark's own lines, then its result as ONE JSON object on
+the last line.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# bench name -> module in omni/bench/ (imported only when that bench runs)
+BENCHES = {
+    "kv": "kv",
+    "kernels": "kernels",
+    "throughput": "throughput",
+    "prefix": "prefix",
+    "tensor-cache": "tensor_cache",
+    "pipeline": "pipeline",
+    "omni": "omni_bench",
+}
+_DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.generic):
+        return o.item()
+    if hasattr(o, "model_dump"):
+        return o.model_dump()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, default=_jsonable, separators=(",", ":"))
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="pipeline YAML (see stage_configs/)")
+    p.add_argument("--stage-overrides", metavar="JSON",
+                   help='per-stage overrides, e.g. \'{"talker": {"enable_prefix_caching": false}}\'')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni", description="Multi-stage omni model pipelines on Ray.")
+    parser.add_argument("--version", action="version", version="omni 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,validate,bench}")
+
+    run = sub.add_parser("run", help="run prompts through a pipeline")
+    _config_args(run)
+    run.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    run.add_argument("--prompts-file", type=Path,
+                     help="one prompt per line, or .jsonl: a JSON string or object per line")
+    run.add_argument("--output-dir", type=Path, help="write results.jsonl and per-stage text/audio/hidden files")
+    run.add_argument("--max-tokens", type=int, help="max_tokens for every stage (overrides the config)")
+    run.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
+    run.add_argument("--json", action="store_true", help="print the results as one JSON object")
+
+    val = sub.add_parser("validate", help="validate a pipeline config and print its graph")
+    _config_args(val)
+    val.add_argument("--json", action="store_true", help="print the validated config as JSON")
+
+    bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES), add_help=False)
+    bench.add_argument("name", nargs="?", help=", ".join(BENCHES))
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _error(msg: str, code: int = 2) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return code
+
+
+# ------------------------------------------------------------------- validate
+def cmd_validate(args: argparse.Namespace) -> int:
+    from omni.config import load_config
+    from omni.errors import ConfigError
+    from omni.pipeline.graph import StageGraph
+
+    try:
+        cfg = load_config(args.config, args.stage_overrides)
+    except ConfigError as e:
+        return _error(str(e))
+    if args.json:
+        print(dumps(cfg.model_dump(mode="json")))
+        return 0
+    graph = StageGraph(cfg.stages)
+    rt = cfg.runtime
+    print(f"pipeline {cfg.name!r}: {len(graph)} stage(s), backend={rt.backend}"
+          + (f", ray_address={rt.ray_address}" if rt.ray_address else ""))
+    print(graph.summary())
+    print(f"entry: {', '.join(graph.entry_stages)}; final outputs: "
+          + ", ".join(f"{n} ({graph.stages[n].final_output})" for n in graph.final_stages))
+    print("OK")
+    return 0
+
+
+# ------------------------------------------------------------------------ run
+def _read_prompts(args: argparse.Namespace) -> list[Any]:
+    prompts: list[Any] = list(args.prompt)
+    if args.prompts_file:
+        path: Path = args.prompts_file
+        if not path.is_file():
+            raise ValueError(f"--prompts-file: no such file: {path}")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if path.suffix == ".jsonl":
+            for i, ln in enumerate(lines, 1):
+                try:
+                    prompts.append(json.loads(ln))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--prompts-file {path}:{i}: invalid JSON: {e}") from None
+        else:
+            prompts.extend(lines)
+    if not prompts:
+        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    return prompts
+
+
+def _stage_record(out: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+        "num_prompt_tokens": len(out.prompt_token_ids), "num_cached_tokens": out.num_cached_tokens,
+        "metrics": out.metrics,
+    }
+    if out.audio is not None:
+        rec["audio_samples"] = int(np.asarray(out.audio).size)
+    if out.hidden_states is not None:
+        rec["hidden_states_shape"] = list(np.asarray(out.hidden_states).shape)
+    return rec
+
+
+def _write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
+    pcm = (np.clip(np.asarray(audio, dtype=np.float32).reshape(-1), -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+
+
+def _write_outputs(out_dir: Path, results: list[dict[str, Any]], outputs: list[Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "results.jsonl", "w") as f:
+        for rec in results:
+            f.write(dumps(rec) + "\n")
+    for i, ro in enumerate(outputs):
+        for stage, so in ro.outputs.items():
+            stem = out_dir / f"{i:04d}_{stage}"
+            if so.text is not None:
+                stem.with_suffix(".txt").write_text(so.text)
+            if so.audio is not None:
+                rate = int(so.passthrough.get("sampling_rate", _DEFAULT_SAMPLE_RATE))
+                _write_wav(stem.with_suffix(".wav"), so.audio, rate)
+            if so.hidden_states is not None:
+                np.save(stem.with_suffix(".npy"), np.asarray(so.hidden_states))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from omni.api import Omni
+    from omni.config import load_config
+    from omni.errors import ConfigError, OmniError
+
+    try:
+        prompts = _read_prompts(args)
+        cfg = load_config(args.config, args.stage_overrides)
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    except (ConfigError, ValueError) as e:
+        return _error(str(e))
+    sampling = None
+    if args.max_tokens is not None:
+        sampling = {s.name: {"max_tokens": args.max_tokens} for s in cfg.stages}
+    try:
+        with Omni(cfg, backend=args.backend) as omni:
+            outputs = omni.generate(prompts, sampling, use_tqdm=not args.json)
+            stats = omni.stats()
+    except ConfigError as e:
+        return _error(str(e))
+    except OmniError as e:
+        return _error(str(e), 1)
+
+    results = [{"request_id": o.request_id, "prompt": o.prompt, "error": o.error,
+                "outputs": {s: _stage_record(so) for s, so in o.outputs.items()}} for o in outputs]
+    if args.output_dir:
+        _write_outputs(args.output_dir, results, outputs)
+    if args.json:
+        print(dumps({"pipeline": cfg.name, "results": results, "stats": stats}))
+    else:
+        for i, o in enumerate(outputs):
+            print(f"[{i}] {o.prompt!r}")
+            if o.error:
+                print(f"  error: {o.error}")
+            for stage, so in o.outputs.items():
+                kind = cfg.stage(stage).final_output
+                if kind == "text" and so.text is not None:
+                    print(f"  {stage} (text): {so.text}")
+                elif kind == "audio" and so.audio is not None:
+                    print(f"  {stage} (audio): {np.asarray(so.audio).size} samples")
+                elif kind == "hidden" and so.hidden_states is not None:
+                    print(f"  {stage} (hidden): shape {list(np.asarray(so.hidden_states).shape)}")
+                else:
+                    print(f"  {stage} (tokens): {so.token_ids}")
+        for name, s in stats["stages"].items():
+            hit, ttft = s.get("prefix_cache_hit_rate"), s.get("ttft_mean_s")
+            print(f"stage {name}: prefix cache hit rate "
+                  f"{hit if hit is None else format(hit, '.2f')}, mean TTFT "
+                  f"{'-' if ttft is None else format(ttft * 1000, '.1f') + ' ms'}")
+        if args.output_dir:
+            print(f"wrote {args.output_dir}")
+    return 1 if any(o.error for o in outputs) else 0
+
+
+# ---------------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not args.name or args.name in ("-h", "--help"):
+        print("usage: omni bench NAME [ARGS ...]\nbenchmarks: " + ", ".join(BENCHES))
+        return 0 if args.name else 2
+    if args.name not in BENCHES:
+        return _error(f"unknown benchmark {args.name!r} (choose from: {', '.join(BENCHES)})")
+    module_name = f"omni.bench.{BENCHES[args.name]}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            return _error(f"benchmark {args.name!r} is not available ({module_name} not found)")
+        raise
+    parser = argparse.ArgumentParser(prog=f"omni bench {args.name}", description=module.__doc__)
+    module.add_arguments(parser)
+    bench_args = parser.parse_args(args.args)
+    result = module.run(bench_args)
+    sys.stdout.flush()
+    print(dumps(result), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "validate":
+        return cmd_validate(args)
+    if args.command == "run":
+        return cmd_run(args)
+    return cmd_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""The YAML stage graph: pydantic models + validation.
+
+    name: tiny_chain
+    runtime: {backend: ray, request_timeout_s: 600}
+    stages:
+      - name: thinker
+        model_path: builtin:tiny-qwen2
+        final_output: text
+      - name: talker
+        model_path: builtin:tiny-qwen2
+        inputs: [thinker]
+        input_processor: hidden_to_embeds
+        final_output: tokens
+
+`load_config(path_or_dict, stage_overrides=None)` is the one entry point; it
+raises `ConfigError` (a ValueError) whose message names the stage and field.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from omni.engine.sampling import SamplingParams
+from omni.errors import ConfigError
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+def expand_env(value: str) -> str:
+    """Expand ${VAR} and ${VAR:-default}; an unset variable without default is an error."""
+
+    def sub(m: re.Match[str]) -> str:
+        var, default = m.group(1), m.group(2)
+        if var in os.environ:
+            return os.environ[var]
+        if default is not None:
+            return default
+        raise ValueError(f"environment variable {var!r} is not set (use ${{{var}:-default}} for a default)")
+
+    out = _ENV_RE.sub(sub, value)
+    return os.path.expanduser(out) if out.startswith("~") else out
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class CacheConfig(_Model):
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block (1..256).")
+    num_blocks: int | None = Field(
+        None, ge=2, description="Number of KV cache blocks (>= 2). None: derived from memory_budget_mb.")
+    memory_budget_mb: float | None = Field(
+        None, gt=0, description="Memory for the KV cache in MiB (> 0), when num_blocks is not set.")
+    hash_seed: int = Field(
+        0, description="Seed of the prefix-cache block hashes (fixed so hashes agree across processes).")
+
+    @model_validator(mode="after")
+    def _one_size(self) -> "CacheConfig":
+        if self.num_blocks is not None and self.memory_budget_mb is not None:
+            raise ValueError("set num_blocks or memory_budget_mb, not both")
+        return self
+
+
+class SchedulerConfig(_Model):
+    max_num_seqs: int = Field(64, ge=1, description="Maximum number of requests in one batch (>= 1).")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Maximum number of tokens computed in one step (>= 1).")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Maximum sequence length (prompt + output). None: the model's maximum.")
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts over several steps instead of requiring one step for them.")
+
+    @model_validator(mode="after")
+    def _fits(self) -> "SchedulerConfig":
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is false")
+        return self
+
+
+class ResourcesConfig(_Model):
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the stage's Ray actor (>= 0).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the stage's Ray actor (>= 0, fractions allowed).")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources the stage's actor needs (name -> amount >= 0).")
+
+    @field_validator("custom")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if x < 0}
+        if bad:
+            raise ValueError(f"custom resource amounts must be >= 0, got {bad}")
+        return v
+
+
+class StageConfig(_Model):
+    name: str = Field(description="Unique stage name (letters, digits, '_', '-', '.').")
+    model: str = Field(
+        "causal_lm", description="Registered stage model name (stages/registry.py) or 'package.module:Class'.")
+    model_path: str = Field(
+        description="Model directory or GGUF file, or builtin:tiny-llama | builtin:tiny-qwen2 | "
+        "builtin:smollm2. ${ENV} and ${ENV:-default} are expanded.")
+    tokenizer: str | None = Field(None, description="Tokenizer path, when it is not next to the model.")
+    inputs: list[str] = Field(
+        default_factory=list, description="Upstream stage names. Empty: an entry stage (gets the prompt).")
+    input_processor: str | None = Field(
+        None, description="Turns the upstream outputs into this stage's input: a registered name "
+        "(passthrough_tokens, hidden_to_embeds, ...) or 'package.module:function'. "
+        "None: the upstream generated token ids become the prompt.")
+    final_output: Literal["text", "tokens", "audio", "hidden"] | None = Field(
+        None, description="Return this stage's outputs to the caller, as this kind.")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks (and the stage tensor cache) across requests sharing a prefix.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache geometry.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching limits.")
+    sampling: SamplingParams = Field(
+        default_factory=SamplingParams, description="Default sampling parameters of this stage.")
+    use_chat_template: bool = Field(
+        False, description="Apply the tokenizer's chat template to text prompts.")
+    resources: ResourcesConfig = Field(
+        default_factory=ResourcesConfig, description="Resources of the stage's Ray actor.")
+    max_restarts: int = Field(
+        0, ge=-1, description="How often Ray restarts the stage's actor after it dies (-1: forever).")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Model dtype.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for the stage model's loader.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid stage name: use letters, digits, '_', '-', '.' "
+                             "(starting with a letter or '_')")
+        return v
+
+    @field_validator("model_path", "tokenizer")
+    @classmethod
+    def _expand(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = expand_env(v)
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "StageConfig":
+        from stages import registry
+
+        where = f"stage {self.name!r}"
+        try:
+            target = registry.stage_model_target(self.model)
+        except KeyError as e:
+            raise ValueError(f"{where}: model: {e.args[0]}") from None
+        try:
+            registry.resolve_stage_model(self.model)
+        except Exception as e:  # noqa: BLE001 - any import problem is a config problem here
+            raise ValueError(f"{where}: model: {self.model!r} ({target}) does not resolve to a class: "
+                             f"{type(e).__name__}: {e}") from None
+        if self.enable_prefix_caching and not registry.is_autoregressive(self.model):
+            raise ValueError(
+                f"{where}: enable_prefix_caching: model {self.model!r} is not autoregressive (no KV cache), "
+                "so prefix caching does not apply; set enable_prefix_caching: false")
+        if self.input_processor is not None:
+            if not self.inputs:
+                raise ValueError(
+                    f"{where}: input_processor: only a stage with `inputs` takes an input processor "
+                    "(this is an entry stage: it receives the prompt)")
+            try:
+                target = registry.input_processor_target(self.input_processor)
+            except KeyError as e:
+                raise ValueError(f"{where}: input_processor: {e.args[0]}") from None
+            try:
+                registry.resolve_input_processor(self.input_processor)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(
+                    f"{where}: input_processor: {self.input_processor!r} ({target}) does not resolve to a "
+                    f"callable: {type(e).__name__}: {e}") from None
+        return self
+
+
+class RuntimeConfig(_Model):
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="ray: one actor per stage; local: every stage in this process.")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to connect to. None: RAY_ADDRESS / the enclosing Ray job if any, "
+        "else an embedded local Ray.")
+    namespace: str | None = Field(None, description="Ray namespace of the stage actors.")
+    request_timeout_s: float = Field(600.0, gt=0, description="A request still unfinished after this fails.")
+    stage_start_timeout_s: float = Field(
+        300.0, gt=0, description="Time a stage may take to start (model load, waiting for resources).")
+    log_to_driver: bool = Field(
+        False, description="Forward the stage actors' stdout/stderr to this process (embedded Ray).")
+
+
+class PipelineConfig(_Model):
+    name: str = Field("pipeline", description="Pipeline name (shown in logs and actor names).")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Where and how stages run.")
+    stages: list[StageConfig] = Field(description="The stages; `inputs` edges make them a DAG.")
+
+    @model_validator(mode="after")
+    def _graph(self) -> "PipelineConfig":
+        from omni.pipeline.graph import StageGraph
+
+        StageGraph(self.stages)  # raises ConfigError (a ValueError) naming the problem
+        return self
+
+    def stage(self, name: str) -> StageConfig:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+# --------------------------------------------------------------------- loading
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_stage_overrides(overrides: str | Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """JSON text or a mapping {stage_name: {field: value, ...}}."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"stage_overrides: not valid JSON: {e}") from None
+    if not isinstance(overrides, Mapping):
+        raise ConfigError("stage_overrides: must map stage names to field overrides, "
+                          'e.g. {"talker": {"enable_prefix_caching": false}}')
+    for k, v in overrides.items():
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"stage_overrides: {k!r}: must be a mapping of fields, got {type(v).__name__}")
+    return {str(k): dict(v) for k, v in overrides.items()}
+
+
+def _unwrap(ann: Any) -> Any:
+    """list[X] -> X, X | None -> X."""
+    while typing.get_origin(ann) in (list, typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) != 1:
+            break
+        ann = args[0]
+    return ann
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class validating the object at `loc` (for 'allowed keys' hints)."""
+    cls: Any = PipelineConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        cls = _unwrap(cls.model_fields[part].annotation)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _format_errors(err: ValidationError, raw: Mapping[str, Any]) -> str:
+    """One line per error: "stage 'talker': cache.block_size: <what is wrong> (got 0)"."""
+    stages = raw.get("stages") if isinstance(raw, Mapping) else None
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        msg = e["msg"]
+        for prefix in ("Value error, ", "Assertion failed, "):
+            if msg.startswith(prefix):
+                msg = msg[len(prefix):]
+        if msg.startswith(("stage '", "stages")):  # our own messages already say where
+            lines.append(msg)
+            continue
+        where, rest = "", loc
+        if len(loc) >= 2 and loc[0] == "stages" and isinstance(loc[1], int):
+            name = None
+            if isinstance(stages, list) and loc[1] < len(stages) and isinstance(stages[loc[1]], Mapping):
+                name = stages[loc[1]].get("name")
+            where = f"stage {name!r}" if isinstance(name, str) else f"stages[{loc[1]}]"
+            rest = loc[2:]
+        if e["type"] == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            allowed = f" (allowed: {', '.join(model.model_fields)})" if model else ""
+            text, rest = f"unknown key {str(loc[-1])!r}{allowed}", rest[:-1]
+        elif e["type"] == "missing":
+            text = "required field is missing"
+        elif e["type"] == "value_error" or isinstance(e.get("input"), (dict, list)):
+            text = msg
+        else:
+            text = f"{msg} (got {e.get('input')!r})"
+        field = ".".join(str(p) for p in rest)
+        lines.append(": ".join([p for p in (where, field) if p] + [text]))
+    return "; ".join(dict.fromkeys(lines))
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with `stages`, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    return data
+
+
+def load_config(
+    path_or_dict: str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig,
+    stage_overrides: str | Mapping[str, Any] | None = None,
+) -> PipelineConfig:
+    """Load, override and validate a pipeline config. Raises ConfigError."""
+    if isinstance(path_or_dict, PipelineConfig):
+        if not stage_overrides:
+            return path_or_dict
+        raw: dict[str, Any] = path_or_dict.model_dump(mode="python")
+    elif isinstance(path_or_dict, Mapping):
+        raw = dict(path_or_dict)
+    elif isinstance(path_or_dict, (str, os.PathLike)):
+        raw = _read(Path(path_or_dict))
+    else:
+        raise ConfigError(f"config: expected a path, a mapping or a PipelineConfig, got {type(path_or_dict).__name__}")
+
+    overrides = parse_stage_overrides(stage_overrides)
+    if overrides:
+        stages = raw.get("stages")
+        if not isinstance(stages, list):
+            raise ConfigError("stages: must be a list of stages")
+        names = [s.get("name") for s in stages if isinstance(s, Mapping)]
+        unknown = [k for k in overrides if k not in names]
+        if unknown:
+            raise ConfigError(f"stage_overrides: unknown stage {unknown[0]!r} (stages: {', '.join(map(str, names))})")
+        raw = dict(raw)
+        raw["stages"] = [
+            _deep_merge(dict(s), overrides[s["name"]]) if isinstance(s, Mapping) and s.get("name") in overrides
+            else s
+            for s in stages
+        ]
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, raw)) from None

@@ -1,0 +1,274 @@
+"""Sampling parameters (user-facing, validated) and the batched sampler.
+
+The sampler follows Hugging Face `generate` semantics so that our engine's tokens can be compared
+against transformers' token for token:
+
+    logits -> repetition penalty -> greedy: argmax
+                                  \\-> random: / temperature -> top-k -> top-p -> sample
+
+Random rows are sampled with an "exponential race" (argmax of probs / Exponential(1) noise), which is
+an exact draw from the categorical distribution and lets every seeded request draw its noise from its
+*own* generator: a seeded request gets the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns
+# the softmax into NaNs, while the limit of temperature -> 0 is exactly argmax.
+_GREEDY_EPS = 1e-5
+
+# torch.Generator.manual_seed accepts exactly this range (negative seeds wrap modulo 2**64).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingParams(BaseModel):
+    """How to pick the next tokens of one request (vLLM / HF `generate` semantics)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    temperature: float = Field(
+        1.0, description="Softmax temperature, >= 0. 0 means greedy decoding (argmax)."
+    )
+    top_k: int = Field(
+        0, description="Keep only the k most likely tokens. 0 or -1 turns it off; otherwise >= 1."
+    )
+    top_p: float = Field(
+        1.0,
+        description="Nucleus sampling: keep the smallest set of most likely tokens whose cumulative "
+        "probability is >= top_p (always at least one). 0 < top_p <= 1; 1 turns it off.",
+    )
+    seed: int | None = Field(
+        None,
+        description="Per-request random seed: the request draws from its own generator, so its tokens "
+        "do not depend on the rest of the batch. None uses the global RNG.",
+    )
+    max_tokens: int = Field(16, description="Maximum number of tokens to generate, >= 1.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Extra token ids (>= 0) that end generation; the stop token is kept in the output.",
+    )
+    ignore_eos: bool = Field(
+        False, description="Keep generating past the end-of-sequence token (benchmarks)."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "
+        "divided by it and negative ones multiplied. 1 turns it off.",
+    )
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or an integer >= 1, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and not (_SEED_MIN <= v <= _SEED_MAX):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {v}")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {v}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int]) -> list[int]:
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, v: float) -> float:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {v}")
+        return v
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """The request's own generator (None when it has no seed or is greedy and needs no randomness).
+
+    Create it once per request and pass it to every `Sampler` call for that request, so its random
+    stream continues across steps. `device` must match the logits' device (CPU by default).
+    """
+    if params.seed is None or params.is_greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+class Sampler:
+    """Picks one token per row of a logits batch. Stateless; per-request state lives in the generators."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        token_histories: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """logits [N, V]; params/generators one per row; token_histories (prompt + output ids per row)
+        are needed only when some row has a repetition penalty. Returns int64 token ids [N]."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [num_rows, vocab_size], got shape {tuple(logits.shape)}")
+        n = logits.shape[0]
+        if len(params) != n or len(generators) != n:
+            raise ValueError(
+                f"need one SamplingParams and one generator per row: {n} rows, "
+                f"{len(params)} params, {len(generators)} generators"
+            )
+        if n == 0:
+            return torch.empty(0, dtype=torch.long, device=logits.device)
+        # Sampling math in fp32 (like HF, which upcasts scores); never modify the caller's tensor.
+        logits = logits.float()
+
+        penalties = [p.repetition_penalty for p in params]
+        if any(p != 1.0 for p in penalties):
+            if token_histories is None or len(token_histories) != n:
+                raise ValueError("repetition_penalty != 1 needs token_histories, one list per row")
+            logits = apply_repetition_penalty(logits, penalties, token_histories)
+
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+
+        out = torch.empty(n, dtype=torch.long, device=logits.device)
+        rand_rows = [i for i in range(n) if not greedy[i]]
+        if len(rand_rows) < n:
+            greedy_rows = [i for i in range(n) if greedy[i]]
+            g_idx = torch.tensor(greedy_rows, device=logits.device)
+            out[g_idx] = logits[g_idx].argmax(dim=-1)
+
+        r_idx = torch.tensor(rand_rows, device=logits.device)
+        rparams = [params[i] for i in rand_rows]
+        temps = torch.tensor([p.temperature for p in rparams], device=logits.device)
+        scores = logits[r_idx] / temps.unsqueeze(1)
+        if any(p.uses_top_k or p.uses_top_p for p in rparams):
+            scores = apply_top_k_top_p(
+                scores, [p.top_k for p in rparams], [p.top_p for p in rparams]
+            )
+        probs = scores.softmax(dim=-1)
+        out[r_idx] = _exponential_race(probs, [generators[i] for i in rand_rows])
+        return out
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, penalties: Sequence[float], token_histories: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """HF RepetitionPenaltyLogitsProcessor on the rows whose penalty != 1 (returns a new tensor).
+
+    Every token that occurs in the row's history is penalised once: logits < 0 are multiplied by the
+    penalty, others divided. Ids >= vocab size (embedding larger than the LM head) cannot be sampled
+    and are ignored, as in HF.
+    """
+    n, vocab = logits.shape
+    rows = [i for i, p in enumerate(penalties) if p != 1.0]
+    if not rows:
+        return logits
+    hist = [token_histories[i] for i in rows]
+    lengths = torch.tensor([len(h) for h in hist])
+    flat = torch.tensor(list(itertools.chain.from_iterable(hist)), dtype=torch.long)
+    # One extra column absorbs the out-of-vocabulary ids (clamped to `vocab`), then is dropped.
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool)
+    seen[torch.repeat_interleave(torch.arange(len(rows)), lengths), flat.clamp(0, vocab)] = True
+    seen = seen[:, :vocab].to(logits.device)
+
+    row_idx = torch.tensor(rows, device=logits.device)
+    sub = logits[row_idx]
+    pen = torch.tensor([penalties[i] for i in rows], dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    penalised = torch.where(sub < 0, sub * pen, sub / pen)
+    out = logits.clone()
+    out[row_idx] = torch.where(seen, penalised, sub)
+    return out
+
+
+def apply_top_k_top_p(scores: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """HF TopKLogitsWarper then TopPLogitsWarper, per row, masked entries set to -inf.
+
+    top-k keeps every token whose score is >= the k-th largest (ties with it survive, as in HF);
+    top-p keeps the smallest set of most likely tokens with cumulative probability >= p, and always
+    the most likely token. One ascending sort serves both.
+    """
+    n, vocab = scores.shape
+    sorted_scores, sorted_idx = torch.sort(scores, descending=False)
+
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+    if any(k < vocab for k in ks):
+        k_t = torch.tensor(ks, device=scores.device)
+        # Ascending order: the k-th largest sits at position vocab - k.
+        kth = sorted_scores.gather(1, (vocab - k_t).unsqueeze(1))
+        sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, -math.inf)
+
+    if any(p < 1.0 for p in top_p):
+        p_t = torch.tensor(top_p, dtype=scores.dtype, device=scores.device).unsqueeze(1)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - p_t)
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
+
+    return torch.empty_like(scores).scatter_(1, sorted_idx, sorted_scores)
+
+
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One categorical draw per row: argmax(probs / E), E ~ Exponential(1) i.i.d.
+
+    Rows with a generator draw their noise from it alone (batch-independent); the others share one
+    draw from the global RNG.
+    """
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        if len(unseeded) == len(generators):
+            q.exponential_()
+        else:
+            u_idx = torch.tensor(unseeded, device=probs.device)
+            q[u_idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            if g.device.type == probs.device.type:
+                q[i].exponential_(generator=g)
+            else:  # e.g. a CPU generator for CUDA logits: draw where the generator lives
+                q[i] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g).to(probs.device)
+    # A zero draw would turn a masked token (prob 0) into 0/0 = NaN, which argmax would pick.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,198 @@
+"""Continuous-batching scheduler in the vLLM v1 style. No torch here.
+
+There are no prefill/decode phases: each step hands out a token budget so that
+every request's `num_computed_tokens` catches up with its `num_tokens`
+(prompt + generated). Running requests go first, then waiting ones in FCFS
+order; a prompt larger than the remaining budget is chunked. A waiting (or
+preempted) request starts from its prefix-cache hit. When the KV cache runs
+out, the most recently started running request is preempted: its blocks are
+freed and it is recomputed later (its cached prefix usually survives).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req_id: str
+    num_computed_tokens: int  # before this step (includes the prefix-cache hit)
+    num_scheduled_tokens: int
+    block_ids: list[int]  # the request's whole block table (the manager's list)
+    # First step since the request was added or resumed: the runner (re)builds
+    # its state and gathers the cached rows of its prefix hit.
+    is_new: bool
+    num_hit_tokens: int = 0  # prefix-cache hit served from cache (is_new only)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests that left the scheduler since the previous step (finished or
+    # aborted): the runner drops their state.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use on this stage")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+
+        # 1. Running requests, oldest first. A request that cannot get blocks
+        #    preempts the newest running request (possibly itself).
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                if self.kv.allocate_slots(req, num_new) is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # preempted itself: nothing smaller can be running behind it
+            out.scheduled.append(ScheduledRequest(
+                req.request_id, req.num_computed_tokens, num_new,
+                self.kv.get_block_ids(req.request_id), is_new=False))
+            scheduled_running.append(req)
+            budget -= num_new
+            idx += 1
+
+        # 2. Waiting requests, FCFS; stop at the first that does not fit.
+        if not out.preempted_req_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if num_new > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if self.kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(
+                    req.request_id, num_hit, num_new,
+                    self.kv.get_block_ids(req.request_id), is_new=True, num_hit_tokens=num_hit))
+                budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        # Advance the counters now: the runner computes exactly these tokens.
+        for s in out.scheduled:
+            self.requests[s.req_id].num_computed_tokens += s.num_scheduled_tokens
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ----------------------------------------------------------------- update
+    def update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append sampled tokens, apply stop conditions; returns finished requests."""
+        finished: list[Request] = []
+        now = time.monotonic()
+        for req_id, token in sampled.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while its step was running
+            req.append_output_token_ids(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

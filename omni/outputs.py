@@ -1,0 +1,98 @@
+"""Typed messages that cross stage and process boundaries.
+
+Everything here is plain data (numpy arrays, lists, str) so that it pickles
+cheaply into Ray's object store: torch tensors never cross a process boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class MultiModalInput:
+    """One multimodal input of a prompt (image as HxWxC array, audio as waveform)."""
+
+    modality: str  # "image" | "audio"
+    data: np.ndarray
+    sampling_rate: int | None = None  # audio only
+
+
+@dataclass(slots=True)
+class StageInput:
+    """What a stage receives for one request.
+
+    The entry stage gets the user's prompt (text or token ids); a downstream
+    stage gets what its edge's input processor made of the upstream outputs
+    (token ids and/or prompt embeddings).
+    """
+
+    request_id: str
+    prompt: str | list[dict[str, Any]] | None = None  # text, or chat messages
+    prompt_token_ids: list[int] | None = None
+    # [num_prompt_tokens, hidden] float32: for stages fed with embeddings
+    # (a talker conditioned on the thinker's hidden states).
+    prompt_embeds: np.ndarray | None = None
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    # A SamplingParams, or a dict validated into one by the stage; None -> stage defaults.
+    sampling_params: Any = None
+    cache_salt: str | None = None
+    # Free-form per-request data an input processor hands to the stage model
+    # (e.g. the thinker's token ids for a talker).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StageOutput:
+    """What a stage emits for one request (finished, or a streamed chunk)."""
+
+    request_id: str
+    stage: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # generated tokens
+    text: str | None = None
+    finished: bool = True
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    # Rows for every computed token of the sequence (prompt + generated, the
+    # last sampled token excluded: it was never fed through the model):
+    # cached rows + fresh rows, in order.
+    hidden_states: np.ndarray | None = None
+    # Per-token outputs the stage model produced besides the hidden states
+    # (discovered at run time), same row layout as hidden_states.
+    mm_outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    # Per-request outputs that are not per-token (1-D metadata): passed through.
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    audio: np.ndarray | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s, ...
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The caller's result for one request: the outputs of every final stage."""
+
+    request_id: str
+    prompt: Any = None
+    outputs: dict[str, StageOutput] = field(default_factory=dict)
+    finished: bool = True
+    error: str | None = None
+
+    def _first(self) -> StageOutput | None:
+        return next(iter(self.outputs.values()), None)
+
+    @property
+    def text(self) -> str | None:
+        out = self._first()
+        return out.text if out is not None else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        out = self._first()
+        return out.token_ids if out is not None else []

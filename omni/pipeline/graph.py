@@ -1,0 +1,131 @@
+"""StageGraph: the validated DAG of stages.
+
+    thinker ──> talker ──> code2wav          (a chain)
+
+    drafter ─┬─> critic_a ─┐
+             └─> critic_b ─┴─> judge        (fan-out, then fan-in)
+
+An edge u -> v exists when v lists u in its `inputs`. Stages with no inputs
+are entry stages (they receive the user's prompt); stages with a
+`final_output` return their outputs to the caller. A stage with several
+inputs runs once all of them finished the request and receives all their
+outputs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from omni.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omni.config import StageConfig
+
+
+class StageGraph:
+    """Validated DAG over stage configs. Raises ConfigError naming the offending stage."""
+
+    def __init__(self, stages: Sequence["StageConfig"]):
+        if not stages:
+            raise ConfigError("stages: at least one stage is required")
+        names = [s.name for s in stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"stages: stage names must be unique; duplicated: {', '.join(map(repr, dupes))}")
+        self.stages: dict[str, StageConfig] = {s.name: s for s in stages}
+
+        for s in stages:
+            seen: set[str] = set()
+            for up in s.inputs:
+                if up == s.name:
+                    raise ConfigError(f"stage {s.name!r}: inputs: a stage cannot be its own input")
+                if up not in self.stages:
+                    raise ConfigError(
+                        f"stage {s.name!r}: inputs: unknown stage {up!r} (stages: {', '.join(names)})")
+                if up in seen:
+                    raise ConfigError(f"stage {s.name!r}: inputs: {up!r} is listed twice")
+                seen.add(up)
+
+        self.upstream: dict[str, list[str]] = {s.name: list(s.inputs) for s in stages}
+        self.downstream: dict[str, list[str]] = {n: [] for n in names}
+        for s in stages:
+            for up in s.inputs:
+                self.downstream[up].append(s.name)
+
+        self.entry_stages = [n for n in names if not self.upstream[n]]
+        if not self.entry_stages:
+            raise ConfigError(
+                "stages: no entry stage: every stage has inputs; at least one stage must have "
+                "no `inputs` (it receives the prompt)")
+        self._check_acyclic(names)
+        self.order = self._topological_order(names)
+
+        self.final_stages = [n for n in self.order if self.stages[n].final_output is not None]
+        if not self.final_stages:
+            raise ConfigError(
+                "stages: no final output: set `final_output` (text | tokens | audio | hidden) "
+                "on at least one stage")
+        for n in self.order:
+            if not self.downstream[n] and self.stages[n].final_output is None:
+                raise ConfigError(
+                    f"stage {n!r}: final_output: the stage feeds no other stage and has no "
+                    "final_output, so its outputs would be discarded; set final_output or remove it")
+
+    def _check_acyclic(self, names: list[str]) -> None:
+        WHITE, GREY, BLACK = 0, 1, 2
+        color = {n: WHITE for n in names}
+        path: list[str] = []
+
+        def visit(n: str) -> None:
+            color[n] = GREY
+            path.append(n)
+            for d in self.downstream[n]:
+                if color[d] == GREY:
+                    cycle = path[path.index(d):] + [d]
+                    raise ConfigError(f"stages: the stage graph has a cycle: {' -> '.join(cycle)}")
+                if color[d] == WHITE:
+                    visit(d)
+            path.pop()
+            color[n] = BLACK
+
+        for n in names:  # config order: the reported cycle is stable
+            if color[n] == WHITE:
+                visit(n)
+
+    def _topological_order(self, names: list[str]) -> list[str]:
+        # Kahn's algorithm, ties broken by config order (deterministic).
+        indeg = {n: len(self.upstream[n]) for n in names}
+        ready = [n for n in names if indeg[n] == 0]
+        order: list[str] = []
+        while ready:
+            n = ready.pop(0)
+            order.append(n)
+            for d in self.downstream[n]:
+                indeg[d] -= 1
+                if indeg[d] == 0:
+                    ready.append(d)
+                    ready.sort(key=names.index)
+        return order
+
+    # ------------------------------------------------------------- queries
+    def __contains__(self, name: str) -> bool:
+        return name in self.stages
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def is_final(self, name: str) -> bool:
+        return self.stages[name].final_output is not None
+
+    def summary(self) -> str:
+        """Human-readable description, one line per stage in topological order."""
+        lines = []
+        for n in self.order:
+            s = self.stages[n]
+            src = ", ".join(self.upstream[n]) if self.upstream[n] else "<prompt>"
+            proc = f" via {s.input_processor or 'passthrough_tokens'}" if self.upstream[n] else ""
+            final = f"  final_output={s.final_output}" if s.final_output else ""
+            lines.append(
+                f"  {n}: {s.model} ({s.model_path})  <- {src}{proc}  "
+                f"prefix_caching={'on' if s.enable_prefix_caching else 'off'}{final}")
+        return "\n".join(lines)

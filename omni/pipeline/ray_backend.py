@@ -1,0 +1,370 @@
+"""Ray backend: one async actor per stage.
+
+    driver                       stage actor "thinker"            stage actor "talker"
+    ------                       ---------------------            --------------------
+    submit ────────────────────> queue -> step loop ─┐
+    ray.wait(summary refs) <──── (summary, output) <─┘
+    submit(talker, {thinker: output ref}) ──────────────────────> await output ref (actor-to-actor)
+                                                                  processor -> queue -> step loop
+
+Each `submit` returns two ObjectRefs: a small *summary* the driver waits on
+(errors, text, token ids; arrays only for final stages) and the full output,
+which the driver only forwards, so hidden states never pass through it.
+
+Inside the actor a background asyncio task steps the engine while there is
+work; each step runs in a one-thread executor so the event loop keeps
+accepting requests, aborts and stats calls, and all concurrent requests are
+batched by the engine. Every wait has a timeout; a dead actor fails the
+requests it was serving, and Ray restarts it (`max_restarts`) for later ones.
+
+This is the only module of the runtime that imports Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from omni.config import PipelineConfig, RuntimeConfig, StageConfig
+from omni.errors import ConfigError, StageStartError
+from omni.outputs import StageInput, StageOutput
+from omni.pipeline.graph import StageGraph
+from omni.pipeline.local import EngineFactory, StageRunner, make_engine
+from omni.pipeline.orchestrator import StageEvent, error_output
+
+logger = logging.getLogger(__name__)
+
+# Getting a ready summary or a stats answer is quick; this only bounds a hung node.
+_GET_TIMEOUT_S = 30.0
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    """First meaningful line of a (possibly multi-line) Ray exception."""
+    text = str(e).strip() or type(e).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    # Creation-task failures end with the original "SomeError: message" line.
+    tail = next((ln for ln in reversed(lines) if "Error" in ln.split(":", 1)[0]), None)
+    head = lines[0] if lines else text
+    msg = head if tail is None or tail == head else f"{head} ... {tail}"
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+@dataclass(slots=True)
+class _Submission:
+    stage: str
+    request: StageInput
+    upstream: dict[str, Any] | None
+    sampling: Any
+    keep_hidden: bool
+    resent: bool = False
+
+
+class StageActor:
+    """The body of a stage actor (wrapped with ray.remote by RayBackend)."""
+
+    def __init__(self, stage: StageConfig, registry_snapshot: dict[str, Any],
+                 engine_factory: EngineFactory | None):
+        from stages import registry
+
+        registry.restore(registry_snapshot)  # registrations made in the driver
+        self.name = stage.name
+        self.runner = StageRunner(stage, make_engine(stage, engine_factory))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}")
+        self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def ready(self) -> dict[str, Any]:
+        return {"stage": self.name, "pid": os.getpid()}
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.runner.has_work():
+                try:
+                    results = await loop.run_in_executor(self._executor, self.runner.tick)
+                except Exception as e:  # noqa: BLE001 - tick handles engine errors; this is a bug
+                    logger.exception("stage %s: step loop error", self.name)
+                    results = [(o, o) for o in (error_output(self.name, rid, f"step loop error: {e}")
+                                                for rid in list(self._futures))]
+                for full, summary in results:
+                    fut = self._futures.pop(full.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((full, summary))
+
+    @ray.method(num_returns=2)
+    async def submit(self, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
+                     keep_hidden: bool) -> tuple[StageOutput, StageOutput]:
+        """-> (summary for the driver, full output for downstream stages)."""
+        self._ensure_loop()
+        rid = request.request_id
+        if rid in self._futures:
+            out = error_output(self.name, rid, f"request_id {rid!r} is already running on this stage")
+            return out, out
+        fut: asyncio.Future[tuple[StageOutput, StageOutput]] = asyncio.get_running_loop().create_future()
+        self._futures[rid] = fut
+        outputs = None
+        if upstream:
+            # Upstream outputs come straight from the upstream actors' object stores.
+            try:
+                values = await asyncio.gather(*upstream.values())
+                outputs = dict(zip(upstream.keys(), values))
+            except Exception as e:  # noqa: BLE001
+                self._futures.pop(rid, None)
+                out = error_output(self.name, rid, f"upstream output unavailable: {_short(e)}")
+                return out, out
+        if not fut.done():  # not aborted while waiting for the upstream outputs
+            self.runner.submit(request, outputs, sampling, keep_hidden)
+            assert self._wake is not None
+            self._wake.set()
+        full, summary = await fut
+        return summary, full
+
+    async def abort(self, request_id: str) -> None:
+        self._ensure_loop()
+        fut = self._futures.pop(request_id, None)
+        if fut is not None and not fut.done():
+            out = error_output(self.name, request_id, f"request {request_id!r} was aborted", "abort")
+            fut.set_result((out, out))
+        self.runner.abort(request_id)
+        assert self._wake is not None
+        self._wake.set()
+
+    async def stats(self) -> dict[str, Any]:
+        # Through the executor: never read engine state while a step mutates it.
+        s = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stats)
+        s["pid"] = os.getpid()
+        return s
+
+
+def _ray_init(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, str | None]:
+    """Connect to / start Ray. Returns (we initialized it, temp dir to remove on close)."""
+    if ray.is_initialized():
+        return False, None
+    address = runtime.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:  # a cluster, or the cluster of the Ray job we run in
+        ray.init(address=address, namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+        return True, None
+    # Embedded local Ray. Ray 2.60 turns token auth on by default; a private
+    # throwaway cluster does not need it.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
+    # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
+    num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus for s in stages)))
+    ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
+             namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+    return True, temp_dir
+
+
+def _schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """The resources a stage can ask for (no node ids, no memory byte counts)."""
+    return {k: round(v, 3) for k, v in sorted(resources.items())
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+
+class RayBackend:
+    """One Ray actor per stage; the orchestrator drives it from the caller's thread."""
+
+    name = "ray"
+
+    def __init__(self, config: PipelineConfig, graph: StageGraph | None = None,
+                 engine_factory: EngineFactory | None = None):
+        from stages import registry
+
+        self.graph = graph or StageGraph(config.stages)
+        for s in config.stages:
+            if s.device == "cuda" and s.resources.num_gpus == 0:
+                raise ConfigError(
+                    f"stage {s.name!r}: device: 'cuda' needs resources.num_gpus > 0 on Ray "
+                    "(Ray hides the GPUs from actors that reserve none); set resources.num_gpus, e.g. 1 or 0.5")
+        self.actors: dict[str, Any] = {}
+        self._pending: dict[Any, tuple[_Submission, Any]] = {}  # summary ref -> (submission, output ref)
+        self._gates: dict[str, tuple[Any, float]] = {}  # stage -> (ready ref, deadline) while restarting
+        self._deferred: dict[str, list[_Submission]] = {}  # stage -> submissions waiting for its gate
+        self._dead: dict[str, str] = {}  # stage -> why it will not come back
+        self._events: list[StageEvent] = []  # produced without a round trip
+        self._start_timeout_s = config.runtime.stage_start_timeout_s
+        self._owns_ray, self._temp_dir = _ray_init(config.runtime, config.stages)
+        try:
+            snap = registry.snapshot()
+            tag = uuid.uuid4().hex[:8]
+            for name in self.graph.order:
+                s = self.graph.stages[name]
+                cls = ray.remote(StageActor).options(
+                    name=f"omni.{config.name}.{name}.{tag}",
+                    num_cpus=s.resources.num_cpus,
+                    num_gpus=s.resources.num_gpus,
+                    resources=dict(s.resources.custom) or None,
+                    max_restarts=s.max_restarts,
+                    max_task_retries=0,
+                )
+                self.actors[name] = cls.remote(s, snap, engine_factory)
+            self._wait_ready(config.runtime.stage_start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        refs = {self.actors[n].ready.remote(): n for n in self.graph.order}
+        ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=_GET_TIMEOUT_S)
+            except RayError as e:
+                name = refs[ref]
+                raise StageStartError(f"stage {name!r} failed to start: {_short(e, 2000)}", stage=name) from None
+        if not_ready:
+            names = [refs[r] for r in not_ready]
+            wanted = {n: self.graph.stages[n].resources.model_dump() for n in names}
+            raise StageStartError(
+                f"stage(s) {', '.join(map(repr, names))} did not start within {timeout_s:g}s "
+                f"(runtime.stage_start_timeout_s). Requested resources: {wanted}; "
+                f"available in the cluster now: {_schedulable(ray.available_resources())}", stage=names[0])
+
+    # ------------------------------------------------------------- backend
+    # After a stage actor fails, the stage is *gated*: a `ready()` call that Ray
+    # retries across restarts tells when the restarted actor serves again; new
+    # submissions wait behind the gate (the orchestrator's request timeout still
+    # applies). A gate that fails for good marks the stage dead: its requests then
+    # fail at once with a clear error instead of hanging.
+    def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
+               keep_hidden: bool) -> None:
+        args = _Submission(stage, request, upstream, sampling, keep_hidden)
+        if stage in self._dead:
+            self._events.append(StageEvent(stage, request.request_id, error_output(
+                stage, request.request_id, self._dead[stage])))
+        elif stage in self._gates:
+            self._deferred[stage].append(args)
+        else:
+            self._send(args)
+
+    def _send(self, a: "_Submission") -> None:
+        summary_ref, output_ref = self.actors[a.stage].submit.remote(a.request, a.upstream, a.sampling,
+                                                                     a.keep_hidden)
+        self._pending[summary_ref] = (a, output_ref)
+
+    def _gate(self, stage: str) -> None:
+        if stage not in self._gates and stage not in self._dead:
+            ref = self.actors[stage].ready.options(max_task_retries=-1).remote()
+            self._gates[stage] = (ref, time.monotonic() + self._start_timeout_s)
+            self._deferred.setdefault(stage, [])
+
+    def abort(self, stage: str, request_id: str) -> None:
+        for ref, (a, _) in list(self._pending.items()):
+            if a.stage == stage and a.request.request_id == request_id:
+                del self._pending[ref]
+        if stage in self._deferred:
+            self._deferred[stage] = [a for a in self._deferred[stage] if a.request.request_id != request_id]
+        if stage in self.actors and stage not in self._dead and stage not in self._gates:
+            self.actors[stage].abort.remote(request_id)  # fire and forget
+
+    def poll(self, timeout_s: float) -> list[StageEvent]:
+        events, self._events = self._events, []
+        gate_refs = {g[0]: stage for stage, g in self._gates.items()}
+        refs = list(self._pending) + list(gate_refs)
+        if not refs:
+            if not events:
+                time.sleep(min(timeout_s, 0.01))
+            return events
+        ready, rest = ray.wait(refs, num_returns=1, timeout=0 if events else timeout_s)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        for ref in ready:
+            if ref in gate_refs:
+                events += self._on_gate(gate_refs[ref], ref)
+                continue
+            a, output_ref = self._pending.pop(ref)
+            rid = a.request.request_id
+            try:
+                summary = ray.get(ref, timeout=_GET_TIMEOUT_S)
+            except RayActorError as e:
+                self._gate(a.stage)
+                if "restarting" in str(e) and not a.resent:
+                    # Sent while the actor was restarting: it never ran; send it again once it is up.
+                    a.resent = True
+                    self._deferred[a.stage].append(a)
+                    continue
+                summary = error_output(a.stage, rid, "the stage's Ray actor died or became unreachable "
+                                                     f"while serving the request: {_short(e)}")
+            except GetTimeoutError:
+                summary = error_output(a.stage, rid, f"could not fetch the result within {_GET_TIMEOUT_S:g}s")
+            except RayTaskError as e:
+                summary = error_output(a.stage, rid, f"stage task failed: {_short(e)}")
+            except RayError as e:
+                summary = error_output(a.stage, rid, f"{type(e).__name__}: {_short(e)}")
+            events.append(StageEvent(a.stage, rid, summary, output_ref))
+        # Gates that ran out of time.
+        now = time.monotonic()
+        for stage, (ref, deadline) in list(self._gates.items()):
+            if now >= deadline:
+                del self._gates[stage]
+                events += self._fail_deferred(stage, f"the stage's Ray actor did not come back within "
+                                                     f"{self._start_timeout_s:g}s after it died")
+        return events
+
+    def _on_gate(self, stage: str, ref: Any) -> list[StageEvent]:
+        _, deadline = self._gates.pop(stage)
+        try:
+            ray.get(ref, timeout=_GET_TIMEOUT_S)
+        except RayError as e:
+            if "restarting" in str(e) and time.monotonic() < deadline:
+                self._gates[stage] = (self.actors[stage].ready.options(max_task_retries=-1).remote(), deadline)
+                return []
+            restarts = self.graph.stages[stage].max_restarts
+            self._dead[stage] = (f"the stage's Ray actor is dead and will not restart "
+                                 f"(max_restarts={restarts}): {_short(e)}")
+            return self._fail_deferred(stage, self._dead[stage])
+        for a in self._deferred.pop(stage, []):
+            self._send(a)
+        return []
+
+    def _fail_deferred(self, stage: str, error: str) -> list[StageEvent]:
+        return [StageEvent(stage, a.request.request_id, error_output(stage, a.request.request_id, error))
+                for a in self._deferred.pop(stage, [])]
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        refs = {name: actor.stats.remote() for name, actor in self.actors.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=_GET_TIMEOUT_S)
+            except RayError as e:
+                out[name] = {"error": _short(e)}
+        return out
+
+    def close(self) -> None:
+        actors, self.actors = self.actors, {}
+        self._pending.clear()
+        self._gates.clear()
+        self._deferred.clear()
+        for actor in actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+        if self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None

@@ -1,0 +1,180 @@
+"""StageEngine end to end on real transformers models (fp32, CPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from omni.engine.sampling import SamplingParams
+from omni.outputs import StageInput
+from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
+
+
+def _prompts(vocab: int, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _hf_greedy(path, prompts, max_new_tokens, gguf_file=None):
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, gguf_file=gguf_file).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=model.config.eos_token_id)
+            outs.append(gen[0, len(p):].tolist())
+    return model, outs
+
+
+def _trim_at_eos(tokens, eos):
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_transformers_generate(arch, request):
+    path = request.getfixturevalue(f"tiny_{arch}")
+    engine = make_engine(path)
+    prompts = _prompts(engine.model.vocab_size, [5, 17, 33, 64, 2])
+    max_new = 20
+    ours = generate(engine, prompts, max_tokens=max_new)
+    model, ref = _hf_greedy(path, prompts, max_new)
+    eos = engine.model.eos_token_id
+    for o, r in zip(ours, ref):
+        assert o.token_ids == _trim_at_eos(r, eos)
+    assert len({tuple(o.token_ids) for o in ours}) > 1, "degenerate model: all outputs equal"
+    # Last hidden states of the prompt equal transformers' forward.
+    with torch.inference_mode():
+        for p, o in zip(prompts, ours):
+            ref_h = model.get_decoder()(torch.tensor([p])).last_hidden_state[0]
+            got = torch.from_numpy(o.hidden_states[: len(p)])
+            torch.testing.assert_close(got, ref_h, atol=1e-4, rtol=1e-4)
+            # Rows for every computed token: prompt + generated, minus the last sampled one.
+            assert o.hidden_states.shape[0] == len(p) + len(o.token_ids) - 1
+    assert_no_leak(engine)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(smollm2):
+    engine = make_engine(smollm2, num_blocks=512, block_size=16, use_chat_template=True)
+    tok = engine.tokenizer
+    texts = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=True) for t in texts]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    ours = generate(engine, prompts, max_tokens=16)
+    _, ref = _hf_greedy(smollm2, prompts, 16)
+    for o, r in zip(ours, ref):
+        assert o.token_ids == _trim_at_eos(r, engine.model.eos_token_id)
+    assert "Paris" in ours[0].text
+    assert_no_leak(engine)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts():
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 1000) for _ in range(45)]
+    return [prefix + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 9, 1, 14)]
+
+
+def _run_scenario(path, prompts, sequential, **kw):
+    engine = make_engine(path, **kw)
+    if sequential:
+        outs = [generate_one(engine, f"s{i}", p) for i, p in enumerate(prompts)]
+    else:
+        outs = generate(engine, prompts, max_tokens=12)
+    assert_no_leak(engine)
+    return engine, outs
+
+
+def generate_one(engine, rid, prompt, **params):
+    params = {"temperature": 0.0, "max_tokens": 12, **params}
+    engine.add_request(StageInput(rid, prompt_token_ids=prompt, sampling_params=SamplingParams(**params)))
+    return run_to_completion(engine)[rid]
+
+
+@pytest.mark.parametrize("scenario", ["prefix_hit", "chunked_prefill", "preemption"])
+def test_caching_on_off_identical(tiny_llama, shared_prefix_prompts, scenario):
+    kw = {}
+    sequential = True
+    if scenario == "chunked_prefill":
+        kw = dict(max_num_batched_tokens=7)
+    elif scenario == "preemption":
+        kw = dict(num_blocks=28)  # two requests fit at admission, not once they grow
+        sequential = False
+    on_engine, on = _run_scenario(tiny_llama, shared_prefix_prompts, sequential, caching=True, **kw)
+    off_engine, off = _run_scenario(tiny_llama, shared_prefix_prompts, sequential, caching=False, **kw)
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.from_numpy(a.hidden_states), torch.from_numpy(b.hidden_states),
+                                   atol=1e-5, rtol=1e-5)
+    if scenario == "prefix_hit":
+        # Every later request reuses the 45-token prefix: 11 blocks of 4.
+        assert [o.num_cached_tokens for o in on[1:]] == [44, 44, 44]
+        assert on_engine.stats()["prefix_cache_hit_rate"] > 0.5
+        assert off_engine.stats()["prefix_cache_hits"] == 0
+    if scenario == "preemption":
+        assert on_engine.scheduler.num_preemptions > 0
+        assert off_engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_reproducible_regardless_of_batch(tiny_qwen2):
+    prompts = _prompts(1000, [7, 12, 30], seed=3)
+    params = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=10)
+    alone = generate_one(make_engine(tiny_qwen2), "x", prompts[0], **params)
+    engine = make_engine(tiny_qwen2)
+    engine.add_request(StageInput("other1", prompt_token_ids=prompts[1],
+                                  sampling_params=SamplingParams(temperature=1.0, max_tokens=10)))
+    engine.add_request(StageInput("x", prompt_token_ids=prompts[0], sampling_params=SamplingParams(**params)))
+    engine.add_request(StageInput("other2", prompt_token_ids=prompts[2],
+                                  sampling_params=SamplingParams(temperature=1.0, seed=7, max_tokens=10)))
+    batched = run_to_completion(engine)["x"]
+    assert batched.token_ids == alone.token_ids
+
+
+def test_abort_frees_blocks(tiny_llama):
+    engine = make_engine(tiny_llama)
+    engine.add_request(StageInput("a", prompt_token_ids=list(range(3, 40)),
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=50)))
+    engine.add_request(StageInput("b", prompt_token_ids=list(range(5, 20)),
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=5)))
+    engine.step()
+    engine.step()
+    assert engine.kv.num_free_blocks < engine.kv.num_blocks
+    engine.abort("a")
+    outs = run_to_completion(engine)
+    assert outs["a"].finish_reason == "abort"
+    assert outs["b"].finish_reason == "length" and len(outs["b"].token_ids) == 5
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("inp, match", [
+    (StageInput("bad", prompt_token_ids=[]), "prompt"),
+    (StageInput("bad", prompt_token_ids=[1, 2, 10**7]), "out of vocabulary"),
+    (StageInput("bad", prompt_token_ids=[5] * 300), "max_model_len"),
+    (StageInput("bad", prompt_token_ids=[5, 6], sampling_params={"temperature": -1}), "temperature"),
+    (StageInput("bad", prompt_token_ids=[5, 6], sampling_params={"top_p": 0}), "top_p"),
+    (StageInput("bad"), "prompt"),
+])
+def test_bad_input_rejected_engine_keeps_serving(tiny_llama, inp, match):
+    engine = make_engine(tiny_llama, max_model_len=256)
+    engine.add_request(StageInput("good", prompt_token_ids=[7, 8, 9],
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=4)))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(inp)
+    outs = run_to_completion(engine)
+    assert len(outs["good"].token_ids) == 4
+    assert_no_leak(engine)
+
+
+def test_text_prompt_and_detokenize(tiny_qwen2):
+    engine = make_engine(tiny_qwen2)
+    engine.add_request(StageInput("t", prompt="Hello there", sampling_params=SamplingParams(temperature=0, max_tokens=6)))
+    out = run_to_completion(engine)["t"]
+    assert out.prompt_token_ids == engine.tokenizer("Hello there")["input_ids"]
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    s = engine.stats()
+    assert s["finished"] == 1 and s["ttft_mean_s"] > 0

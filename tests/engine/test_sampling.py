@@ -1,0 +1,286 @@
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+
+from omni.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    apply_top_k_top_p,
+    make_generator,
+)
+
+sampler = Sampler()
+
+
+def _logits(n, v, seed=0, scale=3.0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax():
+    logits = _logits(8, 1000)
+    params = [SamplingParams(temperature=0)] * 8
+    out = sampler(logits, params, [None] * 8)
+    assert out.dtype == torch.long and out.shape == (8,)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_greedy_tie_breaks_like_torch_argmax():
+    logits = torch.zeros(2, 10)
+    logits[0, [3, 7]] = 5.0
+    logits[1, [9, 2]] = 1.0
+    out = sampler(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+    assert out.tolist() == [3, 2] == logits.argmax(-1).tolist()
+
+
+def test_tiny_temperature_is_greedy_and_top_k_p_ignored():
+    logits = _logits(4, 300, seed=1)
+    params = [SamplingParams(temperature=1e-7, top_k=5, top_p=0.5, seed=3)] * 4
+    assert sampler(logits, params, [make_generator(p) for p in params]).tolist() == logits.argmax(-1).tolist()
+
+
+def test_mixed_batch_greedy_rows_are_argmax():
+    logits = _logits(6, 50, seed=2)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0) for i in range(6)]
+    out = sampler(logits, params, [None] * 6)
+    assert out[1::2].tolist() == logits[1::2].argmax(-1).tolist()
+    assert ((out >= 0) & (out < 50)).all()
+
+
+def test_input_logits_not_modified_and_half_precision_ok():
+    logits = _logits(3, 40, seed=3).to(torch.bfloat16)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5), SamplingParams(top_k=3), SamplingParams()]
+    out = sampler(logits, params, [None] * 3, [[1, 2, 3], [4], []])
+    assert torch.equal(logits, before)
+    assert out.dtype == torch.long
+
+
+# ------------------------------------------------------------------ repetition penalty
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 2.0])
+def test_repetition_penalty_matches_hf(penalty):
+    v = 500
+    logits = _logits(4, v, seed=4)
+    histories = [[1, 5, 5, 499, 0], [7], list(range(0, 400, 3)), [250, 251, 250]]
+    ours = apply_repetition_penalty(logits, [penalty] * 4, histories)
+    proc = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, h in enumerate(histories):
+        ref = proc(torch.tensor([h]), logits[i : i + 1].clone())
+        assert torch.equal(ours[i], ref[0]), i
+    # The sampler's greedy pick equals argmax of HF's processed scores.
+    params = [SamplingParams(temperature=0, repetition_penalty=penalty)] * 4
+    assert torch.equal(sampler(logits, params, [None] * 4, histories), ours.argmax(-1))
+
+
+def test_repetition_penalty_per_row_values_and_off_rows_untouched():
+    v = 64
+    logits = _logits(3, v, seed=5)
+    histories = [[1, 2, 3], [1, 2, 3], [10, 11, 12, 200]]  # 200 >= vocab: ignored, as in HF
+    ours = apply_repetition_penalty(logits, [1.5, 1.0, 0.5], histories)
+    assert torch.equal(ours[1], logits[1])
+    for i, pen in ((0, 1.5), (2, 0.5)):
+        ref = RepetitionPenaltyLogitsProcessor(pen)(torch.tensor([histories[i]]), logits[i : i + 1].clone())
+        assert torch.equal(ours[i], ref[0])
+
+
+def test_repetition_penalty_flips_greedy_choice():
+    logits = torch.tensor([[0.0, 2.0, 1.5, -1.0]])
+    assert sampler(logits, [SamplingParams(temperature=0)], [None]).item() == 1
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
+    assert sampler(logits, params, [None], [[1]]).item() == 2
+
+
+def test_repetition_penalty_needs_histories():
+    with pytest.raises(ValueError, match="token_histories"):
+        sampler(_logits(1, 10), [SamplingParams(repetition_penalty=1.2)], [None])
+
+
+# --------------------------------------------------------------------- top-k / top-p
+
+
+def _hf_mask(scores, k, p):
+    s = scores.clone()
+    if k > 0:
+        s = TopKLogitsWarper(k)(None, s)
+    if p < 1.0:
+        s = TopPLogitsWarper(p)(None, s)
+    return s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_k_top_p_match_hf(seed):
+    v = 200
+    ks = [0, 1, 5, 50, -1, 5, 20, 300, 0, 10]
+    ps = [1.0, 1.0, 1.0, 1.0, 0.9, 0.5, 0.8, 0.3, 0.05, 1.0]
+    scores = _logits(len(ks), v, seed=seed, scale=2.0)
+    ours = apply_top_k_top_p(scores, ks, ps)
+    for i, (k, p) in enumerate(zip(ks, ps)):
+        ref = _hf_mask(scores[i : i + 1], min(k, v) if k > 0 else 0, p)[0]
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), (i, k, p)
+        keep = ~torch.isinf(ref)
+        assert torch.equal(ours[i][keep], scores[i][keep])
+
+
+def test_top_k_keeps_ties_like_hf():
+    scores = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    ours = apply_top_k_top_p(scores, [2], [1.0])
+    ref = TopKLogitsWarper(2)(None, scores.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert (~torch.isinf(ours)).sum() == 3
+
+
+def test_top_p_always_keeps_most_likely():
+    scores = _logits(3, 100, seed=9)
+    ours = apply_top_k_top_p(scores, [0, 0, 0], [1e-9, 1e-9, 1e-9])
+    kept = ~torch.isinf(ours)
+    assert kept.sum(-1).tolist() == [1, 1, 1]
+    assert kept.float().argmax(-1).tolist() == scores.argmax(-1).tolist()
+
+
+def test_top_k_1_samples_argmax():
+    logits = _logits(5, 1000, seed=10)
+    params = [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(5)]
+    out = sampler(logits, params, [make_generator(p) for p in params])
+    assert torch.equal(out, logits.argmax(-1))
+
+
+# ------------------------------------------------------------------ seeded sampling
+
+
+def _run_steps(batches, steps=6, v=300):
+    """batches: list of row specs (name, params); returns {name: tokens} over `steps` steps.
+
+    Every request sees the same logits at a given step, whatever its position in the batch."""
+    gens = {name: make_generator(p) for name, p in batches}
+    toks = {name: [] for name, _ in batches}
+    for step in range(steps):
+        rows = [_logits(1, v, seed=1000 * step + sum(map(ord, name)), scale=1.0)[0] for name, _ in batches]
+        out = sampler(torch.stack(rows), [p for _, p in batches], [gens[n] for n, _ in batches])
+        for (name, _), t in zip(batches, out.tolist()):
+            toks[name].append(t)
+    return toks
+
+
+def test_seeded_reproducible_regardless_of_batch():
+    a = ("a", SamplingParams(temperature=1.0, seed=1234))
+    b = ("b", SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=99))
+    alone_a = _run_steps([a])["a"]
+    alone_b = _run_steps([b])["b"]
+    mixed = _run_steps([("x", SamplingParams()), b, ("g", SamplingParams(temperature=0)), a])
+    reordered = _run_steps([a, ("y", SamplingParams(seed=5)), b])
+    assert mixed["a"] == reordered["a"] == alone_a
+    assert mixed["b"] == reordered["b"] == alone_b
+    # the draws are actually random: a different seed gives a different stream
+    other = _run_steps([("a", SamplingParams(temperature=1.0, seed=4321))])["a"]
+    assert other != alone_a
+
+
+def test_generator_stream_continues_across_steps():
+    p = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.zeros(1, 1000)  # uniform: every draw is pure noise
+    g = make_generator(p)
+    first = [sampler(logits, [p], [g]).item() for _ in range(5)]
+    assert len(set(first)) > 1
+    g2 = make_generator(p)
+    assert [sampler(logits, [p], [g2]).item() for _ in range(5)] == first
+
+
+def test_make_generator():
+    assert make_generator(SamplingParams()) is None
+    assert make_generator(SamplingParams(temperature=0, seed=3)) is None  # greedy needs no RNG
+    g1, g2 = make_generator(SamplingParams(seed=3)), make_generator(SamplingParams(seed=3))
+    assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+
+
+# ------------------------------------------------------------------ distribution
+
+
+def test_temperature_sampling_matches_softmax():
+    torch.manual_seed(0)
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, -2.0])
+    temp = 0.7
+    rows = 4000
+    params = [SamplingParams(temperature=temp)] * rows
+    counts = torch.zeros(5)
+    for _ in range(10):
+        out = sampler(base.expand(rows, 5), params, [None] * rows)
+        counts += torch.bincount(out, minlength=5)
+    freq = counts / counts.sum()
+    expected = torch.softmax(base / temp, -1)
+    assert torch.allclose(freq, expected, atol=0.01), (freq, expected)
+
+
+def test_seeded_top_k_distribution():
+    base = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    p = SamplingParams(temperature=1.0, top_k=3, seed=11)
+    g = make_generator(p)
+    counts = torch.zeros(6)
+    for _ in range(6000):
+        counts[sampler(base, [p], [g]).item()] += 1
+    freq = counts / counts.sum()
+    expected = torch.zeros(6)
+    expected[:3] = torch.softmax(base[0, :3], -1)
+    assert counts[3:].sum() == 0
+    assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
+
+
+# ------------------------------------------------------------------ validation
+
+
+def test_defaults_and_descriptions():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (1.0, 0, 1.0, None, 16)
+    assert (p.stop_token_ids, p.ignore_eos, p.repetition_penalty) == ([], False, 1.0)
+    for name, field in SamplingParams.model_fields.items():
+        assert field.description, name
+    SamplingParams(top_k=-1, top_p=1.0, temperature=0, seed=2**64 - 1, max_tokens=1, stop_token_ids=[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, r"temperature must be a finite number >= 0 \(0 = greedy\), got -0.1"),
+        ({"temperature": math.nan}, r"temperature must be a finite number >= 0"),
+        ({"temperature": math.inf}, r"temperature must be a finite number >= 0"),
+        ({"top_k": -2}, r"top_k must be 0 or -1 \(off\) or an integer >= 1, got -2"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_p": math.nan}, r"top_p must be in \(0, 1\]"),
+        ({"seed": 2**64}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64 - 1\]"),
+        ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, got 0"),
+        ({"stop_token_ids": [3, -1]}, r"stop_token_ids must be token ids >= 0, got \[-1\]"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be a finite number > 0 \(1 = off\), got 0.0"),
+        ({"repetition_penalty": -1.0}, r"repetition_penalty must be a finite number > 0"),
+        ({"max_tokens": 1.5}, r"max_tokens"),
+        ({"top_k": "many"}, r"top_k"),
+        ({"stop_token_ids": 5}, r"stop_token_ids"),
+        ({"temprature": 0.5}, r"temprature\n  Extra inputs are not permitted"),
+    ],
+)
+def test_validation_errors(kwargs, message):
+    with pytest.raises(ValidationError, match=message) as info:
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ValueError)  # callers may catch plain ValueError
+    assert list(kwargs)[0] in str(info.value)  # the message names the field
+
+
+def test_assignment_is_validated():
+    p = SamplingParams()
+    with pytest.raises(ValidationError, match="top_p must be in"):
+        p.top_p = 0
+
+
+def test_sampler_argument_errors():
+    with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
+        sampler(_logits(2, 10), [SamplingParams()], [None, None])
+    with pytest.raises(ValueError, match="2-D"):
+        sampler(torch.zeros(10), [SamplingParams()], [None])
+    assert sampler(torch.zeros(0, 10), [], []).shape == (0,)

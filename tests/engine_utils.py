@@ -1,0 +1,50 @@
+"""Shared helpers for engine-level tests."""
+from __future__ import annotations
+
+from omni.engine.engine import StageEngine, StageEngineConfig
+from omni.engine.sampling import SamplingParams
+from omni.engine.scheduler import SchedulerConfig
+from omni.outputs import StageInput, StageOutput
+
+GREEDY = dict(temperature=0.0)
+
+
+def make_engine(model_path, *, model=None, caching=True, num_blocks=256, block_size=4,
+                max_num_batched_tokens=512, max_num_seqs=16, **kw) -> StageEngine:
+    cfg = StageEngineConfig(
+        name=kw.pop("name", "test"),
+        model_path=model_path,
+        enable_prefix_caching=caching,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=kw.pop("max_model_len", 0)),
+        **kw,
+    )
+    return StageEngine(cfg, model=model)
+
+
+def run_to_completion(engine: StageEngine, max_steps: int = 10_000) -> dict[str, StageOutput]:
+    outs: dict[str, StageOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            outs[o.request_id] = o
+        engine.kv.check_integrity()
+    assert not engine.has_unfinished(), "engine did not finish within max_steps"
+    return outs
+
+
+def generate(engine: StageEngine, prompts: list[list[int]], **params) -> list[StageOutput]:
+    sp = SamplingParams(**{**GREEDY, **params})
+    for i, p in enumerate(prompts):
+        engine.add_request(StageInput(f"r{i}", prompt_token_ids=p, sampling_params=sp))
+    outs = run_to_completion(engine)
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def assert_no_leak(engine: StageEngine) -> None:
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks leaked"
+    assert not engine.runner.states and not engine._rows

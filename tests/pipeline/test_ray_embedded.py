@@ -1,0 +1,36 @@
+"""Omni starts (and stops) its own local Ray when none is running and no address is given."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from omni import Omni  # noqa: E402
+from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def test_embedded_ray_is_started_and_shut_down(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", REPO)  # the actors import the fake engine from tests/
+    if ray.is_initialized():
+        ray.shutdown()
+    data = chain_config()
+    data["runtime"]["backend"] = "ray"
+    o = Omni(data, engine_factory=fake_factory)
+    try:
+        temp_dir = o._backend._temp_dir
+        assert ray.is_initialized() and temp_dir and os.path.isdir(temp_dir)
+        assert os.environ["RAY_AUTH_MODE"] == "disabled"
+        [out] = o.generate("embedded", use_tqdm=False)
+        assert out.outputs["thinker"].token_ids == expected_tokens("thinker", text_ids("embedded"), 3)
+    finally:
+        o.close()
+    assert not ray.is_initialized()
+    assert not os.path.exists(temp_dir)
