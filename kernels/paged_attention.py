@@ -212,36 +212,51 @@ def _pow2(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def _heuristic(avg_q_len: float, head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(block_m, tile, num_warps, num_stages) for a GPU launch.
+
+    The only host-known hint without a sync is the average query length T / S.
+    Decode wants few rows per program (rows past G are wasted MMA work but the
+    loop is bandwidth bound); prefill wants 128 rows for K/V reuse. Mixed
+    batches take the middle so their decodes do not pay 8x wasted rows.
+    Register/shared-memory fit checked with ptxas for sm_90 (no spills).
+    """
+    if dtype == torch.float32:  # debug/test path ("ieee" FMA dots): larger tiles spill
+        return 16, 32, 8, 2
+    if head_dim_pad > 128:
+        return (16, 32, 4, 3) if avg_q_len <= 1 else (64, 32, 4, 2)
+    if avg_q_len <= 1:
+        return 16, 64, 4, 3
+    if avg_q_len < 64:
+        return 64, 64, 4, 2
+    return 128, 64, 8, 3
+
+
 def _choose(cfg: AttentionConfig, num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
             head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
-    decode_shaped = num_tokens <= num_seqs  # only host-known hint: avg query length <= 1
+    avg_q_len = num_tokens / num_seqs
+    decode_shaped = avg_q_len <= 1
     interp = interpreting()
     if interp:
         # Python-level cost per program and per tile: few programs, large tiles.
-        block_m, tile = (16 if decode_shaped else 64), 64
-    elif decode_shaped:
-        block_m, tile = 16, (64 if head_dim_pad <= 128 else 32)
+        block_m, tile, num_warps, num_stages = (16 if decode_shaped else 64), 64, 4, 1
     else:
-        block_m, tile = (128 if head_dim_pad <= 64 else 64), 64
-    if dtype == torch.float32 and not interp:
-        tile = min(tile, 32)  # fp32 tiles double shared memory
-    block_m = cfg.block_m or block_m
-    tile = cfg.tile or tile
-    block_m = max(_pow2("block_m", block_m, 16), triton.next_power_of_2(group))
-    _pow2("tile", tile, 16)
+        block_m, tile, num_warps, num_stages = _heuristic(avg_q_len, head_dim_pad, dtype)
+    block_m = max(_pow2("block_m", cfg.block_m or block_m, 16), triton.next_power_of_2(group))
+    tile = _pow2("tile", cfg.tile or tile, 16)
 
     segments = cfg.num_segments
     if segments is None:
         segments = 1
         if decode_shaped and not interp and device.type == "cuda":
+            # Too few (sequence, kv head) programs to fill the GPU: split the
+            # context so that about two programs run per SM.
             programs = num_seqs * num_kv_heads
             sms = _sm_count(device)
             if programs < sms:
                 segments = min(16, triton.next_power_of_2(math.ceil(2 * sms / max(programs, 1))))
     _pow2("num_segments", segments, 1)
-    num_warps = cfg.num_warps or (4 if block_m <= 64 else 8)
-    num_stages = cfg.num_stages or (3 if decode_shaped else 2)
-    return block_m, tile, segments, num_warps, num_stages
+    return block_m, tile, segments, cfg.num_warps or num_warps, cfg.num_stages or num_stages
 
 
 def paged_attention_triton(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,

@@ -120,11 +120,17 @@ class StageEngine:
         from stages.checkpoints import resolve_model_path
         from stages.registry import resolve_stage_model
 
+        model_cls = resolve_stage_model(stage.model)
+        if not getattr(model_cls, "autoregressive", True):
+            # Generation stages (e.g. token2wav): no KV cache, no scheduler steps.
+            from .generation_engine import GenerationStageEngine
+
+            return GenerationStageEngine.from_config(stage)
         sampling = stage.sampling if isinstance(stage.sampling, SamplingParams) else SamplingParams(**(stage.sampling or {}))
         cfg = StageEngineConfig(
             name=stage.name,
             model_path=resolve_model_path(stage.model_path),
-            model_cls=resolve_stage_model(stage.model),
+            model_cls=model_cls,
             tokenizer_path=resolve_model_path(stage.tokenizer) if stage.tokenizer else None,
             enable_prefix_caching=stage.enable_prefix_caching,
             block_size=stage.cache.block_size,
@@ -218,7 +224,9 @@ class StageEngine:
         if rid in self.scheduler.requests or rid in self._rows:
             raise ValueError(f"request_id {rid!r} is already in use on stage {self.name}")
         params = self._sampling_params(inp.sampling_params)
-        token_ids = self._tokenize(inp)
+        prepared = self.model.preprocess(inp)
+        token_ids = prepared.token_ids if prepared is not None else self._tokenize(inp)
+        prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         if not token_ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
         vocab = self.model.vocab_size
@@ -230,13 +238,15 @@ class StageEngine:
                 f"prompt: {len(token_ids)} tokens, must be shorter than max_model_len ({self.max_model_len}) "
                 "to leave room for at least one generated token")
         embeds, digests = None, None
-        if inp.prompt_embeds is not None:
-            embeds, digests = self._prompt_embeds(inp.prompt_embeds, len(token_ids))
+        if prompt_embeds is not None:
+            embeds, digests = self._prompt_embeds(prompt_embeds, len(token_ids))
         req = Request(
             rid, token_ids, sampling_params=params, cache_salt=inp.cache_salt,
+            mm_features=prepared.mm_features if prepared is not None else (),
             prompt_embeds_digests=digests, block_hasher=self.kv.block_hasher,
             arrival_time=time.monotonic(), eos_token_id=self.model.eos_token_id,
         )
+        self.model.add_request(rid, prepared, inp)
         self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
         self.scheduler.add_request(req)
         self._rows[rid] = _Rows()
@@ -258,6 +268,7 @@ class StageEngine:
         rows = self._rows.pop(request_id, None)
         if req is not None or rows is not None:
             self.runner.remove_request(request_id)
+            self.model.remove_request(request_id)
             out = StageOutput(request_id, self.name, finished=True, finish_reason="abort")
             if req is not None:
                 out.prompt_token_ids = list(req.prompt_token_ids)
@@ -283,6 +294,8 @@ class StageEngine:
                 req = self.scheduler.requests.get(s.req_id)
                 self.scheduler.abort(s.req_id)
                 self._rows.pop(s.req_id, None)
+                self.runner.remove_request(s.req_id)
+                self.model.remove_request(s.req_id)
                 self._num_errors += 1
                 results.append(StageOutput(
                     s.req_id, self.name, prompt_token_ids=list(req.prompt_token_ids) if req else [],
@@ -325,6 +338,7 @@ class StageEngine:
     def _make_output(self, req: Request) -> StageOutput:
         rid = req.request_id
         self.runner.remove_request(rid)
+        self.model.remove_request(rid)
         rows = self._rows.pop(rid, None)
         ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
         self._num_finished += 1

@@ -33,6 +33,12 @@ class ForwardContext:
     # [num_blocks, block_size, num_kv_heads, head_dim].
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     attention_backend: str | None = None  # None = auto (see kernels)
+    # CPU-side view of the batch, for stage models that keep per-request state
+    # (e.g. multimodal rotary positions): request ids in packed order and the
+    # number of tokens each had computed before this step.
+    req_ids: list[str] | None = None
+    num_computed_tokens: list[int] | None = None
+    query_start_loc_cpu: list[int] | None = None
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("omni_forward_context", default=None)

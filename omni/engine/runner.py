@@ -129,7 +129,10 @@ class ModelRunner:
             inputs_embeds = self.model.embed(ids)
             for r, emb in embed_rows:
                 inputs_embeds[r : r + emb.shape[0]] = emb.to(inputs_embeds.dtype)
-        ctx = ForwardContext(meta, self.kv_caches, self.attention_backend)
+        ctx = ForwardContext(meta, self.kv_caches, self.attention_backend,
+                             req_ids=[s.req_id for s in sched.scheduled],
+                             num_computed_tokens=[s.num_computed_tokens for s in sched.scheduled],
+                             query_start_loc_cpu=query_start.tolist())
         with set_forward_context(ctx):
             outputs = self.model.forward(None if embed_rows else ids, inputs_embeds, pos_t)
 

