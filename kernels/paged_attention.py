@@ -48,8 +48,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     # Largest s with qsl[s] // BLOCK_Q + s <= q_block.
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
@@ -267,6 +267,8 @@ def paged_attention_triton(query, key_cache, value_cache, block_tables, query_st
     """
     check_attention_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     check_triton_device(query, key_cache)
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype must be float32, float16 or bfloat16 for the Triton backend, got {query.dtype}")
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         if t.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")

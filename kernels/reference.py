@@ -76,7 +76,7 @@ def check_store_kv_args(key, value, key_cache, value_cache, slot_mapping) -> Non
     )
     _need(slot_mapping.dtype in INDEX_DTYPES, f"slot_mapping dtype must be int32 or int64, got {slot_mapping.dtype}")
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        _need(t.dtype in FLOAT_DTYPES, f"{name} dtype must be one of float32/float16/bfloat16, got {t.dtype}")
+        _need(t.dtype in FLOAT_DTYPES, f"{name} dtype must be float32, float16 or bfloat16 (or float64), got {t.dtype}")
     _need(
         key_cache.dtype == value_cache.dtype,
         f"key_cache dtype {key_cache.dtype} must equal value_cache dtype {value_cache.dtype}",
@@ -104,7 +104,7 @@ def check_attention_args(query, key_cache, value_cache, block_tables, query_star
         num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
         f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})",
     )
-    _need(query.dtype in FLOAT_DTYPES, f"query dtype must be one of float32/float16/bfloat16, got {query.dtype}")
+    _need(query.dtype in FLOAT_DTYPES, f"query dtype must be float32, float16 or bfloat16 (or float64), got {query.dtype}")
     _need(
         key_cache.dtype == query.dtype and value_cache.dtype == query.dtype,
         f"cache dtypes ({key_cache.dtype}, {value_cache.dtype}) must equal query dtype {query.dtype}",

@@ -28,19 +28,21 @@ _EXPORTS = {
     "ConfigError": "omni.errors",
     "StageError": "omni.errors",
     "StageStartError": "omni.errors",
-    "RequestTimeoutError": "omni.errors",
-    "RequestAbortedError": "omni.errors",
     "BackendClosedError": "omni.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BackendClosedError", "ConfigError", "MultiModalInput", "Omni", "OmniError", "PipelineConfig",
+    "RequestOutput", "SamplingParams", "StageConfig", "StageError", "StageInput", "StageOutput",
+    "StageStartError", "load_config",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from omni.api import Omni
     from omni.config import PipelineConfig, StageConfig, load_config
     from omni.engine.sampling import SamplingParams
-    from omni.errors import (BackendClosedError, ConfigError, OmniError, RequestAbortedError,
-                             RequestTimeoutError, StageError, StageStartError)
+    from omni.errors import BackendClosedError, ConfigError, OmniError, StageError, StageStartError
     from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
 
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from omni.config import PipelineConfig, load_config
 from omni.engine.sampling import SamplingParams
-from omni.errors import BackendClosedError, ConfigError
+from omni.errors import BackendClosedError, ConfigError, OmniError
 from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
@@ -63,8 +63,13 @@ class Omni:
 
             self._backend: Any = LocalBackend(config, self.graph, engine_factory)
         else:
-            from omni.pipeline.ray_backend import RayBackend
-
+            try:
+                from omni.pipeline.ray_backend import RayBackend
+            except ModuleNotFoundError as e:
+                if e.name != "ray":
+                    raise
+                raise OmniError("runtime.backend is 'ray' but Ray is not installed: "
+                                "pip install 'ray[default]', or use backend='local'") from None
             self._backend = RayBackend(config, self.graph, engine_factory)
         self._orch = Orchestrator(self.graph, self._backend, config.runtime.request_timeout_s)
         self._ids = itertools.count()

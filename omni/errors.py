@@ -3,6 +3,9 @@
 Every error a user can cause (a bad config, prompt or parameter) is an
 `OmniError`; the ones about bad values are also `ValueError`s so that callers
 who only know the standard library can still catch them.
+
+A request that fails while running (a stage error, a timeout, an abort) does
+not raise: its RequestOutput.error says what happened, and which stage.
 """
 from __future__ import annotations
 
@@ -29,14 +32,6 @@ class StageError(OmniError):
 
 class StageStartError(StageError):
     """A stage's engine could not be created (model load, resources, ...)."""
-
-
-class RequestTimeoutError(OmniError, TimeoutError):
-    """A request did not finish within runtime.request_timeout_s."""
-
-
-class RequestAbortedError(OmniError):
-    """A request was aborted by the caller."""
 
 
 class BackendClosedError(OmniError):

@@ -89,7 +89,8 @@ def tiny_omni_config():
                   fullatt_block_indexes=[1])
     audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
                  output_dim=64, n_window=100, max_source_positions=1500)
-    thinker = dict(text_config=text, vision_config=vision, audio_config=audio, **ids)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio, vision_start_token_id=151652,
+                   vision_end_token_id=151653, vision_token_id=151654, bos_token_id=151644, **ids)
     talker = dict(vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},

@@ -33,10 +33,15 @@ class StageModelEntry:
 
 _STAGE_MODELS: dict[str, StageModelEntry] = {
     "causal_lm": StageModelEntry("stages.causal_lm:CausalLMStage"),
+    "qwen2_5_omni_thinker": StageModelEntry("stages.qwen2_5_omni:Qwen2_5OmniThinkerStage"),
+    "qwen2_5_omni_talker": StageModelEntry("stages.qwen2_5_omni:Qwen2_5OmniTalkerStage"),
+    "qwen2_5_omni_token2wav": StageModelEntry("stages.qwen2_5_omni:Qwen2_5OmniToken2WavStage", autoregressive=False),
 }
 _INPUT_PROCESSORS: dict[str, Any] = {
     "passthrough_tokens": "omni.pipeline.orchestrator:passthrough_tokens",
     "hidden_to_embeds": "stages.processors:hidden_to_embeds",
+    "thinker2talker": "stages.qwen2_5_omni:thinker2talker",
+    "talker2wav": "stages.qwen2_5_omni:talker2wav",
 }
 
 

@@ -7,6 +7,19 @@ build the ``Request`` (which hashes its blocks), ``get_computed_blocks``,
 
 The anchors are vLLM 0.33's own ``KVCacheManager`` (xxhash option) on a
 2-core machine like ours; ``speedup_vs_vllm_anchor`` > 1 means omni is faster.
+``hash_tokens_per_s`` times the full per-request hashing path (packing the
+token list included) and is compared with vLLM's bare hash-function rate.
+
+``--compare-vllm PATH`` times vLLM's own manager on the identical workloads,
+side by side. vLLM stays outside the project; one way to get it::
+
+    pip download vllm==0.33.0 --no-deps -d /tmp/vllm_dl
+    python -c "import zipfile, glob; z = zipfile.ZipFile(glob.glob('/tmp/vllm_dl/*.whl')[0]); \
+        [z.extract(n, '/tmp/vllm_src') for n in z.namelist() if n.endswith('.py') or '.dist-info/' in n]"
+    pip install --no-deps --target /tmp/vllm_deps pyzmq msgspec cbor2 openai-harmony openai sniffio \
+        pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo xgrammar apache-tvm-ffi fastapi \
+        starlette partial-json-parser llguidance
+    omni bench kv --compare-vllm /tmp/vllm_src:/tmp/vllm_deps
 """
 
 from __future__ import annotations
@@ -42,7 +55,7 @@ VLLM_ANCHOR = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=15,
+    parser.add_argument("--repeats", type=int, default=25,
                         help="repetitions per workload (median reported); >= 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     parser.add_argument("--compare-vllm", metavar="PATH", default=None,
@@ -79,34 +92,95 @@ class _Workloads:
         self.hash_tokens = [rng.randrange(VOCAB) for _ in range(HASH_BLOCKS * BLOCK_SIZE)]
 
 
-def _omni_one(kv: KVCacheManager, rid: str, tokens: list[int]) -> Request:
-    req = Request(rid, tokens, block_hasher=kv.block_hasher)
-    blocks, n = kv.get_computed_blocks(req)
-    if kv.allocate_slots(req, req.num_tokens - n, n, blocks) is None:
-        raise RuntimeError("benchmark pool too small")
-    return req
+class _OmniBackend:
+    name = "omni"
+
+    def make(self, num_blocks: int) -> KVCacheManager:
+        return KVCacheManager(num_blocks, BLOCK_SIZE)
+
+    def admit(self, kv: KVCacheManager, rid: str, tokens: list[int]) -> Request:
+        """The scheduler's per-request path: hash (in Request), look up, allocate."""
+        req = Request(rid, tokens, block_hasher=kv.block_hasher)
+        blocks, n = kv.get_computed_blocks(req)
+        if kv.allocate_slots(req, req.num_tokens - n, n, blocks) is None:
+            raise RuntimeError("benchmark pool too small")
+        return req
+
+    def hash_setup(self, tokens: list[int]) -> Callable[[], object]:
+        req = Request("hash", tokens)  # no hasher: nothing hashed yet
+        hasher = KVCacheManager(1, BLOCK_SIZE).block_hasher
+        return lambda: hasher(req)
 
 
-def bench_omni(w: _Workloads, repeats: int) -> dict:
+class _VllmBackend:
+    """vLLM's own KVCacheManager (xxhash option), imported from ``path``.
+
+    ``path`` is one or more directories (joined with ':') that make ``vllm``
+    importable, e.g. an unpacked wheel plus its pure-Python dependencies; it
+    is never installed into the project. vLLM itself needs torch (for a dtype
+    in its KV spec); omni's manager never imports it.
+    """
+
+    name = "vllm"
+
+    def __init__(self, path: str) -> None:
+        import importlib
+        import os
+        import sys
+
+        sys.path[:0] = [p for p in path.split(":") if p]
+        os.environ.setdefault("PYTHONHASHSEED", "0")  # reproducible NONE_HASH, no warning
+        torch = importlib.import_module("torch")
+        kvm = importlib.import_module("vllm.v1.core.kv_cache_manager")
+        iface = importlib.import_module("vllm.v1.kv_cache_interface")
+        utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        hashing = importlib.import_module("vllm.utils.hashing")
+        self._Request = importlib.import_module("vllm.v1.request").Request
+        self._sp = importlib.import_module("vllm.sampling_params").SamplingParams(max_tokens=16)
+        hash_fn = hashing.get_hash_fn_by_name("xxhash")
+        utils.init_none_hash(hash_fn)
+        self._hasher = utils.get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        self._KVCacheManager = kvm.KVCacheManager
+        spec = iface.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        self._config = lambda n: iface.KVCacheConfig(
+            num_blocks=n, kv_cache_tensors=[], kv_cache_groups=[iface.KVCacheGroupSpec(["layer"], spec)])
+
+    def make(self, num_blocks: int):
+        return self._KVCacheManager(self._config(num_blocks), max_model_len=32768, scheduler_block_size=BLOCK_SIZE,
+                                    hash_block_size=BLOCK_SIZE, enable_caching=True)
+
+    def admit(self, kv, rid: str, tokens: list[int]):
+        req = self._Request(rid, tokens, self._sp, None, block_hasher=self._hasher)
+        blocks, n, _ = kv.get_computed_blocks(req)
+        if kv.allocate_slots(req, req.num_tokens - n, n, blocks) is None:
+            raise RuntimeError("benchmark pool too small")
+        return req
+
+    def hash_setup(self, tokens: list[int]) -> Callable[[], object]:
+        req = self._Request("hash", tokens, self._sp, None)
+        return lambda: self._hasher(req)
+
+
+def _bench(backend, w: _Workloads, repeats: int) -> dict:
     def miss():
-        kv = KVCacheManager(10_000, BLOCK_SIZE)
-        return lambda: kv.free(_omni_one(kv, "miss", w.long_prompt))
+        kv = backend.make(10_000)
+        return lambda: kv.free(backend.admit(kv, "miss", w.long_prompt))
 
-    warm = KVCacheManager(10_000, BLOCK_SIZE)
-    warm.free(_omni_one(warm, "warm", w.long_prompt))
+    warm = backend.make(10_000)
+    warm.free(backend.admit(warm, "warm", w.long_prompt))
     hit_tokens = w.long_prompt + w.long_extra
 
     def hit():
-        return lambda: warm.free(_omni_one(warm, "hit", hit_tokens))
+        return lambda: warm.free(backend.admit(warm, "hit", hit_tokens))
 
     def shared(num_blocks: int, batch: int):
         def setup():
-            kv = KVCacheManager(num_blocks, BLOCK_SIZE)
+            kv = backend.make(num_blocks)
 
             def body():
                 live = []
                 for i, toks in enumerate(w.shared):
-                    live.append(_omni_one(kv, str(i), toks))
+                    live.append(backend.admit(kv, str(i), toks))
                     if len(live) == batch:
                         for r in live:
                             kv.free(r)
@@ -116,20 +190,15 @@ def bench_omni(w: _Workloads, repeats: int) -> dict:
             return body
         return setup
 
-    hash_req = Request("hash", w.hash_tokens)  # no hasher: nothing hashed yet
-    hasher = KVCacheManager(1, BLOCK_SIZE).block_hasher
-
-    def hashing():
-        return lambda: hasher(hash_req)
-
-    hash_s = _median_us(hashing, repeats) / 1e6
+    hash_s = _median_us(lambda: backend.hash_setup(w.hash_tokens), repeats) / 1e6
+    few = max(1, repeats // 3)  # each repetition is already 1,000 requests
     return {
         "long_prompt_miss_us": _median_us(miss, repeats),
         "long_prompt_hit_us": _median_us(hit, repeats),
-        "shared_prefix_us_per_request": _median_us(shared(10_000, NUM_SHARED_REQUESTS + 1),
-                                                   max(3, repeats // 3), NUM_SHARED_REQUESTS),
-        "shared_prefix_evict_us_per_request": _median_us(shared(EVICT_POOL_BLOCKS, EVICT_BATCH),
-                                                         max(3, repeats // 3), NUM_SHARED_REQUESTS),
+        "shared_prefix_us_per_request": _median_us(shared(10_000, NUM_SHARED_REQUESTS + 1), few,
+                                                   NUM_SHARED_REQUESTS),
+        "shared_prefix_evict_us_per_request": _median_us(shared(EVICT_POOL_BLOCKS, EVICT_BATCH), few,
+                                                         NUM_SHARED_REQUESTS),
         "hash_tokens_per_s": HASH_BLOCKS * BLOCK_SIZE / hash_s,
     }
 
@@ -147,7 +216,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     w = _Workloads(args.seed)
-    ours = bench_omni(w, args.repeats)
+    ours = _bench(_OmniBackend(), w, args.repeats)
     result = {k: round(v, 1) for k, v in ours.items()}
     result["hash_tokens_per_s"] = round(ours["hash_tokens_per_s"])
     result["block_size"] = BLOCK_SIZE
@@ -160,9 +229,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  {k:<40} {v:>14,.1f} {unit}   (vLLM anchor {VLLM_ANCHOR[k]:,.1f}, "
               f"x{result['speedup_vs_vllm_anchor'][k]})")
     if args.compare_vllm:
-        from omni.bench import kv_vllm
-
-        theirs = kv_vllm.bench_vllm(args.compare_vllm, w, args.repeats)
+        theirs = _bench(_VllmBackend(args.compare_vllm), w, args.repeats)
         result["vllm_measured"] = {k: round(v, 1) for k, v in theirs.items()}
         result["speedup_vs_vllm_measured"] = _speedups(ours, theirs)
         print("vLLM KVCacheManager on the identical workloads:")

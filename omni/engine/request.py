@@ -100,10 +100,13 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids.copy()
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # Monotonic, like the scheduler's first_scheduled_time / first_token_time,
+        # so that TTFT and e2e latencies are differences on one clock.
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         num_prompt = len(self.prompt_token_ids)
-        features = tuple(sorted(mm_features, key=lambda f: f.offset))
+        # Sorted by offset: the hasher scans them in order and stops early.
+        features = tuple(sorted(mm_features, key=lambda f: f.offset)) if mm_features else ()
         for f in features:
             if f.offset + f.length > num_prompt:
                 raise ValueError(

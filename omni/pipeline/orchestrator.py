@@ -62,13 +62,14 @@ def build_stage_input(processor: Any, request: StageInput, upstream: dict[str, S
 
 
 def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> StageOutput:
-    """What the driver needs of a stage output: everything for a final stage (hidden states only when
-    asked for, or when they are the final output), only the small fields for an intermediate one."""
+    """What the driver needs of a stage output: for an intermediate stage only the small fields; for a
+    final stage everything except the per-token rows (hidden states, mm_outputs), which are kept only
+    when asked for or when they are the final output."""
     if final_output is None:
         return dataclasses.replace(out, hidden_states=None, mm_outputs={}, passthrough={}, audio=None)
-    if keep_hidden or final_output == "hidden" or out.hidden_states is None:
+    if keep_hidden or final_output == "hidden" or (out.hidden_states is None and not out.mm_outputs):
         return out
-    return dataclasses.replace(out, hidden_states=None)
+    return dataclasses.replace(out, hidden_states=None, mm_outputs={})
 
 
 def error_output(stage: str, request_id: str, error: str, reason: str = "error") -> StageOutput:
@@ -100,6 +101,7 @@ class _Req:
     request: StageInput
     sampling: dict[str, Any]
     keep_hidden: bool
+    timeout_s: float
     deadline: float
     stream: bool
     handles: dict[str, Any] = field(default_factory=dict)  # finished stage -> handle, until consumed
@@ -131,20 +133,31 @@ class Orchestrator:
         with self._lock:
             if rid in self._reqs or rid in self._results:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
-            st = _Req(request, dict(sampling or {}), return_hidden_states, deadline, stream)
+            timeout_s = timeout_s or self.request_timeout_s
+            st = _Req(request, dict(sampling or {}), return_hidden_states, timeout_s,
+                      time.monotonic() + timeout_s, stream)
             self._reqs[rid] = st
             self._counts["total"] += 1
             if stream:
                 self._events[rid] = []
             for stage in self.graph.entry_stages:
-                self._submit(st, stage, None)
+                if not self._submit(st, stage, None):
+                    break
         return rid
 
-    def _submit(self, st: _Req, stage: str, upstream: dict[str, Any] | None) -> None:
+    def _submit(self, st: _Req, stage: str, upstream: dict[str, Any] | None) -> bool:
+        """Hand the request to `stage`; False when that failed (the request is then failed)."""
         st.submitted.add(stage)
         self._stage_counts[stage]["submitted"] += 1
-        self.backend.submit(stage, st.request, upstream, st.sampling.get(stage), st.keep_hidden)
+        try:
+            self.backend.submit(stage, st.request, upstream, st.sampling.get(stage), st.keep_hidden)
+        except Exception as e:  # noqa: BLE001 - e.g. the backend lost its connection
+            logger.exception("submitting request %s to stage %s failed", st.request.request_id, stage)
+            st.finished.add(stage)
+            self._fail(st.request.request_id, st, stage,
+                       f"stage {stage!r} failed: could not submit the request: {type(e).__name__}: {e}")
+            return False
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Abort on every stage; the request finishes with an "aborted" error. False if unknown."""
@@ -199,7 +212,8 @@ class Orchestrator:
         for d in self.graph.downstream[ev.stage]:
             ups = self.graph.upstream[d]
             if d not in st.submitted and all(u in st.finished for u in ups):
-                self._submit(st, d, {u: st.handles[u] for u in ups})
+                if not self._submit(st, d, {u: st.handles[u] for u in ups}):
+                    return
         # Drop handles nobody will consume any more (frees objects in Ray's store).
         for s in list(st.handles):
             if all(d in st.submitted for d in self.graph.downstream[s]):
@@ -216,7 +230,7 @@ class Orchestrator:
             if now >= st.deadline:
                 pending = sorted(st.submitted - st.finished, key=self.graph.order.index)
                 self._fail(rid, st, None,
-                           f"request {rid!r} timed out after {self.request_timeout_s:g}s "
+                           f"request {rid!r} timed out after {st.timeout_s:g}s "
                            f"(runtime.request_timeout_s) waiting for stage(s) {', '.join(pending) or '-'}",
                            kind="timeout")
 

@@ -25,8 +25,10 @@ import asyncio
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -45,13 +47,14 @@ from omni.pipeline.orchestrator import StageEvent, error_output
 
 logger = logging.getLogger(__name__)
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Getting a ready summary or a stats answer is quick; this only bounds a hung node.
 _GET_TIMEOUT_S = 30.0
 
 
 def _short(e: BaseException, limit: int = 400) -> str:
     """First meaningful line of a (possibly multi-line) Ray exception."""
-    text = str(e).strip() or type(e).__name__
+    text = _ANSI.sub("", str(e)).strip() or type(e).__name__
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # Creation-task failures end with the original "SomeError: message" line.
     tail = next((ln for ln in reversed(lines) if "Error" in ln.split(":", 1)[0]), None)
@@ -175,6 +178,18 @@ def _ray_init(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, 
     return True, temp_dir
 
 
+def _start_failure(stage: str, e: BaseException) -> str:
+    """The original error of a failed actor __init__ (the last traceback line), without Ray's wrapping."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+    last = lines[-1] if lines else type(e).__name__
+    marker = "StageStartError: "
+    if marker in last:  # raised by make_engine: already "stage ... failed to start: ..."
+        return last.split(marker, 1)[1]
+    m = re.match(r"^([\w.]+): (.*)$", last)  # "pkg.mod.SomeError: message" -> "SomeError: message"
+    what = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}" if m else last
+    return f"stage {stage!r} failed to start: {what}"
+
+
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:
     """The resources a stage can ask for (no node ids, no memory byte counts)."""
     return {k: round(v, 3) for k, v in sorted(resources.items())
@@ -202,6 +217,7 @@ class RayBackend:
         self._deferred: dict[str, list[_Submission]] = {}  # stage -> submissions waiting for its gate
         self._dead: dict[str, str] = {}  # stage -> why it will not come back
         self._events: list[StageEvent] = []  # produced without a round trip
+        self._lock = threading.RLock()  # poll / submit / abort may come from several threads
         self._start_timeout_s = config.runtime.stage_start_timeout_s
         self._owns_ray, self._temp_dir = _ray_init(config.runtime, config.stages)
         try:
@@ -231,7 +247,7 @@ class RayBackend:
                 ray.get(ref, timeout=_GET_TIMEOUT_S)
             except RayError as e:
                 name = refs[ref]
-                raise StageStartError(f"stage {name!r} failed to start: {_short(e, 2000)}", stage=name) from None
+                raise StageStartError(_start_failure(name, e), stage=name) from None
         if not_ready:
             names = [refs[r] for r in not_ready]
             wanted = {n: self.graph.stages[n].resources.model_dump() for n in names}
@@ -249,13 +265,14 @@ class RayBackend:
     def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
                keep_hidden: bool) -> None:
         args = _Submission(stage, request, upstream, sampling, keep_hidden)
-        if stage in self._dead:
-            self._events.append(StageEvent(stage, request.request_id, error_output(
-                stage, request.request_id, self._dead[stage])))
-        elif stage in self._gates:
-            self._deferred[stage].append(args)
-        else:
-            self._send(args)
+        with self._lock:
+            if stage in self._dead:
+                self._events.append(StageEvent(stage, request.request_id, error_output(
+                    stage, request.request_id, self._dead[stage])))
+            elif stage in self._gates:
+                self._deferred[stage].append(args)
+            else:
+                self._send(args)
 
     def _send(self, a: "_Submission") -> None:
         summary_ref, output_ref = self.actors[a.stage].submit.remote(a.request, a.upstream, a.sampling,
@@ -269,58 +286,66 @@ class RayBackend:
             self._deferred.setdefault(stage, [])
 
     def abort(self, stage: str, request_id: str) -> None:
-        for ref, (a, _) in list(self._pending.items()):
-            if a.stage == stage and a.request.request_id == request_id:
-                del self._pending[ref]
-        if stage in self._deferred:
-            self._deferred[stage] = [a for a in self._deferred[stage] if a.request.request_id != request_id]
-        if stage in self.actors and stage not in self._dead and stage not in self._gates:
-            self.actors[stage].abort.remote(request_id)  # fire and forget
+        with self._lock:
+            for ref, (a, _) in list(self._pending.items()):
+                if a.stage == stage and a.request.request_id == request_id:
+                    del self._pending[ref]
+            if stage in self._deferred:
+                self._deferred[stage] = [a for a in self._deferred[stage] if a.request.request_id != request_id]
+            if stage in self.actors and stage not in self._dead and stage not in self._gates:
+                self.actors[stage].abort.remote(request_id)  # fire and forget
 
     def poll(self, timeout_s: float) -> list[StageEvent]:
-        events, self._events = self._events, []
-        gate_refs = {g[0]: stage for stage, g in self._gates.items()}
-        refs = list(self._pending) + list(gate_refs)
+        with self._lock:
+            events, self._events = self._events, []
+            gate_refs = {g[0]: stage for stage, g in self._gates.items()}
+            refs = list(self._pending) + list(gate_refs)
         if not refs:
             if not events:
                 time.sleep(min(timeout_s, 0.01))
             return events
+        # Wait without the lock: other threads may submit or abort meanwhile.
         ready, rest = ray.wait(refs, num_returns=1, timeout=0 if events else timeout_s)
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
-        for ref in ready:
-            if ref in gate_refs:
-                events += self._on_gate(gate_refs[ref], ref)
-                continue
-            a, output_ref = self._pending.pop(ref)
-            rid = a.request.request_id
-            try:
-                summary = ray.get(ref, timeout=_GET_TIMEOUT_S)
-            except RayActorError as e:
-                self._gate(a.stage)
-                if "restarting" in str(e) and not a.resent:
-                    # Sent while the actor was restarting: it never ran; send it again once it is up.
-                    a.resent = True
-                    self._deferred[a.stage].append(a)
-                    continue
-                summary = error_output(a.stage, rid, "the stage's Ray actor died or became unreachable "
-                                                     f"while serving the request: {_short(e)}")
-            except GetTimeoutError:
-                summary = error_output(a.stage, rid, f"could not fetch the result within {_GET_TIMEOUT_S:g}s")
-            except RayTaskError as e:
-                summary = error_output(a.stage, rid, f"stage task failed: {_short(e)}")
-            except RayError as e:
-                summary = error_output(a.stage, rid, f"{type(e).__name__}: {_short(e)}")
-            events.append(StageEvent(a.stage, rid, summary, output_ref))
-        # Gates that ran out of time.
-        now = time.monotonic()
-        for stage, (ref, deadline) in list(self._gates.items()):
-            if now >= deadline:
-                del self._gates[stage]
-                events += self._fail_deferred(stage, f"the stage's Ray actor did not come back within "
-                                                     f"{self._start_timeout_s:g}s after it died")
+        with self._lock:
+            for ref in ready:
+                if ref in gate_refs:
+                    if self._gates.get(gate_refs[ref], (None,))[0] == ref:
+                        events += self._on_gate(gate_refs[ref], ref)
+                elif ref in self._pending:  # else: aborted, or taken by another thread
+                    events += self._on_result(ref)
+            # Gates that ran out of time.
+            now = time.monotonic()
+            for stage, (_, deadline) in list(self._gates.items()):
+                if now >= deadline:
+                    del self._gates[stage]
+                    events += self._fail_deferred(stage, f"the stage's Ray actor did not come back within "
+                                                         f"{self._start_timeout_s:g}s after it died")
         return events
+
+    def _on_result(self, ref: Any) -> list[StageEvent]:
+        a, output_ref = self._pending.pop(ref)
+        rid = a.request.request_id
+        try:
+            summary = ray.get(ref, timeout=_GET_TIMEOUT_S)
+        except RayActorError as e:
+            self._gate(a.stage)
+            if "restarting" in str(e) and not a.resent:
+                # Sent while the actor was restarting: it never ran; send it again once it is up.
+                a.resent = True
+                self._deferred[a.stage].append(a)
+                return []
+            summary = error_output(a.stage, rid, "the stage's Ray actor died or became unreachable "
+                                                 f"while serving the request: {_short(e)}")
+        except GetTimeoutError:
+            summary = error_output(a.stage, rid, f"could not fetch the result within {_GET_TIMEOUT_S:g}s")
+        except RayTaskError as e:
+            summary = error_output(a.stage, rid, f"stage task failed: {_short(e)}")
+        except RayError as e:
+            summary = error_output(a.stage, rid, f"{type(e).__name__}: {_short(e)}")
+        return [StageEvent(a.stage, rid, summary, output_ref)]
 
     def _on_gate(self, stage: str, ref: Any) -> list[StageEvent]:
         _, deadline = self._gates.pop(stage)
@@ -353,10 +378,11 @@ class RayBackend:
         return out
 
     def close(self) -> None:
-        actors, self.actors = self.actors, {}
-        self._pending.clear()
-        self._gates.clear()
-        self._deferred.clear()
+        with self._lock:
+            actors, self.actors = self.actors, {}
+            self._pending.clear()
+            self._gates.clear()
+            self._deferred.clear()
         for actor in actors.values():
             try:
                 ray.kill(actor, no_restart=True)

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from kernels.store_kv import interpreting
 from omni.bench import kernels as bench
 
 
@@ -48,6 +49,7 @@ def _wall_ms(fn):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not interpreting(), reason="runs the Triton kernels on CPU tensors")
 def test_measure_logic_on_cpu_interpreter():
     args = _args("--batch", "2", "--context", "40", "--prefill-tokens", "24", "--num-q-heads", "4",
                  "--num-kv-heads", "1", "--head-dim", "16", "--block-size", "8", "--dtype", "fp32")
@@ -72,3 +74,11 @@ def test_sweep_keeps_best_and_reports_failures():
     best, rows = bench._sweep(lambda fn: fn(), run_cfg, [AttentionConfig(tile=t) for t in (16, 32, 64)])
     assert best[0].tile == 32 and best[1] == 1.0
     assert "shared memory" in rows[2]["error"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_run_on_gpu_small():
+    res = bench.run(_args("--batch", "4", "--context", "512", "--prefill-tokens", "512"))
+    json.dumps(res)
+    assert res["gpu"] and res["decode_bandwidth_fraction"] > 0 and res["prefill_time_vs_sdpa"] > 0
+    assert res["decode"]["max_abs_err_vs_sdpa"] < 2e-2 and res["prefill"]["max_abs_err_vs_sdpa"] < 2e-2

@@ -44,7 +44,8 @@ def assert_close_to_reference(out, batch, scale):
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
     elif out.dtype == torch.float16:
-        torch.testing.assert_close(out.float(), expected, rtol=2e-3, atol=2e-3)
+        tol = 2e-3 if DEVICE == "cpu" else 5e-3  # GPU: P is rounded to fp16 before P@V
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     else:
         # fp32 inside, one rounding to bf16 at the store: within one bf16 ulp
         # (the interpreter may truncate instead of rounding to nearest).
@@ -181,12 +182,16 @@ def test_strided_query_and_out():
         (lambda b: b.update(key_cache=b["key_cache"].half(), value_cache=b["value_cache"].half()),
          "must equal query dtype"),
         (lambda b: b.update(block_tables=b["block_tables"][0]), "block_tables must be"),
-        (lambda b: b.update(query_start_loc=torch.zeros(6, dtype=torch.int32)[::2]), "must be contiguous"),
-        (lambda b: b.update(out=torch.zeros(1, 4, 16)), "out must match query"),
+        (lambda b: b.update(**{k: b[k].double() for k in ("query", "key_cache", "value_cache")}),
+         "for the Triton backend"),
+        (lambda b: b.update(query_start_loc=b["query_start_loc"].new_zeros(6)[::2]), "must be contiguous"),
+        (lambda b: b.update(out=b["query"].new_zeros(1, 4, 16)), "out must match query"),
+        (lambda b: b.update(seq_lens=b["seq_lens"].cpu() if DEVICE != "cpu" else b["seq_lens"].to("meta")),
+         "one device"),
     ],
 )
 def test_launcher_errors(change, match):
-    batch = make_batch([1, 3], [5, 9], 4, 2, 16)
+    batch = _to(make_batch([1, 3], [5, 9], 4, 2, 16))
     batch["out"] = None
     change(batch)
     with pytest.raises(ValueError, match=match):
@@ -201,4 +206,4 @@ def test_launcher_rejects_cpu_without_interpreter(monkeypatch):
 
 def test_bad_config():
     with pytest.raises(ValueError, match="tile must be a power of two"):
-        paged_attention_triton(**make_batch([1], [3], 2, 1, 16), scale=1.0, config=AttentionConfig(tile=24))
+        paged_attention_triton(**_to(make_batch([1], [3], 2, 1, 16)), scale=1.0, config=AttentionConfig(tile=24))

@@ -246,7 +246,10 @@ def test_intermediate_summary_is_small():
     assert small.hidden_states is None and small.mm_outputs == {} and small.audio is None
     assert small.token_ids == [1] and out.hidden_states is not None  # the original is untouched
     final = summarize(out, "audio", keep_hidden=False)
-    assert final.hidden_states is None and final.audio is not None and "x" in final.mm_outputs
+    assert final.hidden_states is None and final.mm_outputs == {} and final.audio is not None
+    assert final.passthrough == out.passthrough
+    kept = summarize(out, "text", keep_hidden=True)
+    assert kept.hidden_states is not None and "x" in kept.mm_outputs
 
 
 def test_build_stage_input():
@@ -304,3 +307,39 @@ def test_several_entry_stages_get_the_prompt():
 def test_tqdm_progress_bar(chain, capsys):
     chain.generate(["a", "b"], use_tqdm=True)
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_pipeline_is_closed_at_interpreter_exit():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    script = (
+        "from tests.pipeline.test_fake_engine import chain_config, fake_factory\n"
+        "from omni import Omni\n"
+        "d = chain_config()\n"
+        "d['stages'][0]['model_kwargs'] = {'announce_close': True}\n"
+        "o = Omni(d, engine_factory=fake_factory)\n"
+        "o.generate('x', use_tqdm=False)\n"
+        "print('exiting', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["exiting", "closed", "thinker"]
+
+
+def test_backend_submit_failure_fails_only_that_request(chain, monkeypatch):
+    runner = chain._backend.runners["talker"]
+    original = runner.submit
+
+    def flaky(request, *args):
+        if request.prompt == "boom":
+            raise ConnectionError("lost the stage")
+        return original(request, *args)
+
+    monkeypatch.setattr(runner, "submit", flaky)
+    outs = chain.generate(["boom", "fine"], use_tqdm=False)
+    assert outs[0].error == "stage 'talker' failed: could not submit the request: ConnectionError: lost the stage"
+    assert outs[0].outputs["thinker"].token_ids  # the thinker's part is kept
+    assert outs[1].error is None

@@ -5,11 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from omni import Omni  # noqa: E402
-from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
+from omni import Omni
+from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

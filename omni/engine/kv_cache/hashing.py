@@ -149,7 +149,7 @@ class BlockHasher:
       with embeddings (its token ids are placeholders and prove nothing).
     """
 
-    __slots__ = ("block_size", "seed", "_root", "_block_bytes")
+    __slots__ = ("block_size", "seed", "_root")
 
     def __init__(self, block_size: int, seed: int = 0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
@@ -157,7 +157,6 @@ class BlockHasher:
         self.block_size = block_size
         self.seed = _check_seed(seed)
         self._root = root_hash(seed)
-        self._block_bytes = 4 * block_size
 
     def block_extra_keys(self, request: "Request", block_idx: int) -> tuple | None:
         """The extra keys of block ``block_idx`` of ``request`` (``None`` if none)."""
@@ -194,6 +193,8 @@ class BlockHasher:
         bs = self.block_size
         hashes = request.block_hashes
         first = len(hashes)
+        if first == 0 and request.prompt_embeds_digests is not None:
+            self._check_digests(request)  # fail at admission, not when a block fills
         end = len(request.all_token_ids) // bs
         if end <= first:
             return []
@@ -220,8 +221,6 @@ class BlockHasher:
                 append(parent)
             return out
 
-        if request.prompt_embeds_digests is not None and first == 0:
-            self._check_digests(request)
         for i in range(first, end):
             off = (i - first) * bs
             chunk = view[off:off + bs]

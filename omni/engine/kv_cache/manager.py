@@ -8,6 +8,18 @@ The scheduler drives it with a query/commit pair per scheduling decision::
     ...
     kv.free(req)                                     # finished / preempted
 
+One admission, block size 4, 17 prompt tokens, the first 8 a prefix hit::
+
+    get_computed_blocks -> hits [0, 1], 8 tokens   (at most (17 - 1) // 4 = 4 blocks)
+    allocate_slots(req, num_new_tokens=9, num_new_computed_tokens=8, new_computed_blocks=hits)
+
+    tokens       0 ........ 7 | 8 .. 11 | 12 .. 15 | 16
+    block table  [ 0 ][ 1 ]   |  [ 5 ]  |  [ 6 ]   | [ 7 ]
+                  touched:       popped from the free-queue head
+                  ref += 1,      (evicting any hash they held)
+                  leave queue
+    hash map     (already)    |  cached  |  cached  | partial: no hash yet
+
 A request's block table only ever grows (the runner copies it into the
 device block table incrementally), so a hit can only be taken when the
 request starts, and a duplicate block computed by two requests at once stays
@@ -26,6 +38,12 @@ if TYPE_CHECKING:
 
 
 class KVCacheManager:
+    """Paged KV block bookkeeping with automatic prefix caching (one stage, one process).
+
+    ``enable_caching=False`` keeps the same allocator with no hasher, no
+    lookups and no hash map traffic.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_seed: int = 0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -117,6 +135,11 @@ class KVCacheManager:
         if new_computed_blocks:
             if req_blocks:
                 raise ValueError(f"request {rid!r} already has blocks; prefix hits apply to new requests only")
+            if request.num_computed_tokens:
+                raise ValueError(
+                    f"request {rid!r}: num_computed_tokens is {request.num_computed_tokens} before its prefix "
+                    f"hits were allocated; set it after allocate_slots succeeds"
+                )
             num_hit = len(new_computed_blocks)
             if num_new_computed_tokens != num_hit * bs:
                 raise ValueError(

@@ -130,6 +130,8 @@ def test_prompt_embeds_digests_key_each_prompt_block():
     assert first_diff(r1.block_hashes, r2.block_hashes) == 2
     with pytest.raises(ValueError, match="prompt_embeds_digests"):
         hashes(tokens, prompt_embeds_digests=[b"only-one"])
+    with pytest.raises(ValueError, match="prompt_embeds_digests"):  # even before any block is full
+        hashes([0, 0], prompt_embeds_digests=[b"a", b"b"])
 
 
 def test_incremental_equals_one_shot_with_extras():

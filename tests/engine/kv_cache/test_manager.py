@@ -318,8 +318,14 @@ def test_validation_errors():
     hits, n = kv.get_computed_blocks(r2)
     with pytest.raises(ValueError, match="num_new_computed_tokens"):
         kv.allocate_slots(r2, 1, n - 1, hits)
+    r2.num_computed_tokens = n  # too early: would double-count the hits
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        kv.allocate_slots(r2, 1, n, hits)
+    r2.num_computed_tokens = 0
+    r3 = req(kv, "r3", range(9))
+    assert admit(kv, r3) == ([0, 1], [3])  # the refused calls left nothing behind
     kv.check_integrity()
-    assert kv.get_block_ids("unknown") == []
+    assert kv.get_block_ids("r2") == [] and kv.get_block_ids("unknown") == []
     kv.free(req(kv, "never-scheduled", [1]))     # no-op
     kv.check_integrity()
 

@@ -138,7 +138,7 @@ class Sim:
             assert self.kv.get_block_ids(r.request_id) == []
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(3, 24),
        enable_caching=st.sampled_from([True, True, True, False]),
        bases=st.lists(st.lists(TOKEN, min_size=12, max_size=12), min_size=1, max_size=3),

@@ -1,0 +1,210 @@
+"""Qwen2.5-Omni prompt building and multimodal preprocessing (no model weights needed).
+
+- `build_prompt_ids`: chat messages (or text) -> token ids with one placeholder per image/audio,
+  then each placeholder expanded to the number of tokens its encoder produces.
+- Images: Qwen2-VL patchification (resize to multiples of 28 within min/max pixels, CLIP
+  normalisation, temporal patch of 2, patches ordered by 2x2 merge groups), in numpy/torch: the
+  environment has neither PIL nor torchvision, which transformers' image processors require.
+- Audio: transformers' WhisperFeatureExtractor (128 mel bins, padded to 30 s, valid frames kept).
+- Every input is content-hashed (xxhash of its bytes): the hash keys the encoder cache and the
+  KV-block extra keys, so prompts that differ only in an image never share a block.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from omni.outputs import MultiModalInput
+
+IMAGE_TOKEN, AUDIO_TOKEN = "<|IMAGE|>", "<|AUDIO|>"
+IMAGE_PLACEHOLDER = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+DEFAULT_SYSTEM = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+    "auditory and visual inputs, as well as generating text and speech."
+)
+_DEFAULTS = {
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+    "audio_sampling_rate": 16000, "num_mel_bins": 128, "system_prompt": DEFAULT_SYSTEM,
+}
+
+
+@dataclass(slots=True)
+class MMItem:
+    """One preprocessed multimodal input of a prompt."""
+
+    modality: str  # "image" | "audio"
+    mm_hash: str
+    num_tokens: int  # placeholder tokens in the prompt
+    # image: pixel_values [patches, C*T*P*P] + grid_thw [3]; audio: features [mel, frames]
+    data: torch.Tensor
+    grid_thw: torch.Tensor | None = None
+    offset: int = -1  # first placeholder token in the prompt, set by build_prompt_ids
+
+
+def load_preprocess_config(model_path: Path) -> dict[str, Any]:
+    cfg = dict(_DEFAULTS)
+    f = Path(model_path) / "omni_preprocess.json"
+    if f.is_file():
+        cfg.update(json.loads(f.read_text()))
+    return cfg
+
+
+def mm_hash(inp: MultiModalInput) -> str:
+    data = np.ascontiguousarray(np.asarray(inp.data))
+    h = xxhash.xxh3_128()
+    h.update(f"{inp.modality}|{data.dtype.str}|{data.shape}|{inp.sampling_rate}|".encode())
+    h.update(memoryview(data).cast("B"))
+    return h.hexdigest()
+
+
+def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: both sides multiples of `factor`, area within [min, max] pixels."""
+    if max(h, w) / min(h, w) > 200:
+        raise ValueError(f"image: aspect ratio must be < 200, got {h}x{w}")
+    rh, rw = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
+    if rh * rw > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        rh, rw = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
+    elif rh * rw < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        rh, rw = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return rh, rw
+
+
+def preprocess_image(image: np.ndarray, cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HxWxC (uint8 0..255 or float 0..1) -> (pixel_values [patches, C*T*P*P], grid_thw [3])."""
+    arr = np.asarray(image)
+    if arr.ndim == 2:
+        arr = np.repeat(arr[..., None], 3, axis=-1)
+    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"mm_inputs: an image must be an HxWxC array with C in (1, 3, 4), got shape {arr.shape}")
+    arr = arr[..., :3] if arr.shape[-1] != 1 else np.repeat(arr, 3, axis=-1)
+    x = torch.from_numpy(np.ascontiguousarray(arr)).float()
+    if np.issubdtype(arr.dtype, np.integer):
+        x = x / 255.0
+    x = x.permute(2, 0, 1)  # C, H, W
+    ps, tps, m = cfg["patch_size"], cfg["temporal_patch_size"], cfg["merge_size"]
+    h, w = smart_resize(x.shape[1], x.shape[2], ps * m, cfg["min_pixels"], cfg["max_pixels"])
+    if (h, w) != tuple(x.shape[1:]):
+        x = torch.nn.functional.interpolate(x[None], size=(h, w), mode="bicubic", align_corners=False,
+                                            antialias=True)[0].clamp(0, 1)
+    mean = torch.tensor(cfg["image_mean"]).view(3, 1, 1)
+    std = torch.tensor(cfg["image_std"]).view(3, 1, 1)
+    x = (x - mean) / std
+    patches = x[None].repeat(tps, 1, 1, 1)  # one image = one temporal patch of identical frames
+    gt, gh, gw = 1, h // ps, w // ps
+    patches = patches.reshape(gt, tps, 3, gh // m, m, ps, gw // m, m, ps)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    flat = patches.reshape(gt * gh * gw, 3 * tps * ps * ps).contiguous()
+    return flat, torch.tensor([gt, gh, gw], dtype=torch.long)
+
+
+_FEATURE_EXTRACTORS: dict[int, Any] = {}
+
+
+def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any]) -> torch.Tensor:
+    """Waveform (mono, at the model's sampling rate) -> log-mel features [mel, valid frames]."""
+    from transformers import WhisperFeatureExtractor
+
+    sr = cfg["audio_sampling_rate"]
+    if sampling_rate is not None and sampling_rate != sr:
+        raise ValueError(f"mm_inputs: audio sampling_rate must be {sr} Hz, got {sampling_rate}")
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.ndim != 1 or wave.size < 400:
+        raise ValueError(f"mm_inputs: audio must be a 1-D waveform of >= 400 samples, got shape {wave.shape}")
+    fe = _FEATURE_EXTRACTORS.get(cfg["num_mel_bins"])
+    if fe is None:
+        fe = _FEATURE_EXTRACTORS[cfg["num_mel_bins"]] = WhisperFeatureExtractor(
+            feature_size=cfg["num_mel_bins"], sampling_rate=sr, return_attention_mask=True)
+    out = fe(wave, sampling_rate=sr, padding="max_length", return_attention_mask=True, return_tensors="np")
+    n = int(out["attention_mask"][0].sum())
+    return torch.from_numpy(out["input_features"][0, :, :n].copy())
+
+
+def audio_num_tokens(num_frames: int) -> int:
+    return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any]) -> MMItem:
+    if inp.modality == "image":
+        pixels, grid = preprocess_image(inp.data, cfg)
+        n = int(grid.prod()) // cfg["merge_size"] ** 2
+        return MMItem("image", mm_hash(inp), n, pixels, grid)
+    if inp.modality == "audio":
+        feats = preprocess_audio(inp.data, inp.sampling_rate, cfg)
+        return MMItem("audio", mm_hash(inp), audio_num_tokens(feats.shape[1]), feats)
+    raise ValueError(f"mm_inputs: modality must be 'image' or 'audio', got {inp.modality!r}")
+
+
+def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
+    """Qwen2.5-Omni's chat format; image/audio parts become one placeholder each."""
+    parts = []
+    if not messages or messages[0].get("role") != "system":
+        parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
+    for msg in messages:
+        content = msg.get("content", "")
+        if isinstance(content, list):
+            text = ""
+            for item in content:
+                kind = item.get("type", "text")
+                if kind == "image":
+                    text += IMAGE_PLACEHOLDER
+                elif kind == "audio":
+                    text += AUDIO_PLACEHOLDER
+                elif kind == "text":
+                    text += item.get("text", "")
+                else:
+                    raise ValueError(f"prompt: content part type must be text, image or audio, got {kind!r}")
+            content = text
+        parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def messages_for(prompt: str | list[dict[str, Any]], mm_inputs: list[MultiModalInput]) -> list[dict[str, Any]]:
+    """A text prompt becomes one user message; media without a placeholder go first in the last user turn."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    text = json.dumps([m.get("content") for m in messages], default=str)
+    have = text.count(IMAGE_TOKEN) + text.count(AUDIO_TOKEN) + text.count('"type": "image"') \
+        + text.count('"type": "audio"')
+    if mm_inputs and have == 0:
+        user = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+        c = messages[user].get("content", "")
+        media = [{"type": m.modality} for m in mm_inputs]
+        c = c if isinstance(c, list) else [{"type": "text", "text": c}]
+        messages[user]["content"] = media + c
+    return messages
+
+
+def expand_placeholders(ids: list[int], items: list[MMItem], image_id: int, audio_id: int) -> list[int]:
+    """Replace the k-th single image/audio placeholder id by items[k].num_tokens copies; sets offsets."""
+    out: list[int] = []
+    k = 0
+    for t in ids:
+        if t in (image_id, audio_id):
+            if k >= len(items):
+                raise ValueError(f"prompt: more image/audio placeholders than mm_inputs ({len(items)})")
+            item = items[k]
+            want = image_id if item.modality == "image" else audio_id
+            if t != want:
+                raise ValueError(f"prompt: placeholder {k} is for {'image' if t == image_id else 'audio'} "
+                                 f"but mm_inputs[{k}] is {item.modality}")
+            item.offset = len(out)
+            out.extend([t] * item.num_tokens)
+            k += 1
+        else:
+            out.append(t)
+    if k != len(items):
+        raise ValueError(f"prompt: {len(items)} mm_inputs but {k} image/audio placeholders")
+    return out

@@ -1,0 +1,188 @@
+"""Qwen2.5-Omni talker as a stage: thinker embeddings + hidden states in, codec tokens out.
+
+Mirrors transformers' `Qwen2_5OmniForConditionalGeneration.generate` for one request:
+
+    prompt rows   thinker_hidden[i] + thinker_embed[i]   (embeddings of image/audio rows zeroed)
+                  embed(speaker bos) + codec_embed(pad)
+                  thinker_hidden[L] + thinker_embed(g0) + codec_embed(codec bos)
+    prompt ids    [codec_mask] * L + [codec_pad, codec_bos]
+    decode step j codec_embed(c_j) + reply[j]    reply = rows of g1.., then text eos, then text pad
+    positions     the thinker's 3-D prompt positions, then +1, +2; generated: p + delta
+
+The prompt rows (in the thinker's hidden width, before `thinker_to_talker_proj`) are this stage's
+`prompt_embeds`, so the engine hashes them into the block keys: a talker prefix hits only when the
+thinker's states for it were identical. `compute_logits` suppresses the codec bos token, as
+transformers' generate does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni.engine.attention import register_attention
+from omni.engine.forward_context import get_forward_context
+from omni.engine.stage_model import KVSpec, PreparedPrompt, StageModel
+from omni.outputs import StageInput
+
+from .qwen2_5_omni_thinker import load_omni_part
+
+DEFAULT_SPEAKER = "Chelsie"
+
+
+def load_speakers(model_path: Path) -> dict[str, dict[str, Any]]:
+    path = Path(model_path) / "spk_dict.pt"
+    if not path.is_file():
+        raise ValueError(f"model_path: {model_path} has no spk_dict.pt (the Qwen2.5-Omni speaker dictionary)")
+    return torch.load(path, weights_only=True)
+
+
+def speaker_params(speakers: dict[str, dict[str, Any]], name: str | None) -> dict[str, Any]:
+    name = name or DEFAULT_SPEAKER
+    if name not in speakers:
+        raise ValueError(f"speaker: {name!r} is not available; choose one of {sorted(speakers)}")
+    return speakers[name]
+
+
+def load_thinker_embedding(model_path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Embedding:
+    """The thinker's token embedding table alone, read from the checkpoint's safetensors."""
+    from safetensors import safe_open
+
+    key = "thinker.model.embed_tokens.weight"
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if key in fh.keys():
+                weight = fh.get_tensor(key)
+                return torch.nn.Embedding.from_pretrained(weight.to(device, dtype), freeze=True)
+    raise ValueError(f"model_path: no {key} in {model_path}")
+
+
+@dataclass(slots=True)
+class _TalkerRequest:
+    positions: torch.Tensor  # [3, num_prompt] int64
+    delta: int
+    reply: torch.Tensor  # [R, thinker_hidden]: added to the codec embedding of generated token j (min(j, R-1))
+
+
+class Qwen2_5OmniTalkerStage(StageModel):
+    autoregressive = True
+    tokenizer = None
+
+    def __init__(self, talker, thinker_embed: torch.nn.Embedding, speakers: dict, device, dtype,
+                 mm_token_ids: tuple[int, ...]):
+        self.talker = talker
+        self.thinker_embed = thinker_embed
+        self.speakers = speakers
+        self.device, self.dtype = device, dtype
+        cfg = self.config = talker.config
+        self.codec_embed = talker.model.embed_tokens
+        # Width of the prompt rows (thinker space), which is what `prompt_embeds` carries.
+        self.hidden_size = cfg.embedding_size
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = int(cfg.max_position_embeddings)
+        self.eos_token_id = talker.codec_eos_token
+        self.mm_token_ids = mm_token_ids
+        self._requests: dict[str, _TalkerRequest] = {}
+
+    @classmethod
+    def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
+             model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
+        from transformers import Qwen2_5OmniTalkerForConditionalGeneration
+
+        talker, full = load_omni_part(Path(model_path), "talker", Qwen2_5OmniTalkerForConditionalGeneration,
+                                      dtype, device, **(model_kwargs or {}))
+        talker.model.config._attn_implementation = register_attention()
+        tc = full.thinker_config
+        mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
+        return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),
+                   device, dtype, mm)
+
+    def kv_spec(self) -> KVSpec:
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+
+    # ------------------------------------------------------------ per request
+    def _embed_text(self, ids: list[int]) -> torch.Tensor:
+        return self.thinker_embed(torch.tensor(ids, dtype=torch.long, device=self.device)).float()
+
+    @torch.inference_mode()
+    def preprocess(self, inp: StageInput) -> PreparedPrompt:
+        ex = inp.extra
+        missing = [k for k in ("thinker_prompt_ids", "thinker_output_ids", "thinker_hidden", "thinker_positions")
+                   if ex.get(k) is None]
+        if missing:
+            raise ValueError(f"extra: the talker needs the thinker's outputs ({', '.join(missing)} missing); "
+                             "use the thinker2talker input processor")
+        prompt = [int(t) for t in ex["thinker_prompt_ids"]]
+        gen = [int(t) for t in ex["thinker_output_ids"]]
+        L, n = len(prompt), len(gen)
+        hidden = torch.as_tensor(np.asarray(ex["thinker_hidden"], dtype=np.float32), device=self.device)
+        if n < 2 or hidden.shape[0] < L + 1:
+            raise ValueError(f"thinker_output_ids: the talker needs >= 2 thinker tokens and their hidden states "
+                             f"(got {n} tokens, {hidden.shape[0]} rows for a {L}-token prompt)")
+        spk = speaker_params(self.speakers, ex.get("speaker"))
+        cfg = self.config
+        emb = self._embed_text(prompt)
+        is_mm = torch.tensor([t in self.mm_token_ids for t in prompt], device=self.device)
+        emb[is_mm] = 0.0  # transformers zeroes the image/audio/video rows of the embeddings it hands over
+        # Hidden row L + k belongs to the thinker's input token g_k (the last sampled token has none).
+        num_reply = min(n - 1, hidden.shape[0] - L)
+        reply = hidden[L : L + num_reply] + self._embed_text(gen[:num_reply])
+        codec = self.codec_embed(torch.tensor([self.talker.codec_pad_token, self.talker.codec_bos_token],
+                                              device=self.device)).float()
+        rows = torch.cat([hidden[:L] + emb,
+                          self._embed_text([int(spk["bos_token"])]) + codec[:1],
+                          reply[:1] + codec[1:]])
+        tail = self._embed_text([cfg.tts_text_end_token_id, cfg.tts_text_pad_token_id])
+        rest = torch.cat([reply[1:], tail])
+        tpos = torch.as_tensor(np.asarray(ex["thinker_positions"]), dtype=torch.long)[:L].t()
+        top = int(tpos.max()) if L else -1
+        positions = torch.cat([tpos, torch.tensor([[top + 1, top + 2]] * 3, dtype=torch.long)], dim=1)
+        ids = [self.talker.codec_mask_token] * L + [self.talker.codec_pad_token, self.talker.codec_bos_token]
+        state = _TalkerRequest(positions, top + 1 - L, rest.to(self.dtype))
+        return PreparedPrompt(ids, [], rows.cpu().numpy().astype(np.float32), {"talker": state})
+
+    def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
+        if prompt is not None:
+            self._requests[request_id] = prompt.extra["talker"]
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # ---------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.codec_embed(input_ids)
+
+    def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
+        ctx = get_forward_context()
+        embeds = self.codec_embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+        pos3 = positions.detach().cpu().long().unsqueeze(0).repeat(3, 1)
+        qs = ctx.query_start_loc_cpu or [0, embeds.shape[0]]
+        for i, rid in enumerate(ctx.req_ids or []):
+            st = self._requests.get(rid)
+            if st is None:
+                continue
+            a, b = qs[i], qs[i + 1]
+            start = ctx.num_computed_tokens[i]
+            end = start + (b - a)
+            num_prompt = st.positions.shape[1]
+            stop = min(end, num_prompt)
+            if start < stop:
+                pos3[:, a : a + stop - start] = st.positions[:, start:stop]
+            if end > num_prompt:
+                first = max(start, num_prompt)
+                pos3[:, a + first - start : b] = torch.arange(first, end) + st.delta
+                j = (torch.arange(first, end) - num_prompt).clamp(max=st.reply.shape[0] - 1)
+                embeds[a + first - start : b] += st.reply[j.to(st.reply.device)].to(embeds.dtype)
+        x = self.talker.thinker_to_talker_proj(embeds)
+        out = self.talker.model(inputs_embeds=x[None], position_ids=pos3[:, None].to(x.device), use_cache=False)
+        return {"hidden_states": out.last_hidden_state[0]}
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.talker.codec_head(hidden_states).float()
+        logits[:, self.talker.codec_bos_token] = float("-inf")  # transformers: suppress_tokens=[codec bos]
+        return logits

@@ -1,0 +1,116 @@
+"""Shared helpers for the Qwen2.5-Omni stage tests: inputs, transformers references."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omni.outputs import MultiModalInput, StageInput
+
+THINKER_MAX = 8
+TALKER_MAX = 24
+
+
+def image(seed: int = 0, h: int = 56, w: int = 84) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def audio(seed: int = 0, seconds: float = 1.0) -> np.ndarray:
+    return (0.1 * np.random.default_rng(seed).standard_normal(int(16000 * seconds))).astype(np.float32)
+
+
+CASES = {
+    "text": ("Hello there, who are you?", []),
+    "image": ("What is in this picture?", [MultiModalInput("image", image(0))]),
+    "audio": ("What do you hear?", [MultiModalInput("audio", audio(0), 16000)]),
+}
+
+
+def hf_inputs(stage, inp: StageInput) -> tuple[list[int], dict]:
+    """The prompt ids our thinker builds + the tensors transformers' generate takes for them."""
+    prepared = stage.preprocess(inp)
+    items = prepared.extra["thinker"].items
+    kw: dict = {}
+    images = [i for i in items if i.modality == "image"]
+    audios = [i for i in items if i.modality == "audio"]
+    if images:
+        kw["pixel_values"] = torch.cat([i.data for i in images])
+        kw["image_grid_thw"] = torch.stack([i.grid_thw for i in images])
+    if audios:
+        frames = max(i.data.shape[1] for i in audios)
+        feats = torch.zeros(len(audios), audios[0].data.shape[0], frames)
+        mask = torch.zeros(len(audios), frames, dtype=torch.long)
+        for j, i in enumerate(audios):
+            feats[j, :, : i.data.shape[1]] = i.data
+            mask[j, : i.data.shape[1]] = 1
+        kw["input_features"], kw["feature_attention_mask"] = feats, mask
+    return prepared.token_ids, kw
+
+
+def hf_generate(model, ids: list[int], kw: dict, *, audio_out: bool, thinker_max=THINKER_MAX,
+                talker_max=TALKER_MAX, seed: int = 0, speaker: str = "Chelsie"):
+    """transformers' Qwen2_5OmniForConditionalGeneration.generate, greedy thinker and talker.
+
+    Returns (thinker tokens, talker codes or None, waveform or None)."""
+    x = torch.tensor([ids])
+    common = dict(input_ids=x, attention_mask=torch.ones_like(x), thinker_max_new_tokens=thinker_max,
+                  thinker_do_sample=False, speaker=speaker, **kw)
+    with torch.inference_mode():
+        if not audio_out:
+            seq = model.generate(generation_mode="text", **common)
+            return seq[0, len(ids):].tolist(), None, None
+        codes: list[list[int]] = []
+        orig = model.token2wav.forward
+
+        def spy(code, *a, **k):  # record the codes transformers hands to token2wav
+            codes.append(code[0].tolist())
+            return orig(code, *a, **k)
+
+        model.token2wav.forward = spy
+        try:
+            if "pixel_values" in kw:  # transformers forwards pixel_values to the talker, which rejects them
+                common["talker_pixel_values"] = None
+            torch.manual_seed(seed)
+            seq, wav = model.generate(talker_do_sample=False, talker_max_new_tokens=talker_max,
+                                      talker_repetition_penalty=1.05, **common)
+        finally:
+            model.token2wav.forward = orig
+        return seq[0, len(ids):].tolist(), codes[0], wav.float().numpy()
+
+
+TALKER_SAMPLING = dict(temperature=0.0, max_tokens=TALKER_MAX, repetition_penalty=1.05, stop_token_ids=[8292])
+
+
+def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=512):
+    """Three engines wired like stage_configs/qwen2_5_omni_tiny.yaml (without the pipeline layer)."""
+    from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
+    from omni.engine.sampling import SamplingParams
+    from tests.engine_utils import make_engine
+
+    t = make_engine(None, model=thinker, caching=caching, block_size=block_size, max_num_batched_tokens=chunk,
+                    name="thinker", default_sampling=SamplingParams(temperature=0.0, max_tokens=THINKER_MAX))
+    k = make_engine(None, model=talker, caching=caching, block_size=block_size, max_num_batched_tokens=chunk,
+                    name="talker", default_sampling=SamplingParams(**TALKER_SAMPLING))
+    w = GenerationStageEngine(GenerationEngineConfig(name="token2wav"), model=token2wav)
+    return t, k, w
+
+
+def run_chain(chain, inputs: list[StageInput]):
+    """Run requests through thinker -> talker -> token2wav; returns {rid: (thinker, talker, wav) outputs}."""
+    from stages.qwen2_5_omni import talker2wav, thinker2talker
+    from tests.engine_utils import run_to_completion
+
+    t, k, w = chain
+    for inp in inputs:
+        t.add_request(inp)
+    t_out = run_to_completion(t)
+    by_id = {inp.request_id: inp for inp in inputs}
+    for rid, o in t_out.items():
+        k.add_request(thinker2talker({"thinker": o}, by_id[rid]))
+    k_out = run_to_completion(k)
+    for rid, o in k_out.items():
+        w.add_request(talker2wav({"talker": o}, by_id[rid]))
+    w_out = {}
+    while w.has_unfinished():
+        for o in w.step():
+            w_out[o.request_id] = o
+    return {rid: (t_out[rid], k_out[rid], w_out[rid]) for rid in by_id}

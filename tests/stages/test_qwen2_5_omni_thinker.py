@@ -1,0 +1,103 @@
+"""Qwen2.5-Omni thinker stage vs transformers; multimodal prefix caching and the encoder cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omni.engine.sampling import SamplingParams
+from omni.outputs import MultiModalInput, StageInput
+from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
+from tests.stages.omni_utils import CASES, THINKER_MAX, hf_generate, hf_inputs, image
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=THINKER_MAX)
+
+
+def _run(engine, inputs: list[StageInput]):
+    for inp in inputs:
+        engine.add_request(inp)
+    return run_to_completion(engine)
+
+
+def _fresh(stage):
+    stage.encoder_cache.clear()
+    stage.encoder_runs = stage.encoder_cache_hits = 0
+    return stage
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_thinker_matches_transformers(thinker_stage, hf_omni, chunk):
+    """Text-only, image and audio prompts, batched together (and chunked so an image straddles steps)."""
+    stage = _fresh(thinker_stage)
+    engine = make_engine(None, model=stage, block_size=4, max_num_batched_tokens=chunk)
+    inputs = [StageInput(name, prompt=p, mm_inputs=mm, sampling_params=GREEDY) for name, (p, mm) in CASES.items()]
+    outs = _run(engine, inputs)
+    for inp in inputs:
+        ids, kw = hf_inputs(stage, inp)
+        ref, _, _ = hf_generate(hf_omni, ids, kw, audio_out=False)
+        out = outs[inp.request_id]
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == ref, inp.request_id
+        assert out.hidden_states.shape == (len(ids) + len(out.token_ids) - 1, stage.hidden_size)
+        # The talker needs the prompt's 3-D rotary positions: handed downstream per token.
+        pos, _ = stage.rope_index(ids, stage.preprocess(inp).extra["thinker"].items)
+        np.testing.assert_array_equal(out.mm_outputs["mrope_positions"][: len(ids)], pos.t().numpy())
+    assert len({tuple(o.token_ids) for o in outs.values()}) == 3
+    assert stage.encoder_runs == 2  # one image + one audio, each encoded once even when chunked
+    assert_no_leak(engine)
+
+
+def test_prompts_differing_only_in_image_share_no_image_block(thinker_stage):
+    stage = _fresh(thinker_stage)
+    engine = make_engine(None, model=stage, block_size=4)
+    prompt = "Describe it."
+    a = StageInput("a", prompt=prompt, mm_inputs=[MultiModalInput("image", image(1))], sampling_params=GREEDY)
+    b = StageInput("b", prompt=prompt, mm_inputs=[MultiModalInput("image", image(2))], sampling_params=GREEDY)
+    pa, pb = stage.preprocess(a), stage.preprocess(b)
+    assert pa.token_ids == pb.token_ids  # identical placeholder tokens: only the image content differs
+    out_a = _run(engine, [a])["a"]
+    out_b = _run(engine, [b])["b"]
+    offset = pa.mm_features[0].offset
+    assert out_b.num_cached_tokens <= offset  # only the text blocks before the image are shared
+    assert out_b.num_cached_tokens > 0
+    ref_engine = make_engine(None, model=stage, block_size=4, caching=False)
+    ref = _run(ref_engine, [StageInput("b", prompt=prompt, mm_inputs=b.mm_inputs, sampling_params=GREEDY)])["b"]
+    assert out_b.token_ids == ref.token_ids
+    np.testing.assert_allclose(out_b.hidden_states, ref.hidden_states, atol=1e-4, rtol=1e-4)
+    assert out_a.token_ids != out_b.token_ids or not np.allclose(out_a.hidden_states, out_b.hidden_states)
+    assert_no_leak(engine)
+
+
+def test_encoder_cache_hit_when_image_straddles_cached_and_fresh_block(thinker_stage):
+    stage = _fresh(thinker_stage)
+    img = [MultiModalInput("image", image(3))]
+    first = StageInput("first", prompt="Tell me about it.", mm_inputs=img, sampling_params=GREEDY)
+    second = StageInput("second", prompt="Is it red?", mm_inputs=img, sampling_params=GREEDY)
+    p1, p2 = stage.preprocess(first), stage.preprocess(second)
+    feat = p1.mm_features[0]
+    end = feat.offset + feat.length
+    diff = next(i for i, (x, y) in enumerate(zip(p1.token_ids, p2.token_ids)) if x != y)
+    # A block size where the first differing token shares a block with the image's tail, while an
+    # earlier block lies inside the image: that block hits, the image's tail is recomputed.
+    bs = next(b for b in range(3, 16) if feat.offset < (diff // b) * b < end)
+    engine = make_engine(None, model=stage, block_size=bs)
+    _run(engine, [first])
+    assert stage.encoder_runs == 1
+    hits_before = stage.encoder_cache_hits
+    out = _run(engine, [second])["second"]
+    assert feat.offset < out.num_cached_tokens < end  # the hit ends inside the image
+    assert stage.encoder_runs == 1  # the image tail came from the encoder cache
+    assert stage.encoder_cache_hits > hits_before
+    ref_engine = make_engine(None, model=_fresh(stage), block_size=bs, caching=False)
+    ref = _run(ref_engine, [StageInput("second", prompt="Is it red?", mm_inputs=img, sampling_params=GREEDY)])
+    assert out.token_ids == ref["second"].token_ids
+    np.testing.assert_allclose(out.hidden_states, ref["second"].hidden_states, atol=1e-4, rtol=1e-4)
+    assert_no_leak(engine)
+
+
+def test_bad_multimodal_input_is_a_clear_error(thinker_stage):
+    engine = make_engine(None, model=thinker_stage, block_size=4)
+    with pytest.raises(ValueError, match="modality"):
+        engine.add_request(StageInput("x", prompt="hi", mm_inputs=[MultiModalInput("video", image(0))]))
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.add_request(StageInput("y", prompt="<|vision_bos|><|IMAGE|><|vision_eos|> hi"))
+    assert not engine.has_unfinished()
