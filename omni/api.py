@@ -90,8 +90,8 @@ class Omni:
         """Run every prompt through the pipeline; one RequestOutput per prompt, in input order.
 
         A request that fails (a stage error, timeout or abort) has `error` set; others are unaffected.
-        Hidden states are dropped from the outputs unless `return_hidden_states` (or the stage's
-        final_output is "hidden").
+        Per-token rows (hidden states, mm_outputs) are dropped from the outputs unless
+        `return_hidden_states` (or the stage's final_output is "hidden").
         """
         rids = self._submit(prompts, sampling_params, return_hidden_states, stream=False)
         results: dict[str, RequestOutput] = {}

@@ -67,7 +67,7 @@ TINY_ARCHS = {
     "llama": 4,
     "qwen2": 3,
 }
-BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2")
+BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2", "tiny-qwen2_5-omni")
 
 
 # ----------------------------------------------------------------------------- cache plumbing
@@ -294,6 +294,10 @@ def _builtin(name: str, cache_dir=None) -> Path:
         return tiny_checkpoint("qwen2", cache_dir)
     if name == "smollm2":
         return smollm2_path(cache_dir)
+    if name == "tiny-qwen2_5-omni":
+        from stages.qwen2_5_omni_checkpoint import tiny_omni_checkpoint
+
+        return tiny_omni_checkpoint(cache_dir)
     raise ValueError(
         f"unknown builtin model {name!r}; known: " + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
     )

@@ -188,23 +188,26 @@ def messages_for(prompt: str | list[dict[str, Any]], mm_inputs: list[MultiModalI
 
 
 def expand_placeholders(ids: list[int], items: list[MMItem], image_id: int, audio_id: int) -> list[int]:
-    """Replace the k-th single image/audio placeholder id by items[k].num_tokens copies; sets offsets."""
+    """Replace the k-th image (audio) placeholder id by the k-th image (audio) item's token count.
+
+    Items are matched per modality, in order (as transformers' processor does); sets their offsets."""
+    queues = {image_id: [i for i in items if i.modality == "image"],
+              audio_id: [i for i in items if i.modality == "audio"]}
+    used = {image_id: 0, audio_id: 0}
     out: list[int] = []
-    k = 0
     for t in ids:
-        if t in (image_id, audio_id):
-            if k >= len(items):
-                raise ValueError(f"prompt: more image/audio placeholders than mm_inputs ({len(items)})")
-            item = items[k]
-            want = image_id if item.modality == "image" else audio_id
-            if t != want:
-                raise ValueError(f"prompt: placeholder {k} is for {'image' if t == image_id else 'audio'} "
-                                 f"but mm_inputs[{k}] is {item.modality}")
+        if t in queues:
+            k = used[t]
+            if k >= len(queues[t]):
+                kind = "image" if t == image_id else "audio"
+                raise ValueError(f"prompt: more {kind} placeholders than {kind} mm_inputs ({len(queues[t])})")
+            item = queues[t][k]
             item.offset = len(out)
             out.extend([t] * item.num_tokens)
-            k += 1
+            used[t] = k + 1
         else:
             out.append(t)
-    if k != len(items):
-        raise ValueError(f"prompt: {len(items)} mm_inputs but {k} image/audio placeholders")
+    for t, kind in ((image_id, "image"), (audio_id, "audio")):
+        if used[t] != len(queues[t]):
+            raise ValueError(f"prompt: {len(queues[t])} {kind} mm_inputs but {used[t]} {kind} placeholders")
     return out

@@ -9,6 +9,12 @@ Mirrors transformers' `Qwen2_5OmniForConditionalGeneration.generate` for one req
     decode step j codec_embed(c_j) + reply[j]    reply = rows of g1.., then text eos, then text pad
     positions     the thinker's 3-D prompt positions, then +1, +2; generated: p + delta
 
+transformers 5.x's `generate` loses the talker's attention mask on the way to its forward, and
+with it two steps of that forward: the codec pad/bos embeddings are not added to the last two
+prompt rows and the positions are plain 0, 1, 2, ... on all three axes. `transformers_compat`
+(model_kwargs, default True) reproduces that, token for token; False gives the behaviour the
+forward's code (and the original Qwen2.5-Omni release) intends, as listed above.
+
 The prompt rows (in the thinker's hidden width, before `thinker_to_talker_proj`) are this stage's
 `prompt_embeds`, so the engine hashes them into the block keys: a talker prefix hits only when the
 thinker's states for it were identical. `compute_logits` suppresses the codec bos token, as
@@ -72,8 +78,9 @@ class Qwen2_5OmniTalkerStage(StageModel):
     tokenizer = None
 
     def __init__(self, talker, thinker_embed: torch.nn.Embedding, speakers: dict, device, dtype,
-                 mm_token_ids: tuple[int, ...]):
+                 mm_token_ids: tuple[int, ...], transformers_compat: bool = True):
         self.talker = talker
+        self.transformers_compat = transformers_compat
         self.thinker_embed = thinker_embed
         self.speakers = speakers
         self.device, self.dtype = device, dtype
@@ -92,13 +99,15 @@ class Qwen2_5OmniTalkerStage(StageModel):
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
 
+        kwargs = dict(model_kwargs or {})
+        compat = bool(kwargs.pop("transformers_compat", True))
         talker, full = load_omni_part(Path(model_path), "talker", Qwen2_5OmniTalkerForConditionalGeneration,
-                                      dtype, device, **(model_kwargs or {}))
+                                      dtype, device, **kwargs)
         talker.model.config._attn_implementation = register_attention()
         tc = full.thinker_config
         mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
         return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),
-                   device, dtype, mm)
+                   device, dtype, mm, compat)
 
     def kv_spec(self) -> KVSpec:
         cfg = self.config
@@ -134,12 +143,16 @@ class Qwen2_5OmniTalkerStage(StageModel):
         reply = hidden[L : L + num_reply] + self._embed_text(gen[:num_reply])
         codec = self.codec_embed(torch.tensor([self.talker.codec_pad_token, self.talker.codec_bos_token],
                                               device=self.device)).float()
+        if self.transformers_compat:
+            codec = torch.zeros_like(codec)
         rows = torch.cat([hidden[:L] + emb,
                           self._embed_text([int(spk["bos_token"])]) + codec[:1],
                           reply[:1] + codec[1:]])
         tail = self._embed_text([cfg.tts_text_end_token_id, cfg.tts_text_pad_token_id])
         rest = torch.cat([reply[1:], tail])
         tpos = torch.as_tensor(np.asarray(ex["thinker_positions"]), dtype=torch.long)[:L].t()
+        if self.transformers_compat:
+            tpos = torch.arange(L, dtype=torch.long).repeat(3, 1)
         top = int(tpos.max()) if L else -1
         positions = torch.cat([tpos, torch.tensor([[top + 1, top + 2]] * 3, dtype=torch.long)], dim=1)
         ids = [self.talker.codec_mask_token] * L + [self.talker.codec_pad_token, self.talker.codec_bos_token]

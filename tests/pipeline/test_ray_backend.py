@@ -5,6 +5,7 @@ One local Ray cluster for the whole module (auth disabled, temp dir, always shut
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -37,6 +38,7 @@ def ray_cluster():
         yield
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def ray_chain(**runtime):

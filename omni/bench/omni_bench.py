@@ -1,0 +1,147 @@
+"""Multi-turn Qwen2.5-Omni conversation (thinker -> talker -> token2wav), prefix caching on vs off.
+
+Every turn re-sends the whole conversation (an image and an audio clip in turn 1, the assistant's
+earlier replies, a new user message), as a chat client does. Per turn we time:
+
+    turn latency   submission -> waveform ready (all three stages)
+    first audio    submission -> the talker's first codec token (what a streaming vocoder needs
+                   to start playing; the thinker prefill and the talker prefill are on this path)
+
+and report the mean over turns 2+ (turn 1 cannot hit), caching on vs off:
+    turn_latency_speedup = mean(latency off) / mean(latency on), likewise first_audio_speedup.
+The stages run in this process, one engine each, built from the stage config like the runtime does.
+
+    omni bench omni [--config stage_configs/qwen2_5_omni_tiny.yaml] [--turns 4]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+_USER_TURNS = [
+    "Please describe the picture and the sound in as much detail as you can, then tell me a story.",
+    "That is interesting. Can you tell me more about the colours and the shapes you noticed?",
+    "Now summarise everything we talked about so far in three short sentences, please.",
+    "Thank you. One last question: what would you change about the picture to make it calmer?",
+    "Great. Say goodbye in a friendly way and remind me what we discussed today.",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="stage_configs/qwen2_5_omni_tiny.yaml", help="Qwen2.5-Omni stage config")
+    parser.add_argument("--turns", type=int, default=4, help="conversation turns (>= 2)")
+    parser.add_argument("--thinker-max-tokens", type=int, default=16)
+    parser.add_argument("--talker-max-tokens", type=int, default=32)
+    parser.add_argument("--no-media", action="store_true", help="text-only conversation (no image/audio in turn 1)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="run each conversation this often on fresh engines; per turn, the fastest run counts")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _engines(config: str, caching: bool, thinker_max: int, talker_max: int) -> dict[str, Any]:
+    from omni.config import load_config
+    from omni.engine.engine import StageEngine
+
+    overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": thinker_max}},
+                 "talker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": talker_max}}}
+    cfg = load_config(config, stage_overrides=overrides)
+    names = [s.name for s in cfg.stages]
+    if names != ["thinker", "talker", "token2wav"]:
+        raise ValueError(f"--config: expected stages thinker, talker, token2wav; got {names}")
+    return {s.name: StageEngine.from_config(s) for s in cfg.stages}
+
+
+def _drain(engine, rid: str) -> Any:
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                if out.error:
+                    raise RuntimeError(f"stage {engine.name}: {out.error}")
+                return out
+
+
+def _turn(engines: dict[str, Any], rid: str, prompt: list[dict], mm: list) -> tuple[float, float, Any]:
+    from omni.outputs import StageInput
+    from stages.qwen2_5_omni import talker2wav, thinker2talker
+
+    inp = StageInput(rid, prompt=prompt, mm_inputs=mm)
+    t0 = time.perf_counter()
+    engines["thinker"].add_request(inp)
+    thinker_out = _drain(engines["thinker"], rid)
+    t_talker = time.perf_counter()
+    engines["talker"].add_request(thinker2talker({"thinker": thinker_out}, inp))
+    talker_out = _drain(engines["talker"], rid)
+    first_audio = (t_talker - t0) + talker_out.metrics.get("ttft_s", 0.0)
+    engines["token2wav"].add_request(talker2wav({"talker": talker_out}, inp))
+    wav = _drain(engines["token2wav"], rid)
+    return time.perf_counter() - t0, first_audio, (thinker_out, talker_out, wav)
+
+
+def _conversation(args, caching: bool) -> dict[str, Any]:
+    from omni.outputs import MultiModalInput
+
+    engines = _engines(args.config, caching, args.thinker_max_tokens, args.talker_max_tokens)
+    rng = np.random.default_rng(args.seed)
+    mm = [] if args.no_media else [
+        MultiModalInput("image", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)),
+        MultiModalInput("audio", (0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)]
+    first = [{"type": m.modality} for m in mm]
+    messages: list[dict] = []
+    latency, first_audio, hits, outputs = [], [], [], []
+    for turn in range(args.turns):
+        text = _USER_TURNS[turn % len(_USER_TURNS)]
+        content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
+        messages.append({"role": "user", "content": content})
+        lat, fa, (t_out, k_out, w_out) = _turn(engines, f"turn{turn}", messages, mm)
+        latency.append(lat)
+        first_audio.append(fa)
+        hits.append({"thinker": t_out.num_cached_tokens, "talker": k_out.num_cached_tokens})
+        outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
+        messages.append({"role": "assistant", "content": t_out.text or ""})
+    stats = {name: {k: e.stats().get(k) for k in ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_hit_rate")}
+             for name, e in engines.items()}
+    encoder = getattr(engines["thinker"].model, "encoder_stats", None)
+    return {"turn_latency_s": latency, "first_audio_s": first_audio, "cached_tokens": hits,
+            "stats": stats, "encoder": encoder() if encoder else None, "_outputs": outputs}
+
+
+def _best_of(args, caching: bool) -> dict[str, Any]:
+    runs = [_conversation(args, caching) for _ in range(max(1, args.repeats))]
+    best = runs[-1]
+    for key in ("turn_latency_s", "first_audio_s"):
+        best[key] = [min(r[key][t] for r in runs) for t in range(args.turns)]
+    return best
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.turns < 2:
+        raise ValueError(f"--turns must be >= 2 (turn 1 cannot hit the cache), got {args.turns}")
+    off = _best_of(args, caching=False)
+    on = _best_of(args, caching=True)
+    same = all(a[0] == b[0] and a[1] == b[1] and np.array_equal(a[2], b[2])
+               for a, b in zip(on.pop("_outputs"), off.pop("_outputs")))
+
+    def mean_after_first(xs: list[float]) -> float:
+        return float(np.mean(xs[1:]))
+
+    return {
+        "benchmark": "omni",
+        "config": args.config,
+        "turns": args.turns,
+        "caching_on": on,
+        "caching_off": off,
+        "outputs_identical": same,
+        "turn_latency_speedup": mean_after_first(off["turn_latency_s"]) / mean_after_first(on["turn_latency_s"]),
+        "first_audio_speedup": mean_after_first(off["first_audio_s"]) / mean_after_first(on["first_audio_s"]),
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(p)
+    print(json.dumps(run(p.parse_args()), indent=2, default=str))

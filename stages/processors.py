@@ -1,0 +1,29 @@
+"""Generic input processors (edges of a stage graph).
+
+    fn(upstream: dict[str, StageOutput], request: StageInput) -> StageInput
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from omni.errors import OmniError
+from omni.outputs import StageInput, StageOutput
+
+
+def hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
+    """The upstream stage's last hidden states become the downstream prompt embeddings.
+
+    One row per token the upstream stage computed (its prompt and generated
+    tokens): the downstream model is conditioned on the whole sequence, as a
+    talker is on its thinker. The token ids are placeholders; the embeddings'
+    per-block digests in the block hashes keep different inputs apart in the
+    prefix cache, while equal leading rows (a follow-up turn) still hit.
+    """
+    if len(upstream) != 1:
+        raise OmniError(f"hidden_to_embeds takes exactly one upstream stage, got {sorted(upstream)}")
+    (name, out), = upstream.items()
+    if out.hidden_states is None:
+        raise OmniError(f"hidden_to_embeds: stage {name!r} returned no hidden states")
+    rows = np.ascontiguousarray(out.hidden_states, dtype=np.float32)
+    return StageInput(request.request_id, prompt_token_ids=[0] * rows.shape[0], prompt_embeds=rows,
+                      cache_salt=request.cache_salt)

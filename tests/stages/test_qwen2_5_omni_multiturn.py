@@ -1,0 +1,36 @@
+"""Multi-turn Qwen2.5-Omni with prefix caching: turn 2 hits on thinker and talker, outputs unchanged."""
+from __future__ import annotations
+
+import numpy as np
+
+from omni.outputs import MultiModalInput, StageInput
+from tests.stages.omni_utils import image, make_chain, run_chain
+
+
+def _conversation(chain):
+    img = [MultiModalInput("image", image(7))]
+    turn1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What do you see?"}]}]
+    r1 = run_chain(chain, [StageInput("t1", prompt=turn1, mm_inputs=img)])["t1"]
+    stats1 = [e.stats() for e in chain]
+    turn2 = turn1 + [{"role": "assistant", "content": r1[0].text},
+                     {"role": "user", "content": "Tell me more about it."}]
+    r2 = run_chain(chain, [StageInput("t2", prompt=turn2, mm_inputs=img)])["t2"]
+    stats2 = [e.stats() for e in chain]
+    return [r1, r2], stats1, stats2
+
+
+def test_second_turn_hits_thinker_and_talker_and_matches_caching_off(thinker_stage, talker_stage, token2wav_stage):
+    on, s1, s2 = _conversation(make_chain(thinker_stage, talker_stage, token2wav_stage, caching=True))
+    off, _, _ = _conversation(make_chain(thinker_stage, talker_stage, token2wav_stage, caching=False))
+    thinker2, talker2 = on[1][0], on[1][1]
+    assert thinker2.num_cached_tokens > 0 and talker2.num_cached_tokens > 0
+    assert s2[0]["prefix_cache_hits"] > s1[0]["prefix_cache_hits"]  # thinker
+    assert s2[1]["prefix_cache_hits"] > s1[1]["prefix_cache_hits"]  # talker
+    for turn_on, turn_off in zip(on, off):
+        (t_on, k_on, w_on), (t_off, k_off, w_off) = turn_on, turn_off
+        assert t_on.token_ids == t_off.token_ids
+        np.testing.assert_allclose(t_on.hidden_states, t_off.hidden_states, atol=1e-4, rtol=1e-4)
+        assert k_on.token_ids == k_off.token_ids
+        np.testing.assert_allclose(k_on.hidden_states, k_off.hidden_states, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(w_on.audio, w_off.audio, atol=1e-6, rtol=0)
+    assert off[1][0].num_cached_tokens == 0 and off[1][1].num_cached_tokens == 0
