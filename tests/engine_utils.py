@@ -47,4 +47,4 @@ def generate(engine: StageEngine, prompts: list[list[int]], **params) -> list[St
 def assert_no_leak(engine: StageEngine) -> None:
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks leaked"
-    assert not engine.runner.states and not engine._rows
+    assert not engine.runner.states and (engine.rows is None or len(engine.rows) == 0)

@@ -24,7 +24,8 @@ from .runner import ModelRunner, RunnerRequestState
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .stage_model import StageModel
-from .tensor_cache import StageTensorCache, is_per_token
+from .output_rows import OutputRows
+from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,6 @@ class StageEngineConfig:
     emit_hidden_states: bool = True
 
 
-@dataclass(slots=True)
-class _Rows:
-    """Per-token outputs of one request: prefix-hit rows + fresh rows per step."""
-
-    cached: dict[str, torch.Tensor] = field(default_factory=dict)
-    fresh: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    passthrough: dict[str, Any] = field(default_factory=dict)
-
-
 class StageEngine:
     def __init__(self, config: StageEngineConfig, model: StageModel | None = None):
         self.config = config
@@ -104,13 +96,13 @@ class StageEngine:
             StageTensorCache(num_blocks, config.block_size)
             if config.enable_prefix_caching and config.emit_hidden_states else None
         )
-        self._rows: dict[str, _Rows] = {}
+        # Per-token outputs handed downstream; None for a stage whose caller wants text only.
+        self.rows = OutputRows(self.tensor_cache) if config.emit_hidden_states else None
         self._pending: list[StageOutput] = []  # aborted requests, reported by the next step()
         self._ttfts: list[float] = []
         self._num_finished = 0
         self._num_errors = 0
         self._step_time = 0.0
-        self._cache_time = 0.0
         self._num_steps = 0
 
     # ------------------------------------------------------------- creation
@@ -221,7 +213,7 @@ class StageEngine:
     def add_request(self, inp: StageInput) -> None:
         """Queue one request; raises ValueError naming the bad field (the stage keeps serving)."""
         rid = inp.request_id
-        if rid in self.scheduler.requests or rid in self._rows:
+        if rid in self.scheduler.requests:
             raise ValueError(f"request_id {rid!r} is already in use on stage {self.name}")
         params = self._sampling_params(inp.sampling_params)
         prepared = self.model.preprocess(inp)
@@ -249,7 +241,8 @@ class StageEngine:
         self.model.add_request(rid, prepared, inp)
         self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
         self.scheduler.add_request(req)
-        self._rows[rid] = _Rows()
+        if self.rows is not None:
+            self.rows.add(rid)
 
     def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes]]:
         arr = np.ascontiguousarray(np.asarray(value, dtype=np.float32))
@@ -265,8 +258,8 @@ class StageEngine:
 
     def abort(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)
-        rows = self._rows.pop(request_id, None)
-        if req is not None or rows is not None:
+        had_rows = self.rows is not None and self.rows.drop(request_id)
+        if req is not None or had_rows:
             self.runner.remove_request(request_id)
             self.model.remove_request(request_id)
             out = StageOutput(request_id, self.name, finished=True, finish_reason="abort")
@@ -293,7 +286,8 @@ class StageEngine:
             for s in sched.scheduled:
                 req = self.scheduler.requests.get(s.req_id)
                 self.scheduler.abort(s.req_id)
-                self._rows.pop(s.req_id, None)
+                if self.rows is not None:
+                    self.rows.drop(s.req_id)
                 self.runner.remove_request(s.req_id)
                 self.model.remove_request(s.req_id)
                 self._num_errors += 1
@@ -302,10 +296,8 @@ class StageEngine:
                     finished=True, finish_reason="error",
                     error=f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}"))
             return results
-        if self.config.emit_hidden_states:
-            tc = time.perf_counter()
-            self._collect_rows(sched, out)
-            self._cache_time += time.perf_counter() - tc
+        if self.rows is not None:
+            self.rows.collect(sched.scheduled, out.row_ranges, out.outputs, out.slot_mapping, out.num_tokens)
         finished = self.scheduler.update(sched, out.sampled)
         for req in finished:
             results.append(self._make_output(req))
@@ -313,33 +305,10 @@ class StageEngine:
         self._num_steps += 1
         return results
 
-    def _collect_rows(self, sched, out) -> None:
-        num_tokens = out.num_tokens
-        per_token = {k: v for k, v in out.outputs.items() if is_per_token(v, num_tokens)}
-        if self.tensor_cache is not None:
-            # Write before any read: a request may hit a block filled this step.
-            self.tensor_cache.write(out.slot_mapping, per_token)
-        num_seqs = len(sched.scheduled)
-        for i, (s, (rid, start, n)) in enumerate(zip(sched.scheduled, out.row_ranges)):
-            rows = self._rows.get(rid)
-            if rows is None:
-                continue
-            if s.is_new:  # first step after add or resume: rebuild from the hit
-                rows.cached, rows.fresh = {}, {}
-                if s.num_hit_tokens and self.tensor_cache is not None:
-                    rows.cached = self.tensor_cache.read(s.block_ids, s.num_hit_tokens)
-            for name, t in per_token.items():
-                rows.fresh.setdefault(name, []).append(t[start : start + n].clone())
-            for name, t in out.outputs.items():
-                if name not in per_token:
-                    rows.passthrough[name] = t[i] if (isinstance(t, torch.Tensor) and t.ndim >= 1
-                                                      and t.shape[0] == num_seqs) else t
-
     def _make_output(self, req: Request) -> StageOutput:
         rid = req.request_id
         self.runner.remove_request(rid)
         self.model.remove_request(rid)
-        rows = self._rows.pop(rid, None)
         ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
         self._num_finished += 1
         if ttft is not None:
@@ -356,16 +325,9 @@ class StageEngine:
         )
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        if rows is not None and self.config.emit_hidden_states:
-            full = {}
-            for name, parts in rows.fresh.items():
-                cached = rows.cached.get(name)
-                seq = ([cached] if cached is not None else []) + parts
-                full[name] = torch.cat(seq).float().cpu().numpy()
-            out.hidden_states = full.pop("hidden_states", None)
-            out.mm_outputs = full
-            out.passthrough = {k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
-                               for k, v in rows.passthrough.items()}
+        rows = self.rows.finish(rid) if self.rows is not None else None
+        if rows is not None:
+            out.hidden_states, out.mm_outputs, out.passthrough = rows.hidden_states, rows.mm_outputs, rows.passthrough
         return out
 
     # ---------------------------------------------------------------- stats
@@ -389,7 +351,7 @@ class StageEngine:
             "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
             "steps": self._num_steps,
             "step_time_s": self._step_time,
-            "tensor_cache_time_s": self._cache_time,
+            "tensor_cache_time_s": self.rows.time_s if self.rows is not None else 0.0,
         }
         if self.tensor_cache is not None:
             s.update(self.tensor_cache.stats())

@@ -101,3 +101,22 @@ def test_bad_multimodal_input_is_a_clear_error(thinker_stage):
     with pytest.raises(ValueError, match="placeholder"):
         engine.add_request(StageInput("y", prompt="<|vision_bos|><|IMAGE|><|vision_eos|> hi"))
     assert not engine.has_unfinished()
+
+
+def test_audio_and_image_in_one_prompt_match_transformers(thinker_stage, hf_omni):
+    from tests.stages.omni_utils import audio
+
+    stage = _fresh(thinker_stage)
+    engine = make_engine(None, model=stage, block_size=4, max_num_batched_tokens=32)
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                             {"type": "text", "text": "Which came first?"}]}]
+    # mm_inputs are matched to placeholders per modality, in order (as transformers' processor does).
+    inp = StageInput("mixed", prompt=messages, sampling_params=GREEDY,
+                     mm_inputs=[MultiModalInput("image", image(5, 84, 56)), MultiModalInput("audio", audio(5, 1.5), 16000)])
+    out = _run(engine, [inp])["mixed"]
+    ids, kw = hf_inputs(stage, inp)
+    ref, _, _ = hf_generate(hf_omni, ids, kw, audio_out=False)
+    assert out.token_ids == ref
+    feats = stage.preprocess(inp).mm_features
+    assert [f.offset for f in feats] == sorted(f.offset for f in feats)  # audio first in the prompt
+    assert_no_leak(engine)
