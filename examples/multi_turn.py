@@ -20,12 +20,8 @@ from omni import Omni
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SYSTEM = (
-    "You are Omni, a concise and friendly travel assistant. You answer in one or two short sentences, "
-    "you never invent facts, and when you are unsure you say so. You know European capitals, their "
-    "museums, their food and their history well. Keep a warm tone, avoid lists unless asked, and do "
-    "not repeat the question. If the user asks for a recommendation, give exactly one, with a reason."
-)
+# No custom system prompt: SmolLM2's chat template supplies its own, and the
+# 135M model (4-bit GGUF weights) answers best with it.
 TURNS = [
     "What is the capital of France?",
     "What is it famous for?",
@@ -42,7 +38,7 @@ def per_turn_hit_rate(before: dict[str, Any], after: dict[str, Any]) -> float | 
 def converse(omni: Omni, label: str) -> list[dict[str, Any]]:
     # Warm up every stage (first-forward overheads) on an unrelated prompt, so turn 1 is a fair baseline.
     omni.generate([{"prompt": [{"role": "user", "content": "Hi"}]}], use_tqdm=False)
-    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    messages: list[dict[str, str]] = []
     rows = []
     print(f"\n=== {label} ===")
     for turn, question in enumerate(TURNS, 1):

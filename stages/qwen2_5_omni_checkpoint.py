@@ -26,7 +26,7 @@ from pathlib import Path
 
 from stages.checkpoints import _QWEN2_ADDED, _build_once, cache_root
 
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2  # v2: thinker config carries vision_start/end token ids
 _SEED = 1234
 _TEXT_STD = 0.2  # as in stages.checkpoints: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1

@@ -34,7 +34,7 @@ _DEFAULTS = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+    "min_pixels": 56 * 56, "max_pixels": 12845056,  # Qwen2.5-Omni-7B preprocessor_config
     "audio_sampling_rate": 16000, "num_mel_bins": 128, "system_prompt": DEFAULT_SYSTEM,
 }
 

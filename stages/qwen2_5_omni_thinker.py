@@ -35,11 +35,18 @@ def load_omni_part(model_path: Path, part: str, cls: type, dtype: torch.dtype, d
                    attn: str = "sdpa", **kwargs: Any):
     """Load one part ("thinker" / "talker" / "token2wav") of a full Qwen2.5-Omni checkpoint."""
     from transformers import Qwen2_5OmniConfig
+    from transformers.utils import logging as hf_logging
 
     full = Qwen2_5OmniConfig.from_pretrained(str(model_path))
     config = getattr(full, f"{part}_config")
-    model = cls.from_pretrained(str(model_path), config=config, dtype=dtype, attn_implementation=attn,
-                                key_mapping={rf"^{part}\.": ""}, **kwargs)
+    # The other parts' weights are "unexpected" for this one: keep transformers' load report quiet.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = cls.from_pretrained(str(model_path), config=config, dtype=dtype, attn_implementation=attn,
+                                    key_mapping={rf"^{part}\.": ""}, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return model.to(device).eval(), full
 
 
@@ -112,7 +119,7 @@ class Qwen2_5OmniThinkerStage(StageModel):
             raise ValueError("prompt: the thinker needs `prompt` (text or chat messages) or `prompt_token_ids`")
         ids = expand_placeholders(ids, items, self.image_token_id, self.audio_token_id)
         positions, delta = self.rope_index(ids, items)
-        feats = [MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items]
+        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items), key=lambda f: f.offset)
         return PreparedPrompt(ids, feats, None, {"thinker": _ThinkerRequest(items, positions, delta)})
 
     def rope_index(self, ids: list[int], items: list[MMItem]) -> tuple[torch.Tensor, int]:

@@ -32,3 +32,19 @@ def test_tiny_pipeline_through_the_omni_api(tiny_omni):
     assert len(out.outputs["thinker"].token_ids) == 4 and out.outputs["thinker"].text
     audio = out.outputs["token2wav"].audio
     assert audio.dtype == np.float32 and audio.ndim == 1 and audio.size > 0
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_on_ray(tiny_omni):
+    """One actor per stage: images/audio in, numpy rows between actors, a waveform out."""
+    from omni import Omni
+    from tests.stages.omni_utils import audio
+
+    overrides = {"thinker": {"sampling": {"max_tokens": 3}}, "talker": {"sampling": {"max_tokens": 4}}}
+    with Omni(TINY, stage_overrides=overrides) as o:
+        outs = o.generate([{"prompt": "Hi", "multi_modal_data": {"audio": audio(1)}},
+                           {"prompt": "Look", "multi_modal_data": {"image": image(1)}}], use_tqdm=False)
+    for out in outs:
+        assert out.error is None
+        assert len(out.outputs["thinker"].token_ids) == 3
+        assert out.outputs["token2wav"].audio.size > 0

@@ -44,3 +44,41 @@ def test_thinker2talker_and_talker2wav_contracts(thinker_stage, talker_stage):
         talker2wav({"talker": StageOutput("r", "talker", token_ids=[8292])}, StageInput("r"))
     with pytest.raises(ValueError, match="thinker"):
         talker_stage.preprocess(StageInput("r"))
+
+
+def test_mrope_talker_prefill_matches_transformers_forward(thinker_stage, talker_stage, hf_omni):
+    """transformers_compat=False: the talker prefill equals transformers' talker forward *with* its
+    attention mask (codec bos/pad embeddings added, 3-D positions from input_text_ids + image grid)."""
+    import torch
+
+    from omni.engine.sampling import SamplingParams
+    from tests.engine_utils import make_engine, run_to_completion
+
+    inp = StageInput("image", prompt=CASES["image"][0], mm_inputs=CASES["image"][1])
+    engine = make_engine(None, model=thinker_stage, default_sampling=SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request(inp)
+    thinker_out = run_to_completion(engine)["image"]
+    talker_inp = thinker2talker({"thinker": thinker_out}, inp)
+    ids, kw = hf_inputs(thinker_stage, inp)
+    L = len(ids)
+    talker_stage.transformers_compat = False
+    try:
+        rows = talker_stage.preprocess(talker_inp).prompt_embeds.copy()
+        k_engine = make_engine(None, model=talker_stage, default_sampling=SamplingParams(temperature=0, max_tokens=1))
+        k_engine.add_request(talker_inp)
+        ours = run_to_completion(k_engine)["image"]
+    finally:
+        talker_stage.transformers_compat = True
+    talker = hf_omni.talker
+    with torch.inference_mode():
+        codec = talker_stage.codec_embed(torch.tensor([talker.codec_pad_token, talker.codec_bos_token])).numpy()
+        rows[-2] -= codec[0]  # transformers' forward adds these two itself
+        rows[-1] -= codec[1]
+        bos = talker_stage.speakers["Chelsie"]["bos_token"]
+        talker.rope_deltas = None
+        ref = talker(inputs_embeds=torch.from_numpy(rows)[None], attention_mask=torch.ones(1, L + 2, dtype=torch.long),
+                     input_text_ids=torch.tensor([ids + [bos, thinker_out.token_ids[0]]]),
+                     image_grid_thw=kw["image_grid_thw"], use_cache=False).logits[0, -1]
+        got = talker_stage.compute_logits(torch.from_numpy(ours.hidden_states[L + 1 : L + 2]))[0]
+        ref[talker.codec_bos_token] = float("-inf")
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -34,3 +34,17 @@ def test_second_turn_hits_thinker_and_talker_and_matches_caching_off(thinker_sta
         np.testing.assert_allclose(k_on.hidden_states, k_off.hidden_states, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(w_on.audio, w_off.audio, atol=1e-6, rtol=0)
     assert off[1][0].num_cached_tokens == 0 and off[1][1].num_cached_tokens == 0
+
+
+def test_mrope_talker_mode_caches_and_matches_caching_off(thinker_stage, talker_stage, token2wav_stage):
+    """transformers_compat=False (codec bos/pad added, 3-D talker positions): same caching invariants."""
+    talker_stage.transformers_compat = False
+    try:
+        on, _, s2 = _conversation(make_chain(thinker_stage, talker_stage, token2wav_stage, caching=True))
+        off, _, _ = _conversation(make_chain(thinker_stage, talker_stage, token2wav_stage, caching=False))
+    finally:
+        talker_stage.transformers_compat = True
+    assert on[1][1].num_cached_tokens > 0
+    for (t_on, k_on, w_on), (t_off, k_off, w_off) in zip(on, off):
+        assert t_on.token_ids == t_off.token_ids and k_on.token_ids == k_off.token_ids
+        np.testing.assert_allclose(w_on.audio, w_off.audio, atol=1e-6, rtol=0)

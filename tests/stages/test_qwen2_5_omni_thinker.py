@@ -120,3 +120,18 @@ def test_audio_and_image_in_one_prompt_match_transformers(thinker_stage, hf_omni
     feats = stage.preprocess(inp).mm_features
     assert [f.offset for f in feats] == sorted(f.offset for f in feats)  # audio first in the prompt
     assert_no_leak(engine)
+
+
+def test_preempted_multimodal_requests_still_match_transformers(thinker_stage, hf_omni):
+    """Too few KV blocks for the batch: requests are preempted and recomputed, encoders come from cache."""
+    stage = _fresh(thinker_stage)
+    engine = make_engine(None, model=stage, block_size=4, num_blocks=30, max_num_batched_tokens=32)
+    inputs = [StageInput(name, prompt=p, mm_inputs=mm, sampling_params=GREEDY) for name, (p, mm) in CASES.items()]
+    outs = _run(engine, inputs)
+    assert engine.stats()["preemptions"] > 0
+    for inp in inputs:
+        ids, kw = hf_inputs(stage, inp)
+        ref, _, _ = hf_generate(hf_omni, ids, kw, audio_out=False)
+        assert outs[inp.request_id].token_ids == ref, inp.request_id
+    assert stage.encoder_runs == 2
+    assert_no_leak(engine)
