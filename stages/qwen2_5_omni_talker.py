@@ -86,8 +86,10 @@ class Qwen2_5OmniTalkerStage(StageModel):
         self.device, self.dtype = device, dtype
         cfg = self.config = talker.config
         self.codec_embed = talker.model.embed_tokens
-        # Width of the prompt rows (thinker space), which is what `prompt_embeds` carries.
-        self.hidden_size = cfg.embedding_size
+        # Prompt rows arrive in the thinker's space (embedding_size); the talker's
+        # own hidden states are hidden_size wide.
+        self.prompt_embed_size = cfg.embedding_size
+        self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.max_model_len = int(cfg.max_position_embeddings)
         self.eos_token_id = talker.codec_eos_token

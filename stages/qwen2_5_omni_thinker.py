@@ -201,6 +201,9 @@ class Qwen2_5OmniThinkerStage(StageModel):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
 
+    def stats(self) -> dict[str, int]:
+        return self.encoder_stats()
+
     def encoder_stats(self) -> dict[str, int]:
         return {"encoder_runs": self.encoder_runs, "encoder_cache_hits": self.encoder_cache_hits,
                 "encoder_cache_entries": len(self.encoder_cache)}

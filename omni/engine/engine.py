@@ -246,9 +246,9 @@ class StageEngine:
 
     def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes]]:
         arr = np.ascontiguousarray(np.asarray(value, dtype=np.float32))
-        if arr.ndim != 2 or arr.shape != (num_tokens, self.model.hidden_size):
-            raise ValueError(
-                f"prompt_embeds: expected shape ({num_tokens}, {self.model.hidden_size}), got {arr.shape}")
+        width = self.model.prompt_embed_size or self.model.hidden_size
+        if arr.ndim != 2 or arr.shape != (num_tokens, width):
+            raise ValueError(f"prompt_embeds: expected shape ({num_tokens}, {width}), got {arr.shape}")
         bs = self.config.block_size
         # One digest per block of rows: the block hashes chain them, so equal
         # leading embeddings still share blocks across turns.
@@ -355,4 +355,5 @@ class StageEngine:
         }
         if self.tensor_cache is not None:
             s.update(self.tensor_cache.stats())
+        s.update(self.model.stats())
         return s

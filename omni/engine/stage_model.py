@@ -48,7 +48,10 @@ class StageModel:
     # False for generation stages such as token2wav: no KV cache, no prefix caching.
     autoregressive: bool = True
 
-    hidden_size: int
+    hidden_size: int  # width of the last hidden states it emits
+    # Width of rows accepted as `prompt_embeds` when it differs from
+    # hidden_size (a talker fed a wider thinker's embeddings); None = hidden_size.
+    prompt_embed_size: int | None = None
     vocab_size: int
     max_model_len: int
     eos_token_id: int | None
@@ -91,3 +94,7 @@ class StageModel:
 
     def remove_request(self, request_id: str) -> None:
         """Called when a request leaves the stage (finished, aborted or failed)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Model-specific counters merged into the stage's stats (e.g. encoder cache hits)."""
+        return {}
