@@ -294,6 +294,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from omni.config import load_config, parse_stage_overrides
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the embedded Ray needs no token auth
+    for name in ("num_requests", "repeats", "conversations", "system_tokens", "turn_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    if args.turns < 2:
+        raise SystemExit("error: --turns must be >= 2 (the TTFT speedup is over turns 2+)")
+    lo, hi = args.prompt_tokens
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"error: --prompt-tokens needs 1 <= MIN <= MAX, got {lo} {hi}")
     path = _config_path(args.config)
     base = parse_stage_overrides(args.stage_overrides)
     cfg = load_config(path, base or None)
@@ -307,11 +315,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "stages": [s.name for s in cfg.stages], "cpu_count": os.cpu_count()}
     if not args.skip_backends:
         backends = bench_backends(args, cfg, base)
-        result["ray_over_local_time_ratio"] = backends["ray_over_local_time_ratio"]
-        result["threads"] = backends["threads"]
+        result["ray_over_local_time_ratio"] = backends.pop("ray_over_local_time_ratio")
+        result["threads"] = backends.pop("threads")
         result["backends"] = backends
     if not args.skip_ttft:
         ttft = bench_ttft(args, cfg, base)
-        result["per_stage_ttft_speedup"] = ttft["per_stage_ttft_speedup"]
+        result["per_stage_ttft_speedup"] = ttft.pop("per_stage_ttft_speedup")
         result["ttft"] = ttft
     return result

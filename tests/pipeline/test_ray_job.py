@@ -79,12 +79,16 @@ def alive(pid: int) -> bool:
 
 
 def stop_cluster(proc: subprocess.Popen) -> None:
-    """SIGTERM the cluster's process group, then SIGKILL whatever of it (or below it) is left."""
+    """SIGTERM the cluster's process group, then SIGKILL whatever of it (or below it) is left.
+
+    A graceful `ray start --block` shutdown can take over 30 s (it stops its processes one by one, each
+    with its own grace period); this throwaway cluster gets 5 s.
+    """
     spawned = descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
     with contextlib.suppress(ProcessLookupError):
@@ -203,3 +207,19 @@ def test_ray_job_submit_omni_run(cluster):
     assert thinker["token_ids"] == want.outputs["thinker"].token_ids
     assert thinker["text"] == want.outputs["thinker"].text
     assert talker["token_ids"] == want.outputs["talker"].token_ids
+
+
+def test_example_ray_job_script(cluster):
+    """examples/ray_job.sh submits `python -m omni.cli run ...` the same way (repo as working dir)."""
+    env = {**client_env(), "RAY_JOB_ADDRESS": cluster, "RAY": str(BIN / "ray")}
+    try:
+        r = subprocess.run(["bash", str(REPO / "examples" / "ray_job.sh"), CONFIG, "Hi", "Hi there"],
+                           capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"examples/ray_job.sh did not finish within {JOB_TIMEOUT_S}s:\n{(e.stdout or '')[-4000:]}")
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith('{"pipeline"')]
+    assert len(lines) == 1, r.stdout[-3000:]
+    res = json.loads(lines[0])
+    assert [x["prompt"] for x in res["results"]] == ["Hi", "Hi there"]
+    assert all(x["error"] is None and len(x["outputs"]["talker"]["token_ids"]) == 8 for x in res["results"])
