@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from stages.checkpoints import _QWEN2_ADDED, _build_once, cache_root
+from stages.qwen2_5_omni_inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
 _RECIPE_VERSION = 2  # v2: thinker config carries vision_start/end token ids
 _SEED = 1234
@@ -39,18 +40,8 @@ OMNI_SPECIAL = [
 ]
 TEXT_VOCAB_SIZE = 152064  # the real thinker embedding size (covers the tts_* and speaker tokens)
 SPEAKERS = {"Chelsie": 151870, "Ethan": 151871}
-SYSTEM_PROMPT = (
-    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
-    "auditory and visual inputs, as well as generating text and speech."
-)
-# Image preprocessing of Qwen2-VL (mean/std of OpenAI CLIP) and Whisper-style audio features.
-PREPROCESS = {
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256,
-    "audio_sampling_rate": 16000, "num_mel_bins": 128,
-}
+# The tiny checkpoint ships the real preprocessing settings, with smaller images.
+PREPROCESS = {k: v for k, v in PREPROCESS_DEFAULTS.items() if k != "system_prompt"} | {"max_pixels": 28 * 28 * 256}
 
 
 def omni_tokenizer():
@@ -148,7 +139,7 @@ def tiny_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         model.save_pretrained(tmp)
         torch.save(speakers, tmp / "spk_dict.pt")
         omni_tokenizer().save_pretrained(tmp)
-        (tmp / "omni_preprocess.json").write_text(json.dumps({**PREPROCESS, "system_prompt": SYSTEM_PROMPT},
+        (tmp / "omni_preprocess.json").write_text(json.dumps({**PREPROCESS, "system_prompt": DEFAULT_SYSTEM},
                                                              indent=2) + "\n")
         return {"arch": "qwen2_5_omni", "seed": _SEED, "speakers": sorted(SPEAKERS)}
 

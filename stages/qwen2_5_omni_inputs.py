@@ -30,7 +30,7 @@ DEFAULT_SYSTEM = (
     "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
     "auditory and visual inputs, as well as generating text and speech."
 )
-_DEFAULTS = {
+PREPROCESS_DEFAULTS = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
@@ -53,7 +53,7 @@ class MMItem:
 
 
 def load_preprocess_config(model_path: Path) -> dict[str, Any]:
-    cfg = dict(_DEFAULTS)
+    cfg = dict(PREPROCESS_DEFAULTS)
     f = Path(model_path) / "omni_preprocess.json"
     if f.is_file():
         cfg.update(json.loads(f.read_text()))
@@ -211,3 +211,18 @@ def expand_placeholders(ids: list[int], items: list[MMItem], image_id: int, audi
         if used[t] != len(queues[t]):
             raise ValueError(f"prompt: {len(queues[t])} {kind} mm_inputs but {used[t]} {kind} placeholders")
     return out
+
+
+def fill_mrope_positions(pos3: torch.Tensor, row: int, start: int, end: int,
+                         prompt_positions: torch.Tensor, delta: int) -> None:
+    """Write one request's 3-D rotary positions for its scheduled span [start, end)
+    into the packed batch's `pos3[:, row : row + end - start]`: prompt tokens take
+    their precomputed (text/image/audio) positions, generated tokens continue
+    text-style, shifted by the request's `delta` (as transformers' get_rope_index)."""
+    num_prompt = prompt_positions.shape[1]
+    stop = min(end, num_prompt)
+    if start < stop:
+        pos3[:, row : row + stop - start] = prompt_positions[:, start:stop]
+    if end > num_prompt:
+        first = max(start, num_prompt)
+        pos3[:, row + first - start : row + end - start] = torch.arange(first, end) + delta

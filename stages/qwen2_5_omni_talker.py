@@ -34,6 +34,7 @@ from omni.engine.forward_context import get_forward_context
 from omni.engine.stage_model import KVSpec, PreparedPrompt, StageModel
 from omni.outputs import StageInput
 
+from .qwen2_5_omni_inputs import fill_mrope_positions
 from .qwen2_5_omni_thinker import load_omni_part
 
 DEFAULT_SPEAKER = "Chelsie"
@@ -185,12 +186,9 @@ class Qwen2_5OmniTalkerStage(StageModel):
             start = ctx.num_computed_tokens[i]
             end = start + (b - a)
             num_prompt = st.positions.shape[1]
-            stop = min(end, num_prompt)
-            if start < stop:
-                pos3[:, a : a + stop - start] = st.positions[:, start:stop]
+            fill_mrope_positions(pos3, a, start, end, st.positions, st.delta)
             if end > num_prompt:
                 first = max(start, num_prompt)
-                pos3[:, a + first - start : b] = torch.arange(first, end) + st.delta
                 j = (torch.arange(first, end) - num_prompt).clamp(max=st.reply.shape[0] - 1)
                 embeds[a + first - start : b] += st.reply[j.to(st.reply.device)].to(embeds.dtype)
         x = self.talker.thinker_to_talker_proj(embeds)

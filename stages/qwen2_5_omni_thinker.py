@@ -25,7 +25,7 @@ from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import KVSpec, PreparedPrompt, StageModel
 from omni.outputs import StageInput
 
-from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, load_preprocess_config, messages_for,
+from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, load_preprocess_config, messages_for,
                                   preprocess_mm, render_chat)
 
 THINKER_EOS = 151645  # <|im_end|>
@@ -182,12 +182,7 @@ class Qwen2_5OmniThinkerStage(StageModel):
             a, b = qs[i], qs[i + 1]
             start = ctx.num_computed_tokens[i]
             end = start + (b - a)
-            stop = min(end, st.num_prompt)
-            if start < stop:
-                pos3[:, a : a + stop - start] = st.positions[:, start:stop]
-            if end > st.num_prompt:
-                first = max(start, st.num_prompt)
-                pos3[:, a + first - start : b] = torch.arange(first, end) + st.delta
+            fill_mrope_positions(pos3, a, start, end, st.positions, st.delta)
             for item in st.items:
                 lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
                 if lo < hi:

@@ -32,21 +32,22 @@ TARGET_RATIO = 1.15
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="stage_configs/tiny_chain.yaml", help="pipeline YAML")
+    p.add_argument("--config", default="stage_configs/smollm2_chain.yaml",
+                   help="pipeline YAML (tiny_chain.yaml measures Ray's fixed per-step cost only)")
     p.add_argument("--stage-overrides", metavar="JSON", help="per-stage overrides (both parts)")
-    p.add_argument("--num-requests", type=int, default=8, help="concurrent requests per repeat")
+    p.add_argument("--num-requests", type=int, default=4, help="concurrent requests per repeat")
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"),
                    help="prompt length range of the backend workload")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per backend (alternating)")
-    p.add_argument("--max-tokens", type=int, help="max_tokens of every stage (default: the config's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per backend (alternating)")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every stage (0: the config's)")
     p.add_argument("--threads-per-stage", type=int, default=None,
                    help="torch threads of every stage's forward pass on both backends: this process's torch "
                    "threads and num_cpus of each stage actor (default: max(1, cores // stages); "
                    "0: leave both alone: torch's default here, the config's num_cpus on Ray)")
-    p.add_argument("--turns", type=int, default=5, help="turns per conversation (TTFT part)")
-    p.add_argument("--conversations", type=int, default=3, help="conversations per caching setting")
-    p.add_argument("--system-tokens", type=int, default=96, help="length of the first turn's prompt")
-    p.add_argument("--turn-tokens", type=int, default=12, help="new user tokens per follow-up turn")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (TTFT part)")
+    p.add_argument("--conversations", type=int, default=2, help="conversations per caching setting")
+    p.add_argument("--system-tokens", type=int, default=512, help="length of the first turn's prompt")
+    p.add_argument("--turn-tokens", type=int, default=32, help="new user tokens per follow-up turn")
     p.add_argument("--ttft-backend", choices=["local", "ray"], default="local", help="backend of the TTFT part")
     p.add_argument("--skip-backends", action="store_true", help="only the TTFT part")
     p.add_argument("--skip-ttft", action="store_true", help="only the backend part")
@@ -67,7 +68,7 @@ def _random_ids(rng: random.Random, n: int) -> list[int]:
 
 
 def _sampling(cfg: Any, max_tokens: int | None) -> dict[str, Any] | None:
-    return None if max_tokens is None else {s.name: {"max_tokens": max_tokens} for s in cfg.stages}
+    return None if not max_tokens else {s.name: {"max_tokens": max_tokens} for s in cfg.stages}
 
 
 def _stage_max_tokens(cfg: Any, max_tokens: int | None) -> dict[str, int]:
