@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 demo: install
-	RAY_AUTH_MODE=disabled $(PY) examples/multi_turn.py
+	RAY_AUTH_MODE=disabled $(PY) examples/multi_turn.py --compare
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)

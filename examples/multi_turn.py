@@ -22,9 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # No custom system prompt: SmolLM2's chat template supplies its own, and the
 # 135M model (4-bit GGUF weights) answers best with it.
+# The first message carries a reference text, as a user pasting notes into a
+# chat would: every later turn resends it, and the prefix cache serves it.
+NOTES = """Travel notes on Paris.
+Paris is the capital and largest city of France, on the river Seine in the north of the country.
+The city is divided into twenty arrondissements that spiral out clockwise from the centre.
+The Eiffel Tower was built by Gustave Eiffel's company for the 1889 World's Fair and is 330 metres tall.
+The Louvre, once a royal palace, is the most visited art museum in the world; it holds the Mona Lisa
+and the Venus de Milo, and its glass pyramid entrance was designed by I. M. Pei and opened in 1989.
+The Musee d'Orsay, in a former railway station, holds impressionist paintings by Monet, Renoir and Degas.
+Notre-Dame cathedral, on the Ile de la Cite, was damaged by fire in 2019 and reopened in December 2024.
+Montmartre, on a hill in the north, is known for the Sacre-Coeur basilica and for the painters who
+lived there, including Picasso and Van Gogh. The Latin Quarter, around the Sorbonne university, is
+full of bookshops and small restaurants. The metro has sixteen lines and most sights are a short ride
+apart. Parisian cafes serve croissants and coffee in the morning; bakeries sell baguettes all day, and
+a typical dinner might be steak frites, onion soup or a crepe. The Seine is crossed by 37 bridges, the
+oldest standing one being the Pont Neuf, finished in 1607. Many museums are free on the first Sunday of
+the month. The Palace of Versailles, the former royal residence, lies about twenty kilometres west of the
+city and can be reached by suburban train. The best seasons to visit are spring and early autumn, when
+the parks such as the Luxembourg Gardens and the Tuileries are at their most pleasant."""
 TURNS = [
-    "What is the capital of France?",
-    "What is it famous for?",
+    f"{NOTES}\n\nUsing these notes: what is the capital of France?",
+    "According to the notes, what is Paris famous for?",
     "Recommend one museum to visit there.",
 ]
 
@@ -49,7 +68,8 @@ def converse(omni: Omni, label: str) -> list[dict[str, Any]]:
         if res.error:
             raise SystemExit(f"turn {turn} failed: {res.error}")
         reply = (res.outputs["thinker"].text or "").strip()
-        print(f"\n[turn {turn}] user: {question}\n[turn {turn}] thinker: {reply}")
+        shown = question if len(question) < 200 else f"[travel notes, {len(NOTES)} chars] " + question.rsplit("\n", 1)[-1]
+        print(f"\n[turn {turn}] user: {shown}\n[turn {turn}] thinker: {reply}")
         for stage in omni.stage_names:
             out = res.outputs.get(stage)
             rate = per_turn_hit_rate(before[stage], after[stage])
