@@ -177,20 +177,16 @@ class Qwen2_5OmniTalkerStage(StageModel):
         ctx = get_forward_context()
         embeds = self.codec_embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         pos3 = positions.detach().cpu().long().unsqueeze(0).repeat(3, 1)
-        qs = ctx.query_start_loc_cpu or [0, embeds.shape[0]]
-        for i, rid in enumerate(ctx.req_ids or []):
+        for rid, a, start, end in ctx.request_spans():
             st = self._requests.get(rid)
             if st is None:
                 continue
-            a, b = qs[i], qs[i + 1]
-            start = ctx.num_computed_tokens[i]
-            end = start + (b - a)
             num_prompt = st.positions.shape[1]
             fill_mrope_positions(pos3, a, start, end, st.positions, st.delta)
             if end > num_prompt:
                 first = max(start, num_prompt)
                 j = (torch.arange(first, end) - num_prompt).clamp(max=st.reply.shape[0] - 1)
-                embeds[a + first - start : b] += st.reply[j.to(st.reply.device)].to(embeds.dtype)
+                embeds[a + first - start : a + end - start] += st.reply[j.to(st.reply.device)].to(embeds.dtype)
         x = self.talker.thinker_to_talker_proj(embeds)
         out = self.talker.model(inputs_embeds=x[None], position_ids=pos3[:, None].to(x.device), use_cache=False)
         return {"hidden_states": out.last_hidden_state[0]}

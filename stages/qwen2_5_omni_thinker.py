@@ -171,17 +171,11 @@ class Qwen2_5OmniThinkerStage(StageModel):
     def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
         ctx = get_forward_context()
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-        num_tokens = embeds.shape[0]
         pos3 = positions.detach().cpu().long().unsqueeze(0).repeat(3, 1)
-        qs = ctx.query_start_loc_cpu or [0, num_tokens]
-        req_ids = ctx.req_ids or []
-        for i, rid in enumerate(req_ids):
+        for rid, a, start, end in ctx.request_spans():
             st = self._requests.get(rid)
             if st is None:
                 continue
-            a, b = qs[i], qs[i + 1]
-            start = ctx.num_computed_tokens[i]
-            end = start + (b - a)
             fill_mrope_positions(pos3, a, start, end, st.positions, st.delta)
             for item in st.items:
                 lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)

@@ -40,6 +40,14 @@ class ForwardContext:
     num_computed_tokens: list[int] | None = None
     query_start_loc_cpu: list[int] | None = None
 
+    def request_spans(self) -> Iterator[tuple[str, int, int, int]]:
+        """(request id, its first row in the packed batch, first position, end
+        position) for every request of the step, in packed order."""
+        qs = self.query_start_loc_cpu
+        for i, rid in enumerate(self.req_ids or ()):
+            start = self.num_computed_tokens[i]
+            yield rid, qs[i], start, start + qs[i + 1] - qs[i]
+
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("omni_forward_context", default=None)
 
