@@ -284,8 +284,7 @@ class StageEngine:
         except Exception as exc:  # a failing batch fails its requests, not the stage
             logger.exception("stage %s: forward pass failed", self.name)
             for s in sched.scheduled:
-                req = self.scheduler.requests.get(s.req_id)
-                self.scheduler.abort(s.req_id)
+                req = self.scheduler.fail(s.req_id)
                 if self.rows is not None:
                     self.rows.drop(s.req_id)
                 self.runner.remove_request(s.req_id)

@@ -77,6 +77,14 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
+    def fail(self, request_id: str) -> Request | None:
+        """Finish a request whose forward pass failed; its unverified blocks are uncached."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ERROR, uncache=True)
+        return req
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -187,12 +195,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, uncache: bool = False) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, uncache=uncache)
         req.status = status
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)

@@ -178,3 +178,34 @@ def test_text_prompt_and_detokenize(tiny_qwen2):
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     s = engine.stats()
     assert s["finished"] == 1 and s["ttft_mean_s"] > 0
+
+
+def test_failed_forward_fails_its_requests_and_leaves_no_unwritten_cached_blocks(tiny_llama):
+    """Blocks are cached when scheduled; if the forward pass that should fill
+    them fails, no later request may hit them (their KV was never written)."""
+    from stages.causal_lm import CausalLMStage
+
+    class Flaky(CausalLMStage):
+        fail_next = False
+
+        def forward(self, input_ids, inputs_embeds, positions):
+            if Flaky.fail_next:
+                Flaky.fail_next = False
+                raise RuntimeError("injected failure")
+            return super().forward(input_ids, inputs_embeds, positions)
+
+    model = Flaky.load(tiny_llama, dtype=torch.float32, device=torch.device("cpu"))
+    prompt = list(range(10, 30))  # 5 full blocks of 4
+    engine = make_engine(None, model=model)
+    Flaky.fail_next = True
+    engine.add_request(StageInput("bad", prompt_token_ids=prompt,
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=4)))
+    out = engine.step()[0]
+    assert out.finish_reason == "error" and "injected failure" in out.error
+    assert_no_leak(engine)
+    again = generate_one(engine, "again", prompt, max_tokens=4)
+    assert again.num_cached_tokens == 0  # nothing unwritten was served
+    fresh = generate_one(make_engine(None, model=model), "fresh", prompt, max_tokens=4)
+    assert again.token_ids == fresh.token_ids
+    assert engine.stats()["errors"] == 1
+    assert_no_leak(engine)

@@ -281,6 +281,13 @@ class BlockPool:
             to_head.reverse()
             q.prepend_n(to_head)
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of `blocks`: their contents can no longer be trusted
+        (e.g. the forward pass that was to fill them failed)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._uncache(block)
+
     def _uncache(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         m = self.cached_block_hash_to_block

@@ -185,11 +185,19 @@ class KVCacheManager:
                 self.num_cached_block[rid] = num_full
         return new_blocks
 
-    def free(self, request: "Request") -> None:
-        """Release the request's blocks (last block first); unknown requests are a no-op."""
+    def free(self, request: "Request", *, uncache: bool = False) -> None:
+        """Release the request's blocks (last block first); unknown requests are a no-op.
+
+        uncache=True: the request's KV may never have been written (its forward
+        pass failed), yet its full blocks were cached at scheduling time. Blocks
+        held by this request alone are uncached so no later request hits them;
+        blocks other requests still hold were computed by them and stay.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
+            if uncache and self.enable_caching:
+                self.block_pool.uncache_blocks(b for b in blocks if b.ref_cnt == 1)
             self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

@@ -341,3 +341,23 @@ def test_chunked_prefill_caches_blocks_as_they_fill():
     assert cached(kv) == [0, 1, 2]
     assert [b.block_id for b in kv.allocate_slots(r, 2)] == [3]
     kv.check_integrity()
+
+
+def test_free_with_uncache_drops_only_blocks_nobody_else_holds():
+    """A failed forward pass: the failing request's blocks are uncached, except
+    those another request still holds (that request computed them)."""
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req(kv, "a", range(1, 10))  # blocks [1..4] [5..8] [9]
+    admit(kv, a)
+    b = req(kv, "b", list(range(1, 9)) + [50, 51, 52, 53, 54])  # hits a's 2 full blocks, caches [50..53]
+    hits, new = admit(kv, b)
+    assert len(hits) == 2
+    kv.free(b, uncache=True)
+    kv.check_integrity()
+    # a's blocks (still held by a) stay findable; b's own full block is gone.
+    c = req(kv, "c", list(range(1, 9)) + [50, 51, 52, 53, 54])
+    blocks, n = kv.get_computed_blocks(c)
+    assert n == 8 and [x.block_id for x in blocks] == hits
+    kv.free(a)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 10
