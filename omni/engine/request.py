@@ -100,7 +100,7 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids.copy()
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        # Monotonic, like the scheduler's first_scheduled_time / first_token_time,
+        # Monotonic, like the scheduler's first_token_time,
         # so that TTFT and e2e latencies are differences on one clock.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
@@ -123,11 +123,8 @@ class Request:
         # -1 until the scheduler first schedules the request and records how
         # many prompt tokens came from the prefix cache.
         self.num_cached_tokens = -1
-        self.num_preemptions = 0
         # Set by the scheduler; TTFT = first_token_time - arrival_time.
-        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.stop_reason: int | str | None = None
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher

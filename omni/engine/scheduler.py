@@ -101,7 +101,6 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
-        scheduled_running: list[Request] = []
 
         # 1. Running requests, oldest first. A request that cannot get blocks
         #    preempts the newest running request (possibly itself).
@@ -125,7 +124,6 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(
                 req.request_id, req.num_computed_tokens, num_new,
                 self.kv.get_block_ids(req.request_id), is_new=False))
-            scheduled_running.append(req)
             budget -= num_new
             idx += 1
 
@@ -146,8 +144,6 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(
                     req.request_id, num_hit, num_new,
