@@ -390,7 +390,28 @@ class RayBackend:
                 pass
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        elif ray.is_initialized():
+            # ray.kill only asks the GCS; on a cluster we do not own, wait until
+            # the actors are really gone so their CPUs/GPUs are free when close()
+            # returns (a pipeline reopened right after must be able to place).
+            _wait_dead(list(actors.values()), self._start_timeout_s)
         self._owns_ray = False
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+
+
+def _wait_dead(actors: list[Any], timeout_s: float) -> None:
+    """Probe each killed actor until calls to it fail (the kill has landed)."""
+    deadline = time.monotonic() + timeout_s
+    for actor in actors:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                ray.get(actor.ready.remote(), timeout=min(left, _GET_TIMEOUT_S))
+            except GetTimeoutError:
+                continue  # busy in a step; the kill still lands, the deadline bounds us
+            except RayError:
+                break  # RayActorError: the kill has landed
+            time.sleep(0.05)
+        else:
+            logger.warning("stage actor still alive %.0fs after ray.kill", timeout_s)
