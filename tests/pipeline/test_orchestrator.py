@@ -107,11 +107,11 @@ def exploding_processor(upstream, request):
 
 
 def test_timeout_fails_the_request_clearly():
-    with Omni(chain_config(request_timeout_s=0.3), engine_factory=fake_factory) as o:
+    with Omni(chain_config(request_timeout_s=1.0), engine_factory=fake_factory) as o:
         t0 = time.monotonic()
         outs = o.generate(["__hang__", "fast"], use_tqdm=False)
-        assert time.monotonic() - t0 < 3
-        assert outs[0].error == ("request '0' timed out after 0.3s (runtime.request_timeout_s) "
+        assert time.monotonic() - t0 < 5
+        assert outs[0].error == ("request '0' timed out after 1s (runtime.request_timeout_s) "
                                  "waiting for stage(s) thinker")
         assert outs[1].error is None
         st = o.stats()

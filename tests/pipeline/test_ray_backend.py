@@ -115,13 +115,14 @@ def test_stream_and_stats_on_ray(chain):
 
 
 def test_timeout_and_abort_on_ray():
-    data = ray_chain(request_timeout_s=1.0)
+    # 2s leaves "fine" room on a loaded CI machine; the bound is what matters
+    data = ray_chain(request_timeout_s=2.0)
     data["stages"][0]["model_kwargs"] = {"step_delay_s": 0.01}
     with Omni(data, engine_factory=fake_factory) as o:
         t0 = time.monotonic()
         outs = o.generate(["__hang__", "fine"], use_tqdm=False)
-        assert time.monotonic() - t0 < 5
-        assert "timed out after 1s (runtime.request_timeout_s) waiting for stage(s) thinker" in outs[0].error
+        assert time.monotonic() - t0 < 10
+        assert "timed out after 2s (runtime.request_timeout_s) waiting for stage(s) thinker" in outs[0].error
         assert outs[1].error is None
         threading.Timer(0.2, o.abort, args=("victim",)).start()
         [aborted] = o.generate([{"prompt": "__hang__", "request_id": "victim"}], use_tqdm=False)
