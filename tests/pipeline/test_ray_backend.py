@@ -134,14 +134,14 @@ def test_timeout_and_abort_on_ray():
 
 
 def test_killed_stage_fails_in_flight_requests_and_restarts():
-    data = ray_chain(request_timeout_s=60)
+    data = ray_chain(request_timeout_s=120)  # the restart loads a fresh worker
     th = data["stages"][0]
     th.update(max_restarts=1, model_kwargs={"step_delay_s": 0.05}, sampling={"max_tokens": 20})
     with Omni(data, engine_factory=fake_factory) as o:
         pid_before = o.stats()["stages"]["thinker"]["pid"]
         t0 = time.monotonic()
         outs = o.generate(["in flight 1", "in flight 2", "__crash__"], use_tqdm=False)
-        assert time.monotonic() - t0 < 30  # well within the request timeout
+        assert time.monotonic() - t0 < 60  # detected, not timed out
         for out in outs:
             assert out.error.startswith("stage 'thinker' failed: the stage's Ray actor died"), out.error
         # the restarted actor serves the next request
@@ -152,7 +152,7 @@ def test_killed_stage_fails_in_flight_requests_and_restarts():
 
 
 def test_ray_kill_of_a_downstream_stage_mid_request():
-    data = ray_chain(request_timeout_s=60)
+    data = ray_chain(request_timeout_s=120)  # the restart loads a fresh worker
     tk = data["stages"][1]
     tk.update(max_restarts=1, model_kwargs={"step_delay_s": 0.05}, sampling={"max_tokens": 40})
     with Omni(data, engine_factory=fake_factory) as o:
@@ -174,7 +174,7 @@ def test_ray_kill_of_a_downstream_stage_mid_request():
 
 
 def test_dead_stage_without_restarts_fails_fast_and_clearly():
-    data = ray_chain(request_timeout_s=60)
+    data = ray_chain(request_timeout_s=120)
     data["stages"][0]["max_restarts"] = 0
     with Omni(data, engine_factory=fake_factory) as o:
         [crashed] = o.generate(["__crash__"], use_tqdm=False)
