@@ -20,7 +20,7 @@ from omni.outputs import StageInput, StageOutput
 
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
-from .runner import ModelRunner, RunnerRequestState
+from .model_runner import ModelRunner, RunnerRequestState
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .stage_model import StageModel
