@@ -1,89 +1,11 @@
-"""Attention kernels: paged KV store and paged attention, with backend dispatch.
+"""omni's attention kernels: Triton kernels and their torch references.
 
-    store_kv(key, value, key_cache, value_cache, slot_mapping, backend=None)
-    paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                    seq_lens, scale, out=None, backend=None) -> out [T, Hq, D]
+    kernels.dispatch        store_kv / paged_attention with backend choice (torch | triton)
+    kernels.reference       torch implementations: the CPU path and the test oracle
+    kernels.store_kv        Triton: write new K/V rows into the paged cache
+    kernels.paged_attention Triton: varlen causal attention over the paged cache
+    kernels.tuned           launch configurations tuned per GPU (kernels/configs/)
 
-backend: "triton" | "torch" | None (auto: CUDA tensors -> triton, otherwise
-torch). The environment variable OMNI_ATTENTION_BACKEND ("triton"/"torch")
-overrides the auto choice; an explicit ``backend`` argument wins over both.
-
-Triton is imported lazily, on the first Triton call: every stage process
-imports this package and CPU serving should not pay for importing triton.
-
-Note: the submodules ``kernels.paged_attention`` / ``kernels.store_kv`` share
-their names with the dispatch functions. The package keeps the functions
-bound (see ``_Package``); reach the Triton launchers with
-``from kernels.paged_attention import paged_attention_triton``.
+Imports nothing of omni or stages. Importing the package imports neither
+torch nor triton; import the module you need.
 """
-
-from __future__ import annotations
-
-import os
-import sys
-import types
-
-from kernels.reference import paged_attention_ref, store_kv_ref
-
-__all__ = ["paged_attention", "store_kv", "paged_attention_ref", "store_kv_ref", "resolve_backend", "BACKENDS"]
-
-BACKENDS = ("triton", "torch")
-ENV_VAR = "OMNI_ATTENTION_BACKEND"
-
-
-def resolve_backend(backend: str | None, tensor) -> str:
-    """The backend a call on ``tensor`` runs on (see module docstring)."""
-    if backend is None:
-        backend = os.environ.get(ENV_VAR, "").strip().lower() or None
-        if backend in (None, "auto"):
-            return "triton" if tensor.is_cuda else "torch"
-        source = f"environment variable {ENV_VAR}"
-    else:
-        source = "backend"
-    if backend not in BACKENDS:
-        raise ValueError(f"{source} must be one of {', '.join(BACKENDS)} (or unset for auto), got {backend!r}")
-    return backend
-
-
-_triton_impl = None
-
-
-def _triton():
-    global _triton_impl
-    if _triton_impl is None:
-        try:
-            from kernels.paged_attention import paged_attention_triton
-            from kernels.store_kv import store_kv_triton
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(f"backend 'triton' needs the triton package: {exc}") from exc
-        _triton_impl = (store_kv_triton, paged_attention_triton)
-    return _triton_impl
-
-
-def store_kv(key, value, key_cache, value_cache, slot_mapping, backend: str | None = None) -> None:
-    """Write K/V rows [T, Hkv, D] into the paged caches at slot_mapping (negative = skip)."""
-    if resolve_backend(backend, key) == "torch":
-        return store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
-    return _triton()[0](key, value, key_cache, value_cache, slot_mapping)
-
-
-def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                    out=None, backend: str | None = None):
-    """Causal varlen attention over the paged cache -> [T, Hq, D] (see kernels/reference.py)."""
-    if resolve_backend(backend, query) == "torch":
-        return paged_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                   scale, out=out)
-    return _triton()[1](query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out)
-
-
-class _Package(types.ModuleType):
-    """Importing submodule kernels.X binds it as attribute X of the package,
-    which would shadow the dispatch functions of the same name. Keep them."""
-
-    def __setattr__(self, name, value):
-        if name in ("paged_attention", "store_kv") and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

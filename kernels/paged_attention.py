@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kernels.reference import check_attention_args
 from kernels.store_kv import check_triton_device, interpreting
+from kernels.tuned import lookup
 
 _LOG2E = 1.4426950408889634
 
@@ -61,6 +62,58 @@ def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(acc, m_i, l_i, q, qk_scale, k_head, v_head, bt_row, tile_lo, tile_hi, num_keys, pos,
+                  block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bt_blk,
+                  offs_d, d_mask,
+                  TILE: tl.constexpr, MASKED: tl.constexpr, MAY_BE_EMPTY: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax accumulation over KV tiles [tile_lo, tile_hi).
+
+    MASKED=False: every key of these tiles is visible to every row (tiles left
+    of the causal diagonal), so no position masks are built at all.
+    qk_scale = softmax scale * log2(e), applied to the fp32 scores (scaling q
+    in bf16 instead would add a rounding to every score).
+    """
+    for t in range(tile_lo, tile_hi):
+        offs_n = t * TILE + tl.arange(0, TILE)
+        if MASKED:
+            n_valid = offs_n < num_keys
+            phys = tl.load(bt_row + (offs_n // block_size) * stride_bt_blk, mask=n_valid, other=0).to(tl.int64)
+        else:
+            phys = tl.load(bt_row + (offs_n // block_size) * stride_bt_blk).to(tl.int64)
+        in_blk = (offs_n % block_size).to(tl.int64)
+        k_ptrs = k_head + phys[:, None] * stride_kb + in_blk[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = v_head + phys[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            kv_mask = n_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [TILE, D]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (offs_n[None, :] <= pos[:, None]) & n_valid[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MAY_BE_EMPTY:
+            # A row that has seen no visible key yet keeps m = -inf (only
+            # possible in a split-KV segment): shift by 0 to avoid inf - inf.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
@@ -74,7 +127,10 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
+    # Heaviest query blocks first: under causal masking the last blocks of a
+    # long prefill walk the most tiles, and launching them last leaves a tail
+    # of a few long programs on an otherwise idle GPU.
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
@@ -103,9 +159,12 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Causal: the block's last token sees positions < num_keys.
+    # Causal: the block's last token sees positions < num_keys; every row of
+    # the block sees positions <= first_pos, so tiles ending there need no mask.
     num_keys = context_len + tl.minimum(q_block_local * BLOCK_Q + BLOCK_Q, q_len)
+    first_pos = context_len + q_block_local * BLOCK_Q
     num_tiles = tl.cdiv(num_keys, TILE)
+    num_full = (first_pos + 1) // TILE
     if NUM_SEGMENTS == 1:
         tile_lo = 0
         tile_hi = num_tiles
@@ -121,29 +180,16 @@ def _paged_attention_kernel(
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
 
-    for t in range(tile_lo, tile_hi):
-        offs_n = t * TILE + tl.arange(0, TILE)
-        n_valid = offs_n < num_keys
-        phys = tl.load(bt_row + (offs_n // block_size) * stride_bt_blk, mask=n_valid, other=0).to(tl.int64)
-        in_blk = (offs_n % block_size).to(tl.int64)
-        k = tl.load(k_head + phys[None, :] * stride_kb + in_blk[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                    mask=n_valid[None, :] & d_mask[:, None], other=0.0)  # [D, TILE]
-        v = tl.load(v_head + phys[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=n_valid[:, None] & d_mask[None, :], other=0.0)  # [TILE, D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= pos[:, None]) & n_valid[None, :] & row_valid[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; shift by 0 to avoid inf - inf.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    split = tl.maximum(tl.minimum(num_full, tile_hi), tile_lo)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, qk_scale, k_head, v_head, bt_row, tile_lo, split, num_keys, pos,
+        block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bt_blk,
+        offs_d, d_mask, TILE=TILE, MASKED=False, MAY_BE_EMPTY=False, UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, qk_scale, k_head, v_head, bt_row, split, tile_hi, num_keys, pos,
+        block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bt_blk,
+        offs_d, d_mask, TILE=TILE, MASKED=True, MAY_BE_EMPTY=NUM_SEGMENTS > 1, UPCAST=UPCAST,
+        DOT_PRECISION=DOT_PRECISION)
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -196,14 +242,21 @@ class AttentionConfig:
     num_stages: int | None = None
 
 
-_SM_COUNT: dict[int, int] = {}
+_DEVICE_PROPS: dict[int, tuple[int, str]] = {}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _device_props(device: torch.device) -> tuple[int, str]:
+    """(SM count, GPU name), cached: launches must not query the driver every step."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_PROPS:
+        props = torch.cuda.get_device_properties(idx)
+        _DEVICE_PROPS[idx] = (props.multi_processor_count, props.name)
+    return _DEVICE_PROPS[idx]
 
 
 def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _device_props(device)[0]
 
 
 def _pow2(name: str, value: int, minimum: int) -> int:
@@ -241,7 +294,11 @@ def _choose(cfg: AttentionConfig, num_tokens: int, num_seqs: int, num_kv_heads: 
         # Python-level cost per program and per tile: few programs, large tiles.
         block_m, tile, num_warps, num_stages = (16 if decode_shaped else 64), 64, 4, 1
     else:
-        block_m, tile, num_warps, num_stages = _heuristic(avg_q_len, head_dim_pad, dtype)
+        tuned = None
+        if device.type == "cuda" and (decode_shaped or avg_q_len >= 64):
+            tuned = lookup(_device_props(device)[1], _DTYPE_NAMES[dtype], head_dim_pad,
+                           "decode" if decode_shaped else "prefill")
+        block_m, tile, num_warps, num_stages = tuned or _heuristic(avg_q_len, head_dim_pad, dtype)
     block_m = max(_pow2("block_m", cfg.block_m or block_m, 16), triton.next_power_of_2(group))
     tile = _pow2("tile", cfg.tile or tile, 16)
 

@@ -22,6 +22,7 @@ def _split_gguf(model_path: Path) -> tuple[Path, str | None]:
 
 class CausalLMStage(StageModel):
     autoregressive = True
+    supports_cuda_graphs = True  # a plain decoder: tensors in, tensors out
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, device: torch.device, dtype: torch.dtype):
         self.model = model

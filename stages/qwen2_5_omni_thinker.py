@@ -61,6 +61,17 @@ class _ThinkerRequest:
         self.num_prompt = self.positions.shape[1]
 
 
+def text_model(thinker):
+    """The thinker's decoder: `thinker.model.language_model` since transformers 5.2x,
+    `thinker.model` itself before (5.17 still runs on our GPU machines)."""
+    return getattr(thinker.model, "language_model", thinker.model)
+
+
+def audio_tower(thinker):
+    tower = getattr(thinker, "audio_tower", None)
+    return tower if isinstance(tower, torch.nn.Module) else thinker.model.audio_tower
+
+
 class Qwen2_5OmniThinkerStage(StageModel):
     autoregressive = True
 
@@ -72,7 +83,7 @@ class Qwen2_5OmniThinkerStage(StageModel):
         self.preprocess_cfg = preprocess_cfg
         cfg = thinker.config
         self.text_config = tc = cfg.text_config
-        self.lm = thinker.model.language_model
+        self.lm = text_model(thinker)
         self.embed_tokens = self.lm.embed_tokens
         self.lm_head = thinker.lm_head
         self.hidden_size = tc.hidden_size
@@ -98,7 +109,7 @@ class Qwen2_5OmniThinkerStage(StageModel):
         thinker, _ = load_omni_part(Path(model_path), "thinker", Qwen2_5OmniThinkerForConditionalGeneration,
                                     dtype, device, **kwargs)
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
-        thinker.model.language_model.config._attn_implementation = register_attention()
+        text_model(thinker).config._attn_implementation = register_attention()
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size)
 
@@ -147,12 +158,12 @@ class Qwen2_5OmniThinkerStage(StageModel):
             self.encoder_cache.move_to_end(item.mm_hash)
             self.encoder_cache_hits += 1
             return hit
-        model = self.thinker.model
+        model = self.thinker  # get_*_features live here in every transformers 5.x
         if item.modality == "image":
             out = model.get_image_features(item.data.to(self.device), item.grid_thw[None].to(self.device),
                                            return_dict=True).pooler_output[0]
         else:
-            feats = item.data.to(self.device, self.thinker.model.audio_tower.dtype)[None]
+            feats = item.data.to(self.device, audio_tower(self.thinker).dtype)[None]
             mask = torch.ones(1, feats.shape[-1], dtype=torch.long, device=self.device)
             out = model.get_audio_features(feats, feature_attention_mask=mask, return_dict=True).last_hidden_state
         out = out.to(self.dtype)

@@ -36,12 +36,12 @@ def run_to_completion(engine: StageEngine, max_steps: int = 10_000) -> dict[str,
     return outs
 
 
-def generate(engine: StageEngine, prompts: list[list[int]], **params) -> list[StageOutput]:
+def generate(engine: StageEngine, prompts: list[list[int]], prefix: str = "r", **params) -> list[StageOutput]:
     sp = SamplingParams(**{**GREEDY, **params})
     for i, p in enumerate(prompts):
-        engine.add_request(StageInput(f"r{i}", prompt_token_ids=p, sampling_params=sp))
+        engine.add_request(StageInput(f"{prefix}{i}", prompt_token_ids=p, sampling_params=sp))
     outs = run_to_completion(engine)
-    return [outs[f"r{i}"] for i in range(len(prompts))]
+    return [outs[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
 def assert_no_leak(engine: StageEngine) -> None:

@@ -68,7 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time a few tile/warp/stage configurations and report the best")
+                        help="also time a grid of tile/warp/stage configurations and report the best")
+    parser.add_argument("--write-config", nargs="?", const="default", default=None, metavar="PATH",
+                        help="with --sweep: merge the fastest decode and prefill configurations for this GPU "
+                             "into PATH (default kernels/configs/paged_attention.json), where launches pick "
+                             "them up")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -265,8 +269,7 @@ def measure(args: argparse.Namespace, device: str, bench, gpu_name: str, copy_by
     }
     if args.sweep:
         cands = [AttentionConfig(block_m=m, tile=t, num_warps=w, num_stages=s)
-                 for m in (64, 128) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-                 if not (m == 128 and t == 128)]
+                 for m in (64, 128) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
         best, rows = _sweep(bench, prefill, cands)
         pre["sweep"] = rows
         if best:
@@ -278,11 +281,32 @@ def measure(args: argparse.Namespace, device: str, bench, gpu_name: str, copy_by
 
     result["decode_time_ms"], result["decode_sdpa_time_ms"] = t_dec, t_dec_sdpa
     result["prefill_time_ms"], result["prefill_sdpa_time_ms"] = t_pre, t_pre_sdpa
+    if args.sweep and args.write_config:
+        result["written_config"] = _write_config(args, gpu_name, dec, pre)
     result["targets"] = {
         "decode_bandwidth_fraction>=": DECODE_TARGET, "decode_met": result["decode_bandwidth_fraction"] >= DECODE_TARGET,
         "prefill_time_vs_sdpa<=": PREFILL_TARGET, "prefill_met": result["prefill_time_vs_sdpa"] <= PREFILL_TARGET,
     }
     return result
+
+
+def _write_config(args, gpu_name: str, dec: dict, pre: dict) -> str:
+    """Merge the sweep's winners into the tuned-config file (kernels/tuned.py)."""
+    from pathlib import Path
+
+    import triton
+
+    from kernels import tuned
+
+    path = tuned.ATTENTION_FILE if args.write_config == "default" else Path(args.write_config)
+    best = {}
+    for kind, res in (("decode", dec), ("prefill", pre)):
+        cfg = res.get("best_config")
+        if cfg:
+            # The heuristic's own split-KV choice stays in charge of num_segments.
+            best[kind] = {f: cfg[f] for f in tuned.FIELDS}
+    tuned.merge(gpu_name, args.dtype, max(16, triton.next_power_of_2(args.head_dim)), best, path)
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,13 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def make_engine(path, caching: bool, emit_hidden_states: bool = False):
+def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: str = "float32"):
     from omni.engine.engine import StageEngine, StageEngineConfig
     from omni.engine.scheduler import SchedulerConfig
 
     return StageEngine(StageEngineConfig(
         name="bench", model_path=path, enable_prefix_caching=caching, emit_hidden_states=emit_hidden_states,
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=0)))
+        dtype=dtype, scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=0)))
 
 
 def run_one(engine, rid: str, ids: list[int], max_tokens: int):

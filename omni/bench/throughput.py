@@ -20,19 +20,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--skip-hf", action="store_true", help="time omni only")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where omni and transformers both run (auto: cuda when available)")
 
 
-def _omni(path, reqs, dtype) -> tuple[float, int]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict]:
     from omni.engine.engine import StageEngine, StageEngineConfig
     from omni.engine.sampling import SamplingParams
     from omni.engine.scheduler import SchedulerConfig
     from omni.outputs import StageInput
 
     engine = StageEngine(StageEngineConfig(
-        name="bench", model_path=path, dtype=dtype, enable_prefix_caching=True, emit_hidden_states=False,
+        name="bench", model_path=path, dtype=dtype, device=device, enable_prefix_caching=True,
+        emit_hidden_states=False, cuda_graphs=cuda_graphs,
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=0)))
-    # Warm-up (one short request) so one-time costs stay out of the timing.
-    engine.add_request(StageInput("warm", prompt_token_ids=[100] * 8, sampling_params=SamplingParams(max_tokens=2)))
+    # Warm-up: every step shape once (a long prefill, a short mixed step, batched
+    # decode) so that one-time costs (Triton compiling each kernel configuration
+    # on a GPU) stay out of the timing.
+    for i, n in enumerate((300, 8, 8)):
+        engine.add_request(StageInput(f"warm{i}", prompt_token_ids=[100 + i] * n,
+                                      sampling_params=SamplingParams(max_tokens=3)))
     while engine.has_unfinished():
         engine.step()
     produced = 0
@@ -43,10 +55,11 @@ def _omni(path, reqs, dtype) -> tuple[float, int]:
         while engine.has_unfinished():
             for out in engine.step():
                 produced += len(out.token_ids)
-    return t.elapsed, produced
+    stats = engine.stats()
+    return t.elapsed, produced, {k: stats[k] for k in ("steps", "step_time_s", "cuda_graph_replays")}
 
 
-def _hf_generate(model, reqs) -> tuple[float, int]:
+def _hf_generate(model, reqs, device) -> tuple[float, int]:
     max_len = max(len(r.prompt_token_ids) for r in reqs)
     pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
     ids = torch.full((len(reqs), max_len), pad, dtype=torch.long)
@@ -55,9 +68,14 @@ def _hf_generate(model, reqs) -> tuple[float, int]:
         ids[i, max_len - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
         mask[i, max_len - len(r.prompt_token_ids):] = 1
     max_new = max(r.max_tokens for r in reqs)
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.inference_mode():  # warm-up (kernel selection, cuBLAS handles) outside the timing
+        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad)
     with torch.inference_mode(), Timer() as t:
         model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                        do_sample=False, pad_token_id=pad)
+        _sync(device)
     # Only the tokens each request asked for are useful output.
     return t.elapsed, sum(r.max_tokens for r in reqs)
 
@@ -93,22 +111,34 @@ def run(args) -> dict:
 
     path = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     reqs = throughput_requests(args.num_requests, model.config.vocab_size, args.seed)
     expected = sum(r.max_tokens for r in reqs)
     print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
           f"{expected} output tokens, threads={torch.get_num_threads()}")
-    t_omni, n_omni = _omni(path, reqs, args.dtype)
+    t_omni, n_omni, omni_stats = _omni(path, reqs, args.dtype, device)
     assert n_omni == expected, (n_omni, expected)
-    result = {"model": str(args.model), "num_requests": len(reqs), "output_tokens": expected,
+    result = {"omni_engine": omni_stats,"model": str(args.model), "device": device, "dtype": args.dtype,
+              "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+              "num_requests": len(reqs), "output_tokens": expected,
               "omni_s": t_omni, "omni_tokens_per_s": n_omni / t_omni}
-    print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s")
+    print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s ({omni_stats})")
+    if device == "cuda":
+        # The same engine without CUDA graphs: what graph replay buys on this machine.
+        t_eager, n_eager, eager_stats = _omni(path, reqs, args.dtype, device, cuda_graphs=False)
+        result.update(omni_eager_tokens_per_s=n_eager / t_eager, cuda_graph_speedup=t_eager / t_omni)
+        print(f"omni without CUDA graphs: {t_eager:.2f}s, {n_eager / t_eager:.1f} tok/s ({eager_stats})")
     if not args.skip_hf:
-        t_gen, n_gen = _hf_generate(model, reqs)
+        t_gen, n_gen = _hf_generate(model, reqs, device)
         print(f"hf generate (padded): {t_gen:.2f}s, {n_gen / t_gen:.1f} tok/s")
         try:
             model_cb = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                            attn_implementation="sdpa").eval()
+                                                            attn_implementation="sdpa").to(device).eval()
             t_cb, n_cb = _hf_generate_batch(model_cb, reqs)
             cb_tps = n_cb / t_cb
             print(f"hf generate_batch: {t_cb:.2f}s, {cb_tps:.1f} tok/s")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from kernels import dispatch
 
 from .forward_context import get_forward_context
 
@@ -36,10 +36,10 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    kernels.store_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=ctx.attention_backend)
+    dispatch.store_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=ctx.attention_backend)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out = kernels.paged_attention(
+    out = dispatch.paged_attention(
         q,
         key_cache,
         value_cache,

@@ -24,7 +24,7 @@ from .model_runner import ModelRunner, RunnerRequestState
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .stage_model import StageModel
-from .output_rows import OutputRows
+from .output_rows import FinishedRows, OutputRows, RowsRequest
 from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class StageEngineConfig:
     # Hand hidden states / discovered outputs downstream. Off for a leaf stage
     # whose caller only wants text: no per-token rows are kept at all.
     emit_hidden_states: bool = True
+    # Capture decode steps in CUDA graphs (CUDA + Triton attention + a model
+    # that supports it); False = always eager (vLLM's enforce_eager).
+    cuda_graphs: bool = True
 
 
 class StageEngine:
@@ -91,13 +94,19 @@ class StageEngine:
         num_blocks = self._num_blocks(config, model, sched_cfg)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend)
-        self.tensor_cache = (
-            StageTensorCache(num_blocks, config.block_size)
-            if config.enable_prefix_caching and config.emit_hidden_states else None
-        )
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, config.attention_backend,
+            max_num_tokens=sched_cfg.max_num_batched_tokens, max_num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=max_len, cuda_graphs=config.cuda_graphs, emit_rows=config.emit_hidden_states)
+        # Rows of every computed token, on the KV slot mapping. With prefix
+        # caching on, this store is the stage tensor cache (hits read rows
+        # other requests wrote); off, the same layout is private per request.
+        store = StageTensorCache(num_blocks, config.block_size) if config.emit_hidden_states else None
+        self.tensor_cache = store if config.enable_prefix_caching else None
         # Per-token outputs handed downstream; None for a stage whose caller wants text only.
-        self.rows = OutputRows(self.tensor_cache) if config.emit_hidden_states else None
+        # On a GPU their host-side bookkeeping runs on a background thread (output_rows.py).
+        self.rows = (OutputRows(store, background=torch.device(model.device).type == "cuda")
+                     if store is not None else None)
         self._pending: list[StageOutput] = []  # aborted requests, reported by the next step()
         self._ttfts: list[float] = []
         self._num_finished = 0
@@ -296,15 +305,23 @@ class StageEngine:
                     error=f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}"))
             return results
         if self.rows is not None:
-            self.rows.collect(sched.scheduled, out.row_ranges, out.outputs, out.slot_mapping, out.num_tokens)
+            self.rows.collect(out.row_ranges, out.rows, out.other_outputs, out.slot_mapping)
+        elif out.rows is not None:
+            out.rows.release()
         finished = self.scheduler.update(sched, out.sampled)
+        rows = {}
+        if finished and self.rows is not None:
+            # Block tables as scheduled this step: update() has already freed them.
+            tables = {s.req_id: s.block_ids for s in sched.scheduled}
+            rows = self.rows.finish([RowsRequest(r.request_id, tables[r.request_id], r.num_computed_tokens,
+                                                 max(r.num_cached_tokens, 0)) for r in finished])
         for req in finished:
-            results.append(self._make_output(req))
+            results.append(self._make_output(req, rows.get(req.request_id)))
         self._step_time += time.perf_counter() - t0
         self._num_steps += 1
         return results
 
-    def _make_output(self, req: Request) -> StageOutput:
+    def _make_output(self, req: Request, rows: FinishedRows | None = None) -> StageOutput:
         rid = req.request_id
         self.runner.remove_request(rid)
         self.model.remove_request(rid)
@@ -324,7 +341,6 @@ class StageEngine:
         )
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        rows = self.rows.finish(rid) if self.rows is not None else None
         if rows is not None:
             out.hidden_states, out.mm_outputs, out.passthrough = rows.hidden_states, rows.mm_outputs, rows.passthrough
         return out
@@ -335,6 +351,7 @@ class StageEngine:
         ttfts = sorted(self._ttfts)
         s = {
             "stage": self.name,
+            "device": str(self.model.device),
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "kv_usage": self.kv.usage,
@@ -351,7 +368,12 @@ class StageEngine:
             "steps": self._num_steps,
             "step_time_s": self._step_time,
             "tensor_cache_time_s": self.rows.time_s if self.rows is not None else 0.0,
+            "tensor_cache_worker_time_s": self.rows.worker_time_s if self.rows is not None else 0.0,
+            "tensor_cache_write_time_s": self.rows.write_time_s if self.rows is not None else 0.0,
+            "rows_deliver_time_s": self.rows.deliver_time_s if self.rows is not None else 0.0,
+            "rows_delivered": self.rows.rows_delivered if self.rows is not None else 0,
         }
+        s.update(self.runner.stats())
         if self.tensor_cache is not None:
             s.update(self.tensor_cache.stats())
         s.update(self.model.stats())

@@ -22,8 +22,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: packed query offsets
     seq_lens: torch.Tensor  # int32 [num_seqs]: context length incl. this step's tokens
-    max_query_len: int
-    max_seq_len: int
 
 
 @dataclass(slots=True)

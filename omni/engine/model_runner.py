@@ -1,9 +1,18 @@
 """ModelRunner: the only place where request state becomes tensors.
 
-Takes a SchedulerOutput (ids and counts), packs the scheduled tokens of every
-request into one varlen batch `(1, total_tokens)` with explicit positions,
-builds the paged-attention metadata, runs the stage model inside one scoped
-ForwardContext, computes logits only for rows that sample, and samples.
+Takes a SchedulerOutput (ids and counts) and runs one step in three parts:
+
+    prepare  pack the scheduled tokens of every request into one varlen batch
+             (1, total_tokens) with explicit positions, slot mapping and block
+             tables, written into InputBatch's persistent buffers and uploaded
+             with non-blocking copies;
+    forward  run the stage model inside one scoped ForwardContext: a decode
+             step on CUDA replays a captured CUDA graph (cuda_graphs.py), any
+             other step runs eager; per-token outputs start their copy to host
+             memory on a side stream (host_rows.py);
+    sample   logits only for the rows that sample, then the sampler.
+
+On CPU the same code runs with host buffers as device buffers (no copies).
 """
 from __future__ import annotations
 
@@ -12,11 +21,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .cuda_graphs import DecodeGraphs, default_capture_sizes
 from .forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from .host_rows import RowStager, StagedRows
+from .input_batch import InputBatch
 from .request import Request
 from .sampling import Sampler
 from .scheduler import SchedulerOutput
 from .stage_model import StageModel
+from .tensor_cache import is_per_token
+
+# Buffer sizes when the caller gives none (tests driving a runner directly).
+_DEFAULT_MAX_TOKENS = 8192
+_DEFAULT_MAX_SEQS = 256
+_DEFAULT_MAX_MODEL_LEN = 32768
 
 
 @dataclass(slots=True)
@@ -31,17 +49,33 @@ class RunnerRequestState:
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
-    # Per-token outputs of the whole batch, rows in scheduled order.
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    slot_mapping: torch.Tensor | None = None
+    # Per-token outputs of the whole batch, rows in scheduled order, on their
+    # way to host memory (wait() before reading, release() after).
+    rows: StagedRows | None = None
+    # Per-request outputs that are not per token (device tensors, passed through).
+    other_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    slot_mapping: np.ndarray | None = None  # int64 [num_tokens], a host copy
     # (req_id, first row in the batch, number of rows) in scheduled order.
     row_ranges: list[tuple[str, int, int]] = field(default_factory=list)
     num_tokens: int = 0
 
 
+@dataclass(slots=True)
+class _Prepared:
+    num_tokens: int
+    num_seqs: int
+    sample_rows: list[int]
+    sample_states: list[RunnerRequestState]
+    embed_rows: list[tuple[int, torch.Tensor]]  # (batch row, prompt embeds slice)
+    row_ranges: list[tuple[str, int, int]]
+    is_decode: bool  # every sequence schedules one token from its own token ids
+
+
 class ModelRunner:
     def __init__(self, model: StageModel, num_blocks: int, block_size: int,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, *, max_num_tokens: int | None = None,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 cuda_graphs: bool = True, capture_sizes: list[int] | None = None, emit_rows: bool = True):
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -55,6 +89,26 @@ class ModelRunner:
              torch.zeros(shape, dtype=model.dtype, device=model.device))
             for _ in range(spec.num_layers)
         ]
+        device = torch.device(model.device)
+        max_num_tokens = max_num_tokens or _DEFAULT_MAX_TOKENS
+        max_num_seqs = max_num_seqs or _DEFAULT_MAX_SEQS
+        max_blocks = -(-(max_model_len or _DEFAULT_MAX_MODEL_LEN) // block_size)
+        self.batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, block_size, device)
+        # Per-token outputs go to host memory only for stages that hand them on.
+        self.stager = RowStager(device, max_num_tokens) if emit_rows else None
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self._graphs_possible(device):
+            self.graphs = DecodeGraphs(self.batch, capture_sizes or default_capture_sizes(max_num_seqs))
+            self.graphs.capture(lambda ids, pos: self.model.forward(ids, None, pos), self._graph_context)
+            if not self.graphs.captured:
+                self.graphs = None
+
+    def _graphs_possible(self, device: torch.device) -> bool:
+        from kernels.dispatch import resolve_backend
+
+        return (device.type == "cuda" and getattr(self.model, "supports_cuda_graphs", False)
+                # The torch reference reads lengths back to the host: not capturable.
+                and resolve_backend(self.attention_backend, self.kv_caches[0][0]) == "triton")
 
     @staticmethod
     def kv_bytes_per_block(model: StageModel, block_size: int) -> int:
@@ -68,38 +122,54 @@ class ModelRunner:
     def remove_request(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 
+    def stats(self) -> dict:
+        return {
+            "cuda_graph_sizes": self.graphs.captured if self.graphs else [],
+            "cuda_graph_replays": self.graphs.replays if self.graphs else 0,
+            "rows_staged_bytes": self.stager.bytes_staged if self.stager else 0,
+        }
+
+    # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
         if sched.is_empty:
             return RunnerOutput()
+        prep = self._prepare(sched)
+        outputs = self._forward(sched, prep)
+        sampled = self._sample(outputs["hidden_states"], prep)
+        n = prep.num_tokens
+        per_token = {k: v for k, v in outputs.items() if is_per_token(v, n)}
+        other = {k: v for k, v in outputs.items() if k not in per_token}
+        return RunnerOutput(sampled, self.stager.stage(per_token) if self.stager else None, other,
+                            self.batch.np["slot_mapping"][:n].copy(), prep.row_ranges, n)
+
+    def _prepare(self, sched: SchedulerOutput) -> _Prepared:
+        """Fill the host side of the input buffers for this step."""
+        b = self.batch.np
         bs = self.block_size
         num_seqs = len(sched.scheduled)
-        token_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
-        seq_lens = np.zeros(num_seqs, dtype=np.int32)
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        self.batch.check_fits(sched.num_batched_tokens or sum(s.num_scheduled_tokens for s in sched.scheduled),
+                              num_seqs, max(len(s.block_ids) for s in sched.scheduled))
+        qsl, seq_lens, tables = b["query_start_loc"], b["seq_lens"], b["block_tables"]
+        ids, positions = b["input_ids"], b["positions"]
+        qsl[0] = 0
         sample_rows: list[int] = []
         sample_states: list[RunnerRequestState] = []
-        embed_rows: list[tuple[int, torch.Tensor]] = []  # (batch row, prompt embeds slice)
+        embed_rows: list[tuple[int, torch.Tensor]] = []
         row_ranges = []
+        is_decode = True
         row = 0
         for i, s in enumerate(sched.scheduled):
             state = self.states[s.req_id]
             req = state.request
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             end = start + n
-            token_ids.extend(req.all_token_ids[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-            query_start[i + 1] = query_start[i] + n
+            ids[row : row + n] = req.all_token_ids[start:end]
+            positions[row : row + n] = np.arange(start, end)
+            tables[i, : len(s.block_ids)] = s.block_ids
+            qsl[i + 1] = row + n
             seq_lens[i] = end
             if state.prompt_embeds is not None and start < req.num_prompt_tokens:
                 stop = min(end, req.num_prompt_tokens)
@@ -107,44 +177,79 @@ class ModelRunner:
             if end == req.num_tokens:  # all known tokens computed: sample the next one
                 sample_rows.append(row + n - 1)
                 sample_states.append(state)
+            is_decode = is_decode and n == 1
             row_ranges.append((s.req_id, row, n))
             row += n
+        # Slot of every token: its block's id * block_size + offset in the block.
+        pos = positions[:row]
+        seq_of_token = np.repeat(np.arange(num_seqs), np.diff(qsl[: num_seqs + 1]))
+        b["slot_mapping"][:row] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        return _Prepared(row, num_seqs, sample_rows, sample_states, embed_rows, row_ranges,
+                         is_decode and not embed_rows)
 
-        device = self.model.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(device)
-        slot_t = torch.from_numpy(np.concatenate(slots)).to(device)
-        meta = AttentionMetadata(
-            slot_mapping=slot_t,
-            block_tables=torch.from_numpy(block_tables).to(device),
-            query_start_loc=torch.from_numpy(query_start).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            max_query_len=int((query_start[1:] - query_start[:-1]).max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+    def _forward(self, sched: SchedulerOutput, prep: _Prepared) -> dict[str, torch.Tensor]:
+        n_tok, n_seq = prep.num_tokens, prep.num_seqs
+        padded = self.graphs.padded_size(n_seq) if (self.graphs and prep.is_decode) else None
+        if padded is not None:
+            self.batch.fill_padding(n_tok, n_seq, padded)
+            self.batch.upload(padded, padded)
+            self._before_forward()
+            out = self.graphs.replay(padded)
+            return {k: (v[:n_tok] if is_per_token(v, padded) else v) for k, v in out.items()}
+
+        self.batch.upload(n_tok, n_seq)
+        dev = self.batch.dev
+        ids = dev["input_ids"][:n_tok]
         inputs_embeds = None
-        if embed_rows:
+        if prep.embed_rows:
             # Stages fed with embeddings: prompt rows come from the upstream
             # stage, generated tokens from the model's own embedding table.
             inputs_embeds = self.model.embed(ids)
-            for r, emb in embed_rows:
+            for r, emb in prep.embed_rows:
                 inputs_embeds[r : r + emb.shape[0]] = emb.to(inputs_embeds.dtype)
-        ctx = ForwardContext(meta, self.kv_caches, self.attention_backend,
-                             req_ids=[s.req_id for s in sched.scheduled],
-                             num_computed_tokens=[s.num_computed_tokens for s in sched.scheduled],
-                             query_start_loc_cpu=query_start.tolist())
+        qsl = self.batch.np["query_start_loc"][: n_seq + 1]
+        ctx = self._context(n_tok, n_seq, req_ids=[s.req_id for s in sched.scheduled],
+                            num_computed_tokens=[s.num_computed_tokens for s in sched.scheduled],
+                            query_start_loc_cpu=qsl.tolist())
+        self._before_forward()
         with set_forward_context(ctx):
-            outputs = self.model.forward(None if embed_rows else ids, inputs_embeds, pos_t)
+            return self.model.forward(None if prep.embed_rows else ids, inputs_embeds,
+                                      dev["positions"][:n_tok])
 
-        sampled: dict[str, int] = {}
-        if sample_rows:
-            hidden = outputs["hidden_states"]
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-            params = [st.request.sampling_params for st in sample_states]
-            histories = None
-            if any(p.repetition_penalty != 1.0 for p in params):
-                histories = [st.request.all_token_ids for st in sample_states]
-            tokens = self.sampler(logits, params, [st.generator for st in sample_states], histories)
-            for st, tok in zip(sample_states, tokens.tolist()):
-                sampled[st.request.request_id] = tok
-        return RunnerOutput(sampled, outputs, slot_t, row_ranges, len(token_ids))
+    def _before_forward(self) -> None:
+        if self.stager is not None:
+            self.stager.before_forward()
+
+    def _context(self, num_tokens: int, num_seqs: int, **host_view) -> ForwardContext:
+        dev = self.batch.dev
+        meta = AttentionMetadata(
+            slot_mapping=dev["slot_mapping"][:num_tokens],
+            block_tables=dev["block_tables"][:num_seqs],
+            query_start_loc=dev["query_start_loc"][: num_seqs + 1],
+            seq_lens=dev["seq_lens"][:num_seqs],
+        )
+        return ForwardContext(meta, self.kv_caches, self.attention_backend, **host_view)
+
+    def _graph_context(self, size: int) -> ForwardContext:
+        return self._context(size, size)
+
+    def _sample(self, hidden: torch.Tensor, prep: _Prepared) -> dict[str, int]:
+        if not prep.sample_rows:
+            return {}
+        k = len(prep.sample_rows)
+        if prep.sample_rows != list(range(prep.num_tokens)):
+            self.batch.np["sample_idx"][:k] = prep.sample_rows
+            if self.batch.device.type == "cuda":
+                idx = self.batch.dev["sample_idx"][:k]
+                idx.copy_(self.batch.host["sample_idx"][:k], non_blocking=True)
+            else:
+                idx = self.batch.dev["sample_idx"][:k]
+            hidden = hidden.index_select(0, idx)
+        logits = self.model.compute_logits(hidden)
+        states = prep.sample_states
+        params = [st.request.sampling_params for st in states]
+        histories = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            histories = [st.request.all_token_ids for st in states]
+        tokens = self.sampler(logits, params, [st.generator for st in states], histories)
+        return {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}

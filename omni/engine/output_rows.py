@@ -1,32 +1,46 @@
-"""Per-request per-token outputs of a stage: prefix-hit rows + fresh rows.
+"""Per-request per-token outputs of a stage, kept in a slot-mirrored row store.
 
 The stage hands downstream the rows of *every* computed token of a request,
-even when most came from the prefix cache:
+even when most came from the prefix cache. Each step writes the rows of all
+its computed tokens into the store at the KV slot mapping (one index_copy for
+the whole batch); when a request finishes, its rows are gathered once through
+its block table:
 
-    step 1 (is_new, hit k tokens):  cached = tensor_cache.read(block_ids, k)
-    step 1..n:                      fresh += rows computed this step
-    finish:                         cat(cached, *fresh)  -> numpy float32
+    step k:   store[slot_mapping] = rows of the step's tokens
+    finish:   rows = store[block_ids].flatten()[:num_computed_tokens]  -> numpy float32
 
-Per step the tensor cache is written before any read, so a request that hits
-a block another request filled in this very step reads valid rows.
+Token j of a request lives at slot block_ids[j // block_size] * block_size +
+j % block_size; a prefix-cache hit's rows were written there by the request
+that first computed the block (the store is the stage tensor cache), and a
+preempted request's recomputed rows overwrite its new slots. A running
+request's blocks are its own (ref count >= 1), and a finished request's are
+gathered before anything can reuse them, so the rows are always its own.
+
+With prefix caching off the store is the same layout used privately (no
+request ever reads another's blocks).
+
+On a GPU stage a step's rows arrive through a side-stream copy
+(host_rows.py); the store write runs on one background thread, in submission
+order, so the step does not wait for it. Every operation goes through that
+one queue (FIFO: a finished request is gathered before a later step's write
+can touch its freed blocks); only gathering finished requests waits.
 """
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .tensor_cache import StageTensorCache, is_per_token
+from .host_rows import StagedRows
+from .tensor_cache import StageTensorCache
 
-
-@dataclass(slots=True)
-class _Rows:
-    cached: dict[str, torch.Tensor] = field(default_factory=dict)
-    fresh: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    passthrough: dict[str, Any] = field(default_factory=dict)
+_WAIT_TIMEOUT_S = 120.0
 
 
 @dataclass(slots=True)
@@ -36,60 +50,157 @@ class FinishedRows:
     passthrough: dict[str, Any]
 
 
+@dataclass(slots=True)
+class RowsRequest:
+    """What gathering a finished request's rows needs (host values, snapshot at finish)."""
+
+    req_id: str
+    block_ids: list[int]
+    num_rows: int  # computed tokens: prompt + generated - 1
+    num_hit_rows: int = 0  # of which came from the prefix cache (stats)
+
+
+class _Serial:
+    """Runs tasks in submission order: inline, or on one background thread."""
+
+    def __init__(self, background: bool):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="omni-rows") if background else None
+        self._last: Future | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.busy_s = 0.0  # time spent running tasks (on whichever thread)
+
+    def _run(self, fn: Callable, *args) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            with self._lock:
+                self._error = self._error or exc
+            raise
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def submit(self, fn: Callable, *args) -> Future | Any:
+        if self._pool is None:
+            return self._run(fn, *args)
+        self._last = self._pool.submit(self._run, fn, *args)
+        return self._last
+
+    def call(self, fn: Callable, *args) -> Any:
+        """Run `fn` after everything queued and return its result."""
+        if self._pool is None:
+            return self._run(fn, *args)
+        result = self._pool.submit(self._run, fn, *args).result(timeout=_WAIT_TIMEOUT_S)
+        self.raise_error()
+        return result
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"stage output rows failed on the background thread: {self._error}") from self._error
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
 class OutputRows:
-    def __init__(self, tensor_cache: StageTensorCache | None):
-        self.tensor_cache = tensor_cache
-        self._rows: dict[str, _Rows] = {}
-        self.time_s = 0.0  # spent writing, gathering and concatenating rows
+    def __init__(self, store: StageTensorCache, background: bool = False):
+        self.store = store
+        self._live: set[str] = set()
+        self._passthrough: dict[str, dict[str, Any]] = {}
+        self._serial = _Serial(background)
+        self.time_s = 0.0  # time the engine's own thread spent on rows (inline work or waiting)
+        self.deliver_time_s = 0.0  # of which gathering finished requests (waits included)
+        self.write_time_s = 0.0  # storing each step's rows, on whichever thread runs it
+        self.rows_delivered = 0
+
+    @property
+    def worker_time_s(self) -> float:
+        """Time spent writing and gathering rows, on any thread."""
+        return self._serial.busy_s
 
     def __contains__(self, req_id: str) -> bool:
-        return req_id in self._rows
+        return self._serial.call(self._live.__contains__, req_id)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._serial.call(self._live.__len__)
+
+    def _timed(self, fn: Callable, *args) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.time_s += time.perf_counter() - t0
 
     def add(self, req_id: str) -> None:
-        self._rows[req_id] = _Rows()
+        self._timed(self._serial.submit, self._add, req_id)
 
     def drop(self, req_id: str) -> bool:
-        return self._rows.pop(req_id, None) is not None
+        """Forget a request; True when it was known (waits for queued work: aborts are rare)."""
+        return self._timed(self._serial.call, self._drop, req_id)
 
-    def collect(self, scheduled, row_ranges, outputs: dict[str, torch.Tensor],
-                slot_mapping: torch.Tensor, num_tokens: int) -> None:
-        """Record this step's rows; `scheduled` and `row_ranges` are in batch order."""
+    def collect(self, row_ranges: list[tuple[str, int, int]], rows: StagedRows | None,
+                other: dict[str, torch.Tensor], slot_mapping: np.ndarray) -> None:
+        """Store this step's rows (batch order = `row_ranges` order)."""
+        self._timed(self._serial.submit, self._collect, row_ranges, rows, other, slot_mapping)
+
+    def finish(self, requests: list[RowsRequest]) -> dict[str, FinishedRows]:
+        """Gather the rows of requests that finished this step (one wait for all of them)."""
+        if not requests:
+            return {}
         t0 = time.perf_counter()
-        per_token = {k: v for k, v in outputs.items() if is_per_token(v, num_tokens)}
-        if self.tensor_cache is not None:
-            self.tensor_cache.write(slot_mapping, per_token)  # before any read
-        num_seqs = len(scheduled)
-        for i, (s, (rid, start, n)) in enumerate(zip(scheduled, row_ranges)):
-            rows = self._rows.get(rid)
-            if rows is None:
-                continue
-            if s.is_new:  # first step after add or resume (preemption): rebuild from the hit
-                rows.cached, rows.fresh = {}, {}
-                if s.num_hit_tokens and self.tensor_cache is not None:
-                    rows.cached = self.tensor_cache.read(s.block_ids, s.num_hit_tokens)
-            for name, t in per_token.items():
-                rows.fresh.setdefault(name, []).append(t[start : start + n].clone())
-            for name, t in outputs.items():
-                if name not in per_token:
+        try:
+            return self._timed(self._serial.call, self._finish, requests)
+        finally:
+            self.deliver_time_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._serial.close()
+
+    # ------------------------------------------------ the tasks (serialised)
+    def _add(self, req_id: str) -> None:
+        self._live.add(req_id)
+        self._passthrough.pop(req_id, None)
+
+    def _drop(self, req_id: str) -> bool:
+        self._passthrough.pop(req_id, None)
+        if req_id in self._live:
+            self._live.discard(req_id)
+            return True
+        return False
+
+    def _collect(self, row_ranges, staged: StagedRows | None, other, slot_mapping: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        try:
+            if staged is not None:
+                self.store.write(torch.from_numpy(slot_mapping), staged.wait())
+            if other:
+                num_seqs = len(row_ranges)
+                for i, (rid, _, _) in enumerate(row_ranges):
+                    if rid not in self._live:
+                        continue
                     # Per-request metadata: the request's entry when the tensor
                     # is per sequence, else the whole value.
-                    per_seq = isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == num_seqs
-                    rows.passthrough[name] = t[i] if per_seq else t
-        self.time_s += time.perf_counter() - t0
+                    slot = self._passthrough.setdefault(rid, {})
+                    for name, t in other.items():
+                        per_seq = isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == num_seqs
+                        slot[name] = t[i] if per_seq else t
+        finally:
+            if staged is not None:
+                staged.release()
+            self.write_time_s += time.perf_counter() - t0
 
-    def finish(self, req_id: str) -> FinishedRows | None:
-        rows = self._rows.pop(req_id, None)
-        if rows is None:
-            return None
-        t0 = time.perf_counter()
-        full = {}
-        for name, parts in rows.fresh.items():
-            cached = rows.cached.get(name)
-            full[name] = torch.cat(([cached] if cached is not None else []) + parts).float().cpu().numpy()
-        passthrough = {k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
-                       for k, v in rows.passthrough.items()}
-        self.time_s += time.perf_counter() - t0
-        return FinishedRows(full.pop("hidden_states", None), full, passthrough)
+    def _finish(self, requests: list[RowsRequest]) -> dict[str, FinishedRows]:
+        done = {}
+        for r in requests:
+            if r.req_id not in self._live:
+                continue
+            self._live.discard(r.req_id)
+            full = {name: t.float().numpy() for name, t in self.store.gather(r.block_ids, r.num_rows).items()}
+            self.rows_delivered += r.num_rows
+            self.store.rows_served += r.num_hit_rows
+            passthrough = {k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
+                           for k, v in self._passthrough.pop(r.req_id, {}).items()}
+            done[r.req_id] = FinishedRows(full.pop("hidden_states", None), full, passthrough)
+        return done

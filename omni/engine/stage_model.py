@@ -48,6 +48,11 @@ class StageModel:
     # False for generation stages such as token2wav: no KV cache, no prefix caching.
     autoregressive: bool = True
 
+    # True when `forward` reads nothing but its tensor arguments and the
+    # ForwardContext's device tensors (no per-request host state), so that a
+    # decode step can be captured once in a CUDA graph and replayed.
+    supports_cuda_graphs: bool = False
+
     hidden_size: int  # width of the last hidden states it emits
     # Width of rows accepted as `prompt_embeds` when it differs from
     # hidden_size (a talker fed a wider thinker's embeddings); None = hidden_size.

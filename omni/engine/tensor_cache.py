@@ -66,7 +66,13 @@ class StageTensorCache:
         self.rows_written += num_tokens
 
     def read(self, block_ids: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
-        """Rows of the first `num_tokens` tokens held by `block_ids` (a prefix hit)."""
+        """Rows of the first `num_tokens` tokens held by `block_ids` (a prefix hit, counted as served)."""
+        out = self.gather(block_ids, num_tokens)
+        self.rows_served += num_tokens if out else 0
+        return out
+
+    def gather(self, block_ids: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
+        """Rows of the first `num_tokens` tokens held by `block_ids`, uncounted."""
         if num_tokens <= 0 or not self.caches:
             return {}
         nblk = -(-num_tokens // self.block_size)
@@ -74,7 +80,6 @@ class StageTensorCache:
         out = {}
         for name, cache in self.caches.items():
             out[name] = cache.index_select(0, idx).flatten(0, 1)[:num_tokens]
-        self.rows_served += num_tokens
         return out
 
     @property

@@ -107,10 +107,13 @@ def test_caching_on_off_identical(tiny_llama, shared_prefix_prompts, scenario):
         sequential = False
     on_engine, on = _run_scenario(tiny_llama, shared_prefix_prompts, sequential, caching=True, **kw)
     off_engine, off = _run_scenario(tiny_llama, shared_prefix_prompts, sequential, caching=False, **kw)
+    # fp32 either way; on a GPU the cached and uncached runs tile their matmuls
+    # and attention differently, which reassociates sums (seen: 1.1e-5).
+    tol = 1e-4 if on_engine.model.device.type == "cuda" else 1e-5
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.from_numpy(a.hidden_states), torch.from_numpy(b.hidden_states),
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=tol, rtol=tol)
     if scenario == "prefix_hit":
         # Every later request reuses the 45-token prefix: 11 blocks of 4.
         assert [o.num_cached_tokens for o in on[1:]] == [44, 44, 44]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from kernels import dispatch
 from kernels.paged_attention import AttentionConfig, paged_attention_triton
 from kernels.reference import paged_attention_ref
 from tests.kernels.test_reference import make_batch, naive_attention
@@ -57,14 +57,14 @@ def assert_close_to_reference(out, batch, scale):
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (8, 2), (3, 1)], ids=["gqa1", "gqa2", "gqa4", "mqa3"])
 def test_mixed_batch_gqa(heads):
     batch = _to(make_batch(MIXED_Q, MIXED_SEQ, *heads, head_dim=32, seed=sum(heads)))
-    out = kernels.paged_attention(**batch, scale=0.17, backend="triton")
+    out = dispatch.paged_attention(**batch, scale=0.17, backend="triton")
     assert_close_to_reference(out, batch, 0.17)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_mixed_batch_low_precision(dtype):
     batch = _to(make_batch(MIXED_Q, MIXED_SEQ, 4, 2, 32, dtype=dtype, seed=11))
-    out = kernels.paged_attention(**batch, scale=0.17, backend="triton")
+    out = dispatch.paged_attention(**batch, scale=0.17, backend="triton")
     assert out.dtype == dtype
     assert_close_to_reference(out, batch, 0.17)
 
@@ -130,7 +130,7 @@ def test_random_mixed_batches(seed):
 @pytest.mark.slow
 def test_head_dim_128_bf16():
     batch = _to(make_batch([1, 1, 30], [100, 33, 60], 8, 2, 128, dtype=torch.bfloat16, seed=81))
-    out = kernels.paged_attention(**batch, scale=128**-0.5, backend="triton")
+    out = dispatch.paged_attention(**batch, scale=128**-0.5, backend="triton")
     assert_close_to_reference(out, batch, 128**-0.5)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import dispatch
 from kernels.reference import paged_attention_ref, store_kv_ref
 
 # --------------------------------------------------------------------------- helpers (also used by the Triton tests)
@@ -229,40 +230,45 @@ def test_store_kv_ref_errors(args, match):
 
 def test_resolve_backend(monkeypatch):
     t = torch.zeros(1)
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    assert kernels.resolve_backend(None, t) == "torch"
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")
-    assert kernels.resolve_backend(None, t) == "triton"
-    assert kernels.resolve_backend("torch", t) == "torch"  # explicit argument wins
-    monkeypatch.setenv(kernels.ENV_VAR, "auto")
-    assert kernels.resolve_backend(None, t) == "torch"
-    monkeypatch.setenv(kernels.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match=kernels.ENV_VAR):
-        kernels.resolve_backend(None, t)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.resolve_backend(None, t) == "torch"
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert dispatch.resolve_backend(None, t) == "triton"
+    assert dispatch.resolve_backend("torch", t) == "torch"  # explicit argument wins
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    assert dispatch.resolve_backend(None, t) == "torch"
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=dispatch.ENV_VAR):
+        dispatch.resolve_backend(None, t)
     with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.resolve_backend("flash", t)
+        dispatch.resolve_backend("flash", t)
 
 
 def test_dispatch_torch_backend(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     batch = make_batch([1, 4], [9, 4], 2, 1, 16, seed=8)
-    torch.testing.assert_close(kernels.paged_attention(**batch, scale=0.7).double(),
+    torch.testing.assert_close(dispatch.paged_attention(**batch, scale=0.7).double(),
                                naive_attention(**batch, scale=0.7), rtol=1e-5, atol=1e-5)
     cache_k, cache_v = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
     key = torch.randn(1, 1, 16)
-    kernels.store_kv(key, key, cache_k, cache_v, torch.tensor([6]))
+    dispatch.store_kv(key, key, cache_k, cache_v, torch.tensor([6]))
     assert torch.equal(cache_k[1, 2], key[0])
 
 
-def test_import_kernels_does_not_import_triton():
-    code = "import sys, kernels; kernels.paged_attention; print('triton' in sys.modules)"
+def test_import_dispatch_does_not_import_triton():
+    code = "import sys, kernels.dispatch; kernels.dispatch.paged_attention; print('triton' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert res.stdout.strip() == "False"
 
 
-def test_submodule_import_keeps_dispatch_functions():
-    import kernels.paged_attention  # noqa: F401  (binds nothing over the function)
+def test_kernels_is_a_plain_package():
+    """No module-class tricks: submodules bind as attributes, the dispatch functions live in one module."""
+    import types
+
+    import kernels.paged_attention  # noqa: F401
     from kernels.store_kv import store_kv_triton  # noqa: F401
 
-    assert callable(kernels.paged_attention) and kernels.paged_attention.__module__ == "kernels"
-    assert callable(kernels.store_kv) and kernels.store_kv.__module__ == "kernels"
+    assert type(kernels) is types.ModuleType
+    assert isinstance(kernels.paged_attention, types.ModuleType)
+    assert kernels.dispatch.paged_attention.__module__ == "kernels.dispatch"
+    assert kernels.dispatch.store_kv.__module__ == "kernels.dispatch"

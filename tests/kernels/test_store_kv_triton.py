@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from kernels import dispatch
 from kernels.reference import store_kv_ref
 from kernels.store_kv import store_kv_triton
 
@@ -26,7 +26,7 @@ def test_store_matches_reference_and_skips_negative(dtype, slot_dtype):
     slots = torch.tensor([5, -1, 0, 23, 9, -7, 12], dtype=slot_dtype, device=DEVICE)
     kc, vc = _caches(dtype=dtype)
     kc_ref, vc_ref = _caches(dtype=dtype)
-    kernels.store_kv(key, value, kc, vc, slots, backend="triton")
+    dispatch.store_kv(key, value, kc, vc, slots, backend="triton")
     store_kv_ref(key, value, kc_ref, vc_ref, slots)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # a copy: bit exact
     assert int((kc != 0).any(-1).any(-1).sum()) == 5

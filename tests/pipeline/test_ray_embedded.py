@@ -5,7 +5,8 @@ import os
 from pathlib import Path
 
 import pytest
-import ray
+
+ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni
 from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids
