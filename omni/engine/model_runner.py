@@ -70,8 +70,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        for rid in sched.finished_req_ids:
-            self.states.pop(rid, None)
         if sched.is_empty:
             return RunnerOutput()
         bs = self.block_size

@@ -54,15 +54,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
 
-    @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
-        return status > RequestStatus.PREEMPTED
-
-
-def is_finished(status: RequestStatus) -> bool:
-    """True for the FINISHED_* statuses."""
-    return status > RequestStatus.PREEMPTED
-
 
 class Request:
     """A request of one stage.
@@ -150,6 +141,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """True for the FINISHED_* statuses."""
         return self.status > RequestStatus.PREEMPTED
 
     # -- mutation ----------------------------------------------------------
