@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    from stages.checkpoints import resolve_model_path
+    from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
     _, doc_ids, q_ids = qa_workload(path, args)
@@ -38,7 +38,7 @@ def run(args) -> dict:
             assert o.hidden_states.shape[0] == len(o.prompt_token_ids)
         delivered[caching] = statistics.mean(o.metrics["e2e_s"] for o in outs)
         hidden[caching] = outs
-        stats[caching] = engine.stats()
+        stats[caching] = engine.stats().as_dict()
         print(f"caching={caching}: full hidden states delivered in {delivered[caching] * 1000:.1f} ms "
               f"(mean over {len(outs)} questions)")
     max_diff = max(float(np.abs(a.hidden_states - b.hidden_states).max())

@@ -24,13 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _omni(path, reqs, dtype) -> tuple[float, int]:
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.sampling import SamplingParams
-    from omni.engine.scheduler import SchedulerConfig
+    from omni.engine.sampling_params import SamplingParams
+    from omni.engine.scheduler import SchedulerSettings
+    from omni.registry import resolve_stage_model
     from omni.outputs import StageInput
 
     engine = StageEngine(StageEngineConfig(
-        name="bench", model_path=path, dtype=dtype, enable_prefix_caching=True, emit_hidden_states=False,
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=0)))
+        name="bench", model_cls=resolve_stage_model("causal_lm"), model_path=path, dtype=dtype,
+        enable_prefix_caching=True, emit_hidden_states=False,
+        scheduler=SchedulerSettings(max_num_seqs=64, max_num_batched_tokens=2048)))
     # Warm-up (one short request) so one-time costs stay out of the timing.
     engine.add_request(StageInput("warm", prompt_token_ids=[100] * 8, sampling_params=SamplingParams(max_tokens=2)))
     while engine.has_unfinished():
@@ -41,7 +43,7 @@ def _omni(path, reqs, dtype) -> tuple[float, int]:
             engine.add_request(StageInput(str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
                 temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)))
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().finished:
                 produced += len(out.token_ids)
     return t.elapsed, produced
 
@@ -89,7 +91,7 @@ def _hf_generate_batch(model, reqs) -> tuple[float, int]:
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from stages.checkpoints import resolve_model_path
+    from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)
