@@ -24,7 +24,9 @@ install: $(STAMP)
 demo: install
 	RAY_AUTH_MODE=disabled $(PY) examples/multi_turn.py --compare
 
+# The layering first (import-linter contracts in pyproject.toml), then the tests.
 test: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 bench: install

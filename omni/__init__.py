@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Omni": "omni.api",
-    "SamplingParams": "omni.engine.sampling",
+    "SamplingParams": "omni.engine.sampling_params",
     "StageInput": "omni.outputs",
     "StageOutput": "omni.outputs",
     "RequestOutput": "omni.outputs",
@@ -41,7 +41,7 @@ assert sorted(__all__) == sorted(_EXPORTS)
 if TYPE_CHECKING:
     from omni.api import Omni
     from omni.config import PipelineConfig, StageConfig, load_config
-    from omni.engine.sampling import SamplingParams
+    from omni.engine.sampling_params import SamplingParams
     from omni.errors import BackendClosedError, ConfigError, OmniError, StageError, StageStartError
     from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
 

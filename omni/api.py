@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from omni.config import PipelineConfig, load_config
-from omni.engine.sampling import SamplingParams
+from omni.engine.sampling_params import SamplingParams, resolve_sampling_params
 from omni.errors import BackendClosedError, ConfigError, OmniError
 from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
@@ -50,7 +50,8 @@ class Omni:
                  stage_overrides: str | Mapping[str, Any] | None = None, backend: str | None = None, *,
                  engine_factory: Any = None):
         """`backend`: "ray" | "local" (default: the config's runtime.backend). `engine_factory`
-        (StageConfig -> engine) replaces StageEngine.from_config, e.g. with a test double."""
+        (StageConfig -> engine) replaces omni.pipeline.engine_factory.build_engine, e.g. with a test
+        double implementing omni.engine.interface.Engine."""
         config = load_config(config_or_path, stage_overrides)
         if backend is not None:
             if backend not in ("ray", "local"):
@@ -253,17 +254,15 @@ class Omni:
         raise ValueError(f"sampling_params: expected a SamplingParams, a list or a dict, got {type(sp).__name__}")
 
     def _stage_params(self, stage: str, v: Any) -> SamplingParams:
-        if isinstance(v, SamplingParams):
-            return v
-        if isinstance(v, Mapping):
-            try:
-                return SamplingParams(**{**self.graph.stages[stage].sampling.model_dump(), **v})
-            except ValidationError as e:
-                msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}"
-                                 for x in e.errors())
-                raise ValueError(f"sampling_params for stage {stage!r}: {msgs}") from None
-        raise ValueError(f"sampling_params for stage {stage!r}: expected a SamplingParams or a dict, "
-                         f"got {type(v).__name__}")
+        if not isinstance(v, (SamplingParams, Mapping)):
+            raise ValueError(f"sampling_params for stage {stage!r}: expected a SamplingParams or a dict, "
+                             f"got {type(v).__name__}")
+        try:
+            return resolve_sampling_params(v, self.graph.stages[stage].sampling)
+        except ValidationError as e:
+            msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}"
+                             for x in e.errors())
+            raise ValueError(f"sampling_params for stage {stage!r}: {msgs}") from None
 
 
 def _as_list(prompts: Any) -> list[Any]:

@@ -29,7 +29,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from omni.engine.sampling import SamplingParams
+from omni import registry
+from omni.engine.sampling_params import SamplingParams
+from omni.engine.scheduler import check_prefill_fits
 from omni.errors import ConfigError
 
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -76,17 +78,16 @@ class SchedulerConfig(_Model):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Maximum number of tokens computed in one step (>= 1).")
     max_model_len: int | None = Field(
-        None, ge=1, description="Maximum sequence length (prompt + output). None: the model's maximum.")
+        None, ge=1, description="Maximum sequence length (prompt + output). None: the model's maximum. "
+        "Lowered (with a warning) to what the KV cache holds; a request whose prompt + max_tokens exceeds "
+        "it is rejected when it arrives.")
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts over several steps instead of requiring one step for them.")
 
     @model_validator(mode="after")
     def _fits(self) -> "SchedulerConfig":
-        if (not self.enable_chunked_prefill and self.max_model_len is not None
-                and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is false")
+        if self.max_model_len is not None:  # else checked once the model's maximum is known
+            check_prefill_fits(self.max_num_batched_tokens, self.max_model_len, self.enable_chunked_prefill)
         return self
 
 
@@ -108,7 +109,7 @@ class ResourcesConfig(_Model):
 class StageConfig(_Model):
     name: str = Field(description="Unique stage name (letters, digits, '_', '-', '.').")
     model: str = Field(
-        "causal_lm", description="Registered stage model name (stages/registry.py) or 'package.module:Class'.")
+        "causal_lm", description="Registered stage model name (see omni.registry) or 'package.module:Class'.")
     model_path: str = Field(
         description="Model directory or GGUF file, or builtin:tiny-llama | builtin:tiny-qwen2 | "
         "builtin:smollm2. ${ENV} and ${ENV:-default} are expanded.")
@@ -158,37 +159,28 @@ class StageConfig(_Model):
 
     @model_validator(mode="after")
     def _resolve(self) -> "StageConfig":
-        from stages import registry
-
+        # Facts come from the registry entries: validating imports no model code (and no torch).
         where = f"stage {self.name!r}"
         try:
-            target = registry.stage_model_target(self.model)
-        except KeyError as e:
+            model = registry.stage_model_entry(self.model)
+        except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: model: {e.args[0]}") from None
-        try:
-            registry.resolve_stage_model(self.model)
-        except Exception as e:  # noqa: BLE001 - any import problem is a config problem here
-            raise ValueError(f"{where}: model: {self.model!r} ({target}) does not resolve to a class: "
-                             f"{type(e).__name__}: {e}") from None
-        if self.enable_prefix_caching and not registry.is_autoregressive(self.model):
+        if self.enable_prefix_caching and not model.autoregressive:
             raise ValueError(
                 f"{where}: enable_prefix_caching: model {self.model!r} is not autoregressive (no KV cache), "
                 "so prefix caching does not apply; set enable_prefix_caching: false")
+        if self.final_output == "hidden" and not model.emits_hidden_states:
+            raise ValueError(f"{where}: final_output: model {self.model!r} emits no hidden states; "
+                             "choose text, tokens or audio")
         if self.input_processor is not None:
             if not self.inputs:
                 raise ValueError(
                     f"{where}: input_processor: only a stage with `inputs` takes an input processor "
                     "(this is an entry stage: it receives the prompt)")
             try:
-                target = registry.input_processor_target(self.input_processor)
-            except KeyError as e:
+                registry.input_processor_entry(self.input_processor)
+            except (KeyError, ValueError) as e:
                 raise ValueError(f"{where}: input_processor: {e.args[0]}") from None
-            try:
-                registry.resolve_input_processor(self.input_processor)
-            except Exception as e:  # noqa: BLE001
-                raise ValueError(
-                    f"{where}: input_processor: {self.input_processor!r} ({target}) does not resolve to a "
-                    f"callable: {type(e).__name__}: {e}") from None
         return self
 
 

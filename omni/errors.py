@@ -29,6 +29,9 @@ class StageError(OmniError):
         self.stage = stage
         self.request_id = request_id
 
+    def __reduce__(self):  # keep the keyword attributes across processes (a Ray actor's start error)
+        return (type(self), (str(self),), {"stage": self.stage, "request_id": self.request_id})
+
 
 class StageStartError(StageError):
     """A stage's engine could not be created (model load, resources, ...)."""

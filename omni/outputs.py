@@ -42,6 +42,9 @@ class StageInput:
     # Free-form per-request data an input processor hands to the stage model
     # (e.g. the thinker's token ids for a talker).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Hand this request's per-token rows (hidden states, mm_outputs) out with its output.
+    # None: the stage's default (StageEngineConfig.emit_hidden_states); the pipeline sets it.
+    return_hidden_states: bool | None = None
 
 
 @dataclass(slots=True)
@@ -72,6 +75,11 @@ class StageOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def error_output(stage: str, request_id: str, error: str, reason: str = "error") -> StageOutput:
+    """The terminal output of a request that failed (reason "error") or was aborted ("abort") at `stage`."""
+    return StageOutput(request_id, stage, finished=True, finish_reason=reason, error=error)
 
 
 @dataclass(slots=True)

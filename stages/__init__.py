@@ -1,0 +1,23 @@
+"""Model-specific code: stage models, input processors and builtin checkpoints.
+
+omni never imports this package: `register()` (omni's default plugin, see
+omni/registry.py) records every name below as an import string, so nothing here
+is imported until a stage is built. Keep this module free of torch imports.
+"""
+from __future__ import annotations
+
+
+def register() -> None:
+    from omni.registry import register_input_processor, register_model_path_scheme, register_stage_model
+
+    register_stage_model("causal_lm", "stages.causal_lm:CausalLMStage")
+    register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni:Qwen2_5OmniThinkerStage")
+    register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni:Qwen2_5OmniTalkerStage")
+    register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni:Qwen2_5OmniToken2WavStage",
+                         autoregressive=False)
+
+    register_input_processor("hidden_to_embeds", "stages.processors:hidden_to_embeds", needs_hidden_states=True)
+    register_input_processor("thinker2talker", "stages.qwen2_5_omni:thinker2talker", needs_hidden_states=True)
+    register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav")
+
+    register_model_path_scheme("builtin", "stages.checkpoints:builtin_path")

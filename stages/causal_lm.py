@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from omni.engine.attention import register_attention
-from omni.engine.stage_model import KVSpec, StageModel
+from omni.engine.stage_model import AutoregressiveStageModel, KVSpec
 
 
 def _split_gguf(model_path: Path) -> tuple[Path, str | None]:
@@ -20,8 +20,7 @@ def _split_gguf(model_path: Path) -> tuple[Path, str | None]:
     return model_path, None
 
 
-class CausalLMStage(StageModel):
-    autoregressive = True
+class CausalLMStage(AutoregressiveStageModel):
     supports_cuda_graphs = True  # a plain decoder: tensors in, tensors out
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, device: torch.device, dtype: torch.dtype):

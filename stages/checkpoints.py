@@ -47,7 +47,7 @@ _QWEN2_SPECIAL = [
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 ]
-_QWEN2_ADDED = [
+QWEN2_ADDED_TOKENS = [
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
     "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 ]
@@ -98,7 +98,7 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_once(final: Path, build: Callable[[Path], dict]) -> Path:
+def build_once(final: Path, build: Callable[[Path], dict]) -> Path:
     """Return `final`, building it with `build(tmp_dir) -> info` first if it is not complete."""
     if _is_complete(final):
         return final
@@ -166,7 +166,7 @@ def _smollm2_tokenizer_dir(cache_dir=None) -> Path:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         return {"source": gguf.name}
 
-    return _build_once(cache_root(cache_dir) / f"smollm2-tokenizer-v{_RECIPE_VERSION}", build)
+    return build_once(cache_root(cache_dir) / f"smollm2-tokenizer-v{_RECIPE_VERSION}", build)
 
 
 def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -198,7 +198,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
         AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(cache_dir)).save_pretrained(tmp)
         return {"source": gguf.name, "dtype": "float32"}
 
-    return _build_once(cache_root(cache_dir) / f"smollm2-135m-instruct-v{_RECIPE_VERSION}", build)
+    return build_once(cache_root(cache_dir) / f"smollm2-135m-instruct-v{_RECIPE_VERSION}", build)
 
 
 # ----------------------------------------------------------------------------- tiny random models
@@ -217,14 +217,14 @@ def _qwen2_tokenizer():
         )
     # Added tokens get fixed ids right after the BPE ranks (151643 = <|endoftext|>, as in Qwen2).
     first = len(vocab)
-    for i, token in enumerate(_QWEN2_SPECIAL + _QWEN2_ADDED):
+    for i, token in enumerate(_QWEN2_SPECIAL + QWEN2_ADDED_TOKENS):
         vocab[token] = first + i
     tok = Qwen2Tokenizer(
         vocab=vocab, merges=merges, unk_token=None, bos_token=None,
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
     )
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in _QWEN2_SPECIAL], special_tokens=True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _QWEN2_ADDED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
     tok.chat_template = _QWEN2_CHAT_TEMPLATE
     return tok
 
@@ -281,13 +281,14 @@ def tiny_checkpoint(arch: str, cache_dir: str | os.PathLike | None = None) -> Pa
         tok.save_pretrained(tmp)
         return {"arch": arch, "seed": _SEED, "init_std": _INIT_STD}
 
-    return _build_once(cache_root(cache_dir) / f"tiny-{arch}-v{_RECIPE_VERSION}", build)
+    return build_once(cache_root(cache_dir) / f"tiny-{arch}-v{_RECIPE_VERSION}", build)
 
 
 # ----------------------------------------------------------------------------- resolution + CLI
 
 
-def _builtin(name: str, cache_dir=None) -> Path:
+def builtin_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached checkpoint `builtin:NAME` (built on first use); omni resolves `builtin:` paths here."""
     if name == "tiny-llama":
         return tiny_checkpoint("llama", cache_dir)
     if name == "tiny-qwen2":
@@ -301,22 +302,6 @@ def _builtin(name: str, cache_dir=None) -> Path:
     raise ValueError(
         f"unknown builtin model {name!r}; known: " + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
     )
-
-
-def resolve_model_path(spec: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """`builtin:NAME` -> the cached checkpoint (built on first use); anything else -> an existing
-    local path, after expanding $VARS and ~."""
-    text = os.fspath(spec)
-    if text.startswith("builtin:"):
-        return _builtin(text.removeprefix("builtin:"), cache_dir)
-    path = Path(os.path.expanduser(os.path.expandvars(text)))
-    if not path.exists():
-        expanded = f" (expanded to {str(path)!r})" if str(path) != text else ""
-        raise ValueError(
-            f"model path {text!r}{expanded} does not exist; give an existing local directory or file, "
-            "or one of " + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
-        )
-    return path.resolve()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown NAME {name!r}; known: {', '.join(BUILTIN_MODELS)}")
     for name in names:
         start = time.perf_counter()
-        path = _builtin(name, args.cache_dir)
+        path = builtin_path(name, args.cache_dir)
         print(f"builtin:{name}: {path} ({time.perf_counter() - start:.1f}s)", flush=True)
     return 0
 

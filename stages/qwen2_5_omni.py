@@ -5,7 +5,8 @@
     token2wav (stages/qwen2_5_omni_token2wav.py) codec tokens -> 24 kHz waveform (no KV cache)
 
 Input processors (`fn(upstream, request) -> StageInput`, registered as thinker2talker / talker2wav)
-run in the orchestrator on plain numpy data: they only route what the upstream stage produced.
+run in the downstream stage's worker (where that stage runs) on plain numpy data: they only route
+what the upstream stage produced.
 The talker's sampling parameters come from `request.extra["talker_sampling_params"]` (else the
 stage defaults); the speaker from `request.extra["speaker"]` (default Chelsie).
 """
@@ -40,7 +41,7 @@ def thinker2talker(upstream: dict[str, StageOutput], request: StageInput) -> Sta
     out = _single(upstream, "thinker2talker")
     if out.hidden_states is None or "mrope_positions" not in out.mm_outputs:
         raise ValueError("thinker2talker: the thinker output carries no hidden states / mrope_positions "
-                         "(is the upstream a qwen2_5_omni_thinker stage with emit_hidden_states on?)")
+                         "(is the upstream a qwen2_5_omni_thinker stage?)")
     n = len(out.prompt_token_ids)
     extra = {
         "thinker_prompt_ids": list(out.prompt_token_ids),

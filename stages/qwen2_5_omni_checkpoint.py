@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints import _QWEN2_ADDED, _build_once, cache_root
+from stages.checkpoints import QWEN2_ADDED_TOKENS, build_once, cache_root
 from stages.qwen2_5_omni_inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
 _RECIPE_VERSION = 2  # v2: thinker config carries vision_start/end token ids
@@ -55,7 +55,7 @@ def omni_tokenizer():
         vocab, merges = TikTokenConverter(vocab_file=str(ranks_path)).extract_vocab_merges_from_model(
             str(ranks_path))
     first = len(vocab)
-    for i, token in enumerate(OMNI_SPECIAL + _QWEN2_ADDED):
+    for i, token in enumerate(OMNI_SPECIAL + QWEN2_ADDED_TOKENS):
         vocab[token] = first + i
     extra = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
              "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
@@ -63,7 +63,7 @@ def omni_tokenizer():
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
                          eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in OMNI_SPECIAL], special_tokens=True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _QWEN2_ADDED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
     return tok
 
 
@@ -143,7 +143,7 @@ def tiny_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
                                                              indent=2) + "\n")
         return {"arch": "qwen2_5_omni", "seed": _SEED, "speakers": sorted(SPEAKERS)}
 
-    return _build_once(cache_root(cache_dir) / f"tiny-qwen2_5-omni-v{_RECIPE_VERSION}", build)
+    return build_once(cache_root(cache_dir) / f"tiny-qwen2_5-omni-v{_RECIPE_VERSION}", build)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Qwen2.5-Omni prompt building and multimodal preprocessing (no model weights needed).
 
-- `build_prompt_ids`: chat messages (or text) -> token ids with one placeholder per image/audio,
-  then each placeholder expanded to the number of tokens its encoder produces.
+- `messages_for` + `render_chat`: chat messages (or text) -> the prompt text with one placeholder per
+  image/audio; `expand_placeholders` then expands each placeholder token to the number of tokens its
+  encoder produces (the thinker's `preprocess` tokenizes in between).
 - Images: Qwen2-VL patchification (resize to multiples of 28 within min/max pixels, CLIP
   normalisation, temporal patch of 2, patches ordered by 2x2 merge groups), in numpy/torch: the
   environment has neither PIL nor torchvision, which transformers' image processors require.
@@ -49,7 +50,7 @@ class MMItem:
     # image: pixel_values [patches, C*T*P*P] + grid_thw [3]; audio: features [mel, frames]
     data: torch.Tensor
     grid_thw: torch.Tensor | None = None
-    offset: int = -1  # first placeholder token in the prompt, set by build_prompt_ids
+    offset: int = -1  # first placeholder token in the prompt, set by expand_placeholders
 
 
 def load_preprocess_config(model_path: Path) -> dict[str, Any]:

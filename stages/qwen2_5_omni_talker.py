@@ -31,7 +31,7 @@ import torch
 
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
-from omni.engine.stage_model import KVSpec, PreparedPrompt, StageModel
+from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.outputs import StageInput
 
 from .qwen2_5_omni_inputs import fill_mrope_positions
@@ -74,8 +74,7 @@ class _TalkerRequest:
     reply: torch.Tensor  # [R, thinker_hidden]: added to the codec embedding of generated token j (min(j, R-1))
 
 
-class Qwen2_5OmniTalkerStage(StageModel):
-    autoregressive = True
+class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
     tokenizer = None
 
     def __init__(self, talker, thinker_embed: torch.nn.Embedding, speakers: dict, device, dtype,

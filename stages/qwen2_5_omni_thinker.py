@@ -22,7 +22,7 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.request import MultiModalFeature
-from omni.engine.stage_model import KVSpec, PreparedPrompt, StageModel
+from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.outputs import StageInput
 
 from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, load_preprocess_config, messages_for,
@@ -72,8 +72,7 @@ def audio_tower(thinker):
     return tower if isinstance(tower, torch.nn.Module) else thinker.model.audio_tower
 
 
-class Qwen2_5OmniThinkerStage(StageModel):
-    autoregressive = True
+class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, preprocess_cfg: dict,
                  encoder_cache_size: int = 128):

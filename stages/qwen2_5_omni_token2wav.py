@@ -16,15 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni.engine.stage_model import StageModel
+from omni.engine.stage_model import OneShotStageModel
 from omni.outputs import StageInput
 
 from .qwen2_5_omni_talker import load_speakers, speaker_params
 from .qwen2_5_omni_thinker import load_omni_part
 
 
-class Qwen2_5OmniToken2WavStage(StageModel):
-    autoregressive = False
+class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     tokenizer = None
     eos_token_id = None
     sampling_rate = 24000

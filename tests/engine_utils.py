@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from omni.engine.engine import StageEngine, StageEngineConfig
-from omni.engine.sampling import SamplingParams
-from omni.engine.scheduler import SchedulerConfig
+from omni.engine.sampling_params import SamplingParams
+from omni.engine.scheduler import SchedulerSettings
 from omni.outputs import StageInput, StageOutput
+from stages.causal_lm import CausalLMStage
 
 GREEDY = dict(temperature=0.0)
 
@@ -13,12 +14,12 @@ def make_engine(model_path, *, model=None, caching=True, num_blocks=256, block_s
                 max_num_batched_tokens=512, max_num_seqs=16, **kw) -> StageEngine:
     cfg = StageEngineConfig(
         name=kw.pop("name", "test"),
+        model_cls=type(model) if model is not None else CausalLMStage,
         model_path=model_path,
         enable_prefix_caching=caching,
         block_size=block_size,
         num_blocks=num_blocks,
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=kw.pop("max_model_len", 0)),
+        scheduler=SchedulerSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         **kw,
     )
     return StageEngine(cfg, model=model)
@@ -29,7 +30,8 @@ def run_to_completion(engine: StageEngine, max_steps: int = 10_000) -> dict[str,
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
-        for o in engine.step():
+        step = engine.step()
+        for o in step.aborted + step.finished:
             outs[o.request_id] = o
         engine.kv.check_integrity()
     assert not engine.has_unfinished(), "engine did not finish within max_steps"
@@ -47,4 +49,4 @@ def generate(engine: StageEngine, prompts: list[list[int]], prefix: str = "r", *
 def assert_no_leak(engine: StageEngine) -> None:
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks leaked"
-    assert not engine.runner.states and (engine.rows is None or len(engine.rows) == 0)
+    assert not engine.runner.states and len(engine.rows) == 0

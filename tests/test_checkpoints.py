@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from omni.registry import resolve_model_path
 from stages import checkpoints
-from stages.checkpoints import resolve_model_path, smollm2_gguf_path, tiny_checkpoint
+from stages.checkpoints import smollm2_gguf_path, tiny_checkpoint
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -119,7 +120,7 @@ def test_build_once_is_concurrency_safe(tmp_path):
 
     final = tmp_path / "thing-v1"
     results = []
-    threads = [threading.Thread(target=lambda: results.append(checkpoints._build_once(final, build)))
+    threads = [threading.Thread(target=lambda: results.append(checkpoints.build_once(final, build)))
                for _ in range(4)]
     for t in threads:
         t.start()
@@ -137,7 +138,7 @@ def test_failed_build_leaves_nothing(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        checkpoints._build_once(tmp_path / "broken-v1", build)
+        checkpoints.build_once(tmp_path / "broken-v1", build)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 

@@ -26,9 +26,9 @@ def chain_yaml(tmp_path):
 @pytest.fixture
 def fake_engines(monkeypatch):
     """`omni run` builds engines with the default factory: make that the fake engine."""
-    import omni.pipeline.local as local
+    import omni.pipeline.engine_factory as engine_factory
 
-    monkeypatch.setattr(local, "default_engine_factory", fake_factory)
+    monkeypatch.setattr(engine_factory, "build_engine", fake_factory)
 
 
 def test_validate_prints_the_graph(chain_yaml, capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from omni.config import PipelineConfig, load_config, parse_stage_overrides
-from omni.engine.sampling import SamplingParams
+from omni.engine.sampling_params import SamplingParams
 from omni.errors import ConfigError, OmniError
 from tests.pipeline.test_fake_engine import chain_config, diamond_config, stage
 
@@ -158,6 +158,12 @@ def test_input_processor_target_resolves():
 def test_input_processor_on_entry_stage():
     msg = err(cfg_with(stage("a", input_processor="passthrough_tokens", final_output="text")))
     assert "stage 'a': input_processor: only a stage with `inputs`" in msg
+
+
+def test_final_output_hidden_needs_a_model_that_emits_hidden_states():
+    msg = err(cfg_with(stage("a"), stage("w", model="fake_nar", inputs=["a"], final_output="hidden",
+                                       enable_prefix_caching=False)))
+    assert "stage 'w': final_output: model 'fake_nar' emits no hidden states" in msg
 
 
 def test_prefix_caching_on_non_autoregressive_model():

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engines(config: str, caching: bool, thinker_max: int, talker_max: int) -> dict[str, Any]:
     from omni.config import load_config
-    from omni.engine.engine import StageEngine
+    from omni.pipeline.engine_factory import build_engine
 
     overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": thinker_max}},
                  "talker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": talker_max}}}
@@ -51,12 +51,12 @@ def _engines(config: str, caching: bool, thinker_max: int, talker_max: int) -> d
     names = [s.name for s in cfg.stages]
     if names != ["thinker", "talker", "token2wav"]:
         raise ValueError(f"--config: expected stages thinker, talker, token2wav; got {names}")
-    return {s.name: StageEngine.from_config(s) for s in cfg.stages}
+    return {s.name: build_engine(s) for s in cfg.stages}
 
 
 def _drain(engine, rid: str) -> Any:
     while True:
-        for out in engine.step():
+        for out in engine.step().finished:
             if out.request_id == rid:
                 if out.error:
                     raise RuntimeError(f"stage {engine.name}: {out.error}")
@@ -65,8 +65,9 @@ def _drain(engine, rid: str) -> Any:
 
 def _turn(engines: dict[str, Any], rid: str, prompt: list[dict], mm: list) -> tuple[float, float, Any]:
     from omni.outputs import StageInput
-    from stages.qwen2_5_omni import talker2wav, thinker2talker
+    from omni.registry import resolve_input_processor
 
+    thinker2talker, talker2wav = resolve_input_processor("thinker2talker"), resolve_input_processor("talker2wav")
     inp = StageInput(rid, prompt=prompt, mm_inputs=mm)
     t0 = time.perf_counter()
     engines["thinker"].add_request(inp)
@@ -101,8 +102,8 @@ def _conversation(args, caching: bool) -> dict[str, Any]:
         hits.append({"thinker": t_out.num_cached_tokens, "talker": k_out.num_cached_tokens})
         outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
         messages.append({"role": "assistant", "content": t_out.text or ""})
-    stats = {name: {k: e.stats().get(k) for k in ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_hit_rate")}
-             for name, e in engines.items()}
+    keys = ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_hit_rate")
+    stats = {name: {k: getattr(e.stats(), k) for k in keys} for name, e in engines.items()}
     encoder = getattr(engines["thinker"].model, "encoder_stats", None)
     return {"turn_latency_s": latency, "first_audio_s": first_audio, "cached_tokens": hits,
             "stats": stats, "encoder": encoder() if encoder else None, "_outputs": outputs}

@@ -94,21 +94,8 @@ def _tokens(outs: list[Any]) -> list[dict[str, list[int]]]:
 
 
 def _ray_threads(omni: Any) -> dict[str, int | None]:
-    """torch's intra-op threads inside each stage actor."""
-    import ray
-
-    def threads(_actor: Any) -> int:
-        import torch
-
-        return torch.get_num_threads()
-
-    out: dict[str, int | None] = {}
-    for name, actor in omni._backend.actors.items():
-        try:
-            out[name] = ray.get(actor.__ray_call__.remote(threads), timeout=30)
-        except Exception:  # noqa: BLE001 - informational only
-            out[name] = None
-    return out
+    """torch's intra-op threads inside each stage actor (from the stages' stats)."""
+    return {name: st.get("torch_threads") for name, st in omni.stats()["stages"].items()}
 
 
 # ------------------------------------------------------------ part 1: backends

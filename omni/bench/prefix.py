@@ -24,23 +24,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: str = "float32"):
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.scheduler import SchedulerConfig
+    from omni.engine.scheduler import SchedulerSettings
+    from omni.registry import resolve_stage_model
 
     return StageEngine(StageEngineConfig(
-        name="bench", model_path=path, enable_prefix_caching=caching, emit_hidden_states=emit_hidden_states,
-        dtype=dtype, scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=0)))
+        name="bench", model_cls=resolve_stage_model("causal_lm"), model_path=path, enable_prefix_caching=caching,
+        emit_hidden_states=emit_hidden_states, dtype=dtype,
+        scheduler=SchedulerSettings(max_num_seqs=32, max_num_batched_tokens=4096)))
 
 
 def run_one(engine, rid: str, ids: list[int], max_tokens: int):
     """Submit one request and run it to completion; returns its StageOutput."""
-    from omni.engine.sampling import SamplingParams
+    from omni.engine.sampling_params import SamplingParams
     from omni.outputs import StageInput
 
     engine.add_request(StageInput(rid, prompt_token_ids=ids,
                                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     out = None
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in engine.step().finished:
             out = o
     return out
 
@@ -63,9 +65,9 @@ def qa_workload(path, args):
 
 
 def run(args) -> dict:
-    from omni.engine.sampling import SamplingParams
+    from omni.engine.sampling_params import SamplingParams
     from omni.outputs import StageInput
-    from stages.checkpoints import resolve_model_path
+    from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
     tok, doc_ids, q_ids = qa_workload(path, args)
@@ -78,7 +80,7 @@ def run(args) -> dict:
         answers[caching] = [o.token_ids for o in outs]
         res[caching] = statistics.mean(ttfts)
         print(f"caching={caching}: mean TTFT {res[caching] * 1000:.1f} ms, "
-              f"hit rate {engine.stats()['prefix_cache_hit_rate']:.3f}")
+              f"hit rate {engine.stats().prefix_cache_hit_rate:.3f}")
     assert answers[True] == answers[False], "prefix caching changed outputs"
 
     # Miss case: unrelated prompts, batched; throughput with caching on vs off.
@@ -96,7 +98,7 @@ def run(args) -> dict:
                         temperature=0.0, max_tokens=32, ignore_eos=True)))
                 n = 0
                 while engine.has_unfinished():
-                    n += sum(len(o.token_ids) for o in engine.step())
+                    n += sum(len(o.token_ids) for o in engine.step().finished)
             tps.setdefault(caching, []).append(n / t.elapsed)
     on, off = max(tps[True]), max(tps[False])
     print(f"miss case: caching on {on:.1f} tok/s, off {off:.1f} tok/s")

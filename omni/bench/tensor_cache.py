@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    from stages.checkpoints import resolve_model_path
+    from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
     _, doc_ids, q_ids = qa_workload(path, args)
@@ -49,7 +49,7 @@ def run(args) -> dict:
             assert o.hidden_states.shape[0] == len(o.prompt_token_ids)
         delivered[caching] = statistics.mean(o.metrics["e2e_s"] for o in outs)
         hidden[caching] = outs
-        stats[caching] = engine.stats()
+        stats[caching] = engine.stats().as_dict()
         print(f"caching={caching}: full hidden states delivered in {delivered[caching] * 1000:.1f} ms "
               f"(mean over {len(outs)} questions)")
     max_diff = max(float(np.abs(a.hidden_states - b.hidden_states).max())
@@ -101,13 +101,13 @@ def _concurrent(engine, doc_ids, q_ids, max_tokens: int) -> dict:
     from omni.engine.sampling import SamplingParams
     from omni.outputs import StageInput
 
-    before = engine.stats()
+    before = engine.stats().as_dict()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, q in enumerate(q_ids):
         engine.add_request(StageInput(f"c{i}", prompt_token_ids=doc_ids + q, sampling_params=sp))
     while engine.has_unfinished():
         engine.step()
-    after = engine.stats()
+    after = engine.stats().as_dict()
     keys = ("step_time_s", "tensor_cache_time_s", "tensor_cache_worker_time_s", "tensor_cache_write_time_s",
             "rows_deliver_time_s", "rows_delivered")
     return {k: after[k] - before[k] for k in keys}

@@ -31,14 +31,15 @@ def _sync(device: str) -> None:
 
 def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict]:
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.sampling import SamplingParams
-    from omni.engine.scheduler import SchedulerConfig
+    from omni.engine.sampling_params import SamplingParams
+    from omni.engine.scheduler import SchedulerSettings
+    from omni.registry import resolve_stage_model
     from omni.outputs import StageInput
 
     engine = StageEngine(StageEngineConfig(
-        name="bench", model_path=path, dtype=dtype, device=device, enable_prefix_caching=True,
-        emit_hidden_states=False, cuda_graphs=cuda_graphs,
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=0)))
+        name="bench", model_cls=resolve_stage_model("causal_lm"), model_path=path, dtype=dtype, device=device,
+        enable_prefix_caching=True, emit_hidden_states=False, cuda_graphs=cuda_graphs,
+        scheduler=SchedulerSettings(max_num_seqs=64, max_num_batched_tokens=2048)))
     # Warm-up: every step shape once (a long prefill, a short mixed step, batched
     # decode) so that one-time costs (Triton compiling each kernel configuration
     # on a GPU) stay out of the timing.
@@ -53,9 +54,9 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
             engine.add_request(StageInput(str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
                 temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)))
         while engine.has_unfinished():
-            for out in engine.step():
+            for out in engine.step().finished:
                 produced += len(out.token_ids)
-    stats = engine.stats()
+    stats = engine.stats().as_dict()
     return t.elapsed, produced, {k: stats[k] for k in ("steps", "step_time_s", "cuda_graph_replays")}
 
 
@@ -107,7 +108,7 @@ def _hf_generate_batch(model, reqs) -> tuple[float, int]:
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from stages.checkpoints import resolve_model_path
+    from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)

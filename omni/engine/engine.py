@@ -1,8 +1,19 @@
-"""StageEngine: one stage, in one process. No Ray import here.
+"""StageEngine: one autoregressive stage, in one process. No Ray, no pipeline import here.
 
-add_request -> queued Request; step() = schedule -> forward -> tensor-cache
-write -> gather hit rows for new requests -> scheduler update -> StageOutputs
-of the requests that finished.
+    add_request()  admission (the prompt + max_tokens must fit max_model_len), then the
+                   Request joins the scheduler, the runner and the model
+    step()         schedule -> forward -> tensor-cache write + rows -> scheduler update
+                   -> release what finished -> EngineStepOutput
+    abort()        the scheduler finishes the request and it is released at once, so its
+                   id can be reused right away; the next step() reports the abort
+
+The scheduler is the source of truth of a request's life; `_release_finished` is the one
+place where everything else the stage holds for a request (runner state, the model's
+per-request state, collected rows) is dropped, for the ids the scheduler hands back.
+
+max_model_len is resolved once here: the config's value, else the model's maximum, and
+at most what the KV cache holds (lowered with a warning), so that any admitted request
+can always run to completion, alone if need be.
 """
 from __future__ import annotations
 
@@ -18,18 +29,20 @@ import xxhash
 
 from omni.outputs import StageInput, StageOutput
 
+from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus
+from .loading import load_stage_model
 from .model_runner import ModelRunner, RunnerRequestState
-from .sampling import SamplingParams, make_generator
-from .scheduler import Scheduler, SchedulerConfig
-from .stage_model import StageModel
 from .output_rows import FinishedRows, OutputRows, RowsRequest
+from .request import Request, RequestStatus
+from .sampling import make_generator
+from .sampling_params import SamplingParams, resolve_sampling_params
+from .scheduler import Scheduler, SchedulerSettings
+from .stage_model import AutoregressiveStageModel
 from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -43,18 +56,23 @@ _DEFAULT_MEMORY_BUDGET_MB = 1024.0
 
 @dataclass(slots=True)
 class StageEngineConfig:
-    """Internal, resolved configuration of one stage (see omni.config for the user-facing one)."""
+    """Resolved configuration of one autoregressive stage.
 
-    name: str = "stage"
-    model_path: str | Path = ""
-    model_cls: type[StageModel] | None = None  # None -> stages.causal_lm.CausalLMStage
+    omni.pipeline.engine_factory translates the user's omni.config.StageConfig into it;
+    tests and benchmarks may build one directly.
+    """
+
+    name: str
+    model_cls: type[AutoregressiveStageModel]
+    model_path: str | Path | None  # a local path (None when a loaded model is handed to the engine)
     tokenizer_path: str | Path | None = None
     enable_prefix_caching: bool = True
     block_size: int = 16
     num_blocks: int | None = None
     memory_budget_mb: float | None = None
     hash_seed: int = 0
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    # None: the model's maximum. Either way at most what the KV cache holds.
     max_model_len: int | None = None
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
     use_chat_template: bool = False
@@ -62,8 +80,10 @@ class StageEngineConfig:
     device: str = "auto"
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     attention_backend: str | None = None
-    # Hand hidden states / discovered outputs downstream. Off for a leaf stage
-    # whose caller only wants text: no per-token rows are kept at all.
+    # Hand every request's per-token rows (hidden states, discovered outputs) out with its
+    # output. A request can say otherwise (StageInput.return_hidden_states); the pipeline
+    # always does, from the stage graph (rows only where a downstream stage reads them)
+    # and from the caller's return_hidden_states.
     emit_hidden_states: bool = True
     # Capture decode steps in CUDA graphs (CUDA + Triton attention + a model
     # that supports it); False = always eager (vLLM's enforce_eager).
@@ -71,115 +91,68 @@ class StageEngineConfig:
 
 
 class StageEngine:
-    def __init__(self, config: StageEngineConfig, model: StageModel | None = None):
+    def __init__(self, config: StageEngineConfig, model: AutoregressiveStageModel | None = None):
         self.config = config
         self.name = config.name
         if model is None:
-            model = self._load_model(config)
+            model = load_stage_model(config.name, config.model_cls, config.model_path, dtype=config.dtype,
+                                     device=config.device, model_kwargs=config.model_kwargs,
+                                     tokenizer_path=config.tokenizer_path)
         self.model = model
-        self.tokenizer = getattr(model, "tokenizer", None)
-        max_len = config.max_model_len or config.scheduler.max_model_len or model.max_model_len
-        max_len = min(max_len, model.max_model_len)
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
-        )
-        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < max_len:
-            raise ValueError(
-                f"stage {self.name}: max_num_batched_tokens ({sched_cfg.max_num_batched_tokens}) must be "
-                f">= max_model_len ({max_len}) when chunked prefill is disabled")
-        self.max_model_len = max_len
-        num_blocks = self._num_blocks(config, model, sched_cfg)
+        self.tokenizer = model.tokenizer
+        max_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        num_blocks = self._num_blocks(config, model, max_len)
+        capacity = num_blocks * config.block_size
+        # A sequence the cache cannot hold would wait forever (and block the queue behind it).
+        self._max_len_note = ""
+        if max_len > capacity:
+            logger.warning("stage %s: the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len "
+                           "%d; max_model_len is lowered to %d (raise cache.num_blocks or cache.memory_budget_mb "
+                           "to keep it)", self.name, capacity, num_blocks, config.block_size, max_len, capacity)
+            self._max_len_note = (f" (lowered from {max_len}: the KV cache holds {num_blocks} blocks of "
+                                  f"{config.block_size} tokens)")
+            max_len = capacity
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
-        self.scheduler = Scheduler(sched_cfg, self.kv)
+        try:
+            self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        except ValueError as e:
+            raise ValueError(f"stage {self.name}: scheduler: {e}") from None
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, config.attention_backend,
-            max_num_tokens=sched_cfg.max_num_batched_tokens, max_num_seqs=sched_cfg.max_num_seqs,
+            max_num_tokens=config.scheduler.max_num_batched_tokens, max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=max_len, cuda_graphs=config.cuda_graphs, emit_rows=config.emit_hidden_states)
-        # Rows of every computed token, on the KV slot mapping. With prefix
-        # caching on, this store is the stage tensor cache (hits read rows
-        # other requests wrote); off, the same layout is private per request.
-        store = StageTensorCache(num_blocks, config.block_size) if config.emit_hidden_states else None
+        # Rows of every computed token (hidden states, discovered outputs) on the KV slot
+        # mapping; with prefix caching on this store is the stage tensor cache (hits read
+        # rows other requests wrote). Its tensors are allocated on the first write, so a
+        # stage that hands no rows out holds none and copies none off the device.
+        store = StageTensorCache(num_blocks, config.block_size)
         self.tensor_cache = store if config.enable_prefix_caching else None
-        # Per-token outputs handed downstream; None for a stage whose caller wants text only.
-        # On a GPU their host-side bookkeeping runs on a background thread (output_rows.py).
-        self.rows = (OutputRows(store, background=torch.device(model.device).type == "cuda")
-                     if store is not None else None)
-        self._pending: list[StageOutput] = []  # aborted requests, reported by the next step()
+        # On a GPU the rows' host-side bookkeeping runs on a background thread (output_rows.py).
+        self.rows = OutputRows(store, background=torch.device(model.device).type == "cuda")
+        # Rows kept since start-up: every cached block has its rows. A stage that starts
+        # keeping them for a request that asks (return_hidden_states) cannot vouch for
+        # blocks cached before, so such requests compute their whole prompt.
+        self._rows_complete = config.emit_hidden_states
+        self._aborted: list[StageOutput] = []  # reported by the next step()
         self._ttfts: list[float] = []
         self._num_finished = 0
         self._num_errors = 0
         self._step_time = 0.0
         self._num_steps = 0
 
-    # ------------------------------------------------------------- creation
-    @classmethod
-    def from_config(cls, stage: Any) -> "StageEngine":
-        """Build from a user-facing `omni.config.StageConfig`."""
-        from stages.checkpoints import resolve_model_path
-        from stages.registry import resolve_stage_model
-
-        model_cls = resolve_stage_model(stage.model)
-        if not getattr(model_cls, "autoregressive", True):
-            # Generation stages (e.g. token2wav): no KV cache, no scheduler steps.
-            from .generation_engine import GenerationStageEngine
-
-            return GenerationStageEngine.from_config(stage)
-        sampling = stage.sampling if isinstance(stage.sampling, SamplingParams) else SamplingParams(**(stage.sampling or {}))
-        cfg = StageEngineConfig(
-            name=stage.name,
-            model_path=resolve_model_path(stage.model_path),
-            model_cls=model_cls,
-            tokenizer_path=resolve_model_path(stage.tokenizer) if stage.tokenizer else None,
-            enable_prefix_caching=stage.enable_prefix_caching,
-            block_size=stage.cache.block_size,
-            num_blocks=stage.cache.num_blocks,
-            memory_budget_mb=stage.cache.memory_budget_mb,
-            hash_seed=stage.cache.hash_seed,
-            scheduler=SchedulerConfig(
-                max_num_seqs=stage.scheduler.max_num_seqs,
-                max_num_batched_tokens=stage.scheduler.max_num_batched_tokens,
-                max_model_len=stage.scheduler.max_model_len or 0,
-                enable_chunked_prefill=stage.scheduler.enable_chunked_prefill,
-            ),
-            max_model_len=stage.scheduler.max_model_len,
-            default_sampling=sampling,
-            use_chat_template=stage.use_chat_template,
-            dtype=stage.dtype,
-            device=stage.device,
-            model_kwargs=dict(stage.model_kwargs or {}),
-        )
-        return cls(cfg)
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
 
     @staticmethod
-    def _load_model(config: StageEngineConfig) -> StageModel:
-        model_cls = config.model_cls
-        if model_cls is None:
-            from stages.causal_lm import CausalLMStage
-
-            model_cls = CausalLMStage
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if config.dtype not in _DTYPES:
-            raise ValueError(f"stage {config.name}: dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
-        return model_cls.load(
-            Path(config.model_path), dtype=_DTYPES[config.dtype], device=torch.device(device),
-            model_kwargs=config.model_kwargs,
-            tokenizer_path=Path(config.tokenizer_path) if config.tokenizer_path else None,
-        )
-
-    @staticmethod
-    def _num_blocks(config: StageEngineConfig, model: StageModel, sched: SchedulerConfig) -> int:
+    def _num_blocks(config: StageEngineConfig, model: AutoregressiveStageModel, max_len: int) -> int:
         if config.num_blocks is not None:
             return config.num_blocks
         per_block = ModelRunner.kv_bytes_per_block(model, config.block_size)
         budget = config.memory_budget_mb or _DEFAULT_MEMORY_BUDGET_MB
         by_budget = int(budget * 2**20 // per_block)
         if config.memory_budget_mb is None:
-            needed = -(-sched.max_num_seqs * sched.max_model_len // config.block_size) + 1
+            needed = -(-config.scheduler.max_num_seqs * max_len // config.block_size) + 1
             by_budget = min(by_budget, needed)
         if by_budget < 2:
             raise ValueError(
@@ -188,15 +161,6 @@ class StageEngine:
         return by_budget
 
     # ------------------------------------------------------------- requests
-    def _sampling_params(self, value: Any) -> SamplingParams:
-        if value is None:
-            return self.config.default_sampling
-        if isinstance(value, SamplingParams):
-            return value
-        if isinstance(value, dict):
-            return SamplingParams(**{**self.config.default_sampling.model_dump(), **value})
-        raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
-
     def _tokenize(self, inp: StageInput) -> list[int]:
         if inp.prompt_token_ids is not None:
             return [int(t) for t in inp.prompt_token_ids]
@@ -222,9 +186,7 @@ class StageEngine:
     def add_request(self, inp: StageInput) -> None:
         """Queue one request; raises ValueError naming the bad field (the stage keeps serving)."""
         rid = inp.request_id
-        if rid in self.scheduler.requests:
-            raise ValueError(f"request_id {rid!r} is already in use on stage {self.name}")
-        params = self._sampling_params(inp.sampling_params)
+        params = resolve_sampling_params(inp.sampling_params, self.config.default_sampling)
         prepared = self.model.preprocess(inp)
         token_ids = prepared.token_ids if prepared is not None else self._tokenize(inp)
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
@@ -234,24 +196,36 @@ class StageEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (allowed 0..{vocab - 1})")
-        if len(token_ids) >= self.max_model_len:
+        # Admission: what cannot fit is refused now, never left waiting for room that cannot come.
+        n, m = len(token_ids), params.max_tokens
+        if n + m > self.max_model_len:
             raise ValueError(
-                f"prompt: {len(token_ids)} tokens, must be shorter than max_model_len ({self.max_model_len}) "
-                "to leave room for at least one generated token")
+                f"prompt: {n} tokens + max_tokens {m} = {n + m} exceed max_model_len {self.max_model_len} of "
+                f"stage {self.name!r}{self._max_len_note}; shorten the prompt or lower max_tokens")
         embeds, digests = None, None
         if prompt_embeds is not None:
-            embeds, digests = self._prompt_embeds(prompt_embeds, len(token_ids))
+            embeds, digests = self._prompt_embeds(prompt_embeds, n)
         req = Request(
             rid, token_ids, sampling_params=params, cache_salt=inp.cache_salt,
             mm_features=prepared.mm_features if prepared is not None else (),
             prompt_embeds_digests=digests, block_hasher=self.kv.block_hasher,
             arrival_time=time.monotonic(), eos_token_id=self.model.eos_token_id,
         )
-        self.model.add_request(rid, prepared, inp)
-        self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
-        self.scheduler.add_request(req)
-        if self.rows is not None:
-            self.rows.add(rid)
+        self.scheduler.add_request(req)  # raises for an id still running: nothing else is touched
+        try:
+            self.model.add_request(rid, prepared, inp)
+            self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
+            wants_rows = inp.return_hidden_states
+            if self.config.emit_hidden_states if wants_rows is None else wants_rows:
+                if not self.runner.emits_rows:
+                    self.runner.enable_rows()
+                if not self._rows_complete:
+                    req.skip_prefix_hits = True  # cached blocks may predate the rows
+                self.rows.add(rid)
+        except BaseException:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self._release_finished()
+            raise
 
     def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes]]:
         arr = np.ascontiguousarray(np.asarray(value, dtype=np.float32))
@@ -266,65 +240,68 @@ class StageEngine:
         return t, digests
 
     def abort(self, request_id: str) -> None:
-        req = self.scheduler.abort(request_id)
-        had_rows = self.rows is not None and self.rows.drop(request_id)
-        if req is not None or had_rows:
-            self.runner.remove_request(request_id)
-            self.model.remove_request(request_id)
-            out = StageOutput(request_id, self.name, finished=True, finish_reason="abort")
-            if req is not None:
-                out.prompt_token_ids = list(req.prompt_token_ids)
-                out.token_ids = list(req.output_token_ids)
-            self._pending.append(out)
+        """Finish the request now (unknown ids: nothing happens); the next step() reports it."""
+        for req in self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED):
+            self._aborted.append(StageOutput(
+                request_id, self.name, prompt_token_ids=list(req.prompt_token_ids),
+                token_ids=list(req.output_token_ids), finished=True, finish_reason="abort"))
+        self._release_finished()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def close(self) -> None:
+        """Finish every request (their blocks and per-request state are released)."""
+        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        self._release_finished()
+        self._aborted.clear()
+        self.rows.close()
 
     # ----------------------------------------------------------------- step
-    def step(self) -> list[StageOutput]:
-        results, self._pending = self._pending, []
+    def step(self) -> EngineStepOutput:
+        out = EngineStepOutput(aborted=self._aborted)
+        self._aborted = []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.runner.execute(sched)  # drops state of finished requests
-            return results
+            return out
         t0 = time.perf_counter()
         try:
-            out = self.runner.execute(sched)
+            result = self.runner.execute(sched)
         except Exception as exc:  # a failing batch fails its requests, not the stage
             logger.exception("stage %s: forward pass failed", self.name)
-            for s in sched.scheduled:
-                req = self.scheduler.fail(s.req_id)
-                if self.rows is not None:
-                    self.rows.drop(s.req_id)
-                self.runner.remove_request(s.req_id)
-                self.model.remove_request(s.req_id)
+            error = f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}"
+            failed = self.scheduler.finish_requests([s.req_id for s in sched.scheduled], RequestStatus.FINISHED_ERROR)
+            for req in failed:
                 self._num_errors += 1
-                results.append(StageOutput(
-                    s.req_id, self.name, prompt_token_ids=list(req.prompt_token_ids) if req else [],
-                    finished=True, finish_reason="error",
-                    error=f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}"))
-            return results
-        if self.rows is not None:
-            self.rows.collect(out.row_ranges, out.rows, out.other_outputs, out.slot_mapping)
-        elif out.rows is not None:
-            out.rows.release()
-        finished = self.scheduler.update(sched, out.sampled)
-        rows = {}
-        if finished and self.rows is not None:
-            # Block tables as scheduled this step: update() has already freed them.
-            tables = {s.req_id: s.block_ids for s in sched.scheduled}
-            rows = self.rows.finish([RowsRequest(r.request_id, tables[r.request_id], r.num_computed_tokens,
-                                                 max(r.num_cached_tokens, 0)) for r in finished])
-        for req in finished:
-            results.append(self._make_output(req, rows.get(req.request_id)))
-        self._step_time += time.perf_counter() - t0
-        self._num_steps += 1
-        return results
+                out.finished.append(StageOutput(req.request_id, self.name, prompt_token_ids=list(req.prompt_token_ids),
+                                                finished=True, finish_reason="error", error=error))
+        else:
+            if result.rows is not None or result.other_outputs:
+                self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
+            finished = self.scheduler.update(result.sampled)
+            rows = {}
+            if finished:
+                # Block tables as scheduled this step (update() has freed them already).
+                tables = {s.req_id: s.block_ids for s in sched.scheduled}
+                rows = self.rows.finish([RowsRequest(r.request_id, tables[r.request_id], r.num_computed_tokens,
+                                                     max(r.num_cached_tokens, 0)) for r in finished])
+            for req in finished:
+                out.finished.append(self._make_output(req, rows.get(req.request_id)))
+            self._step_time += time.perf_counter() - t0
+            self._num_steps += 1
+        self._release_finished()
+        return out
+
+    def _release_finished(self) -> None:
+        """The one release point: drop the runner's, the model's and the rows' state of every request
+        the scheduler finished (ended, aborted or failed) since the last call."""
+        for rid in self.scheduler.take_finished_req_ids():
+            self.runner.remove_request(rid)
+            self.model.remove_request(rid)
+            self.rows.drop(rid)
 
     def _make_output(self, req: Request, rows: FinishedRows | None = None) -> StageOutput:
         rid = req.request_id
-        self.runner.remove_request(rid)
-        self.model.remove_request(rid)
         ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
         self._num_finished += 1
         if ttft is not None:
@@ -346,35 +323,34 @@ class StageEngine:
         return out
 
     # ---------------------------------------------------------------- stats
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StageStats:
         kv = self.kv.stats()
         ttfts = sorted(self._ttfts)
-        s = {
-            "stage": self.name,
-            "device": str(self.model.device),
-            "running": self.scheduler.num_running,
-            "waiting": self.scheduler.num_waiting,
-            "kv_usage": self.kv.usage,
-            "num_blocks": self.kv.num_blocks,
-            "prefix_caching": self.config.enable_prefix_caching,
-            "prefix_cache_queries": kv.get("queries", 0),
-            "prefix_cache_hits": kv.get("hits", 0),
-            "prefix_cache_hit_rate": kv.get("hit_rate", 0.0),
-            "preemptions": self.scheduler.num_preemptions,
-            "finished": self._num_finished,
-            "errors": self._num_errors,
-            "ttft_mean_s": (sum(ttfts) / len(ttfts)) if ttfts else None,
-            "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
-            "steps": self._num_steps,
-            "step_time_s": self._step_time,
-            "tensor_cache_time_s": self.rows.time_s if self.rows is not None else 0.0,
-            "tensor_cache_worker_time_s": self.rows.worker_time_s if self.rows is not None else 0.0,
-            "tensor_cache_write_time_s": self.rows.write_time_s if self.rows is not None else 0.0,
-            "rows_deliver_time_s": self.rows.deliver_time_s if self.rows is not None else 0.0,
-            "rows_delivered": self.rows.rows_delivered if self.rows is not None else 0,
-        }
-        s.update(self.runner.stats())
-        if self.tensor_cache is not None:
-            s.update(self.tensor_cache.stats())
-        s.update(self.model.stats())
-        return s
+        extra = dict(self.tensor_cache.stats()) if self.tensor_cache is not None else {}
+        extra.update(self.runner.stats())
+        extra.update(device=str(self.model.device), tensor_cache_worker_time_s=self.rows.worker_time_s,
+                     tensor_cache_write_time_s=self.rows.write_time_s, rows_deliver_time_s=self.rows.deliver_time_s,
+                     rows_delivered=self.rows.rows_delivered)
+        extra.update(self.model.stats())
+        return StageStats(
+            stage=self.name,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv.usage,
+            num_blocks=self.kv.num_blocks,
+            max_model_len=self.max_model_len,
+            prefix_caching=self.config.enable_prefix_caching,
+            prefix_cache_queries=kv["queries"],
+            prefix_cache_hits=kv["hits"],
+            prefix_cache_hit_rate=kv["hit_rate"],
+            preemptions=self.scheduler.num_preemptions,
+            finished=self._num_finished,
+            errors=self._num_errors,
+            ttft_mean_s=(sum(ttfts) / len(ttfts)) if ttfts else None,
+            ttft_p50_s=ttfts[len(ttfts) // 2] if ttfts else None,
+            steps=self._num_steps,
+            step_time_s=self._step_time,
+            tensor_cache_time_s=self.rows.time_s,
+            torch_threads=torch.get_num_threads(),
+            extra=extra,
+        )

@@ -95,6 +95,7 @@ class ModelRunner:
         max_blocks = -(-(max_model_len or _DEFAULT_MAX_MODEL_LEN) // block_size)
         self.batch = InputBatch(max_num_tokens, max_num_seqs, max_blocks, block_size, device)
         # Per-token outputs go to host memory only for stages that hand them on.
+        self._max_num_tokens = max_num_tokens
         self.stager = RowStager(device, max_num_tokens) if emit_rows else None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self._graphs_possible(device):
@@ -102,6 +103,15 @@ class ModelRunner:
             self.graphs.capture(lambda ids, pos: self.model.forward(ids, None, pos), self._graph_context)
             if not self.graphs.captured:
                 self.graphs = None
+
+    @property
+    def emits_rows(self) -> bool:
+        return self.stager is not None
+
+    def enable_rows(self) -> None:
+        """Start copying every step's per-token outputs to host memory (from the next step on)."""
+        if self.stager is None:
+            self.stager = RowStager(torch.device(self.model.device), self._max_num_tokens)
 
     def _graphs_possible(self, device: torch.device) -> bool:
         from kernels.dispatch import resolve_backend
@@ -132,8 +142,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        for rid in sched.finished_req_ids:
-            self.states.pop(rid, None)
         if sched.is_empty:
             return RunnerOutput()
         prep = self._prepare(sched)

@@ -100,8 +100,10 @@ class _Serial:
             raise RuntimeError(f"stage output rows failed on the background thread: {self._error}") from self._error
 
     def close(self) -> None:
+        """Finish queued work and stop the thread; later calls run inline."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class OutputRows:
@@ -136,9 +138,9 @@ class OutputRows:
     def add(self, req_id: str) -> None:
         self._timed(self._serial.submit, self._add, req_id)
 
-    def drop(self, req_id: str) -> bool:
-        """Forget a request; True when it was known (waits for queued work: aborts are rare)."""
-        return self._timed(self._serial.call, self._drop, req_id)
+    def drop(self, req_id: str) -> None:
+        """Forget a request (queued behind the work already submitted: nothing waits)."""
+        self._timed(self._serial.submit, self._drop, req_id)
 
     def collect(self, row_ranges: list[tuple[str, int, int]], rows: StagedRows | None,
                 other: dict[str, torch.Tensor], slot_mapping: np.ndarray) -> None:

@@ -54,15 +54,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
 
-    @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
-        return status > RequestStatus.PREEMPTED
-
-
-def is_finished(status: RequestStatus) -> bool:
-    """True for the FINISHED_* statuses."""
-    return status > RequestStatus.PREEMPTED
-
 
 class Request:
     """A request of one stage.
@@ -119,6 +110,9 @@ class Request:
         self.prompt_embeds_digests = list(prompt_embeds_digests) if prompt_embeds_digests is not None else None
 
         self.status = RequestStatus.WAITING
+        # Compute the whole prompt even when its blocks are cached (the engine sets
+        # it when the stage's row store cannot vouch for cached blocks' rows).
+        self.skip_prefix_hits = False
         self.num_computed_tokens = 0
         # -1 until the scheduler first schedules the request and records how
         # many prompt tokens came from the prefix cache.
@@ -150,6 +144,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """True for the FINISHED_* statuses."""
         return self.status > RequestStatus.PREEMPTED
 
     # -- mutation ----------------------------------------------------------

@@ -7,11 +7,17 @@ order; a prompt larger than the remaining budget is chunked. A waiting (or
 preempted) request starts from its prefix-cache hit. When the KV cache runs
 out, the most recently started running request is preempted: its blocks are
 freed and it is recomputed later (its cached prefix usually survives).
+
+The scheduler is the source of truth of a request's life in the stage: it
+leaves through `finish_requests` (aborted, failed) or `update` (stopped,
+length), and its id is recorded in `finished_req_ids` until the engine takes
+them (`take_finished_req_ids`) and releases the request's state everywhere else.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
@@ -19,11 +25,19 @@ from .request import Request, RequestStatus
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
+class SchedulerSettings:
+    """Batching limits of one stage (resolved from omni.config.SchedulerConfig; same defaults)."""
+
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+
+
+def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int, enable_chunked_prefill: bool) -> None:
+    """Without chunked prefill a whole prompt runs in one step: the step budget must hold the longest."""
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                         f"({max_model_len}) when enable_chunked_prefill is false")
 
 
 @dataclass(slots=True)
@@ -43,9 +57,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests that left the scheduler since the previous step (finished or
-    # aborted): the runner drops their state.
-    finished_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -53,13 +64,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
-        self.config = config
+    def __init__(self, settings: SchedulerSettings, kv_manager: KVCacheManager, max_model_len: int):
+        check_prefill_fits(settings.max_num_batched_tokens, max_model_len, settings.enable_chunked_prefill)
+        self.settings = settings
+        self.max_model_len = max_model_len
         self.kv = kv_manager
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._finished_ids: list[str] = []
+        # Requests that left since the engine last took them: it releases their state.
+        self.finished_req_ids: list[str] = []
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
@@ -70,20 +84,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside a step (aborted, or failed in the forward pass); unknown ids are
+        skipped. A failed request's blocks were cached at scheduling time but their KV may never have
+        been written: the blocks only it holds are uncached."""
+        finished = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, status, uncache=status == RequestStatus.FINISHED_ERROR)
+                finished.append(req)
+        return finished
 
-    def fail(self, request_id: str) -> Request | None:
-        """Finish a request whose forward pass failed; its unverified blocks are uncached."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        self._finish(req, RequestStatus.FINISHED_ERROR, uncache=True)
-        return req
+    def take_finished_req_ids(self) -> list[str]:
+        ids, self.finished_req_ids = self.finished_req_ids, []
+        return ids
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -98,9 +113,8 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        budget = self.settings.max_num_batched_tokens
 
         # 1. Running requests, oldest first. A request that cannot get blocks
         #    preempts the newest running request (possibly itself).
@@ -129,12 +143,12 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS; stop at the first that does not fit.
         if not out.preempted_req_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
                 req = self.waiting[0]
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                hit_blocks, num_hit = ([], 0) if req.skip_prefix_hits else self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if num_new > budget:
-                    if not self.config.enable_chunked_prefill:
+                    if not self.settings.enable_chunked_prefill:
                         break
                     num_new = budget
                 if self.kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
@@ -150,7 +164,7 @@ class Scheduler:
                     self.kv.get_block_ids(req.request_id), is_new=True, num_hit_tokens=num_hit))
                 budget -= num_new
 
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = self.settings.max_num_batched_tokens - budget
         # Advance the counters now: the runner computes exactly these tokens.
         for s in out.scheduled:
             self.requests[s.req_id].num_computed_tokens += s.num_scheduled_tokens
@@ -164,7 +178,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ----------------------------------------------------------------- update
-    def update(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, sampled: dict[str, int]) -> list[Request]:
         """Append sampled tokens, apply stop conditions; returns finished requests."""
         finished: list[Request] = []
         now = time.monotonic()
@@ -187,7 +201,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -199,4 +213,4 @@ class Scheduler:
         self.kv.free(req, uncache=uncache)
         req.status = status
         del self.requests[req.request_id]
-        self._finished_ids.append(req.request_id)
+        self.finished_req_ids.append(req.request_id)

@@ -1,9 +1,16 @@
-"""The interface between the engine and a model-specific stage model.
+"""The interface between the engines and model-specific stage models (in `stages/`).
 
-The runtime knows nothing model-specific: a stage model (in `stages/`) loads
-its weights and exposes embedding, a packed forward pass and logits. Whatever
-per-token tensors `forward` returns besides `hidden_states` are discovered by
-the runner and cached/concatenated like hidden states (see tensor_cache.py).
+The runtime knows nothing model-specific. A stage model is one of two kinds, each
+run by its own engine (the pipeline's engine factory picks it from the registry):
+
+    AutoregressiveStageModel   StageEngine: KV cache, scheduler, prefix caching;
+                               embed / packed forward / logits, per-request hooks
+    OneShotStageModel          GenerationStageEngine: one call per request
+                               (e.g. token2wav: codec tokens -> waveform)
+
+Whatever per-token tensors `forward` returns besides `hidden_states` are
+discovered by the runner and cached/concatenated like hidden states (see
+tensor_cache.py). Every hook an engine calls is declared here.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ class KVSpec:
 
 @dataclass(slots=True)
 class PreparedPrompt:
-    """A model-specific stage's view of one request's prompt (see StageModel.preprocess)."""
+    """A model-specific stage's view of one request's prompt (see AutoregressiveStageModel.preprocess)."""
 
     token_ids: list[int]
     # Multimodal inputs placed in the prompt (content hash + placeholder span):
@@ -43,11 +50,32 @@ class PreparedPrompt:
 
 
 class StageModel:
-    """Base class of stage models. Subclasses implement every method below."""
+    """What every stage model has: loading, its device/dtype/tokenizer, and stats."""
 
-    # False for generation stages such as token2wav: no KV cache, no prefix caching.
-    autoregressive: bool = True
+    # Facts the registry also records for registered models (omni/registry.py).
+    autoregressive: bool
+    emits_hidden_states: bool
 
+    tokenizer: Any = None
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
+             model_kwargs: dict[str, Any] | None = None,
+             tokenizer_path: Path | None = None) -> "StageModel":
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        """Model-specific counters merged into the stage's stats (e.g. encoder cache hits)."""
+        return {}
+
+
+class AutoregressiveStageModel(StageModel):
+    """A model run token by token by StageEngine. Subclasses implement every method up to the hooks."""
+
+    autoregressive = True
+    emits_hidden_states = True
     # True when `forward` reads nothing but its tensor arguments and the
     # ForwardContext's device tensors (no per-request host state), so that a
     # decode step can be captured once in a CUDA graph and replayed.
@@ -60,15 +88,6 @@ class StageModel:
     vocab_size: int
     max_model_len: int
     eos_token_id: int | None
-    tokenizer: Any
-    device: torch.device
-    dtype: torch.dtype
-
-    @classmethod
-    def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
-             model_kwargs: dict[str, Any] | None = None,
-             tokenizer_path: Path | None = None) -> "StageModel":
-        raise NotImplementedError
 
     def kv_spec(self) -> KVSpec:
         raise NotImplementedError
@@ -98,8 +117,23 @@ class StageModel:
         """Called once per admitted request, before its first forward pass."""
 
     def remove_request(self, request_id: str) -> None:
-        """Called when a request leaves the stage (finished, aborted or failed)."""
+        """Called once when a request leaves the stage (finished, aborted or failed)."""
 
-    def stats(self) -> dict[str, Any]:
-        """Model-specific counters merged into the stage's stats (e.g. encoder cache hits)."""
-        return {}
+
+class OneShotStageModel(StageModel):
+    """A model that turns one request into its output in one call (GenerationStageEngine)."""
+
+    autoregressive = False
+    emits_hidden_states = False
+    max_model_len: int
+
+    def prepare_generation(self, inp: "StageInput", seed: int) -> Any:
+        """Validate a request when it arrives (raise ValueError naming the field); returns the job."""
+        raise NotImplementedError
+
+    def run_generation(self, job: Any) -> dict[str, Any]:
+        """Run one job: {"audio": np.ndarray, ...}; other entries pass through to the output."""
+        raise NotImplementedError
+
+
+__all__ = ["AutoregressiveStageModel", "KVSpec", "OneShotStageModel", "PreparedPrompt", "StageModel"]

@@ -10,12 +10,18 @@ are entry stages (they receive the user's prompt); stages with a
 `final_output` return their outputs to the caller. A stage with several
 inputs runs once all of them finished the request and receives all their
 outputs.
+
+Per-token rows (hidden states and the other per-token outputs) leave a stage for
+every request only where someone reads them: its final output is "hidden", or an
+edge's input processor reads them (hidden_to_embeds, thinker2talker). A leaf
+stage hands them out only to callers who ask (return_hidden_states).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from omni import registry
 from omni.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -70,6 +76,21 @@ class StageGraph:
                 raise ConfigError(
                     f"stage {n!r}: final_output: the stage feeds no other stage and has no "
                     "final_output, so its outputs would be discarded; set final_output or remove it")
+        for n in self.order:
+            self._check_rows_exist(n)
+
+    def _processor(self, name: str) -> registry.InputProcessorEntry:
+        return registry.input_processor_entry(self.stages[name].input_processor or "passthrough_tokens")
+
+    def _check_rows_exist(self, name: str) -> None:
+        if not self.upstream[name] or not self._processor(name).needs_hidden_states:
+            return
+        for up in self.upstream[name]:
+            model = self.stages[up].model
+            if not registry.stage_model_entry(model).emits_hidden_states:
+                raise ConfigError(
+                    f"stage {name!r}: input_processor: {self.stages[name].input_processor!r} reads the hidden "
+                    f"states of stage {up!r}, whose model {model!r} emits none")
 
     def _check_acyclic(self, names: list[str]) -> None:
         WHITE, GREY, BLACK = 0, 1, 2
@@ -116,6 +137,11 @@ class StageGraph:
 
     def is_final(self, name: str) -> bool:
         return self.stages[name].final_output is not None
+
+    def emits_hidden_states(self, name: str) -> bool:
+        """Whether stage `name` hands every request's per-token rows out (see the module docstring)."""
+        return self.stages[name].final_output == "hidden" or any(
+            self._processor(d).needs_hidden_states is not False for d in self.downstream[name])
 
     def summary(self) -> str:
         """Human-readable description, one line per stage in topological order."""

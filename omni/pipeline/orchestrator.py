@@ -8,8 +8,12 @@
 The orchestrator never looks inside intermediate outputs: a backend hands it
 an opaque *handle* per (stage, request) (the StageOutput itself in-process, an
 ObjectRef on Ray) plus a small *summary* (error, text, tokens; heavy arrays
-only for final stages). The downstream stage applies its input processor to
-the upstream outputs where it runs, so tensors go stage-to-stage directly.
+only for final stages). The downstream stage's worker applies its input
+processor to the upstream outputs where it runs (stage_worker.py), so tensors
+go stage-to-stage directly.
+
+Request ids are unique among the requests in flight: checked here (and by each
+stage's scheduler); a finished or aborted id may be reused.
 
 A backend implements:
 
@@ -21,7 +25,6 @@ A backend implements:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -29,51 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from omni.errors import OmniError
-from omni.outputs import RequestOutput, StageInput, StageOutput
+from omni.outputs import RequestOutput, StageInput, StageOutput, error_output
 from omni.pipeline.graph import StageGraph
 
 logger = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------ edge helpers
-def passthrough_tokens(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
-    """Default input processor: the upstream generated token ids (concatenated, in `inputs` order)."""
-    ids: list[int] = []
-    for out in upstream.values():
-        ids.extend(out.token_ids)
-    return StageInput(request.request_id, prompt_token_ids=ids, cache_salt=request.cache_salt)
-
-
-def build_stage_input(processor: Any, request: StageInput, upstream: dict[str, StageOutput] | None,
-                      sampling: Any) -> StageInput:
-    """The StageInput a stage receives: the user's input (entry stage) or the processed upstream outputs."""
-    if upstream is None:
-        inp = dataclasses.replace(request)
-    else:
-        inp = (processor or passthrough_tokens)(upstream, request)
-        if not isinstance(inp, StageInput):
-            raise OmniError(f"input processor {getattr(processor, '__name__', processor)!r} returned "
-                            f"{type(inp).__name__}, expected a StageInput")
-        inp.request_id = request.request_id
-    if sampling is not None:
-        inp.sampling_params = sampling
-    return inp
-
-
-def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> StageOutput:
-    """What the driver needs of a stage output: for an intermediate stage only the small fields; for a
-    final stage everything except the per-token rows (hidden states, mm_outputs), which are kept only
-    when asked for or when they are the final output."""
-    if final_output is None:
-        return dataclasses.replace(out, hidden_states=None, mm_outputs={}, passthrough={}, audio=None)
-    if keep_hidden or final_output == "hidden" or (out.hidden_states is None and not out.mm_outputs):
-        return out
-    return dataclasses.replace(out, hidden_states=None, mm_outputs={})
-
-
-def error_output(stage: str, request_id: str, error: str, reason: str = "error") -> StageOutput:
-    return StageOutput(request_id, stage, finished=True, finish_reason=reason, error=error)
 
 
 @dataclass(slots=True)

@@ -36,14 +36,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from omni import registry
 from omni.config import PipelineConfig, RuntimeConfig, StageConfig
 from omni.errors import ConfigError, StageStartError
-from omni.outputs import StageInput, StageOutput
+from omni.outputs import StageInput, StageOutput, error_output
+from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
-from omni.pipeline.local import EngineFactory, StageRunner, make_engine
-from omni.pipeline.orchestrator import StageEvent, error_output
+from omni.pipeline.orchestrator import StageEvent
+from omni.pipeline.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +54,20 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _GET_TIMEOUT_S = 30.0
 
 
-def _short(e: BaseException, limit: int = 400) -> str:
-    """First meaningful line of a (possibly multi-line) Ray exception."""
-    text = _ANSI.sub("", str(e)).strip() or type(e).__name__
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    # Creation-task failures end with the original "SomeError: message" line.
-    tail = next((ln for ln in reversed(lines) if "Error" in ln.split(":", 1)[0]), None)
-    head = lines[0] if lines else text
-    msg = head if tail is None or tail == head else f"{head} ... {tail}"
-    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+def _first_line(text: str, limit: int = 400) -> str:
+    lines = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _describe(e: BaseException) -> str:
+    """What went wrong, by the exception's type: the original error of a failed task, the first line
+    of Ray's own message otherwise."""
+    if isinstance(e, RayTaskError) and e.cause is not None:
+        return f"{type(e.cause).__name__}: {_first_line(str(e.cause))}"
+    if isinstance(e, RayActorError):
+        return _first_line(e.error_msg) or type(e).__name__
+    return f"{type(e).__name__}: {_first_line(str(e))}"
 
 
 @dataclass(slots=True)
@@ -70,25 +77,37 @@ class _Submission:
     upstream: dict[str, Any] | None
     sampling: Any
     keep_hidden: bool
-    resent: bool = False
 
 
 class StageActor:
     """The body of a stage actor (wrapped with ray.remote by RayBackend)."""
 
-    def __init__(self, stage: StageConfig, registry_snapshot: dict[str, Any],
+    def __init__(self, stage: StageConfig, emit_hidden_states: bool, registry_snapshot: dict[str, Any],
                  engine_factory: EngineFactory | None):
-        from stages import registry
-
-        registry.restore(registry_snapshot)  # registrations made in the driver
         self.name = stage.name
-        self.runner = StageRunner(stage, make_engine(stage, engine_factory))
+        self.worker: StageWorker | None = None
+        # A start failure is kept and raised by ready(): the driver gets the exception itself
+        # (RayTaskError.cause) instead of a dead actor, and Ray does not restart an actor
+        # whose engine cannot be built.
+        self._start_error: StageStartError | None = None
+        try:
+            registry.restore(registry_snapshot)  # registrations made in the driver
+            self.worker = StageWorker(stage, make_engine(stage, engine_factory),
+                                      emit_hidden_states=emit_hidden_states)
+        except StageStartError as e:
+            self._start_error = e
+        except Exception as e:  # noqa: BLE001 - e.g. the input processor does not resolve
+            self._start_error = StageStartError(f"stage {stage.name!r} failed to start: {type(e).__name__}: {e}",
+                                                stage=stage.name)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}")
+        # The reply slot of each submit() call in flight (the worker holds the request itself).
         self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
 
     async def ready(self) -> dict[str, Any]:
+        if self._start_error is not None:
+            raise self._start_error
         return {"stage": self.name, "pid": os.getpid()}
 
     def _ensure_loop(self) -> None:
@@ -96,33 +115,40 @@ class StageActor:
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
 
+    def _reply(self, rid: str, result: tuple[StageOutput, StageOutput],
+               fut: asyncio.Future[tuple[StageOutput, StageOutput]] | None = None) -> None:
+        """Answer the submit() call of `rid` (or `fut`, the one of a given call) once."""
+        fut = fut if fut is not None else self._futures.get(rid)
+        if fut is None:
+            return
+        if self._futures.get(rid) is fut:
+            del self._futures[rid]
+        if not fut.done():
+            fut.set_result(result)
+
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        assert self._wake is not None
+        assert self._wake is not None and self.worker is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.runner.has_work():
+            while self.worker.has_work():
                 try:
-                    results = await loop.run_in_executor(self._executor, self.runner.tick)
+                    results = await loop.run_in_executor(self._executor, self.worker.tick)
                 except Exception as e:  # noqa: BLE001 - tick handles engine errors; this is a bug
                     logger.exception("stage %s: step loop error", self.name)
                     results = [(o, o) for o in (error_output(self.name, rid, f"step loop error: {e}")
                                                 for rid in list(self._futures))]
                 for full, summary in results:
-                    fut = self._futures.pop(full.request_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result((full, summary))
+                    self._reply(full.request_id, (full, summary))
 
     @ray.method(num_returns=2)
     async def submit(self, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
                      keep_hidden: bool) -> tuple[StageOutput, StageOutput]:
         """-> (summary for the driver, full output for downstream stages)."""
         self._ensure_loop()
+        assert self.worker is not None  # the driver only submits to a stage that is ready
         rid = request.request_id
-        if rid in self._futures:
-            out = error_output(self.name, rid, f"request_id {rid!r} is already running on this stage")
-            return out, out
         fut: asyncio.Future[tuple[StageOutput, StageOutput]] = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
         outputs = None
@@ -132,11 +158,10 @@ class StageActor:
                 values = await asyncio.gather(*upstream.values())
                 outputs = dict(zip(upstream.keys(), values))
             except Exception as e:  # noqa: BLE001
-                self._futures.pop(rid, None)
-                out = error_output(self.name, rid, f"upstream output unavailable: {_short(e)}")
-                return out, out
+                out = error_output(self.name, rid, f"upstream output unavailable: {_describe(e)}")
+                self._reply(rid, (out, out), fut)
         if not fut.done():  # not aborted while waiting for the upstream outputs
-            self.runner.submit(request, outputs, sampling, keep_hidden)
+            self.worker.submit(request, outputs, sampling, keep_hidden)
             assert self._wake is not None
             self._wake.set()
         full, summary = await fut
@@ -144,17 +169,18 @@ class StageActor:
 
     async def abort(self, request_id: str) -> None:
         self._ensure_loop()
-        fut = self._futures.pop(request_id, None)
-        if fut is not None and not fut.done():
-            out = error_output(self.name, request_id, f"request {request_id!r} was aborted", "abort")
-            fut.set_result((out, out))
-        self.runner.abort(request_id)
+        out = error_output(self.name, request_id, f"request {request_id!r} was aborted", "abort")
+        self._reply(request_id, (out, out))
+        if self.worker is not None:
+            self.worker.abort(request_id)
         assert self._wake is not None
         self._wake.set()
 
     async def stats(self) -> dict[str, Any]:
+        if self.worker is None:
+            return {"error": str(self._start_error)}
         # Through the executor: never read engine state while a step mutates it.
-        s = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.stats)
+        s = await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.stats)
         s["pid"] = os.getpid()
         return s
 
@@ -178,18 +204,6 @@ def _ray_init(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, 
     return True, temp_dir
 
 
-def _start_failure(stage: str, e: BaseException) -> str:
-    """The original error of a failed actor __init__ (the last traceback line), without Ray's wrapping."""
-    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
-    last = lines[-1] if lines else type(e).__name__
-    marker = "StageStartError: "
-    if marker in last:  # raised by make_engine: already "stage ... failed to start: ..."
-        return last.split(marker, 1)[1]
-    m = re.match(r"^([\w.]+): (.*)$", last)  # "pkg.mod.SomeError: message" -> "SomeError: message"
-    what = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}" if m else last
-    return f"stage {stage!r} failed to start: {what}"
-
-
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:
     """The resources a stage can ask for (no node ids, no memory byte counts)."""
     return {k: round(v, 3) for k, v in sorted(resources.items())
@@ -203,8 +217,6 @@ class RayBackend:
 
     def __init__(self, config: PipelineConfig, graph: StageGraph | None = None,
                  engine_factory: EngineFactory | None = None):
-        from stages import registry
-
         self.graph = graph or StageGraph(config.stages)
         for s in config.stages:
             if s.device == "cuda" and s.resources.num_gpus == 0:
@@ -233,7 +245,7 @@ class RayBackend:
                     max_restarts=s.max_restarts,
                     max_task_retries=0,
                 )
-                self.actors[name] = cls.remote(s, snap, engine_factory)
+                self.actors[name] = cls.remote(s, self.graph.emits_hidden_states(name), snap, engine_factory)
             self._wait_ready(config.runtime.stage_start_timeout_s)
         except BaseException:
             self.close()
@@ -243,11 +255,16 @@ class RayBackend:
         refs = {self.actors[n].ready.remote(): n for n in self.graph.order}
         ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref in ready:
+            name = refs[ref]
             try:
                 ray.get(ref, timeout=_GET_TIMEOUT_S)
-            except RayError as e:
-                name = refs[ref]
-                raise StageStartError(_start_failure(name, e), stage=name) from None
+            except RayTaskError as e:  # ready() raised the stage's start error
+                if isinstance(e.cause, StageStartError):
+                    raise StageStartError(str(e.cause), stage=name) from None
+                raise StageStartError(f"stage {name!r} failed to start: {_describe(e)}", stage=name) from None
+            except RayError as e:  # e.g. the actor process died while loading
+                raise StageStartError(f"stage {name!r} failed to start: its Ray actor failed: {_describe(e)}",
+                                      stage=name) from None
         if not_ready:
             names = [refs[r] for r in not_ready]
             wanted = {n: self.graph.stages[n].resources.model_dump() for n in names}
@@ -331,20 +348,18 @@ class RayBackend:
         try:
             summary = ray.get(ref, timeout=_GET_TIMEOUT_S)
         except RayActorError as e:
+            # ActorDiedError, or ActorUnavailableError ("may or may not have been executed": in flight when
+            # the actor died, or sent while it restarted). Either way this request is lost on the stage and
+            # is not sent again: a request that crashed the actor would crash its restarted successor too.
             self._gate(a.stage)
-            if "restarting" in str(e) and not a.resent:
-                # Sent while the actor was restarting: it never ran; send it again once it is up.
-                a.resent = True
-                self._deferred[a.stage].append(a)
-                return []
             summary = error_output(a.stage, rid, "the stage's Ray actor died or became unreachable "
-                                                 f"while serving the request: {_short(e)}")
+                                                 f"while serving the request: {_describe(e)}")
         except GetTimeoutError:
             summary = error_output(a.stage, rid, f"could not fetch the result within {_GET_TIMEOUT_S:g}s")
         except RayTaskError as e:
-            summary = error_output(a.stage, rid, f"stage task failed: {_short(e)}")
+            summary = error_output(a.stage, rid, f"stage task failed: {_describe(e)}")
         except RayError as e:
-            summary = error_output(a.stage, rid, f"{type(e).__name__}: {_short(e)}")
+            summary = error_output(a.stage, rid, _describe(e))
         return [StageEvent(a.stage, rid, summary, output_ref)]
 
     def _on_gate(self, stage: str, ref: Any) -> list[StageEvent]:
@@ -352,12 +367,12 @@ class RayBackend:
         try:
             ray.get(ref, timeout=_GET_TIMEOUT_S)
         except RayError as e:
-            if "restarting" in str(e) and time.monotonic() < deadline:
+            if isinstance(e, ActorUnavailableError) and time.monotonic() < deadline:  # still restarting
                 self._gates[stage] = (self.actors[stage].ready.options(max_task_retries=-1).remote(), deadline)
                 return []
             restarts = self.graph.stages[stage].max_restarts
             self._dead[stage] = (f"the stage's Ray actor is dead and will not restart "
-                                 f"(max_restarts={restarts}): {_short(e)}")
+                                 f"(max_restarts={restarts}): {_describe(e)}")
             return self._fail_deferred(stage, self._dead[stage])
         for a in self._deferred.pop(stage, []):
             self._send(a)
@@ -374,7 +389,7 @@ class RayBackend:
             try:
                 out[name] = ray.get(ref, timeout=_GET_TIMEOUT_S)
             except RayError as e:
-                out[name] = {"error": _short(e)}
+                out[name] = {"error": _describe(e)}
         return out
 
     def close(self) -> None:
@@ -410,8 +425,10 @@ def _wait_dead(actors: list[Any], timeout_s: float) -> None:
                 ray.get(actor.ready.remote(), timeout=min(left, _GET_TIMEOUT_S))
             except GetTimeoutError:
                 continue  # busy in a step; the kill still lands, the deadline bounds us
-            except RayError:
-                break  # RayActorError: the kill has landed
+            except RayActorError:
+                break  # the kill has landed
+            except RayTaskError:
+                pass  # alive, its ready() raising its start error: the kill has not landed yet
             time.sleep(0.05)
         else:
             logger.warning("stage actor still alive %.0fs after ray.kill", timeout_s)

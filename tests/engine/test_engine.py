@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from omni.engine.sampling import SamplingParams
+from omni.engine.sampling_params import SamplingParams
 from omni.outputs import StageInput
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
 
@@ -117,8 +117,8 @@ def test_caching_on_off_identical(tiny_llama, shared_prefix_prompts, scenario):
     if scenario == "prefix_hit":
         # Every later request reuses the 45-token prefix: 11 blocks of 4.
         assert [o.num_cached_tokens for o in on[1:]] == [44, 44, 44]
-        assert on_engine.stats()["prefix_cache_hit_rate"] > 0.5
-        assert off_engine.stats()["prefix_cache_hits"] == 0
+        assert on_engine.stats().prefix_cache_hit_rate > 0.5
+        assert off_engine.stats().prefix_cache_hits == 0
     if scenario == "preemption":
         assert on_engine.scheduler.num_preemptions > 0
         assert off_engine.scheduler.num_preemptions > 0
@@ -180,7 +180,7 @@ def test_text_prompt_and_detokenize(tiny_qwen2):
     assert out.prompt_token_ids == engine.tokenizer("Hello there")["input_ids"]
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     s = engine.stats()
-    assert s["finished"] == 1 and s["ttft_mean_s"] > 0
+    assert s.finished == 1 and s.ttft_mean_s > 0
 
 
 def test_failed_forward_fails_its_requests_and_leaves_no_unwritten_cached_blocks(tiny_llama):
@@ -203,12 +203,12 @@ def test_failed_forward_fails_its_requests_and_leaves_no_unwritten_cached_blocks
     Flaky.fail_next = True
     engine.add_request(StageInput("bad", prompt_token_ids=prompt,
                                   sampling_params=SamplingParams(temperature=0, max_tokens=4)))
-    out = engine.step()[0]
+    out = engine.step().finished[0]
     assert out.finish_reason == "error" and "injected failure" in out.error
     assert_no_leak(engine)
     again = generate_one(engine, "again", prompt, max_tokens=4)
     assert again.num_cached_tokens == 0  # nothing unwritten was served
     fresh = generate_one(make_engine(None, model=model), "fresh", prompt, max_tokens=4)
     assert again.token_ids == fresh.token_ids
-    assert engine.stats()["errors"] == 1
+    assert engine.stats().errors == 1
     assert_no_leak(engine)

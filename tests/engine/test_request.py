@@ -1,7 +1,7 @@
 import pytest
 
 from omni.engine.kv_cache import BlockHasher
-from omni.engine.request import MultiModalFeature, Request, RequestStatus, is_finished
+from omni.engine.request import MultiModalFeature, Request, RequestStatus
 
 
 def test_counters_and_append():
@@ -39,8 +39,10 @@ def test_block_hashes_incremental_equal_full_recompute():
 def test_status_helpers():
     finished = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                 RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+    r = Request("r", [1, 2, 3])
     for s in RequestStatus:
-        assert is_finished(s) == (s in finished) == RequestStatus.is_finished(s)
+        r.status = s
+        assert r.is_finished == (s in finished)
 
 
 def test_validation():

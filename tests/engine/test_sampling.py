@@ -5,13 +5,8 @@ import torch
 from pydantic import ValidationError
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from omni.engine.sampling import (
-    Sampler,
-    SamplingParams,
-    apply_repetition_penalty,
-    apply_top_k_top_p,
-    make_generator,
-)
+from omni.engine.sampling import Sampler, apply_repetition_penalty, apply_top_k_top_p, make_generator
+from omni.engine.sampling_params import SamplingParams
 
 sampler = Sampler()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni.engine.forward_context import get_forward_context
-from omni.engine.sampling import SamplingParams
+from omni.engine.sampling_params import SamplingParams
 from omni.engine.tensor_cache import StageTensorCache
 from omni.outputs import StageInput
 from stages.causal_lm import CausalLMStage
@@ -110,7 +110,7 @@ def test_outputs_equal_with_and_without_cache(feature_model, prefix, name):
     on_engine, on = _run(feature_model, batches, True, **kw)
     _, off = _run(feature_model, batches, False, **kw)
     _assert_same(on, off)
-    stats = on_engine.stats()
+    stats = on_engine.stats().as_dict()
     if name in ("k_block_hit", "exact_multiple", "same_step"):
         assert on["b"].num_cached_tokens == (28 if name == "exact_multiple" else 32)
         assert stats["tensor_cache_rows_served"] >= on["b"].num_cached_tokens

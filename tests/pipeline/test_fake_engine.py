@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from omni.engine.sampling import SamplingParams
+from omni.engine.interface import EngineStepOutput, StageStats
+from omni.engine.sampling_params import resolve_sampling_params
 from omni.outputs import StageInput, StageOutput
-from stages.registry import register_input_processor, register_stage_model
+from omni.registry import register_input_processor, register_stage_model
 
 HIDDEN = 4
 
@@ -78,10 +79,6 @@ class FakeEngine:
         self.steps = 0
         self.max_batch = 0
 
-    @classmethod
-    def from_config(cls, stage: Any) -> "FakeEngine":
-        return cls(stage)
-
     def add_request(self, inp: StageInput) -> None:
         rid = inp.request_id
         if rid in self.running:
@@ -99,14 +96,10 @@ class FakeEngine:
             raise ValueError("prompt: a request needs a prompt")
         if not ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
-        sp = inp.sampling_params
-        if sp is None:
-            sp = self.stage.sampling
-        elif isinstance(sp, dict):
-            sp = SamplingParams(**{**self.stage.sampling.model_dump(), **sp})
+        sp = resolve_sampling_params(inp.sampling_params, self.stage.sampling)
         self.running[rid] = _Req(rid, text, ids, sp.max_tokens, time.monotonic())
 
-    def step(self) -> list[StageOutput]:
+    def step(self) -> EngineStepOutput:
         self.steps += 1
         self.max_batch = max(self.max_batch, len(self.running))
         if self.step_delay_s:
@@ -134,7 +127,7 @@ class FakeEngine:
                     r.rid, self.name, prompt_token_ids=r.prompt_ids, token_ids=list(r.out),
                     text=f"{self.name}:" + ",".join(map(str, r.out)), finished=True, finish_reason="length",
                     hidden_states=hidden, metrics={"ttft_s": 0.0, "e2e_s": time.monotonic() - r.arrival}))
-        return outs
+        return EngineStepOutput(finished=outs)
 
     def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)
@@ -146,13 +139,13 @@ class FakeEngine:
         if (self.stage.model_kwargs or {}).get("announce_close"):
             print(f"closed {self.name}", flush=True)
 
-    def stats(self) -> dict[str, Any]:
-        return {"running": len(self.running), "waiting": 0, "kv_usage": 0.0, "prefix_cache_hit_rate": 0.0,
-                "finished": self.finished, "steps": self.steps, "max_batch": self.max_batch}
+    def stats(self) -> StageStats:
+        return StageStats(self.name, running=len(self.running), finished=self.finished, steps=self.steps,
+                          extra={"max_batch": self.max_batch})
 
 
 def fake_factory(stage: Any) -> FakeEngine:
-    return FakeEngine.from_config(stage)
+    return FakeEngine(stage)
 
 
 def embeds_ids(hidden: np.ndarray) -> list[int]:
@@ -209,7 +202,7 @@ def test_fake_engine_follows_the_contract():
     assert eng.has_unfinished()
     outs = []
     while eng.has_unfinished():
-        outs += eng.step()
+        outs += eng.step().finished
     assert [o.token_ids for o in outs] == [expected_tokens("thinker", text_ids("hi"), 3)]
     assert outs[0].hidden_states.shape == (2 + 3 - 1, HIDDEN)
     try:

@@ -1,6 +1,7 @@
 """StageGraph: topological order, entry/final stages, fan-out and fan-in."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -9,6 +10,8 @@ from omni.config import load_config
 from omni.errors import ConfigError
 from omni.pipeline.graph import StageGraph
 from tests.pipeline.test_fake_engine import chain_config, diamond_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def s(name, inputs=(), final=None):
@@ -72,3 +75,25 @@ def test_summary_mentions_every_stage_and_edge():
     assert "d: fake" in text and "<- b, c via tagged_concat" in text
     assert "b: fake" in text and "<- a via passthrough_tokens" in text
     assert "a: fake (unused)  <- <prompt>" in text
+
+
+def test_per_token_rows_leave_a_stage_only_where_they_are_read():
+    omni_tiny = StageGraph(load_config(REPO / "stage_configs" / "qwen2_5_omni_tiny.yaml").stages)
+    # thinker2talker reads the thinker's hidden states; talker2wav only the talker's codec tokens.
+    assert {n: omni_tiny.emits_hidden_states(n) for n in omni_tiny.order} == \
+        {"thinker": True, "talker": False, "token2wav": False}
+    chain = chain_config()
+    assert not StageGraph(load_config(chain).stages).emits_hidden_states("thinker")  # passthrough_tokens
+    chain["stages"][1]["input_processor"] = "tests.pipeline.test_fake_engine:fake_hidden_to_embeds"
+    assert StageGraph(load_config(chain).stages).emits_hidden_states("thinker")  # a target: not known, so yes
+    chain["stages"][1]["final_output"] = "hidden"
+    assert StageGraph(load_config(chain).stages).emits_hidden_states("talker")  # the final output itself
+
+
+def test_an_edge_reading_hidden_states_needs_an_upstream_that_emits_them():
+    data = chain_config()
+    data["stages"][0].update(model="fake_nar", enable_prefix_caching=False)
+    data["stages"][1]["input_processor"] = "hidden_to_embeds"
+    with pytest.raises(ConfigError, match="stage 'talker': input_processor: 'hidden_to_embeds' reads the hidden "
+                                          "states of stage 'thinker', whose model 'fake_nar' emits none"):
+        load_config(data)

@@ -10,7 +10,7 @@ import pytest
 from omni import Omni, RequestOutput, SamplingParams, StageOutput
 from omni.errors import BackendClosedError, ConfigError, StageStartError
 from omni.outputs import StageInput
-from omni.pipeline.orchestrator import build_stage_input, passthrough_tokens, summarize
+from omni.pipeline.stage_worker import build_stage_input, passthrough_tokens, summarize
 from tests.pipeline.test_fake_engine import (HIDDEN, chain_config, diamond_config, expected_tokens,
                                              fake_factory, stage, text_ids)
 
@@ -330,15 +330,15 @@ def test_pipeline_is_closed_at_interpreter_exit():
 
 
 def test_backend_submit_failure_fails_only_that_request(chain, monkeypatch):
-    runner = chain._backend.runners["talker"]
-    original = runner.submit
+    worker = chain._backend.workers["talker"]
+    original = worker.submit
 
     def flaky(request, *args):
         if request.prompt == "boom":
             raise ConnectionError("lost the stage")
         return original(request, *args)
 
-    monkeypatch.setattr(runner, "submit", flaky)
+    monkeypatch.setattr(worker, "submit", flaky)
     outs = chain.generate(["boom", "fine"], use_tqdm=False)
     assert outs[0].error == "stage 'talker' failed: could not submit the request: ConnectionError: lost the stage"
     assert outs[0].outputs["thinker"].token_ids  # the thinker's part is kept

@@ -134,6 +134,23 @@ def test_timeout_and_abort_on_ray():
         assert o.stats()["stages"]["thinker"]["running"] == 0  # removed from the engine too
 
 
+def test_finished_and_aborted_ids_are_reused_on_ray(chain):
+    [first] = chain.generate([{"prompt": "x", "request_id": "same"}], use_tqdm=False)
+    [again] = chain.generate([{"prompt": "y", "request_id": "same"}], use_tqdm=False)
+    assert first.error is None and again.error is None
+    assert again.outputs["thinker"].token_ids == expected_tokens("thinker", text_ids("y"), 3)
+    def abort_once_running():
+        deadline = time.monotonic() + 30
+        while not chain.abort("gone") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    threading.Thread(target=abort_once_running).start()
+    [aborted] = chain.stream([{"prompt": "__hang__", "request_id": "gone"}])
+    assert aborted.error == "request 'gone' was aborted"
+    [reused] = chain.generate([{"prompt": "z", "request_id": "gone"}], use_tqdm=False)
+    assert reused.error is None and reused.outputs["talker"].token_ids
+
+
 def test_killed_stage_fails_in_flight_requests_and_restarts():
     data = ray_chain(request_timeout_s=120)  # the restart loads a fresh worker
     th = data["stages"][0]

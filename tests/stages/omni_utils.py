@@ -83,14 +83,14 @@ TALKER_SAMPLING = dict(temperature=0.0, max_tokens=TALKER_MAX, repetition_penalt
 def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=512):
     """Three engines wired like stage_configs/qwen2_5_omni_tiny.yaml (without the pipeline layer)."""
     from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
-    from omni.engine.sampling import SamplingParams
+    from omni.engine.sampling_params import SamplingParams
     from tests.engine_utils import make_engine
 
     t = make_engine(None, model=thinker, caching=caching, block_size=block_size, max_num_batched_tokens=chunk,
                     name="thinker", default_sampling=SamplingParams(temperature=0.0, max_tokens=THINKER_MAX))
     k = make_engine(None, model=talker, caching=caching, block_size=block_size, max_num_batched_tokens=chunk,
                     name="talker", default_sampling=SamplingParams(**TALKER_SAMPLING))
-    w = GenerationStageEngine(GenerationEngineConfig(name="token2wav"), model=token2wav)
+    w = GenerationStageEngine(GenerationEngineConfig("token2wav", type(token2wav), None), model=token2wav)
     return t, k, w
 
 
@@ -111,6 +111,6 @@ def run_chain(chain, inputs: list[StageInput]):
         w.add_request(talker2wav({"talker": o}, by_id[rid]))
     w_out = {}
     while w.has_unfinished():
-        for o in w.step():
+        for o in w.step().finished:
             w_out[o.request_id] = o
     return {rid: (t_out[rid], k_out[rid], w_out[rid]) for rid in by_id}

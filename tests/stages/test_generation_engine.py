@@ -8,16 +8,21 @@ from omni.engine.generation_engine import GenerationEngineConfig, GenerationStag
 from omni.outputs import StageInput
 
 
+def _config(model, name="token2wav", **kw):
+    return GenerationEngineConfig(name, type(model), None, **kw)
+
+
 def _drain(engine):
     outs = {}
     while engine.has_unfinished():
-        for o in engine.step():
+        step = engine.step()
+        for o in step.aborted + step.finished:
             outs[o.request_id] = o
     return outs
 
 
 def test_token2wav_engine_deterministic_and_isolated(token2wav_stage):
-    engine = GenerationStageEngine(GenerationEngineConfig(name="token2wav", max_num_seqs=2), model=token2wav_stage)
+    engine = GenerationStageEngine(_config(token2wav_stage, max_num_seqs=2), model=token2wav_stage)
     codes = [11, 500, 2048, 7, 7, 900]
     engine.add_request(StageInput("a", prompt_token_ids=codes))
     engine.add_request(StageInput("b", prompt_token_ids=codes, sampling_params={"seed": 3}))
@@ -32,12 +37,12 @@ def test_token2wav_engine_deterministic_and_isolated(token2wav_stage):
     assert not np.array_equal(a, c)  # another speaker
     engine.add_request(StageInput("a2", prompt_token_ids=codes))
     np.testing.assert_array_equal(_drain(engine)["a2"].audio, a)  # same codes + seed: same waveform
-    st = engine.stats()
+    st = engine.stats().as_dict()
     assert st["finished"] == 4 and st["prefix_caching"] is False and st["waiting"] == 0
 
 
 def test_token2wav_bad_requests_are_clear_errors(token2wav_stage):
-    engine = GenerationStageEngine(GenerationEngineConfig(name="token2wav"), model=token2wav_stage)
+    engine = GenerationStageEngine(_config(token2wav_stage), model=token2wav_stage)
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request(StageInput("x", prompt_token_ids=[10**6]))
     with pytest.raises(ValueError, match="at least one"):
@@ -49,4 +54,4 @@ def test_token2wav_bad_requests_are_clear_errors(token2wav_stage):
 
 def test_autoregressive_model_is_rejected(thinker_stage):
     with pytest.raises(ValueError, match="autoregressive"):
-        GenerationStageEngine(GenerationEngineConfig(name="x"), model=thinker_stage)
+        GenerationStageEngine(_config(thinker_stage, name="x"), model=thinker_stage)

@@ -28,6 +28,6 @@ def test_tiny_checkpoint_layout(tiny_omni):
 
 
 def test_builtin_name_resolves(tiny_omni):
-    from stages.checkpoints import resolve_model_path
+    from omni.registry import resolve_model_path
 
     assert resolve_model_path("builtin:tiny-qwen2_5-omni") == tiny_omni

@@ -11,11 +11,11 @@ def _conversation(chain):
     img = [MultiModalInput("image", image(7))]
     turn1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What do you see?"}]}]
     r1 = run_chain(chain, [StageInput("t1", prompt=turn1, mm_inputs=img)])["t1"]
-    stats1 = [e.stats() for e in chain]
+    stats1 = [e.stats().as_dict() for e in chain]
     turn2 = turn1 + [{"role": "assistant", "content": r1[0].text},
                      {"role": "user", "content": "Tell me more about it."}]
     r2 = run_chain(chain, [StageInput("t2", prompt=turn2, mm_inputs=img)])["t2"]
-    stats2 = [e.stats() for e in chain]
+    stats2 = [e.stats().as_dict() for e in chain]
     return [r1, r2], stats1, stats2
 
 

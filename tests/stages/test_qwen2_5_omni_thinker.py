@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni.engine.sampling import SamplingParams
+from omni.engine.sampling_params import SamplingParams
 from omni.outputs import MultiModalInput, StageInput
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 from tests.stages.omni_utils import CASES, THINKER_MAX, hf_generate, hf_inputs, image
@@ -128,7 +128,7 @@ def test_preempted_multimodal_requests_still_match_transformers(thinker_stage, h
     engine = make_engine(None, model=stage, block_size=4, num_blocks=30, max_num_batched_tokens=32)
     inputs = [StageInput(name, prompt=p, mm_inputs=mm, sampling_params=GREEDY) for name, (p, mm) in CASES.items()]
     outs = _run(engine, inputs)
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     for inp in inputs:
         ids, kw = hf_inputs(stage, inp)
         ref, _, _ = hf_generate(hf_omni, ids, kw, audio_out=False)

@@ -193,6 +193,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
+    @property
+    def num_duplicate_keys(self) -> int:
+        """Hash-map keys that hold more than one block."""
+        return self._num_dup_keys
+
     def usage(self) -> float:
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 

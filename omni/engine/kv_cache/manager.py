@@ -269,7 +269,7 @@ class KVCacheManager:
             for b in group:
                 assert b.block_hash == h, f"block {b.block_id} is mapped under a hash it does not hold"
                 n_mapped += 1
-        assert n_dup == pool._num_dup_keys, f"duplicate-key counter {pool._num_dup_keys}, actual {n_dup}"
+        assert n_dup == pool.num_duplicate_keys, f"duplicate-key counter {pool.num_duplicate_keys}, actual {n_dup}"
         n_hashed = sum(1 for b in blocks if b.block_hash is not None)
         assert n_hashed == n_mapped, f"{n_hashed} blocks hold a hash but {n_mapped} are mapped"
         if not self.enable_caching:

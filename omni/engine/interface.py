@@ -1,0 +1,79 @@
+"""The engine contract: what the pipeline calls on one stage's engine, and what comes back.
+
+    add_request(inp)    queue a request; ValueError naming the field when it is bad
+                        (the engine keeps serving)
+    abort(request_id)   release the request at once (its id may be reused right away);
+                        the next step() reports it in `aborted`
+    step()              one scheduling step -> EngineStepOutput
+    has_unfinished()    anything queued, running, or an abort not yet reported
+    stats()             StageStats
+    close()             release what the engine holds
+
+Both StageEngine (autoregressive) and GenerationStageEngine (one-shot) implement it; so
+can a test double. One request, one terminal output: a request that finishes (stop,
+length or error) appears once in `finished`, the step that releases it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from omni.outputs import StageInput, StageOutput
+
+
+@dataclass(slots=True)
+class EngineStepOutput:
+    """What one step() produced."""
+
+    # One terminal output per request that finished in this step; their ids are the
+    # step's finished_req_ids: the engine has released them, the caller releases its own state.
+    finished: list[StageOutput] = field(default_factory=list)
+    # One report per request aborted since the previous step (already released by abort()).
+    aborted: list[StageOutput] = field(default_factory=list)
+
+    @property
+    def finished_req_ids(self) -> list[str]:
+        return [o.request_id for o in self.finished]
+
+
+@dataclass(slots=True)
+class StageStats:
+    """One stage's counters (typed here, a flat dict for users: `as_dict()`)."""
+
+    stage: str
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    num_blocks: int = 0
+    max_model_len: int | None = None
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    preemptions: int = 0
+    finished: int = 0
+    errors: int = 0
+    ttft_mean_s: float | None = None
+    ttft_p50_s: float | None = None
+    steps: int = 0
+    step_time_s: float = 0.0
+    tensor_cache_time_s: float = 0.0
+    torch_threads: int | None = None
+    # Counters only some stages have (tensor cache, encoder cache, ...), merged flat into as_dict().
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        return {**d, **extra}
+
+
+class Engine(Protocol):
+    name: str
+
+    def add_request(self, inp: StageInput) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> EngineStepOutput: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> StageStats: ...
+    def close(self) -> None: ...

@@ -1,0 +1,130 @@
+"""SamplingParams: how one request picks its next tokens (user-facing, validated; no torch).
+
+`resolve_sampling_params` is the one place where a request's parameters are merged over a stage's
+defaults (the API validates with it at submission, the engines when a request arrives).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns
+# the softmax into NaNs, while the limit of temperature -> 0 is exactly argmax.
+_GREEDY_EPS = 1e-5
+
+# torch.Generator.manual_seed accepts exactly this range (negative seeds wrap modulo 2**64).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingParams(BaseModel):
+    """How to pick the next tokens of one request (vLLM / HF `generate` semantics)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    temperature: float = Field(
+        1.0, description="Softmax temperature, >= 0. 0 means greedy decoding (argmax)."
+    )
+    top_k: int = Field(
+        0, description="Keep only the k most likely tokens. 0 or -1 turns it off; otherwise >= 1."
+    )
+    top_p: float = Field(
+        1.0,
+        description="Nucleus sampling: keep the smallest set of most likely tokens whose cumulative "
+        "probability is >= top_p (always at least one). 0 < top_p <= 1; 1 turns it off.",
+    )
+    seed: int | None = Field(
+        None,
+        description="Per-request random seed: the request draws from its own generator, so its tokens "
+        "do not depend on the rest of the batch. None uses the global RNG.",
+    )
+    max_tokens: int = Field(16, description="Maximum number of tokens to generate, >= 1.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Extra token ids (>= 0) that end generation; the stop token is kept in the output.",
+    )
+    ignore_eos: bool = Field(
+        False, description="Keep generating past the end-of-sequence token (benchmarks)."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "
+        "divided by it and negative ones multiplied. 1 turns it off.",
+    )
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or an integer >= 1, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and not (_SEED_MIN <= v <= _SEED_MAX):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {v}")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {v}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int]) -> list[int]:
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, v: float) -> float:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {v}")
+        return v
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+
+def resolve_sampling_params(value: Any, defaults: SamplingParams) -> SamplingParams:
+    """A request's parameters: None -> the stage defaults; a SamplingParams as is; a mapping of fields
+    merged over the defaults. Raises ValueError (pydantic's ValidationError is one) naming the field."""
+    if value is None:
+        return defaults
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, Mapping):
+        return SamplingParams(**{**defaults.model_dump(), **value})
+    raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")

@@ -1,0 +1,60 @@
+"""The engine factory: the one translation of a user's StageConfig into a running engine.
+
+    StageConfig (pydantic, omni.config)
+        model          -> registry entry: autoregressive?  -> StageEngine | GenerationStageEngine
+                       -> the model class (imported here, in the process that runs the stage)
+        model_path     -> registry path schemes (builtin:NAME) or a local path
+        cache / scheduler / sampling / dtype / device / ...  -> the engine's resolved config
+
+Both backends build engines here (the Ray backend inside each stage actor). A custom
+`engine_factory` (StageConfig -> Engine) replaces `build_engine`, e.g. with a test double.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from omni import registry
+from omni.config import StageConfig
+from omni.engine.interface import Engine
+from omni.errors import StageStartError
+
+EngineFactory = Callable[[StageConfig], Engine]
+
+
+def build_engine(stage: StageConfig) -> Engine:
+    """The engine of `stage`: the class the registry entry calls for, configured from `stage`."""
+    entry = registry.stage_model_entry(stage.model)
+    model_cls = registry.resolve_stage_model(stage.model)
+    model_path = registry.resolve_model_path(stage.model_path)
+    if not entry.autoregressive:
+        from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
+
+        return GenerationStageEngine(GenerationEngineConfig(
+            name=stage.name, model_cls=model_cls, model_path=model_path,
+            max_num_seqs=stage.scheduler.max_num_seqs, default_sampling=stage.sampling,
+            dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
+
+    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.scheduler import SchedulerSettings
+
+    return StageEngine(StageEngineConfig(
+        name=stage.name, model_cls=model_cls, model_path=model_path,
+        tokenizer_path=registry.resolve_model_path(stage.tokenizer) if stage.tokenizer else None,
+        enable_prefix_caching=stage.enable_prefix_caching,
+        block_size=stage.cache.block_size, num_blocks=stage.cache.num_blocks,
+        memory_budget_mb=stage.cache.memory_budget_mb, hash_seed=stage.cache.hash_seed,
+        scheduler=SchedulerSettings(max_num_seqs=stage.scheduler.max_num_seqs,
+                                    max_num_batched_tokens=stage.scheduler.max_num_batched_tokens,
+                                    enable_chunked_prefill=stage.scheduler.enable_chunked_prefill),
+        max_model_len=stage.scheduler.max_model_len,
+        default_sampling=stage.sampling, use_chat_template=stage.use_chat_template,
+        dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
+
+
+def make_engine(stage: StageConfig, engine_factory: EngineFactory | None = None) -> Engine:
+    """Build the engine of `stage`; any failure is a StageStartError naming the stage."""
+    try:
+        return (engine_factory or build_engine)(stage)
+    except Exception as e:
+        raise StageStartError(f"stage {stage.name!r} failed to start: {type(e).__name__}: {e}",
+                              stage=stage.name) from e

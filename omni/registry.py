@@ -1,0 +1,214 @@
+"""Names -> import strings: stage models, input processors, model path schemes.
+
+omni never imports model code: a config names a stage model ("causal_lm"), an
+input processor ("hidden_to_embeds") or a model path ("builtin:tiny-qwen2"),
+and this registry maps the name to a "package.module:attr" string that is
+imported only when an engine is built (as vLLM's model registry does). The
+facts a config validator needs travel with each entry, so that validating a
+config imports neither torch nor any model:
+
+    stage model      target, autoregressive (has a KV cache), emits_hidden_states
+    input processor  target, needs_hidden_states (reads the upstream's per-token rows)
+    path scheme      "builtin" -> target of fn(name) -> Path
+
+Model packages register themselves through a plugin: "package.module:function",
+called once before the first lookup. The default plugin is this repository's
+`stages` package; $OMNI_PLUGINS (comma-separated) replaces the list. A config may
+also name a target directly ("pkg.mod:Cls"); such a target is imported to learn
+its facts (its class attributes `autoregressive` / `emits_hidden_states`).
+
+A Ray actor does not see registrations made in the driver at run time;
+`snapshot()` / `restore()` carry them over (the Ray backend does this).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from omni.errors import OmniError
+
+PLUGINS_ENV = "OMNI_PLUGINS"
+DEFAULT_PLUGINS = ("stages:register",)
+
+
+@dataclass(frozen=True, slots=True)
+class StageModelEntry:
+    target: str  # "package.module:Class"
+    autoregressive: bool = True  # False: a one-shot stage (no KV cache, no prefix caching)
+    emits_hidden_states: bool = True  # per-token last hidden states a downstream stage can read
+
+
+@dataclass(frozen=True, slots=True)
+class InputProcessorEntry:
+    target: str  # "package.module:function"
+    # True when the processor reads the upstream's per-token rows (hidden states,
+    # mm_outputs): the upstream stage must then hand them over for every request.
+    # None: not known (a target given directly): they are handed over, nothing is checked.
+    needs_hidden_states: bool | None = False
+
+
+_STAGE_MODELS: dict[str, StageModelEntry] = {}
+_INPUT_PROCESSORS: dict[str, InputProcessorEntry] = {
+    # omni's own default: the upstream generated token ids become the prompt.
+    "passthrough_tokens": InputProcessorEntry("omni.pipeline.stage_worker:passthrough_tokens"),
+}
+_PATH_SCHEMES: dict[str, str] = {}
+_plugins_loaded = False
+_plugins_lock = threading.Lock()
+
+
+# ------------------------------------------------------------------ plugins
+def load_plugins() -> None:
+    """Run every plugin's register function once per process (idempotent, thread-safe)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        env = os.environ.get(PLUGINS_ENV)
+        specs = [s.strip() for s in env.split(",") if s.strip()] if env is not None else list(DEFAULT_PLUGINS)
+        for spec in specs:
+            try:
+                register = import_target(spec)
+                register()
+            except Exception as e:  # noqa: BLE001 - report which plugin, whatever went wrong
+                raise OmniError(f"omni plugin {spec!r} ({PLUGINS_ENV}) failed to load: "
+                                f"{type(e).__name__}: {e}") from e
+        _plugins_loaded = True
+
+
+# -------------------------------------------------------------- registering
+def is_target(name: str) -> bool:
+    """True for a "module:attr" string (as opposed to a registered name)."""
+    return isinstance(name, str) and ":" in name
+
+
+def _check_name(kind: str, name: str, target: str) -> None:
+    if not isinstance(name, str) or not name or is_target(name):
+        raise ValueError(f"{kind} name must be a non-empty str without ':', got {name!r}")
+    if not is_target(target):
+        raise ValueError(f"{kind} {name!r}: target must be a 'package.module:attr' string, got {target!r}")
+
+
+def register_stage_model(name: str, target: str, *, autoregressive: bool = True,
+                         emits_hidden_states: bool | None = None) -> None:
+    """Register a stage model class by its "module:Class" string (not imported here)."""
+    _check_name("stage model", name, target)
+    emits = autoregressive if emits_hidden_states is None else emits_hidden_states
+    _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits)
+
+
+def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False) -> None:
+    """Register an input processor by its "module:function" string (not imported here).
+
+    The function: fn(upstream: dict[str, StageOutput], request: StageInput) -> StageInput, where
+    `upstream` holds one entry per name in the downstream stage's `inputs`, in that order, and
+    `request` is the user's original input.
+    """
+    _check_name("input processor", name, target)
+    _INPUT_PROCESSORS[name] = InputProcessorEntry(target, needs_hidden_states)
+
+
+def register_model_path_scheme(scheme: str, target: str) -> None:
+    """Model paths "scheme:NAME" resolve through fn(NAME) -> Path at `target` (e.g. builtin:smollm2)."""
+    _check_name("model path scheme", scheme, target)
+    _PATH_SCHEMES[scheme] = target
+
+
+# ------------------------------------------------------------------ lookups
+def stage_model_entry(name: str) -> StageModelEntry:
+    """The entry of a registered name; for a "module:Class" target, facts read from the class.
+
+    Raises KeyError (unknown name) or ValueError (a target that does not import / is no class).
+    """
+    if is_target(name):
+        cls = _resolve_target(name, "a class", lambda o: isinstance(o, type))
+        autoregressive = bool(getattr(cls, "autoregressive", True))
+        return StageModelEntry(name, autoregressive,
+                               bool(getattr(cls, "emits_hidden_states", autoregressive)))
+    return _registered(_STAGE_MODELS, "stage model", name, "package.module:Class")
+
+
+def input_processor_entry(name: str) -> InputProcessorEntry:
+    """The entry of a registered name; a "module:function" target is imported to check it is callable."""
+    if is_target(name):
+        _resolve_target(name, "callable", callable)
+        return InputProcessorEntry(name, needs_hidden_states=None)
+    return _registered(_INPUT_PROCESSORS, "input processor", name, "package.module:function")
+
+
+def _registered(table: dict[str, Any], kind: str, name: str, target_form: str) -> Any:
+    load_plugins()
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)} (or give '{target_form}')")
+    return table[name]
+
+
+def resolve_stage_model(name: str) -> type:
+    """Import the stage model class of a registered name or a "module:Class" target."""
+    entry = stage_model_entry(name)
+    return _resolve_target(entry.target, "a class", lambda o: isinstance(o, type))
+
+
+def resolve_input_processor(name: str) -> Callable[..., Any]:
+    """Import the input processor of a registered name or a "module:function" target."""
+    return _resolve_target(input_processor_entry(name).target, "callable", callable)
+
+
+def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
+    """"scheme:NAME" through its registered resolver; anything else is a local path that must exist."""
+    text = os.fspath(spec)
+    scheme, sep, rest = text.partition(":")
+    if sep:
+        load_plugins()
+        if scheme in _PATH_SCHEMES:
+            return Path(import_target(_PATH_SCHEMES[scheme])(rest))
+    path = Path(os.path.expanduser(os.path.expandvars(text)))
+    if not path.exists():
+        expanded = f" (expanded to {str(path)!r})" if str(path) != text else ""
+        schemes = ", ".join(f"{s}:NAME" for s in sorted(_PATH_SCHEMES)) or "none registered"
+        raise ValueError(f"model path {text!r}{expanded} does not exist; give an existing local directory "
+                         f"or file, or a registered scheme ({schemes})")
+    return path.resolve()
+
+
+def import_target(target: str) -> Any:
+    """Import "package.module:attr" (attr may be dotted). Raises ImportError/AttributeError/ValueError."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{target!r} is not of the form 'package.module:attribute'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _resolve_target(target: str, what: str, ok: Callable[[Any], bool]) -> Any:
+    """The object at `target`; ValueError "'pkg.mod:x' does not resolve: ..." / "... which is not <what>"."""
+    try:
+        obj = import_target(target)
+    except Exception as e:  # noqa: BLE001 - any import problem is reported the same way
+        raise ValueError(f"{target!r} does not resolve: {type(e).__name__}: {e}") from None
+    if not ok(obj):
+        raise ValueError(f"{target!r} resolved to {obj!r}, which is not {what}")
+    return obj
+
+
+# ------------------------------------------------------- across processes
+def snapshot() -> dict[str, dict[str, Any]]:
+    """Every table, to re-create this process's registrations in another one."""
+    load_plugins()
+    return {"stage_models": dict(_STAGE_MODELS), "input_processors": dict(_INPUT_PROCESSORS),
+            "path_schemes": dict(_PATH_SCHEMES)}
+
+
+def restore(snap: dict[str, dict[str, Any]]) -> None:
+    load_plugins()
+    _STAGE_MODELS.update(snap.get("stage_models", {}))
+    _INPUT_PROCESSORS.update(snap.get("input_processors", {}))
+    _PATH_SCHEMES.update(snap.get("path_schemes", {}))
