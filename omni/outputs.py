@@ -45,6 +45,11 @@ class StageInput:
     # Hand this request's per-token rows (hidden states, mm_outputs) out with its output.
     # None: the stage's default (StageEngineConfig.emit_hidden_states); the pipeline sets it.
     return_hidden_states: bool | None = None
+    # Report progress every step (StageDelta: new tokens, text delta, rows computed).
+    stream: bool = False
+    # False: the prompt is the first chunk of a growing input (a streaming edge);
+    # more comes through extend_request(), the last one with last=True.
+    input_complete: bool = True
 
 
 @dataclass(slots=True)
@@ -75,6 +80,23 @@ class StageOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass(slots=True)
+class StageDelta:
+    """What one step changed for one streamed request at one stage (StageInput.stream)."""
+
+    request_id: str
+    stage: str
+    token_ids: list[int] = field(default_factory=list)  # tokens generated this step
+    text: str = ""  # their text, once it is final (incremental detokenization)
+    num_prompt_tokens: int = 0
+    # Tokens whose rows exist now: rows [0, num_computed_tokens) can be read.
+    num_computed_tokens: int = 0
+    finished: bool = False  # the step that finished it (its StageOutput follows)
+    # Per-token rows of a range of tokens (filled where a consumer needs them): name -> [n, ...].
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    rows_start: int = 0  # token index of the first row in `rows`
 
 
 def error_output(stage: str, request_id: str, error: str, reason: str = "error") -> StageOutput:

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from omni.outputs import StageInput, StageOutput
 
@@ -39,6 +38,7 @@ from .sampling import make_generator
 from .sampling_params import SamplingParams, resolve_sampling_params
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
+from .streams import RequestStreams, block_digests
 from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class StageEngine:
         # blocks cached before, so such requests compute their whole prompt.
         self._rows_complete = config.emit_hidden_states
         self._aborted: list[StageOutput] = []  # reported by the next step()
+        self.streams = RequestStreams(self.name, self.tokenizer, config.block_size)
         self._ttfts: list[float] = []
         self._num_finished = 0
         self._num_errors = 0
@@ -196,15 +197,11 @@ class StageEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (allowed 0..{vocab - 1})")
-        # Admission: what cannot fit is refused now, never left waiting for room that cannot come.
-        n, m = len(token_ids), params.max_tokens
-        if n + m > self.max_model_len:
-            raise ValueError(
-                f"prompt: {n} tokens + max_tokens {m} = {n + m} exceed max_model_len {self.max_model_len} of "
-                f"stage {self.name!r}{self._max_len_note}; shorten the prompt or lower max_tokens")
-        embeds, digests = None, None
+        n = len(token_ids)
+        self._check_fits(n, params.max_tokens)
+        embeds, digests, rows = None, None, None
         if prompt_embeds is not None:
-            embeds, digests = self._prompt_embeds(prompt_embeds, n)
+            embeds, digests, rows = self._prompt_embeds(prompt_embeds, n)
         req = Request(
             rid, token_ids, sampling_params=params, cache_salt=inp.cache_salt,
             mm_features=prepared.mm_features if prepared is not None else (),
@@ -215,6 +212,9 @@ class StageEngine:
         try:
             self.model.add_request(rid, prepared, inp)
             self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
+            if inp.stream or not inp.input_complete:
+                req.input_complete = inp.input_complete
+                self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None)
             wants_rows = inp.return_hidden_states
             if self.config.emit_hidden_states if wants_rows is None else wants_rows:
                 if not self.runner.emits_rows:
@@ -227,17 +227,65 @@ class StageEngine:
             self._release_finished()
             raise
 
-    def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes]]:
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Admission: what cannot fit is refused now, never left waiting for room that cannot come."""
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt} tokens + max_tokens {max_tokens} = {num_prompt + max_tokens} exceed "
+                f"max_model_len {self.max_model_len} of stage {self.name!r}{self._max_len_note}; "
+                "shorten the prompt or lower max_tokens")
+
+    def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes], np.ndarray]:
         arr = np.ascontiguousarray(np.asarray(value, dtype=np.float32))
         width = self.model.prompt_embed_size or self.model.hidden_size
         if arr.ndim != 2 or arr.shape != (num_tokens, width):
             raise ValueError(f"prompt_embeds: expected shape ({num_tokens}, {width}), got {arr.shape}")
-        bs = self.config.block_size
+        if not np.isfinite(arr).all():
+            raise ValueError("prompt_embeds: contains NaN or infinite values")
         # One digest per block of rows: the block hashes chain them, so equal
         # leading embeddings still share blocks across turns.
-        digests = [xxhash.xxh3_128_digest(arr[i : i + bs].tobytes()) for i in range(0, num_tokens, bs)]
+        digests = block_digests(arr, self.config.block_size)
         t = torch.from_numpy(arr).to(device=self.model.device, dtype=self.model.dtype)
-        return t, digests
+        return t, digests, arr
+
+    def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
+                       last: bool = False) -> None:
+        """Append a chunk to the prompt of a request admitted with input_complete=False.
+        ValueError (naming the field) when the chunk is bad or cannot fit; the request stays as it was."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.input_complete or request_id not in self.streams:
+            raise ValueError(f"request_id: {request_id!r} is not a request of stage {self.name!r} waiting for input")
+        token_ids = [int(t) for t in token_ids]
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (allowed 0..{vocab - 1})")
+        self._check_fits(req.num_prompt_tokens + len(token_ids), req.sampling_params.max_tokens)
+        state = self.runner.states[request_id]
+        if (prompt_embeds is None) != (state.prompt_embeds is None) and token_ids:
+            raise ValueError("prompt_embeds: a prompt that started as embeddings grows by embeddings, and a "
+                             "prompt of token ids by token ids")
+        digests = None
+        if prompt_embeds is not None and token_ids:
+            rows, digests, arr = self._prompt_embeds(prompt_embeds, len(token_ids))
+            digests = self.streams.extended_digests(request_id, req.prompt_embeds_digests, req.num_prompt_tokens,
+                                                    arr)
+            state.append_prompt_embeds(rows)
+        if token_ids:
+            req.extend_prompt(token_ids, digests)
+        if last:
+            req.input_complete = True
+            if not token_ids:
+                self.scheduler.recompute_last_token(req)
+
+    def read_rows(self, request_id: str, start: int, end: int) -> dict[str, np.ndarray]:
+        """Per-token rows [start, end) of a running request that keeps rows (end <= its computed tokens)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not running on stage {self.name!r}")
+        if not 0 <= start <= end <= req.num_computed_tokens:
+            raise ValueError(f"rows [{start}, {end}) of {request_id!r}: only [0, {req.num_computed_tokens}) exist")
+        return self.rows.read_range(request_id, self.kv.get_block_ids(request_id), start, end)
 
     def abort(self, request_id: str) -> None:
         """Finish the request now (unknown ids: nothing happens); the next step() reports it."""
@@ -248,6 +296,7 @@ class StageEngine:
         self._release_finished()
 
     def has_unfinished(self) -> bool:
+        """Work a step can do now (requests waiting for more input do not count), or aborts to report."""
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def close(self) -> None:
@@ -285,6 +334,9 @@ class StageEngine:
                 tables = {s.req_id: s.block_ids for s in sched.scheduled}
                 rows = self.rows.finish([RowsRequest(r.request_id, tables[r.request_id], r.num_computed_tokens,
                                                      max(r.num_cached_tokens, 0)) for r in finished])
+            if self.streams.num_active:
+                out.deltas = self.streams.step_deltas([s.req_id for s in sched.scheduled], result.sampled,
+                                                      self.scheduler.requests, {r.request_id: r for r in finished})
             for req in finished:
                 out.finished.append(self._make_output(req, rows.get(req.request_id)))
             self._step_time += time.perf_counter() - t0
@@ -299,6 +351,7 @@ class StageEngine:
             self.runner.remove_request(rid)
             self.model.remove_request(rid)
             self.rows.drop(rid)
+            self.streams.drop(rid)
 
     def _make_output(self, req: Request, rows: FinishedRows | None = None) -> StageOutput:
         rid = req.request_id
@@ -318,6 +371,11 @@ class StageEngine:
         )
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            streamed = self.streams.final_text(rid)
+            if streamed is not None and streamed != out.text:
+                # A decoder whose output is not prefix-stable: the caller saw the deltas, keep them true.
+                logger.warning("stage %s: streamed text of %s differs from its full decode", self.name, rid)
+                out.text = streamed
         if rows is not None:
             out.hidden_states, out.mm_outputs, out.passthrough = rows.hidden_states, rows.mm_outputs, rows.passthrough
         return out

@@ -86,6 +86,15 @@ class GenerationStageEngine:
     def has_unfinished(self) -> bool:
         return bool(self._queue) or bool(self._aborted)
 
+    def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
+                       last: bool = False) -> None:
+        # Config validation refuses streaming edges into one-shot stages; this guards direct callers.
+        raise ValueError(f"stage {self.name!r} is a one-shot stage: its input cannot arrive in chunks "
+                         "(use a non-streaming edge)")
+
+    def read_rows(self, request_id: str, start: int, end: int) -> dict[str, Any]:
+        raise ValueError(f"stage {self.name!r} is a one-shot stage: it has no per-token rows to read")
+
     def close(self) -> None:
         self._queue.clear()
         self._aborted.clear()

@@ -2,6 +2,11 @@
 
     add_request(inp)    queue a request; ValueError naming the field when it is bad
                         (the engine keeps serving)
+    extend_request(request_id, token_ids, prompt_embeds, last)
+                        grow the prompt of a request admitted with input_complete=False
+                        (a streaming edge); ValueError when it cannot
+    read_rows(request_id, start, end)
+                        per-token rows [start, end) of a live request (streamed downstream)
     abort(request_id)   release the request at once (its id may be reused right away);
                         the next step() reports it in `aborted`
     step()              one scheduling step -> EngineStepOutput
@@ -18,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from omni.outputs import StageInput, StageOutput
+from omni.outputs import StageDelta, StageInput, StageOutput
 
 
 @dataclass(slots=True)
@@ -30,6 +35,9 @@ class EngineStepOutput:
     finished: list[StageOutput] = field(default_factory=list)
     # One report per request aborted since the previous step (already released by abort()).
     aborted: list[StageOutput] = field(default_factory=list)
+    # Progress of streamed requests (StageInput.stream) in this step, in step order;
+    # a request finishing in this step has its last delta here and its output in `finished`.
+    deltas: list[StageDelta] = field(default_factory=list)
 
     @property
     def finished_req_ids(self) -> list[str]:
@@ -72,6 +80,9 @@ class Engine(Protocol):
     name: str
 
     def add_request(self, inp: StageInput) -> None: ...
+    def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
+                       last: bool = False) -> None: ...
+    def read_rows(self, request_id: str, start: int, end: int) -> dict[str, Any]: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> EngineStepOutput: ...
     def has_unfinished(self) -> bool: ...

@@ -44,6 +44,21 @@ class RunnerRequestState:
     request: Request
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
     generator: torch.Generator | None = None
+    _embeds_buf: torch.Tensor | None = None  # capacity for a growing prompt (streaming input)
+
+    def append_prompt_embeds(self, rows: torch.Tensor) -> None:
+        """Grow the prompt embeddings; capacity doubles, so a prompt streamed in k chunks costs
+        O(total) copies, not O(k * total)."""
+        old = self.prompt_embeds
+        n, k = old.shape[0], rows.shape[0]
+        buf = self._embeds_buf if self._embeds_buf is not None else old
+        if buf.shape[0] < n + k:
+            bigger = torch.empty((max(2 * buf.shape[0], n + k), *old.shape[1:]), dtype=old.dtype, device=old.device)
+            bigger[:n] = old
+            buf = bigger
+        buf[n : n + k] = rows
+        self._embeds_buf = buf
+        self.prompt_embeds = buf[: n + k]
 
 
 @dataclass(slots=True)
@@ -182,7 +197,8 @@ class ModelRunner:
             if state.prompt_embeds is not None and start < req.num_prompt_tokens:
                 stop = min(end, req.num_prompt_tokens)
                 embed_rows.append((row, state.prompt_embeds[start:stop]))
-            if end == req.num_tokens:  # all known tokens computed: sample the next one
+            # All known tokens computed: sample the next one (not while more prompt may come).
+            if end == req.num_tokens and req.input_complete:
                 sample_rows.append(row + n - 1)
                 sample_states.append(state)
             is_decode = is_decode and n == 1

@@ -157,6 +157,15 @@ class OutputRows:
         finally:
             self.deliver_time_s += time.perf_counter() - t0
 
+    def read_range(self, req_id: str, block_ids: list[int], start: int, end: int) -> dict[str, np.ndarray]:
+        """Rows [start, end) of a running request (after every queued write), float32 numpy."""
+        return self._timed(self._serial.call, self._read_range, req_id, list(block_ids), start, end)
+
+    def _read_range(self, req_id: str, block_ids: list[int], start: int, end: int) -> dict[str, np.ndarray]:
+        if req_id not in self._live:
+            raise ValueError(f"request_id: {req_id!r} does not keep per-token rows (return_hidden_states)")
+        return {name: t.float().numpy() for name, t in self.store.gather(block_ids, end, start).items()}
+
     def close(self) -> None:
         self._serial.close()
 

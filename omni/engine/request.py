@@ -110,6 +110,9 @@ class Request:
         self.prompt_embeds_digests = list(prompt_embeds_digests) if prompt_embeds_digests is not None else None
 
         self.status = RequestStatus.WAITING
+        # False while more prompt may come (a streaming edge): the request computes
+        # what it has, then waits without sampling (the scheduler skips it).
+        self.input_complete = True
         # Compute the whole prompt even when its blocks are cached (the engine sets
         # it when the stage's row store cannot vouch for cached blocks' rows).
         self.skip_prefix_hits = False
@@ -158,6 +161,19 @@ class Request:
             self.all_token_ids.extend(token_ids)
         hasher = self._block_hasher
         # Cheap guard first: most decode steps do not complete a block.
+        if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.block_hashes.extend(hasher(self))
+
+    def extend_prompt(self, token_ids: list[int], prompt_embeds_digests: list[bytes] | None = None) -> None:
+        """Grow the prompt (streaming input; only before any token is generated); hash every
+        block that became full. `prompt_embeds_digests`: the whole list, one per prompt block."""
+        if self.output_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt cannot grow after generation started")
+        self.prompt_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if prompt_embeds_digests is not None:
+            self.prompt_embeds_digests = prompt_embeds_digests
+        hasher = self._block_hasher
         if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
             self.block_hashes.extend(hasher(self))
 

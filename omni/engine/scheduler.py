@@ -101,7 +101,14 @@ class Scheduler:
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Work to schedule: requests waiting for more input (a streaming edge) do not count."""
+        return bool(self.waiting) or any(r.num_computed_tokens < r.num_tokens for r in self.running)
+
+    def recompute_last_token(self, req: Request) -> None:
+        """A growing prompt was completed with nothing new: its last token was computed without
+        sampling. Compute it again (same slot, same K/V) so that the step samples from its logits."""
+        if req.status == RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens:
+            req.num_computed_tokens -= 1
 
     @property
     def num_waiting(self) -> int:

@@ -71,15 +71,16 @@ class StageTensorCache:
         self.rows_served += num_tokens if out else 0
         return out
 
-    def gather(self, block_ids: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
-        """Rows of the first `num_tokens` tokens held by `block_ids`, uncounted."""
-        if num_tokens <= 0 or not self.caches:
+    def gather(self, block_ids: list[int], num_tokens: int, start: int = 0) -> dict[str, torch.Tensor]:
+        """Rows of tokens [start, num_tokens) held by `block_ids`, uncounted."""
+        if num_tokens <= start or not self.caches:
             return {}
-        nblk = -(-num_tokens // self.block_size)
-        idx = torch.tensor(block_ids[:nblk], dtype=torch.long, device=self.device)
+        first, nblk = start // self.block_size, -(-num_tokens // self.block_size)
+        idx = torch.tensor(block_ids[first:nblk], dtype=torch.long, device=self.device)
+        lo, hi = start - first * self.block_size, num_tokens - first * self.block_size
         out = {}
         for name, cache in self.caches.items():
-            out[name] = cache.index_select(0, idx).flatten(0, 1)[:num_tokens]
+            out[name] = cache.index_select(0, idx).flatten(0, 1)[lo:hi]
         return out
 
     @property

@@ -1,0 +1,106 @@
+"""RequestStreams: what a stage keeps for requests that stream, out or in.
+
+Out (StageInput.stream): every step that computes tokens of the request yields
+a StageDelta: the tokens sampled this step, their text once it is final
+(IncrementalDetokenizer), and how many tokens have rows by now (a streaming
+edge reads those rows while the request runs).
+
+In (StageInput.input_complete=False): the prompt grows chunk by chunk. Token
+ids need nothing here, but a prompt of *embeddings* is hashed through one
+digest per block of rows, and a chunk rarely ends on a block boundary: the
+rows of the last, partial block are kept until the block fills, then its
+digest is final.
+
+    prompt rows:  [ block 0 ][ block 1 ][ blo|        chunk k ends mid-block 2
+    digests:        final      final     provisional (recomputed when rows arrive)
+    tail:                                [ blo]       kept here
+
+Only full blocks are ever hashed, so a provisional digest is never used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from omni.outputs import StageDelta
+
+from .detokenizer import IncrementalDetokenizer
+
+
+def block_digests(rows: np.ndarray, block_size: int) -> list[bytes]:
+    """One digest per block of rows (the last block may be partial)."""
+    return [xxhash.xxh3_128_digest(rows[i : i + block_size].tobytes()) for i in range(0, rows.shape[0], block_size)]
+
+
+@dataclass(slots=True)
+class _Stream:
+    deltas: bool
+    detok: IncrementalDetokenizer | None
+    tail: np.ndarray | None  # prompt-embedding rows of the last partial block (growing inputs)
+
+
+class RequestStreams:
+    def __init__(self, name: str, tokenizer: Any, block_size: int):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self._streams: dict[str, _Stream] = {}
+        self.num_deltas = 0
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._streams
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    def add(self, rid: str, *, deltas: bool, prompt_rows: np.ndarray | None) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer) if deltas and self.tokenizer is not None else None
+        tail = None
+        if prompt_rows is not None:
+            tail = prompt_rows[prompt_rows.shape[0] // self.block_size * self.block_size:].copy()
+        self._streams[rid] = _Stream(deltas, detok, tail)
+
+    def drop(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+
+    def extended_digests(self, rid: str, digests: list[bytes], num_prompt: int, rows: np.ndarray) -> list[bytes]:
+        """The prompt's digest list after appending `rows` to a prompt of `num_prompt` embedding rows."""
+        st = self._streams[rid]
+        tail = st.tail if st.tail is not None else rows[:0]
+        joined = np.concatenate([tail, rows]) if tail.shape[0] else rows
+        full = num_prompt // self.block_size
+        new = digests[:full] + block_digests(joined, self.block_size)
+        end = (num_prompt + rows.shape[0]) // self.block_size * self.block_size
+        st.tail = joined[end - full * self.block_size:].copy()
+        return new
+
+    def step_deltas(self, scheduled_ids: list[str], sampled: dict[str, int], requests: dict[str, Any],
+                    finished: dict[str, Any]) -> list[StageDelta]:
+        """Deltas of the streamed requests scheduled this step. `requests`: still running (id -> Request);
+        `finished`: finished in this step (id -> Request); their text is flushed to the end."""
+        out = []
+        for rid in scheduled_ids:
+            st = self._streams.get(rid)
+            if st is None or not st.deltas:
+                continue
+            req = requests.get(rid) or finished.get(rid)
+            if req is None:  # failed in this step: its terminal output says why
+                continue
+            tok = sampled.get(rid)
+            new = [tok] if tok is not None and req.output_token_ids and req.output_token_ids[-1] == tok else []
+            text = st.detok.add(new) if st.detok is not None else ""
+            done = rid in finished
+            if done and st.detok is not None:
+                text += st.detok.flush()
+            out.append(StageDelta(rid, self.name, new, text, req.num_prompt_tokens, req.num_computed_tokens, done))
+        self.num_deltas += len(out)
+        return out
+
+    def final_text(self, rid: str) -> str | None:
+        """The streamed text of a request (deltas concatenated), or None when it did not stream text."""
+        st = self._streams.get(rid)
+        return st.detok.text if st is not None and st.detok is not None else None
