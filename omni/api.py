@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from omni.config import PipelineConfig, load_config
 from omni.engine.sampling_params import SamplingParams, resolve_sampling_params
 from omni.errors import BackendClosedError, ConfigError, OmniError
-from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
+from omni.outputs import MultiModalInput, RequestOutput, StageDelta, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
 
@@ -121,11 +121,13 @@ class Omni:
         return [results[r] for r in rids]
 
     def stream(self, prompts: Any, sampling_params: Any = None, *,
-               return_hidden_states: bool = False) -> Iterator[StageOutput]:
-        """Yield each final stage's output as soon as that stage finishes a request.
+               return_hidden_states: bool = False) -> Iterator[StageDelta | StageOutput]:
+        """Yield progress as it happens: a StageDelta whenever a stage generated tokens for a request
+        (`token_ids`, and `text` once it is final: concatenated they give the stage's final text),
+        then each final stage's StageOutput as soon as that stage finishes the request.
 
         A failed request yields one StageOutput with `error` set (its `stage` is where it failed).
-        Closing the iterator early aborts the requests still running.
+        Closing the iterator early aborts the requests still running (on every stage).
         """
         rids = self._submit(prompts, sampling_params, return_hidden_states, stream=True)
         remaining = list(rids)

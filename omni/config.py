@@ -106,6 +106,19 @@ class ResourcesConfig(_Model):
         return v
 
 
+class InputEdge(_Model):
+    """One input of a stage: `inputs: [thinker]` is `inputs: [{stage: thinker}]`."""
+
+    stage: str = Field(description="The upstream stage.")
+    stream: bool = Field(
+        False, description="Stream the upstream's output in while it runs: this stage admits the request on "
+        "the first chunk and its prompt grows chunk by chunk (it waits, without holding up its batch, when "
+        "it has consumed all it got). Needs an input processor with a chunk form.")
+    chunk_tokens: int = Field(
+        16, ge=1, description="On a streaming edge: hand over this many new tokens (or rows) at a time; the "
+        "last chunk may be shorter.")
+
+
 class StageConfig(_Model):
     name: str = Field(description="Unique stage name (letters, digits, '_', '-', '.').")
     model: str = Field(
@@ -114,8 +127,9 @@ class StageConfig(_Model):
         description="Model directory or GGUF file, or builtin:tiny-llama | builtin:tiny-qwen2 | "
         "builtin:smollm2. ${ENV} and ${ENV:-default} are expanded.")
     tokenizer: str | None = Field(None, description="Tokenizer path, when it is not next to the model.")
-    inputs: list[str] = Field(
-        default_factory=list, description="Upstream stage names. Empty: an entry stage (gets the prompt).")
+    inputs: list[str | InputEdge] = Field(
+        default_factory=list, description="Upstream stages: names, or {stage, stream, chunk_tokens} for a "
+        "streaming edge. Empty: an entry stage (gets the prompt).")
     input_processor: str | None = Field(
         None, description="Turns the upstream outputs into this stage's input: a registered name "
         "(passthrough_tokens, hidden_to_embeds, ...) or 'package.module:function'. "
@@ -181,7 +195,28 @@ class StageConfig(_Model):
                 registry.input_processor_entry(self.input_processor)
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{where}: input_processor: {e.args[0]}") from None
+        streaming = [e for e in self.input_edges if e.stream]
+        if streaming:
+            if len(self.inputs) != 1:
+                raise ValueError(f"{where}: inputs: a streaming input must be the stage's only input "
+                                 f"(got {len(self.inputs)} inputs)")
+            if not model.autoregressive:
+                raise ValueError(f"{where}: inputs[0].stream: model {self.model!r} is a one-shot stage; its "
+                                 "input cannot grow while it runs (set stream: false)")
+            proc = self.input_processor or "passthrough_tokens"
+            if registry.input_processor_entry(proc).incremental is None:
+                raise ValueError(f"{where}: inputs[0].stream: input processor {proc!r} has no chunk form, so it "
+                                 "cannot sit on a streaming edge (set stream: false or use a streamable processor)")
         return self
+
+    @property
+    def input_edges(self) -> list[InputEdge]:
+        """`inputs` with every plain name as a non-streaming edge."""
+        return [e if isinstance(e, InputEdge) else InputEdge(stage=e) for e in self.inputs]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [e.stage for e in self.input_edges]
 
 
 class RuntimeConfig(_Model):
@@ -192,6 +227,9 @@ class RuntimeConfig(_Model):
         "else an embedded local Ray.")
     namespace: str | None = Field(None, description="Ray namespace of the stage actors.")
     request_timeout_s: float = Field(600.0, gt=0, description="A request still unfinished after this fails.")
+    stream_chunk_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait of a stage for the next chunk on a streaming edge; the request "
+        "then fails with an error naming the edge.")
     stage_start_timeout_s: float = Field(
         300.0, gt=0, description="Time a stage may take to start (model load, waiting for resources).")
     log_to_driver: bool = Field(

@@ -8,7 +8,8 @@ facts a config validator needs travel with each entry, so that validating a
 config imports neither torch nor any model:
 
     stage model      target, autoregressive (has a KV cache), emits_hidden_states
-    input processor  target, needs_hidden_states (reads the upstream's per-token rows)
+    input processor  target, needs_hidden_states (reads the upstream's per-token rows),
+                     incremental (the chunk form a streaming edge uses; None: not streamable)
     path scheme      "builtin" -> target of fn(name) -> Path
 
 Model packages register themselves through a plugin: "package.module:function",
@@ -49,12 +50,20 @@ class InputProcessorEntry:
     # mm_outputs): the upstream stage must then hand them over for every request.
     # None: not known (a target given directly): they are handed over, nothing is checked.
     needs_hidden_states: bool | None = False
+    # "package.module:function" of the chunk form, for streaming edges:
+    #   fn(chunk: StageDelta, request: StageInput, state: dict) -> StageInput
+    # `chunk` carries the upstream's new tokens (and, for processors that read rows, the
+    # rows of the tokens computed since the last chunk); the StageInput returned holds
+    # the prompt part this chunk adds. `state` persists across one request's chunks.
+    # None: the processor cannot stream.
+    incremental: str | None = None
 
 
 _STAGE_MODELS: dict[str, StageModelEntry] = {}
 _INPUT_PROCESSORS: dict[str, InputProcessorEntry] = {
     # omni's own default: the upstream generated token ids become the prompt.
-    "passthrough_tokens": InputProcessorEntry("omni.pipeline.stage_worker:passthrough_tokens"),
+    "passthrough_tokens": InputProcessorEntry("omni.pipeline.stage_worker:passthrough_tokens",
+                                              incremental="omni.pipeline.stage_worker:passthrough_tokens_chunk"),
 }
 _PATH_SCHEMES: dict[str, str] = {}
 _plugins_loaded = False
@@ -103,15 +112,20 @@ def register_stage_model(name: str, target: str, *, autoregressive: bool = True,
     _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits)
 
 
-def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False) -> None:
+def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False,
+                             incremental: str | None = None) -> None:
     """Register an input processor by its "module:function" string (not imported here).
 
     The function: fn(upstream: dict[str, StageOutput], request: StageInput) -> StageInput, where
     `upstream` holds one entry per name in the downstream stage's `inputs`, in that order, and
-    `request` is the user's original input.
+    `request` is the user's original input. `incremental`: the chunk form (see InputProcessorEntry),
+    which lets the processor sit on a streaming edge.
     """
     _check_name("input processor", name, target)
-    _INPUT_PROCESSORS[name] = InputProcessorEntry(target, needs_hidden_states)
+    if incremental is not None and not is_target(incremental):
+        raise ValueError(f"input processor {name!r}: incremental must be a 'package.module:function' string, "
+                         f"got {incremental!r}")
+    _INPUT_PROCESSORS[name] = InputProcessorEntry(target, needs_hidden_states, incremental)
 
 
 def register_model_path_scheme(scheme: str, target: str) -> None:
@@ -137,8 +151,11 @@ def stage_model_entry(name: str) -> StageModelEntry:
 def input_processor_entry(name: str) -> InputProcessorEntry:
     """The entry of a registered name; a "module:function" target is imported to check it is callable."""
     if is_target(name):
-        _resolve_target(name, "callable", callable)
-        return InputProcessorEntry(name, needs_hidden_states=None)
+        fn = _resolve_target(name, "callable", callable)
+        # A function given directly streams when it carries its chunk form as `fn.incremental`.
+        inc = getattr(fn, "incremental", None)
+        return InputProcessorEntry(name, needs_hidden_states=None,
+                                   incremental=f"{inc.__module__}:{inc.__qualname__}" if callable(inc) else None)
     return _registered(_INPUT_PROCESSORS, "input processor", name, "package.module:function")
 
 
@@ -158,6 +175,14 @@ def resolve_stage_model(name: str) -> type:
 def resolve_input_processor(name: str) -> Callable[..., Any]:
     """Import the input processor of a registered name or a "module:function" target."""
     return _resolve_target(input_processor_entry(name).target, "callable", callable)
+
+
+def resolve_incremental_processor(name: str) -> Callable[..., Any]:
+    """Import the chunk form of an input processor (ValueError when it has none)."""
+    entry = input_processor_entry(name)
+    if entry.incremental is None:
+        raise ValueError(f"input processor {name!r} has no chunk form: it cannot sit on a streaming edge")
+    return _resolve_target(entry.incremental, "callable", callable)
 
 
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:

@@ -16,7 +16,8 @@ def register() -> None:
     register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni:Qwen2_5OmniToken2WavStage",
                          autoregressive=False)
 
-    register_input_processor("hidden_to_embeds", "stages.processors:hidden_to_embeds", needs_hidden_states=True)
+    register_input_processor("hidden_to_embeds", "stages.processors:hidden_to_embeds", needs_hidden_states=True,
+                             incremental="stages.processors:hidden_to_embeds_chunk")
     register_input_processor("thinker2talker", "stages.qwen2_5_omni:thinker2talker", needs_hidden_states=True)
     register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav")
 

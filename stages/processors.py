@@ -1,13 +1,14 @@
 """Generic input processors (edges of a stage graph).
 
     fn(upstream: dict[str, StageOutput], request: StageInput) -> StageInput
+    fn_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput   (streaming edges)
 """
 from __future__ import annotations
 
 import numpy as np
 
 from omni.errors import OmniError
-from omni.outputs import StageInput, StageOutput
+from omni.outputs import StageDelta, StageInput, StageOutput
 
 
 def hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
@@ -27,3 +28,17 @@ def hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> S
     rows = np.ascontiguousarray(out.hidden_states, dtype=np.float32)
     return StageInput(request.request_id, prompt_token_ids=[0] * rows.shape[0], prompt_embeds=rows,
                       cache_salt=request.cache_salt)
+
+
+def hidden_to_embeds_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput:
+    """hidden_to_embeds on a streaming edge: the rows computed since the last chunk become the
+    next prompt rows. Over all chunks the prompt is exactly hidden_to_embeds' (one row per token
+    the upstream computed, in order)."""
+    rows = chunk.rows.get("hidden_states")
+    if rows is None:
+        if chunk.rows:
+            raise OmniError(f"hidden_to_embeds: stage {chunk.stage!r} streamed no hidden states")
+        return StageInput(request.request_id, prompt_token_ids=[], cache_salt=request.cache_salt)
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    return StageInput(request.request_id, prompt_token_ids=[0] * rows.shape[0],
+                      prompt_embeds=rows if rows.shape[0] else None, cache_salt=request.cache_salt)

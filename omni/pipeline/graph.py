@@ -25,7 +25,11 @@ from omni import registry
 from omni.errors import ConfigError
 
 if TYPE_CHECKING:
-    from omni.config import StageConfig
+    from omni.config import InputEdge, StageConfig
+
+
+def _edge_name(edge: "str | InputEdge") -> str:
+    return edge if isinstance(edge, str) else edge.stage
 
 
 class StageGraph:
@@ -42,7 +46,7 @@ class StageGraph:
 
         for s in stages:
             seen: set[str] = set()
-            for up in s.inputs:
+            for up in map(_edge_name, s.inputs):
                 if up == s.name:
                     raise ConfigError(f"stage {s.name!r}: inputs: a stage cannot be its own input")
                 if up not in self.stages:
@@ -52,11 +56,16 @@ class StageGraph:
                     raise ConfigError(f"stage {s.name!r}: inputs: {up!r} is listed twice")
                 seen.add(up)
 
-        self.upstream: dict[str, list[str]] = {s.name: list(s.inputs) for s in stages}
+        self.upstream: dict[str, list[str]] = {s.name: [_edge_name(e) for e in s.inputs] for s in stages}
         self.downstream: dict[str, list[str]] = {n: [] for n in names}
+        # (upstream, downstream) -> edge, for the streaming ones: the downstream stage starts
+        # with the upstream and its prompt grows chunk by chunk.
+        self.streaming_edges: dict[tuple[str, str], "InputEdge"] = {}
         for s in stages:
-            for up in s.inputs:
-                self.downstream[up].append(s.name)
+            for edge in s.inputs:
+                self.downstream[_edge_name(edge)].append(s.name)
+                if getattr(edge, "stream", False):
+                    self.streaming_edges[(edge.stage, s.name)] = edge
 
         self.entry_stages = [n for n in names if not self.upstream[n]]
         if not self.entry_stages:
@@ -78,6 +87,11 @@ class StageGraph:
                     "final_output, so its outputs would be discarded; set final_output or remove it")
         for n in self.order:
             self._check_rows_exist(n)
+        for (up, down) in self.streaming_edges:
+            model = self.stages[up].model
+            if not registry.stage_model_entry(model).autoregressive:
+                raise ConfigError(f"stage {down!r}: inputs[0].stream: stage {up!r} ({model!r}) is a one-shot "
+                                  "stage and produces its output at once: there is nothing to stream")
 
     def _processor(self, name: str) -> registry.InputProcessorEntry:
         return registry.input_processor_entry(self.stages[name].input_processor or "passthrough_tokens")
@@ -135,6 +149,19 @@ class StageGraph:
     def __len__(self) -> int:
         return len(self.stages)
 
+    def streams_to(self, name: str) -> list[tuple[str, "InputEdge"]]:
+        """The stages fed by `name` over streaming edges, with their edges."""
+        return [(d, self.streaming_edges[(name, d)]) for d in self.downstream[name] if (name, d) in self.streaming_edges]
+
+    def streams_from(self, name: str) -> str | None:
+        """The upstream stage of `name`'s streaming input (a stage has at most one), or None."""
+        ups = self.upstream[name]
+        return ups[0] if ups and (ups[0], name) in self.streaming_edges else None
+
+    def needs_rows(self, name: str) -> bool:
+        """Whether stage `name`'s input processor reads its upstream's per-token rows."""
+        return self._processor(name).needs_hidden_states is not False
+
     def is_final(self, name: str) -> bool:
         return self.stages[name].final_output is not None
 
@@ -148,7 +175,8 @@ class StageGraph:
         lines = []
         for n in self.order:
             s = self.stages[n]
-            src = ", ".join(self.upstream[n]) if self.upstream[n] else "<prompt>"
+            src = ", ".join(u + (" (streaming)" if (u, n) in self.streaming_edges else "")
+                            for u in self.upstream[n]) if self.upstream[n] else "<prompt>"
             proc = f" via {s.input_processor or 'passthrough_tokens'}" if self.upstream[n] else ""
             final = f"  final_output={s.final_output}" if s.final_output else ""
             lines.append(

@@ -12,6 +12,7 @@ from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import StageEvent
 from omni.pipeline.stage_worker import StageWorker
+from omni.pipeline.streaming import StreamTarget
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +31,17 @@ class LocalBackend:
             for name in self.graph.order:
                 stage = self.graph.stages[name]
                 self.workers[name] = StageWorker(stage, make_engine(stage, engine_factory),
-                                                 emit_hidden_states=self.graph.emits_hidden_states(name))
+                                                 emit_hidden_states=self.graph.emits_hidden_states(name),
+                                                 chunk_timeout_s=config.runtime.stream_chunk_timeout_s)
         except BaseException:
             self.close()
             raise
 
     def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
-               keep_hidden: bool) -> None:
-        self.workers[stage].submit(request, upstream, sampling, keep_hidden)
+               keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
+               stream_out: bool = False) -> None:
+        self.workers[stage].submit(request, upstream, sampling, keep_hidden, stream_to=stream_to,
+                                   stream_from=stream_from, stream_out=stream_out)
 
     def abort(self, stage: str, request_id: str) -> None:
         # Applied at once, so that the engine forgets the id before it can be reused.
@@ -53,7 +57,11 @@ class LocalBackend:
             for name, worker in self.workers.items():
                 if worker.has_work():
                     busy = True
-                    for full, summary in worker.tick():
+                    result = worker.tick()
+                    for to, rid, seq, chunk in result.chunks:  # stage to stage, in-process
+                        self.workers[to].push_chunk(rid, seq, chunk)
+                    events += [StageEvent(name, d.request_id, None, delta=d) for d in result.deltas]
+                    for full, summary in result.finished:
                         events.append(StageEvent(name, full.request_id, summary, full))
         if not busy:  # nothing to do in-process: do not spin
             time.sleep(min(timeout_s, 0.005))

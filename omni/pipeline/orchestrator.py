@@ -5,6 +5,11 @@
         all of D's inputs finished R?  ──> submit R to D with {input: output handle}
     every stage finished R ──> RequestOutput(outputs of the final stages)
 
+Streaming edges S ~> D: D is submitted together with S (`stream_from=S`); S hands D
+its output chunk by chunk while it runs, stage to stage (the backend carries the
+chunks: in-process, or actor to actor on Ray); the orchestrator only sees both finish.
+A caller that streams also gets every stage's deltas (tokens, text) as they happen.
+
 The orchestrator never looks inside intermediate outputs: a backend hands it
 an opaque *handle* per (stage, request) (the StageOutput itself in-process, an
 ObjectRef on Ray) plus a small *summary* (error, text, tokens; heavy arrays
@@ -17,8 +22,9 @@ stage's scheduler); a finished or aborted id may be reused.
 
 A backend implements:
 
-    submit(stage, request, upstream: dict[str, handle] | None, sampling, keep_hidden) -> None
-    poll(timeout_s) -> list[StageEvent]     # stages that finished a request
+    submit(stage, request, upstream: dict[str, handle] | None, sampling, keep_hidden,
+           stream_to=(StreamTarget...), stream_from=None | stage, stream_out=False) -> None
+    poll(timeout_s) -> list[StageEvent]     # stages that finished a request (or streamed a delta)
     abort(stage, request_id) -> None
     stats() -> dict[str, dict]              # per stage
     close() -> None
@@ -32,25 +38,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from omni.outputs import RequestOutput, StageInput, StageOutput, error_output
+from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.graph import StageGraph
+from omni.pipeline.streaming import StreamTarget, merge_chunks
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class StageEvent:
-    """A stage finished (or failed) a request."""
+    """A stage finished (or failed) a request, or reported a delta of a streamed one."""
 
     stage: str
     request_id: str
-    summary: StageOutput  # error set when the stage failed the request
+    summary: StageOutput | None  # error set when the stage failed the request; None for a delta
     handle: Any = None  # what downstream stages get (backend-specific)
+    delta: StageDelta | None = None
 
 
 class Backend(Protocol):
     def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None,
-               sampling: Any, keep_hidden: bool) -> None: ...
+               sampling: Any, keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (),
+               stream_from: str | None = None, stream_out: bool = False) -> None: ...
     def poll(self, timeout_s: float) -> list[StageEvent]: ...
     def abort(self, stage: str, request_id: str) -> None: ...
     def stats(self) -> dict[str, dict[str, Any]]: ...
@@ -108,18 +117,23 @@ class Orchestrator:
         return rid
 
     def _submit(self, st: _Req, stage: str, upstream: dict[str, Any] | None) -> bool:
-        """Hand the request to `stage`; False when that failed (the request is then failed)."""
+        """Hand the request to `stage` (and to the stages it streams into); False when that failed
+        (the request is then failed)."""
+        g = self.graph
+        targets = tuple(StreamTarget(d, edge.chunk_tokens, g.needs_rows(d)) for d, edge in g.streams_to(stage))
         st.submitted.add(stage)
         self._stage_counts[stage]["submitted"] += 1
         try:
-            self.backend.submit(stage, st.request, upstream, st.sampling.get(stage), st.keep_hidden)
+            self.backend.submit(stage, st.request, upstream, st.sampling.get(stage), st.keep_hidden,
+                                stream_to=targets, stream_from=g.streams_from(stage), stream_out=st.stream)
         except Exception as e:  # noqa: BLE001 - e.g. the backend lost its connection
             logger.exception("submitting request %s to stage %s failed", st.request.request_id, stage)
             st.finished.add(stage)
             self._fail(st.request.request_id, st, stage,
                        f"stage {stage!r} failed: could not submit the request: {type(e).__name__}: {e}")
             return False
-        return True
+        # A streaming consumer starts with its producer, waiting for the first chunk.
+        return all(self._submit(st, t.stage, None) for t in targets)
 
     def abort(self, request_id: str) -> bool:
         """Abort on every stage; the request finishes with an "aborted" error. False if unknown."""
@@ -157,6 +171,10 @@ class Orchestrator:
         st = self._reqs.get(ev.request_id)
         if st is None or ev.stage not in st.submitted or ev.stage in st.finished:
             return  # aborted, failed or timed out meanwhile
+        if ev.delta is not None:
+            if st.stream:
+                self._push_event(ev.request_id, ev.delta)
+            return
         st.finished.add(ev.stage)
         counts = self._stage_counts[ev.stage]
         counts["completed"] += 1
@@ -169,7 +187,7 @@ class Orchestrator:
         if self.graph.is_final(ev.stage):
             st.outputs[ev.stage] = out
             if st.stream:
-                self._events[ev.request_id].append(out)
+                self._push_event(ev.request_id, out)
         st.handles[ev.stage] = ev.handle
         for d in self.graph.downstream[ev.stage]:
             ups = self.graph.upstream[d]
@@ -185,6 +203,18 @@ class Orchestrator:
             self._counts["finished"] += 1
             outputs = {n: st.outputs[n] for n in self.graph.final_stages}
             self._results[ev.request_id] = RequestOutput(ev.request_id, _prompt_of(st.request), outputs)
+
+    def _push_event(self, rid: str, item: StageDelta | StageOutput) -> None:
+        """Queue an item for the caller. Deltas of one stage that the caller has not taken yet are
+        merged: a slow consumer holds at most one pending delta per stage, not a growing list."""
+        events = self._events[rid]
+        if isinstance(item, StageDelta):
+            for i in range(len(events) - 1, -1, -1):
+                prev = events[i]
+                if isinstance(prev, StageDelta) and prev.stage == item.stage:
+                    events[i] = merge_chunks(prev, item)  # per stage the order is kept
+                    return
+        events.append(item)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -216,7 +246,7 @@ class Orchestrator:
                 self._events.pop(request_id, None)
             return out
 
-    def pop_events(self, request_id: str) -> list[StageOutput]:
+    def pop_events(self, request_id: str) -> list[StageDelta | StageOutput]:
         with self._lock:
             evs = self._events.get(request_id)
             if not evs:

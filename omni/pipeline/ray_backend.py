@@ -7,9 +7,14 @@
     submit(talker, {thinker: output ref}) ──────────────────────> await output ref (actor-to-actor)
                                                                   processor -> queue -> step loop
 
-Each `submit` returns two ObjectRefs: a small *summary* the driver waits on
-(errors, text, token ids; arrays only for final stages) and the full output,
-which the driver only forwards, so hidden states never pass through it.
+Each `submit` is a Ray streaming generator: it yields the request's deltas (tokens,
+text: only when the caller streams), then a small *summary* the driver reads
+(errors, text, token ids; arrays only for final stages), then the full output,
+whose ObjectRef the driver only forwards, so hidden states never pass through it.
+
+Streaming edges go actor to actor: a stage actor holds the handles of the stages
+it streams into and pushes each chunk (numpy rows in Ray's object store) to them
+in order, tagged with a sequence number; the driver never sees a chunk.
 
 Inside the actor a background asyncio task steps the engine while there is
 work; each step runs in a one-thread executor so the event loop keeps
@@ -44,8 +49,10 @@ from omni.errors import ConfigError, StageStartError
 from omni.outputs import StageInput, StageOutput, error_output
 from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
+from omni.outputs import StageDelta
 from omni.pipeline.orchestrator import StageEvent
-from omni.pipeline.stage_worker import StageWorker
+from omni.pipeline.stage_worker import StageWorker, TickResult
+from omni.pipeline.streaming import StreamTarget
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +84,23 @@ class _Submission:
     upstream: dict[str, Any] | None
     sampling: Any
     keep_hidden: bool
+    stream_to: tuple[StreamTarget, ...] = ()
+    stream_from: str | None = None
+    stream_out: bool = False
 
 
 class StageActor:
     """The body of a stage actor (wrapped with ray.remote by RayBackend)."""
 
     def __init__(self, stage: StageConfig, emit_hidden_states: bool, registry_snapshot: dict[str, Any],
-                 engine_factory: EngineFactory | None):
+                 engine_factory: EngineFactory | None, peers: dict[str, Any] | None = None,
+                 chunk_timeout_s: float = 60.0):
         self.name = stage.name
+        # Stages this one streams into: stage -> actor name, looked up on first use (a name
+        # survives restarts on either side; a handle in the constructor arguments would pin
+        # them in the object store).
+        self.peers: dict[str, str] = dict(peers or {})
+        self._peer_handles: dict[str, Any] = {}
         self.worker: StageWorker | None = None
         # A start failure is kept and raised by ready(): the driver gets the exception itself
         # (RayTaskError.cause) instead of a dead actor, and Ray does not restart an actor
@@ -93,7 +109,7 @@ class StageActor:
         try:
             registry.restore(registry_snapshot)  # registrations made in the driver
             self.worker = StageWorker(stage, make_engine(stage, engine_factory),
-                                      emit_hidden_states=emit_hidden_states)
+                                      emit_hidden_states=emit_hidden_states, chunk_timeout_s=chunk_timeout_s)
         except StageStartError as e:
             self._start_error = e
         except Exception as e:  # noqa: BLE001 - e.g. the input processor does not resolve
@@ -102,6 +118,7 @@ class StageActor:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}")
         # The reply slot of each submit() call in flight (the worker holds the request itself).
         self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}
+        self._deltas: dict[str, asyncio.Queue[StageDelta]] = {}  # requests whose caller streams
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -130,27 +147,55 @@ class StageActor:
         loop = asyncio.get_running_loop()
         assert self._wake is not None and self.worker is not None
         while True:
-            await self._wake.wait()
+            # Sleep until there is work, or until a streamed input's chunk wait runs out.
+            deadline = self.worker.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.01
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
             self._wake.clear()
             while self.worker.has_work():
                 try:
-                    results = await loop.run_in_executor(self._executor, self.worker.tick)
+                    result = await loop.run_in_executor(self._executor, self.worker.tick)
                 except Exception as e:  # noqa: BLE001 - tick handles engine errors; this is a bug
                     logger.exception("stage %s: step loop error", self.name)
-                    results = [(o, o) for o in (error_output(self.name, rid, f"step loop error: {e}")
-                                                for rid in list(self._futures))]
-                for full, summary in results:
-                    self._reply(full.request_id, (full, summary))
+                    result = TickResult([(o, o) for o in (error_output(self.name, rid, f"step loop error: {e}")
+                                                          for rid in list(self._futures))])
+                self._dispatch(result)
 
-    @ray.method(num_returns=2)
+    def _dispatch(self, result: TickResult) -> None:
+        for to, rid, seq, chunk in result.chunks:
+            # Actor to actor, in order (one caller, one handle); fire and forget: a lost
+            # downstream fails its request through its own chunk timeout or the driver.
+            self._peer(to).push_chunk.remote(rid, seq, chunk)
+        for d in result.deltas:
+            q = self._deltas.get(d.request_id)
+            if q is not None:
+                q.put_nowait(d)
+        for full, summary in result.finished:
+            self._reply(full.request_id, (full, summary))
+
+    def _peer(self, stage: str) -> Any:
+        handle = self._peer_handles.get(stage)
+        if handle is None:
+            handle = self._peer_handles[stage] = ray.get_actor(self.peers[stage])
+        return handle
+
+    @ray.method(num_returns="streaming")
     async def submit(self, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
-                     keep_hidden: bool) -> tuple[StageOutput, StageOutput]:
-        """-> (summary for the driver, full output for downstream stages)."""
+                     keep_hidden: bool, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
+                     stream_out: bool = False):
+        """Yields ("delta", StageDelta)... (when the caller streams), ("done", summary for the
+        driver), then the full output (for downstream stages; the driver only forwards its ref)."""
         self._ensure_loop()
         assert self.worker is not None  # the driver only submits to a stage that is ready
         rid = request.request_id
         fut: asyncio.Future[tuple[StageOutput, StageOutput]] = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
+        queue: asyncio.Queue[StageDelta] | None = None
+        if stream_out:
+            queue = self._deltas[rid] = asyncio.Queue()
         outputs = None
         if upstream:
             # Upstream outputs come straight from the upstream actors' object stores.
@@ -161,11 +206,35 @@ class StageActor:
                 out = error_output(self.name, rid, f"upstream output unavailable: {_describe(e)}")
                 self._reply(rid, (out, out), fut)
         if not fut.done():  # not aborted while waiting for the upstream outputs
-            self.worker.submit(request, outputs, sampling, keep_hidden)
+            self.worker.submit(request, outputs, sampling, keep_hidden, stream_to=stream_to,
+                               stream_from=stream_from, stream_out=stream_out)
             assert self._wake is not None
             self._wake.set()
+        try:
+            while queue is not None and not fut.done():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({fut, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield ("delta", getter.result())
+                else:
+                    getter.cancel()
+            while queue is not None and not queue.empty():  # deltas of the step that finished it
+                yield ("delta", queue.get_nowait())
+        finally:
+            if self._deltas.get(rid) is queue:
+                self._deltas.pop(rid, None)
         full, summary = await fut
-        return summary, full
+        yield ("done", summary)
+        yield full
+
+    async def push_chunk(self, request_id: str, seq: int, chunk: StageDelta) -> None:
+        """A chunk of a streaming input, from the upstream stage's actor."""
+        if self.worker is None:
+            return
+        self._ensure_loop()
+        self.worker.push_chunk(request_id, seq, chunk)
+        assert self._wake is not None
+        self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         self._ensure_loop()
@@ -224,7 +293,7 @@ class RayBackend:
                     f"stage {s.name!r}: device: 'cuda' needs resources.num_gpus > 0 on Ray "
                     "(Ray hides the GPUs from actors that reserve none); set resources.num_gpus, e.g. 1 or 0.5")
         self.actors: dict[str, Any] = {}
-        self._pending: dict[Any, tuple[_Submission, Any]] = {}  # summary ref -> (submission, output ref)
+        self._pending: dict[Any, _Submission] = {}  # the submit() generator of each request in flight
         self._gates: dict[str, tuple[Any, float]] = {}  # stage -> (ready ref, deadline) while restarting
         self._deferred: dict[str, list[_Submission]] = {}  # stage -> submissions waiting for its gate
         self._dead: dict[str, str] = {}  # stage -> why it will not come back
@@ -235,7 +304,8 @@ class RayBackend:
         try:
             snap = registry.snapshot()
             tag = uuid.uuid4().hex[:8]
-            for name in self.graph.order:
+            # Consumers first: a stage that streams into others is given their handles.
+            for name in reversed(self.graph.order):
                 s = self.graph.stages[name]
                 cls = ray.remote(StageActor).options(
                     name=f"omni.{config.name}.{name}.{tag}",
@@ -245,7 +315,9 @@ class RayBackend:
                     max_restarts=s.max_restarts,
                     max_task_retries=0,
                 )
-                self.actors[name] = cls.remote(s, self.graph.emits_hidden_states(name), snap, engine_factory)
+                peers = {d: f"omni.{config.name}.{d}.{tag}" for d, _ in self.graph.streams_to(name)}
+                self.actors[name] = cls.remote(s, self.graph.emits_hidden_states(name), snap, engine_factory,
+                                               peers, config.runtime.stream_chunk_timeout_s)
             self._wait_ready(config.runtime.stage_start_timeout_s)
         except BaseException:
             self.close()
@@ -280,8 +352,10 @@ class RayBackend:
     # applies). A gate that fails for good marks the stage dead: its requests then
     # fail at once with a clear error instead of hanging.
     def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
-               keep_hidden: bool) -> None:
-        args = _Submission(stage, request, upstream, sampling, keep_hidden)
+               keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
+               stream_out: bool = False) -> None:
+        args = _Submission(stage, request, upstream, sampling, keep_hidden, tuple(stream_to), stream_from,
+                           stream_out)
         with self._lock:
             if stage in self._dead:
                 self._events.append(StageEvent(stage, request.request_id, error_output(
@@ -292,9 +366,9 @@ class RayBackend:
                 self._send(args)
 
     def _send(self, a: "_Submission") -> None:
-        summary_ref, output_ref = self.actors[a.stage].submit.remote(a.request, a.upstream, a.sampling,
-                                                                     a.keep_hidden)
-        self._pending[summary_ref] = (a, output_ref)
+        gen = self.actors[a.stage].submit.remote(a.request, a.upstream, a.sampling, a.keep_hidden,
+                                                 a.stream_to, a.stream_from, a.stream_out)
+        self._pending[gen] = a
 
     def _gate(self, stage: str) -> None:
         if stage not in self._gates and stage not in self._dead:
@@ -304,9 +378,9 @@ class RayBackend:
 
     def abort(self, stage: str, request_id: str) -> None:
         with self._lock:
-            for ref, (a, _) in list(self._pending.items()):
+            for gen, a in list(self._pending.items()):
                 if a.stage == stage and a.request.request_id == request_id:
-                    del self._pending[ref]
+                    del self._pending[gen]
             if stage in self._deferred:
                 self._deferred[stage] = [a for a in self._deferred[stage] if a.request.request_id != request_id]
             if stage in self.actors and stage not in self._dead and stage not in self._gates:
@@ -332,7 +406,7 @@ class RayBackend:
                     if self._gates.get(gate_refs[ref], (None,))[0] == ref:
                         events += self._on_gate(gate_refs[ref], ref)
                 elif ref in self._pending:  # else: aborted, or taken by another thread
-                    events += self._on_result(ref)
+                    events += self._on_items(ref)
             # Gates that ran out of time.
             now = time.monotonic()
             for stage, (_, deadline) in list(self._gates.items()):
@@ -342,11 +416,45 @@ class RayBackend:
                                                          f"{self._start_timeout_s:g}s after it died")
         return events
 
-    def _on_result(self, ref: Any) -> list[StageEvent]:
-        a, output_ref = self._pending.pop(ref)
+    def _on_items(self, gen: Any) -> list[StageEvent]:
+        """Read what a submit() generator has ready: deltas, then at the end (summary, output ref)."""
+        a = self._pending[gen]
+        events: list[StageEvent] = []
+        while gen in self._pending:
+            try:
+                ref = next(gen)
+            except StopIteration:  # ended without its summary: the actor was killed mid-reply
+                del self._pending[gen]
+                events.append(self._on_summary(a, None, None))
+                break
+            try:
+                item = ray.get(ref, timeout=_GET_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - RayError of all kinds: the request is lost on the stage
+                del self._pending[gen]
+                events.append(self._on_summary(a, e, None))
+                break
+            if item[0] == "delta":
+                events.append(StageEvent(a.stage, a.request.request_id, None, delta=item[1]))
+                ready, _ = ray.wait([gen], timeout=0)
+                if not ready:
+                    break
+                continue
+            del self._pending[gen]
+            try:  # the full output follows its summary at once; the driver only forwards its ref
+                output_ref = next(gen)
+            except Exception as e:  # noqa: BLE001
+                events.append(self._on_summary(a, e, None))
+                break
+            events.append(StageEvent(a.stage, a.request.request_id, item[1], output_ref))
+        return events
+
+    def _on_summary(self, a: "_Submission", error: BaseException | None, output_ref: Any) -> StageEvent:
+        """The event of a request whose generator failed (`error`) or stopped early (None)."""
         rid = a.request.request_id
         try:
-            summary = ray.get(ref, timeout=_GET_TIMEOUT_S)
+            if error is not None:
+                raise error
+            summary = error_output(a.stage, rid, "the stage's Ray actor stopped replying (killed?)")
         except RayActorError as e:
             # ActorDiedError, or ActorUnavailableError ("may or may not have been executed": in flight when
             # the actor died, or sent while it restarted). Either way this request is lost on the stage and
@@ -360,7 +468,9 @@ class RayBackend:
             summary = error_output(a.stage, rid, f"stage task failed: {_describe(e)}")
         except RayError as e:
             summary = error_output(a.stage, rid, _describe(e))
-        return [StageEvent(a.stage, rid, summary, output_ref)]
+        except Exception as e:  # noqa: BLE001 - e.g. a reply that does not unpickle
+            summary = error_output(a.stage, rid, f"bad reply from the stage: {_describe(e)}")
+        return StageEvent(a.stage, rid, summary, output_ref)
 
     def _on_gate(self, stage: str, ref: Any) -> list[StageEvent]:
         _, deadline = self._gates.pop(stage)

@@ -4,9 +4,15 @@ The local backend runs one worker per stage in-process; the Ray backend runs one
 each stage actor. The worker is where an edge's input processor runs: on the
 downstream side, on the upstream outputs it was handed.
 
-    submit()/abort()  only queue (thread-safe: the Ray actor calls them from its event loop)
-    tick()            applies the queue to the engine, runs one engine step, returns the
-                      requests that finished: [(full output, summary for the driver)]
+    submit()/abort()/push_chunk()
+                      only queue (thread-safe: the Ray actor calls them from its event loop)
+    tick()            applies the queue to the engine, runs one engine step -> TickResult:
+                      the requests that finished [(full output, summary for the driver)], the
+                      chunks due on streaming edges, and the caller's deltas
+
+Streaming edges (streaming.py): a request submitted with `stream_from` waits here (not in the
+engine) for its first chunk, then grows chunk by chunk; one submitted with `stream_to` yields
+chunks for its consumers as it runs.
 
 Engine calls happen in tick() alone, so one thread at a time touches the engine. A
 request is in flight here from its add until the engine step that finishes it (its id
@@ -16,14 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from omni import registry
 from omni.config import StageConfig
 from omni.engine.interface import Engine
 from omni.errors import OmniError
-from omni.outputs import StageInput, StageOutput, error_output
+from omni.outputs import StageDelta, StageInput, StageOutput, error_output
+from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,11 @@ def passthrough_tokens(upstream: dict[str, StageOutput], request: StageInput) ->
     for out in upstream.values():
         ids.extend(out.token_ids)
     return StageInput(request.request_id, prompt_token_ids=ids, cache_salt=request.cache_salt)
+
+
+def passthrough_tokens_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput:
+    """passthrough_tokens on a streaming edge: the tokens generated since the last chunk."""
+    return StageInput(request.request_id, prompt_token_ids=list(chunk.token_ids), cache_salt=request.cache_salt)
 
 
 def build_stage_input(processor: Any, request: StageInput, upstream: dict[str, StageOutput] | None,
@@ -65,12 +79,21 @@ def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> 
 
 
 # ------------------------------------------------------------------ worker
+@dataclass(slots=True)
+class TickResult:
+    finished: list[tuple[StageOutput, StageOutput]] = field(default_factory=list)  # (full, summary)
+    chunks: list[tuple[str, str, int, StageDelta]] = field(default_factory=list)  # (to stage, rid, seq, chunk)
+    deltas: list[StageDelta] = field(default_factory=list)  # for callers that stream
+
+
 class StageWorker:
     """One stage's engine + input processor + in-flight bookkeeping."""
 
-    def __init__(self, stage: StageConfig, engine: Engine, *, emit_hidden_states: bool = True):
+    def __init__(self, stage: StageConfig, engine: Engine, *, emit_hidden_states: bool = True,
+                 chunk_timeout_s: float = 60.0):
         """`emit_hidden_states`: every request hands its per-token rows out (a downstream stage reads
-        them, see StageGraph.emits_hidden_states); otherwise only requests whose caller asks."""
+        them, see StageGraph.emits_hidden_states); otherwise only requests whose caller asks.
+        `chunk_timeout_s`: longest wait for a chunk on a streaming input."""
         self.stage = stage
         self.name = stage.name
         self.engine = engine
@@ -79,16 +102,34 @@ class StageWorker:
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._in_flight: dict[str, bool] = {}  # request id -> the caller wants its rows back
         self._ready: list[tuple[StageOutput, StageOutput]] = []
+        self.chunk_timeout_s = chunk_timeout_s
+        self._chunk_fn = (registry.resolve_incremental_processor(stage.input_processor or "passthrough_tokens")
+                          if any(e.stream for e in stage.input_edges) else None)
+        self._incoming: dict[str, Incoming] = {}  # waiting for (more) chunks
+        self._outgoing: dict[str, Outgoing] = {}  # feeding streaming consumers
+        self._stream_out: set[str] = set()  # the caller wants deltas
 
     def submit(self, request: StageInput, upstream: dict[str, StageOutput] | None, sampling: Any,
-               keep_hidden: bool) -> None:
-        self._inbox.append(("add", request, upstream, sampling, keep_hidden))
+               keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
+               stream_out: bool = False) -> None:
+        """Queue a request. `stream_to`: consumers fed chunk by chunk while it runs; `stream_from`: its
+        input arrives in chunks from that stage (push_chunk); `stream_out`: report deltas to the caller."""
+        self._inbox.append(("add", request, upstream, sampling, keep_hidden, tuple(stream_to), stream_from,
+                            stream_out))
 
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
 
+    def push_chunk(self, request_id: str, seq: int, chunk: StageDelta) -> None:
+        self._inbox.append(("chunk", request_id, seq, chunk))
+
     def has_work(self) -> bool:
-        return bool(self._inbox) or bool(self._ready) or self.engine.has_unfinished()
+        return (bool(self._inbox) or bool(self._ready) or self.engine.has_unfinished()
+                or any(inc.expired(time.monotonic()) for inc in self._incoming.values()))
+
+    def next_deadline(self) -> float | None:
+        """When a chunk wait runs out next (monotonic), or None: the step loop wakes up then."""
+        return min((inc.deadline for inc in self._incoming.values()), default=None)
 
     def _done(self, out: StageOutput, keep_hidden: bool) -> None:
         self._ready.append((out, summarize(out, self.stage.final_output, keep_hidden)))
@@ -97,33 +138,108 @@ class StageWorker:
         self._done(error_output(self.name, rid, error), False)
 
     def drain(self) -> None:
+        touched: set[str] = set()
         while self._inbox:
             item = self._inbox.popleft()
             if item[0] == "abort":
                 # No output: whoever aborts has already finished the request on its side.
-                if self._in_flight.pop(item[1], None) is not None:
-                    self.engine.abort(item[1])
+                rid = item[1]
+                self._incoming.pop(rid, None)
+                self._outgoing.pop(rid, None)
+                self._stream_out.discard(rid)
+                if self._in_flight.pop(rid, None) is not None:
+                    self.engine.abort(rid)
                 continue
-            _, request, upstream, sampling, keep_hidden = item
+            if item[0] == "chunk":
+                inc = self._incoming.get(item[1])
+                if inc is not None:  # else: aborted or failed meanwhile
+                    inc.receive(item[2], item[3])
+                    touched.add(item[1])
+                continue
+            _, request, upstream, sampling, keep_hidden, stream_to, stream_from, stream_out = item
             rid = request.request_id
+            if stream_out:
+                self._stream_out.add(rid)
+            if stream_to:
+                self._outgoing[rid] = Outgoing(self.name, rid, list(stream_to))
+            if stream_from is not None:
+                self._incoming[rid] = Incoming(stream_from, request, sampling, keep_hidden, stream_out,
+                                               self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s)
+                self._in_flight[rid] = keep_hidden
+                continue
             try:
                 inp = build_stage_input(self.processor, request, upstream, sampling)
-                inp.return_hidden_states = keep_hidden or self.emit_hidden_states
             except Exception as e:  # noqa: BLE001 - a bad request must not take the stage down
                 logger.exception("stage %s: input processor failed for %s", self.name, rid)
                 self._fail(rid, f"input processor {self.stage.input_processor or 'passthrough_tokens'!r} "
                                 f"failed: {type(e).__name__}: {e}")
                 continue
-            try:
-                self.engine.add_request(inp)
-            except Exception as e:  # noqa: BLE001
-                self._fail(rid, f"invalid request: {type(e).__name__}: {e}")
-                continue
-            self._in_flight[rid] = keep_hidden
+            self._admit(rid, inp, keep_hidden)
+        for rid in touched:
+            self._apply_chunks(rid)
 
-    def tick(self) -> list[tuple[StageOutput, StageOutput]]:
-        """Apply queued adds/aborts, run one engine step; return the requests that finished."""
+    def _admit(self, rid: str, inp: StageInput, keep_hidden: bool) -> bool:
+        out = self._outgoing.get(rid)
+        inp.return_hidden_states = keep_hidden or self.emit_hidden_states or bool(out and out.needs_rows)
+        inp.stream = rid in self._stream_out or out is not None
+        try:
+            self.engine.add_request(inp)
+        except Exception as e:  # noqa: BLE001
+            self._drop_streams(rid)
+            self._fail(rid, f"invalid request: {type(e).__name__}: {e}")
+            return False
+        self._in_flight[rid] = keep_hidden
+        return True
+
+    def _apply_chunks(self, rid: str) -> None:
+        """Hand a streamed request's chunks that arrived in order to the engine."""
+        inc = self._incoming.get(rid)
+        chunk = inc.take() if inc is not None else None
+        if chunk is None:
+            return
+        name = self.stage.input_processor or "passthrough_tokens"
+        try:
+            part = self._chunk_fn(chunk, inc.request, inc.state)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("stage %s: input processor failed on a chunk of %s", self.name, rid)
+            self._stream_failed(rid, inc, f"input processor {name!r} failed on a chunk from stage "
+                                          f"{inc.upstream!r}: {type(e).__name__}: {e}")
+            return
+        if chunk.finished:
+            del self._incoming[rid]
+        if not inc.started:
+            inp = build_stage_input(None, part, None, inc.sampling)
+            inp.input_complete = chunk.finished
+            inc.started = True
+            del self._in_flight[rid]
+            self._admit(rid, inp, inc.keep_hidden)
+            return
+        try:
+            self.engine.extend_request(rid, list(part.prompt_token_ids or []), part.prompt_embeds,
+                                       last=chunk.finished)
+        except Exception as e:  # noqa: BLE001
+            self._stream_failed(rid, inc, f"a chunk from stage {inc.upstream!r} was refused: {type(e).__name__}: {e}")
+
+    def _stream_failed(self, rid: str, inc: Incoming, error: str) -> None:
+        self._incoming.pop(rid, None)
+        if inc.started:
+            self.engine.abort(rid)
+        self._in_flight.pop(rid, None)
+        self._drop_streams(rid)
+        self._fail(rid, error)
+
+    def _drop_streams(self, rid: str) -> None:
+        self._outgoing.pop(rid, None)
+        self._stream_out.discard(rid)
+
+    def tick(self) -> TickResult:
+        """Apply queued adds/aborts/chunks, run one engine step; return what came of it."""
         self.drain()
+        result = TickResult()
+        now = time.monotonic()
+        for rid, inc in list(self._incoming.items()):
+            if inc.expired(now):
+                self._stream_failed(rid, inc, inc.timeout_error(self.name))
         if self.engine.has_unfinished():
             try:
                 step = self.engine.step()
@@ -131,19 +247,45 @@ class StageWorker:
                 logger.exception("stage %s: engine step failed", self.name)
                 for rid in list(self._in_flight):
                     del self._in_flight[rid]
+                    self._incoming.pop(rid, None)
+                    self._drop_streams(rid)
                     try:
                         self.engine.abort(rid)
                     except Exception:  # noqa: BLE001
                         logger.exception("stage %s: abort of %s failed", self.name, rid)
                     self._fail(rid, f"engine step failed: {type(e).__name__}: {e}")
             else:
+                self._streamed(step.deltas, result)
                 # step.aborted reports our own aborts: those entries are gone already.
                 for out in step.finished:
                     keep = self._in_flight.pop(out.request_id, None)
                     if keep is not None:
+                        outgoing = self._outgoing.pop(out.request_id, None)
+                        if outgoing is not None and out.ok:
+                            result.chunks += [(to, out.request_id, seq, c) for to, seq, c in outgoing.on_finished(out)]
+                        self._stream_out.discard(out.request_id)
                         self._done(out, keep)
-        ready, self._ready = self._ready, []
-        return ready
+        result.finished, self._ready = self._ready, []
+        return result
+
+    def _streamed(self, deltas: list[StageDelta], result: TickResult) -> None:
+        for d in deltas:
+            rid = d.request_id
+            if rid in self._stream_out:
+                result.deltas.append(d)
+            outgoing = self._outgoing.get(rid)
+            if outgoing is None:
+                continue
+            try:
+                due = outgoing.on_delta(d, lambda a, b, rid=rid: self.engine.read_rows(rid, a, b))
+            except Exception as e:  # noqa: BLE001 - e.g. rows that cannot be read: fail this request only
+                logger.exception("stage %s: streaming %s failed", self.name, rid)
+                self._in_flight.pop(rid, None)
+                self._drop_streams(rid)
+                self.engine.abort(rid)
+                self._fail(rid, f"streaming its output failed: {type(e).__name__}: {e}")
+                continue
+            result.chunks += [(to, rid, seq, c) for to, seq, c in due]
 
     def stats(self) -> dict[str, Any]:
         try:
@@ -152,6 +294,7 @@ class StageWorker:
             s = {"error": f"{type(e).__name__}: {e}"}
         s["queued"] = len(self._inbox)
         s["in_flight"] = len(self._in_flight)
+        s["waiting_for_chunks"] = len(self._incoming)
         return s
 
     def close(self) -> None:

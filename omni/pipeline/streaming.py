@@ -1,0 +1,143 @@
+"""Streaming edges, as one stage worker sees them: chunks out of an upstream request, chunks into
+a downstream one.
+
+    upstream worker (thinker)                          downstream worker (talker)
+    engine deltas ──> Outgoing ──chunk(seq 0)──┐       Incoming: waits for chunk 0 (timeout)
+                                 chunk(seq 1)──┼──>    chunk 0 -> processor chunk form -> add_request(input_complete=False)
+    finished output ─> last chunk(finished) ───┘       chunk k -> extend_request(..., last=chunk.finished)
+
+A chunk is a StageDelta: the upstream tokens generated since the previous chunk and, when the
+downstream processor reads rows, the rows of the tokens computed since then, so that over all
+chunks the downstream prompt is exactly what the non-streaming edge would have built. Chunks
+carry a sequence number; a downstream applies them in order and merges those that wait (a slow
+stage holds at most one merged chunk per request, never a growing queue). Every wait for a chunk
+has a deadline (runtime.stream_chunk_timeout_s).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from omni.outputs import StageDelta, StageInput, StageOutput
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTarget:
+    """A downstream stage fed by one stage over a streaming edge."""
+
+    stage: str
+    chunk_tokens: int
+    needs_rows: bool  # its input processor reads the upstream's per-token rows
+
+
+@dataclass(slots=True)
+class _TargetProgress:
+    target: StreamTarget
+    tokens_sent: int = 0
+    rows_sent: int = 0
+    seq: int = 0
+
+
+class Outgoing:
+    """One upstream request's chunks for its streaming consumers."""
+
+    def __init__(self, stage: str, request_id: str, targets: list[StreamTarget]):
+        self.stage = stage
+        self.request_id = request_id
+        self.progress = [_TargetProgress(t) for t in targets]
+        self.tokens: list[int] = []  # generated so far
+
+    @property
+    def needs_rows(self) -> bool:
+        return any(p.target.needs_rows for p in self.progress)
+
+    def on_delta(self, delta: StageDelta, read_rows: Callable[[int, int], dict[str, np.ndarray]]
+                 ) -> list[tuple[str, int, StageDelta]]:
+        """Chunks due after one step of the running request: (target stage, seq, chunk)."""
+        self.tokens.extend(delta.token_ids)
+        if delta.finished:
+            return []  # the finished output carries the rest (on_finished)
+        out = []
+        for p in self.progress:
+            avail = delta.num_computed_tokens - p.rows_sent if p.target.needs_rows else len(self.tokens) - p.tokens_sent
+            if avail >= p.target.chunk_tokens:
+                rows = read_rows(p.rows_sent, delta.num_computed_tokens) if p.target.needs_rows else {}
+                out.append(self._emit(p, self.tokens[p.tokens_sent:], rows, delta.num_computed_tokens, False))
+        return out
+
+    def on_finished(self, full: StageOutput) -> list[tuple[str, int, StageDelta]]:
+        """The last chunk of every consumer, from the request's complete output."""
+        out = []
+        for p in self.progress:
+            rows: dict[str, np.ndarray] = {}
+            end = p.rows_sent
+            if p.target.needs_rows:
+                per_token = dict(full.mm_outputs)
+                if full.hidden_states is not None:
+                    per_token["hidden_states"] = full.hidden_states
+                end = max((v.shape[0] for v in per_token.values()), default=p.rows_sent)
+                rows = {k: v[p.rows_sent:] for k, v in per_token.items()}
+            out.append(self._emit(p, list(full.token_ids[p.tokens_sent:]), rows, end, True))
+        return out
+
+    def _emit(self, p: _TargetProgress, tokens: list[int], rows: dict[str, np.ndarray], rows_end: int,
+              finished: bool) -> tuple[str, int, StageDelta]:
+        chunk = StageDelta(self.request_id, self.stage, token_ids=list(tokens), finished=finished,
+                           num_computed_tokens=rows_end, rows=rows, rows_start=p.rows_sent)
+        p.tokens_sent += len(tokens)
+        p.rows_sent = rows_end if p.target.needs_rows else p.rows_sent
+        p.seq += 1
+        return p.target.stage, p.seq - 1, chunk
+
+
+def merge_chunks(a: StageDelta, b: StageDelta) -> StageDelta:
+    """Two consecutive chunks of one request as one (b follows a)."""
+    rows = {k: np.concatenate([a.rows[k], b.rows[k]]) if k in a.rows else b.rows[k] for k in b.rows}
+    for k in a.rows:
+        rows.setdefault(k, a.rows[k])
+    return StageDelta(a.request_id, a.stage, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+                      num_prompt_tokens=b.num_prompt_tokens, num_computed_tokens=b.num_computed_tokens,
+                      finished=b.finished, rows=rows, rows_start=a.rows_start)
+
+
+@dataclass(slots=True)
+class Incoming:
+    """One downstream request fed over a streaming edge, until its last chunk is applied."""
+
+    upstream: str
+    request: StageInput
+    sampling: Any
+    keep_hidden: bool
+    stream_out: bool
+    timeout_s: float
+    deadline: float
+    state: dict[str, Any] = field(default_factory=dict)  # the processor's, across chunks
+    next_seq: int = 0
+    waiting: dict[int, StageDelta] = field(default_factory=dict)  # arrived early (seq > next_seq)
+    ready: StageDelta | None = None  # in order, merged, not yet applied
+    started: bool = False  # admitted into the engine
+
+    def receive(self, seq: int, chunk: StageDelta) -> None:
+        if seq < self.next_seq:
+            return  # a duplicate
+        self.waiting[seq] = chunk
+        while self.next_seq in self.waiting:
+            c = self.waiting.pop(self.next_seq)
+            self.ready = c if self.ready is None else merge_chunks(self.ready, c)
+            self.next_seq += 1
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def take(self) -> StageDelta | None:
+        chunk, self.ready = self.ready, None
+        return chunk
+
+    def expired(self, now: float) -> bool:
+        return self.ready is None and now >= self.deadline
+
+    def timeout_error(self, stage: str) -> str:
+        what = "the next chunk" if self.started else "the first chunk"
+        return (f"stage {stage!r}: {what} on the streaming edge {self.upstream} -> {stage} did not arrive "
+                f"within {self.timeout_s:g}s (runtime.stream_chunk_timeout_s)")
