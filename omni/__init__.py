@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Omni": "omni.api",
+    "AsyncOmni": "omni.async_api",
+    "StageDelta": "omni.outputs",
     "SamplingParams": "omni.engine.sampling_params",
     "StageInput": "omni.outputs",
     "StageOutput": "omni.outputs",
@@ -32,7 +34,7 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "BackendClosedError", "ConfigError", "MultiModalInput", "Omni", "OmniError", "PipelineConfig",
+    "AsyncOmni", "StageDelta", "BackendClosedError", "ConfigError", "MultiModalInput", "Omni", "OmniError", "PipelineConfig",
     "RequestOutput", "SamplingParams", "StageConfig", "StageError", "StageInput", "StageOutput",
     "StageStartError", "load_config",
 ]
@@ -40,10 +42,11 @@ assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from omni.api import Omni
+    from omni.async_api import AsyncOmni
     from omni.config import PipelineConfig, StageConfig, load_config
     from omni.engine.sampling_params import SamplingParams
     from omni.errors import BackendClosedError, ConfigError, OmniError, StageError, StageStartError
-    from omni.outputs import MultiModalInput, RequestOutput, StageInput, StageOutput
+    from omni.outputs import MultiModalInput, RequestOutput, StageDelta, StageInput, StageOutput
 
 
 def __getattr__(name: str) -> Any:

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, help="max_tokens for every stage (overrides the config)")
     run.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
     run.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    run.add_argument("--stream", action="store_true",
+                     help="print each stage's text as it is generated (stderr when --json)")
 
     val = sub.add_parser("validate", help="validate a pipeline config and print its graph")
     _config_args(val)
@@ -170,6 +172,43 @@ def _write_outputs(out_dir: Path, results: list[dict[str, Any]], outputs: list[A
                 np.save(stem.with_suffix(".npy"), np.asarray(so.hidden_states))
 
 
+def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any) -> list[Any]:
+    """Stream every prompt, printing text deltas as they arrive; the RequestOutputs, in prompt order.
+
+    One prompt: each stage's text is written as it grows. Several: one line per delta,
+    prefixed "[i stage]" (they interleave as the requests run concurrently)."""
+    from omni.outputs import RequestOutput, StageDelta
+
+    order: list[str] = []
+    results: dict[str, RequestOutput] = {}
+    current: tuple[str, str] | None = None
+    for ev in omni.stream(prompts, sampling):
+        rid = ev.request_id
+        if rid not in results:
+            order.append(rid)
+            results[rid] = RequestOutput(rid, prompts[len(order) - 1] if len(order) <= len(prompts) else None)
+        i = order.index(rid)
+        if isinstance(ev, StageDelta):
+            if not ev.text:
+                continue
+            if len(prompts) == 1:
+                if current != (rid, ev.stage):
+                    out.write(("\n" if current else "") + f"{ev.stage}: ")
+                    current = (rid, ev.stage)
+                out.write(ev.text)
+            else:
+                out.write(f"[{i} {ev.stage}] {ev.text!r}\n")
+            out.flush()
+            continue
+        if ev.error:
+            results[rid].error = ev.error
+        else:
+            results[rid].outputs[ev.stage] = ev
+    if current:
+        out.write("\n")
+    return [results[r] for r in order]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from omni.api import Omni
     from omni.config import load_config
@@ -187,7 +226,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling = {s.name: {"max_tokens": args.max_tokens} for s in cfg.stages}
     try:
         with Omni(cfg, backend=args.backend) as omni:
-            outputs = omni.generate(prompts, sampling, use_tqdm=not args.json)
+            if args.stream:
+                outputs = _run_streaming(omni, prompts, sampling, sys.stderr if args.json else sys.stdout)
+            else:
+                outputs = omni.generate(prompts, sampling, use_tqdm=not args.json)
             stats = omni.stats()
     except ConfigError as e:
         return _error(str(e))

@@ -111,11 +111,11 @@ class InputEdge(_Model):
 
     stage: str = Field(description="The upstream stage.")
     stream: bool = Field(
-        False, description="Stream the upstream's output in while it runs: this stage admits the request on "
+        False, strict=True, description="Stream the upstream's output in while it runs: this stage admits the request on "
         "the first chunk and its prompt grows chunk by chunk (it waits, without holding up its batch, when "
         "it has consumed all it got). Needs an input processor with a chunk form.")
     chunk_tokens: int = Field(
-        16, ge=1, description="On a streaming edge: hand over this many new tokens (or rows) at a time; the "
+        16, ge=1, strict=True, description="On a streaming edge: hand over this many new tokens (or rows) at a time; the "
         "last chunk may be shorter.")
 
 

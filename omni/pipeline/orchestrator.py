@@ -146,6 +146,10 @@ class Orchestrator:
 
     def _fail(self, rid: str, st: _Req, stage: str | None, error: str, kind: str = "error") -> None:
         """Finish `rid` with `error` (kind: error | abort | timeout) and abort it where it still runs."""
+        if stage is not None and kind == "error":
+            cut = [d for d, _ in self.graph.streams_to(stage) if d in st.submitted and d not in st.finished]
+            if cut:  # say which streaming edges lost their producer mid-stream
+                error += "; its streaming edge(s) " + ", ".join(f"{stage} -> {d}" for d in cut) + " were cut off"
         for s in st.submitted - st.finished:
             if s != stage:
                 self.backend.abort(s, rid)

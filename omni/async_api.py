@@ -1,0 +1,197 @@
+"""AsyncOmni: Omni for asyncio code (the OpenAI server builds on it).
+
+    async with AsyncOmni("stage_configs/tiny_chain.yaml") as o:
+        out = await o.generate("Hello", SamplingParams(temperature=0, max_tokens=8))
+        async for item in o.stream("Tell me a story"):     # StageDelta ..., then StageOutput(s)
+            ...
+
+One driver thread per AsyncOmni moves the pipeline (the Orchestrator's `step`, which
+waits on the backend with a timeout) and hands each request's events to the event loop
+that asked for them (`call_soon_threadsafe` into an asyncio.Queue): the caller's
+coroutines only await, nothing polls in them, and any number of requests run
+concurrently. Cancelling a `generate` task, or closing / cancelling a `stream`,
+aborts the request on every stage (their KV blocks are released).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omni.api import Omni
+from omni.config import PipelineConfig
+from omni.errors import BackendClosedError
+from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # the driver thread's sleep while no request is in flight
+
+
+@dataclass(slots=True)
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # items: StageDelta | StageOutput, then the RequestOutput (last)
+    stream: bool
+
+
+class AsyncOmni:
+    """A multi-stage pipeline for asyncio: `generate`, `stream`, `abort`, `stats`, `close`."""
+
+    def __init__(self, config_or_path: str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig,
+                 stage_overrides: str | Mapping[str, Any] | None = None, backend: str | None = None, *,
+                 engine_factory: Any = None):
+        """Starts the stages (blocking, like Omni); use `await AsyncOmni.create(...)` inside a running loop."""
+        self._omni = Omni(config_or_path, stage_overrides, backend, engine_factory=engine_factory)
+        self._orch = self._omni._orch
+        self._waiters: dict[str, _Waiter] = {}
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._drive, name="omni-async-driver", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> "AsyncOmni":
+        """Construct without blocking the event loop (stage start-up runs in a thread)."""
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: cls(*args, **kwargs))
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self._omni.config
+
+    @property
+    def stage_names(self) -> list[str]:
+        return self._omni.stage_names
+
+    # ------------------------------------------------------------ requests
+    async def generate(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
+                       return_hidden_states: bool = False) -> RequestOutput:
+        """Run one prompt through the pipeline; its RequestOutput (`error` set when it failed)."""
+        rid, waiter = self._add(prompt, sampling_params, request_id, return_hidden_states, stream=False)
+        try:
+            while True:
+                item = await waiter.queue.get()
+                if isinstance(item, RequestOutput):
+                    return item
+        finally:
+            self._forget(rid)
+
+    async def stream(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
+                     return_hidden_states: bool = False) -> AsyncIterator[StageDelta | StageOutput]:
+        """Yield one prompt's StageDeltas as they happen, then each final stage's StageOutput (a failed
+        request yields one StageOutput with `error` set). Leaving early aborts the request."""
+        rid, waiter = self._add(prompt, sampling_params, request_id, return_hidden_states, stream=True)
+        try:
+            while True:
+                item = await waiter.queue.get()
+                if isinstance(item, RequestOutput):
+                    return
+                yield item
+        finally:
+            self._forget(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request on every stage; False if it is not running."""
+        return self._orch.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        """Omni.stats(), off the event loop (on Ray it asks every stage actor)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self._omni.stats)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the driver thread and the stages (blocking; idempotent). Requests in flight fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiters = dict(self._waiters)
+        self._work.set()
+        self._thread.join(timeout=30)
+        for rid, w in waiters.items():
+            self._orch.abort(rid)
+            out = self._orch.pop_result(rid) or RequestOutput(rid, error="the pipeline was closed")
+            self._deliver(w, [], out)
+        self._omni.close()
+
+    async def __aenter__(self) -> "AsyncOmni":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------- helpers
+    def _add(self, prompt: Any, sampling_params: Any, request_id: str | None, hidden: bool,
+             stream: bool) -> tuple[str, _Waiter]:
+        if self._closed:
+            raise BackendClosedError("this AsyncOmni pipeline is closed")
+        if isinstance(prompt, (list, tuple)):
+            raise ValueError("prompt: AsyncOmni takes one prompt per call (a str, a dict or a StageInput); "
+                             "run several calls concurrently for a batch")
+        inp = self._omni._to_input(0, prompt)
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+            inp = dataclasses.replace(inp, request_id=request_id)
+        sampling = self._omni._per_stage_sampling(sampling_params)
+        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue(), stream)
+        with self._lock:
+            rid = self._orch.add_request(inp, sampling, return_hidden_states=hidden, stream=stream)
+            self._waiters[rid] = waiter
+        self._work.set()
+        return rid, waiter
+
+    def _forget(self, rid: str) -> None:
+        """The caller is done with `rid`: abort it if it still runs (cancelled or left early)."""
+        with self._lock:
+            waiter = self._waiters.pop(rid, None)
+        if waiter is not None and not self._closed:
+            if self._orch.abort(rid):
+                logger.info("request %s aborted: its caller went away", rid)
+            self._orch.pop_result(rid)
+
+    def _drive(self) -> None:
+        while not self._closed:
+            with self._lock:
+                busy = bool(self._waiters)
+            if not busy:
+                self._work.wait(_IDLE_WAIT_S)
+                self._work.clear()
+                continue
+            try:
+                self._orch.step()
+            except Exception:  # noqa: BLE001 - the driver must survive a backend hiccup
+                logger.exception("pipeline step failed")
+            with self._lock:
+                waiters = list(self._waiters.items())
+            for rid, w in waiters:
+                done = self._orch.is_done(rid)  # read before the events: none can be missed
+                events = self._orch.pop_events(rid) if w.stream else []
+                if done:
+                    events += self._orch.pop_events(rid) if w.stream else []
+                    out = self._orch.pop_result(rid)
+                    with self._lock:
+                        self._waiters.pop(rid, None)
+                    self._deliver(w, events, out)
+                elif events:
+                    self._deliver(w, events, None)
+
+    @staticmethod
+    def _deliver(w: _Waiter, events: list[StageDelta | StageOutput], out: RequestOutput | None) -> None:
+        def put() -> None:
+            for e in events:
+                w.queue.put_nowait(e)
+            if out is not None:
+                w.queue.put_nowait(out)
+        try:
+            w.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,247 @@
+"""Streaming edges through the pipeline (tiny_chain: thinker ~> talker fed its hidden states).
+
+The talker admits a request on the thinker's first chunk and its prompt grows chunk by chunk;
+everything users rely on must hold as without streaming: the same tokens, caching on/off
+identical, deltas that add up to the final text, nothing leaked when requests are cut short,
+and a wait for a chunk that never comes fails with an error naming the edge.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from omni import AsyncOmni, Omni, SamplingParams, StageDelta
+from omni.errors import ConfigError
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+PROMPTS = ["Hello, my name is", "The capital of France is Paris, and the capital of Italy is",
+           "1 2 3 4 5 6 7 8 9 10 11 12", {"prompt_token_ids": [11, 22, 33, 44, 55]}]
+
+
+def streaming(chunk_tokens=3, caching=True):
+    return {"talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": chunk_tokens}],
+                       "enable_prefix_caching": caching},
+            "thinker": {"enable_prefix_caching": caching}}
+
+
+def with_runtime(overrides, **runtime):
+    from omni.config import load_config
+
+    cfg = load_config(CONFIG, overrides)
+    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update=runtime)})
+
+
+def assert_clean(o: Omni) -> None:
+    """No block in use on any stage, KV managers consistent, nothing waiting."""
+    for name, worker in o._backend.workers.items():
+        engine = worker.engine
+        engine.kv.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"stage {name} leaked blocks"
+        assert not engine.scheduler.requests and not worker._incoming and not worker._in_flight, name
+
+
+def collect(o: Omni, prompts, sp=GREEDY):
+    deltas, finals = {}, {}
+    for ev in o.stream(prompts, sp):
+        if isinstance(ev, StageDelta):
+            deltas.setdefault((ev.request_id, ev.stage), []).append(ev)
+        else:
+            finals[(ev.request_id, ev.stage)] = ev
+    return deltas, finals
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Omni(CONFIG, backend="local") as o:
+        return o.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 64])
+def test_streaming_edge_gives_the_non_streaming_outputs(reference, chunk_tokens):
+    with Omni(CONFIG, backend="local", stage_overrides=streaming(chunk_tokens)) as o:
+        deltas, finals = collect(o, PROMPTS)
+        for ref in reference:
+            rid = ref.request_id
+            th, tk = finals[(rid, "thinker")], finals[(rid, "talker")]
+            assert th.error is None and tk.error is None
+            assert th.token_ids == ref.outputs["thinker"].token_ids
+            assert tk.token_ids == ref.outputs["talker"].token_ids
+            # Deltas add up to the final tokens and text of every stage.
+            for stage, out in (("thinker", th), ("talker", tk)):
+                ds = deltas[(rid, stage)]
+                assert [t for d in ds for t in d.token_ids] == out.token_ids
+                assert "".join(d.text for d in ds) == out.text
+        assert_clean(o)
+
+
+def test_talker_starts_before_the_thinker_finishes():
+    """The overlap that streaming is for: the talker has computed rows while the thinker still decodes."""
+    with Omni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:
+        sp = SamplingParams(temperature=0.0, max_tokens=24)
+        seen_talker_early = False
+        thinker_done = False
+        for ev in o.stream(["Tell me a long story about the sea"], sp):
+            if isinstance(ev, StageDelta) and ev.stage == "talker" and not thinker_done:
+                seen_talker_early = True
+            if isinstance(ev, StageDelta) and ev.stage == "thinker" and ev.finished:
+                thinker_done = True
+        assert seen_talker_early
+        assert_clean(o)
+
+
+def test_streaming_is_deterministic_and_caching_on_off_identical():
+    turn2 = {"prompt": "Hello, my name is Bob and I like"}
+    runs = []
+    for caching in (True, False, True):
+        with Omni(CONFIG, backend="local", stage_overrides=streaming(3, caching)) as o:
+            _, first = collect(o, ["Hello, my name is"])
+            _, second = collect(o, [turn2])
+            runs.append({k[1]: v.token_ids for k, v in {**first, **second}.items()})
+            stats = o.stats()["stages"]
+            assert (stats["thinker"]["prefix_cache_hits"] > 0) == caching
+            assert_clean(o)
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_abort_at_random_points_leaves_no_block_in_use():
+    rng = random.Random(7)
+    with Omni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:
+        sp = SamplingParams(temperature=0.0, max_tokens=16)
+        for i in range(50):
+            it = o.stream([f"request number {i} says hello"], sp)
+            cut = rng.randrange(0, 30)
+            mode = i % 3
+            for n, ev in enumerate(it):
+                if n >= cut:
+                    break
+            if mode == 0:
+                it.close()  # the iterator closed early
+            elif mode == 1:
+                o.abort(ev.request_id) if n >= cut else None
+                it.close()
+            else:
+                del it
+        # Let any abort that is still in flight land, then check every stage.
+        for _ in range(20):
+            o._orch.step(0.01)
+        assert_clean(o)
+        [after] = o.generate(["still serving?"], GREEDY, use_tqdm=False)
+        assert after.error is None
+        assert_clean(o)
+
+
+def test_cancelled_async_streams_release_every_stage():
+    async def main():
+        async with AsyncOmni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:
+            async def consume(i, stop):
+                n = 0
+                async for _ in o.stream(f"async request {i}", SamplingParams(temperature=0.0, max_tokens=20)):
+                    n += 1
+                    if n == stop:
+                        break
+                return n
+
+            tasks = [asyncio.create_task(consume(i, 3 + i)) for i in range(6)]
+            slow = asyncio.create_task(o.generate("cancel me", SamplingParams(temperature=0.0, max_tokens=60)))
+            await asyncio.sleep(0.3)
+            slow.cancel()
+            await asyncio.gather(*tasks)
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            await asyncio.sleep(0.3)
+            for s in (await o.stats())["stages"].values():
+                assert s["kv_usage"] == 0.0 and s["running"] == 0 and s["waiting_for_chunks"] == 0
+            out = await o.generate("after", GREEDY)
+            assert out.error is None
+            return o
+
+    o = asyncio.run(main())
+    assert_clean(o._omni)
+
+
+def test_a_chunk_that_never_comes_fails_naming_the_edge():
+    with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=1.0), backend="local") as o:
+        talker = o._backend.workers["talker"]
+        talker.push_chunk = lambda *a: None  # the edge loses every chunk
+        t0 = time.monotonic()
+        [out] = o.generate(["Hello there"], GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 10
+        assert "the first chunk on the streaming edge thinker -> talker did not arrive within 1s" in out.error
+        assert out.outputs["thinker"].token_ids  # the thinker's part is kept
+        del talker.push_chunk
+        [ok] = o.generate(["Hello again"], GREEDY, use_tqdm=False)
+        assert ok.error is None
+        assert_clean(o)
+
+
+def test_upstream_failure_mid_stream_fails_the_request_naming_the_edge():
+    with Omni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:
+        thinker = o._backend.workers["thinker"].engine
+        real_step, calls = thinker.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 4:  # mid-stream: the talker already has chunks
+                raise RuntimeError("GPU fell off the bus")
+            return real_step()
+
+        thinker.step = failing_step
+        [out] = o.generate(["Hello there, tell me something"], SamplingParams(temperature=0.0, max_tokens=12),
+                           use_tqdm=False)
+        assert "stage 'thinker' failed" in out.error and "thinker -> talker" in out.error, out.error
+        thinker.step = real_step
+        assert_clean(o)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": 0}]}}, "chunk_tokens"),
+    ({"talker": {"inputs": [{"stage": "thinker", "stream": True}], "input_processor": "stages.processors:"
+                 "hidden_to_embeds"}}, "no chunk form"),
+    ({"talker": {"inputs": [{"stage": "thinker", "stream": "yes"}]}}, "stream"),
+    ({"talker": {"inputs": [{"stage": "nope", "stream": True}]}}, "unknown stage 'nope'"),
+])
+def test_bad_streaming_edges_are_config_errors(change, match):
+    from omni.config import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(CONFIG, stage_overrides=change)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference):
+    pytest.importorskip("ray")
+    import ray
+
+    with Omni(CONFIG, stage_overrides=streaming(3)) as o:
+        deltas, finals = collect(o, PROMPTS)
+        for ref in reference:
+            assert finals[(ref.request_id, "talker")].token_ids == ref.outputs["talker"].token_ids
+            assert "".join(d.text for d in deltas[(ref.request_id, "thinker")]) == \
+                finals[(ref.request_id, "thinker")].text
+        # Kill the thinker while a long request streams into the talker.
+        results = {}
+        long = SamplingParams(temperature=0.0, max_tokens=200)
+        t = threading.Thread(target=lambda: results.update(out=o.generate(["a long one"], long, use_tqdm=False)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while o.stats()["stages"]["talker"].get("running", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(o._backend.actors["thinker"], no_restart=False)
+        t.join(120)
+        assert not t.is_alive()
+        err = results["out"][0].error
+        assert "stage 'thinker' failed" in err and "thinker -> talker" in err, err
+        # The abort reaches the talker's actor asynchronously: its blocks are free within moments.
+        deadline = time.monotonic() + 10
+        while (stats := o.stats()["stages"]["talker"])["kv_usage"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats["kv_usage"] == 0.0 and stats["waiting_for_chunks"] == 0 and stats["running"] == 0
+        [nxt] = o.generate(["next"], GREEDY, use_tqdm=False)
+        assert nxt.error is None
