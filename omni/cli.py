@@ -30,6 +30,7 @@ BENCHES = {
     "tensor-cache": "tensor_cache",
     "pipeline": "pipeline",
     "omni": "omni_bench",
+    "streaming": "streaming",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 

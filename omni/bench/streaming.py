@@ -1,0 +1,121 @@
+"""`omni bench streaming`: a streaming edge vs a plain one, same pipeline, same requests, one run.
+
+The SmolLM2 chain (thinker -> talker fed the thinker's hidden states) on the Ray backend (one actor
+per stage, so the two stages really run side by side). The thinker reads a ~500-token document and
+writes 256 tokens (ignore_eos); the talker then writes its own tokens. With `stream: true` on the
+edge the talker admits the request on the thinker's first chunk and prefills the document and the
+reply rows while the thinker is still decoding (a plain LM fed embeddings cannot decode before its
+input is complete, so only its prefill overlaps); without it, the talker starts from scratch once
+the thinker is done.
+
+Per request we time, from submission: the talker's first token (what a downstream consumer waits
+for) and the end. Concurrency 1 and 4, both modes. JSON keys:
+
+    chain_first_token_speedup   talker first token, non-streaming / streaming (concurrency 1; >= 1.1)
+    chain_e2e_ratio             end to end, streaming / non-streaming (concurrency 1; <= 1.0)
+    ..._c4                      the same at concurrency 4
+    thinker_tokens_identical    1 when the thinker's greedy tokens are the same in both modes
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="stage_configs/smollm2_chain.yaml")
+    p.add_argument("--backend", default="ray", choices=["ray", "local"])
+    p.add_argument("--doc-tokens", type=int, default=500, help="tokens of the document each prompt carries")
+    p.add_argument("--thinker-tokens", type=int, default=256)
+    p.add_argument("--talker-tokens", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(path, args, n: int, offset: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from .workloads import long_document
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return [long_document(tok, args.doc_tokens, args.seed + offset + i) + "\nSummarise the table."
+            for i in range(n)]
+
+
+def _overrides(args, stream: bool) -> dict[str, Any]:
+    return {
+        "thinker": {"sampling": {"temperature": 0.0, "max_tokens": args.thinker_tokens, "ignore_eos": True},
+                    "enable_prefix_caching": False},
+        "talker": {"inputs": [{"stage": "thinker", "stream": stream, "chunk_tokens": args.chunk_tokens}],
+                   "sampling": {"temperature": 0.0, "max_tokens": args.talker_tokens, "ignore_eos": True},
+                   "enable_prefix_caching": False},
+    }
+
+
+def _run_batch(omni, prompts: list[str]) -> list[dict[str, Any]]:
+    """Submit all prompts at once; per request: first talker token, end, thinker tokens."""
+    from omni.outputs import StageDelta
+
+    t0 = time.perf_counter()
+    rec: dict[str, dict[str, Any]] = {}
+    for ev in omni.stream(prompts):
+        r = rec.setdefault(ev.request_id, {})
+        now = time.perf_counter() - t0
+        if isinstance(ev, StageDelta):
+            if ev.stage == "talker" and ev.token_ids and "first_token_s" not in r:
+                r["first_token_s"] = now
+            continue
+        if ev.error:
+            raise RuntimeError(f"request {ev.request_id} failed: {ev.error}")
+        if ev.stage == "thinker":
+            r["thinker_tokens"] = list(ev.token_ids)
+        else:
+            r["e2e_s"] = now
+    return [rec[k] for k in sorted(rec, key=int)]
+
+
+def _mode(args, stream: bool, batches: dict[int, list[str]]) -> tuple[dict[str, Any], dict[int, list]]:
+    from omni import Omni
+
+    with Omni(args.config, backend=args.backend, stage_overrides=_overrides(args, stream)) as o:
+        _run_batch(o, ["Warm up: say hello."])  # one-time costs out of the timing
+        out, tokens = {}, {}
+        for c, prompts in batches.items():
+            recs = _run_batch(o, prompts)
+            tokens[c] = [r["thinker_tokens"] for r in recs]
+            out[f"c{c}"] = {
+                "first_token_s": statistics.mean(r["first_token_s"] for r in recs),
+                "e2e_s": statistics.mean(r["e2e_s"] for r in recs),
+            }
+            print(f"{'streaming' if stream else 'non-streaming'} c={c}: talker first token "
+                  f"{out[f'c{c}']['first_token_s']:.2f}s, end to end {out[f'c{c}']['e2e_s']:.2f}s", flush=True)
+    return out, tokens
+
+
+def run(args) -> dict[str, Any]:
+    from omni.config import load_config
+    from omni.registry import resolve_model_path
+
+    cfg = load_config(args.config)
+    path = resolve_model_path(cfg.stage("thinker").model_path)
+    batches, offset = {}, 0
+    for c in args.concurrency:
+        batches[c] = _prompts(path, args, c, offset)
+        offset += c
+    plain, plain_tokens = _mode(args, False, batches)
+    streamed, streamed_tokens = _mode(args, True, batches)
+    result: dict[str, Any] = {
+        "config": args.config, "backend": args.backend, "doc_tokens": args.doc_tokens,
+        "thinker_tokens": args.thinker_tokens, "talker_tokens": args.talker_tokens,
+        "chunk_tokens": args.chunk_tokens, "non_streaming": plain, "streaming": streamed,
+        "thinker_tokens_identical": int(plain_tokens == streamed_tokens),
+    }
+    for c in args.concurrency:
+        sfx = "" if c == 1 else f"_c{c}"
+        result[f"chain_first_token_speedup{sfx}"] = (plain[f"c{c}"]["first_token_s"]
+                                                     / streamed[f"c{c}"]["first_token_s"])
+        result[f"chain_e2e_ratio{sfx}"] = streamed[f"c{c}"]["e2e_s"] / plain[f"c{c}"]["e2e_s"]
+    return result
