@@ -299,6 +299,9 @@ class RayBackend:
         self._dead: dict[str, str] = {}  # stage -> why it will not come back
         self._events: list[StageEvent] = []  # produced without a round trip
         self._lock = threading.RLock()  # poll / submit / abort may come from several threads
+        # One poller at a time: a submit() generator that one thread has read to its end cannot be
+        # waited on by another (ray.wait: "owner is unknown"). Submit and abort do not wait for it.
+        self._poll_lock = threading.Lock()
         self._start_timeout_s = config.runtime.stage_start_timeout_s
         self._owns_ray, self._temp_dir = _ray_init(config.runtime, config.stages)
         try:
@@ -387,6 +390,10 @@ class RayBackend:
                 self.actors[stage].abort.remote(request_id)  # fire and forget
 
     def poll(self, timeout_s: float) -> list[StageEvent]:
+        with self._poll_lock:
+            return self._poll(timeout_s)
+
+    def _poll(self, timeout_s: float) -> list[StageEvent]:
         with self._lock:
             events, self._events = self._events, []
             gate_refs = {g[0]: stage for stage, g in self._gates.items()}
