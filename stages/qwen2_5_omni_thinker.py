@@ -21,6 +21,7 @@ import torch
 
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
+from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.outputs import StageInput
@@ -111,6 +112,10 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
         text_model(thinker).config._attn_implementation = register_attention()
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size)
+
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
+        return checkpoint_geometry(model_path, "thinker_config", "text_config")
 
     def kv_spec(self) -> KVSpec:
         tc = self.text_config

@@ -31,6 +31,7 @@ from omni.outputs import StageInput, StageOutput
 from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
 from .loading import load_stage_model
+from .memory import check_before_load, check_loaded
 from .model_runner import ModelRunner, RunnerRequestState
 from .output_rows import FinishedRows, OutputRows, RowsRequest
 from .request import Request, RequestStatus
@@ -95,6 +96,7 @@ class StageEngine:
         self.config = config
         self.name = config.name
         if model is None:
+            check_before_load(config)  # a cache the machine cannot hold fails before minutes of loading
             model = load_stage_model(config.name, config.model_cls, config.model_path, dtype=config.dtype,
                                      device=config.device, model_kwargs=config.model_kwargs,
                                      tokenizer_path=config.tokenizer_path)
@@ -112,6 +114,7 @@ class StageEngine:
             self._max_len_note = (f" (lowered from {max_len}: the KV cache holds {num_blocks} blocks of "
                                   f"{config.block_size} tokens)")
             max_len = capacity
+        check_loaded(config, model, num_blocks)  # before the KV cache, block pool and tensor cache exist
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
         try:
             self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
