@@ -26,6 +26,7 @@ from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.outputs import StageInput
 
+from .media import media_names
 from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, load_preprocess_config, messages_for,
                                   preprocess_mm, render_chat)
 
@@ -124,7 +125,8 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
 
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
-        items = [preprocess_mm(m, self.preprocess_cfg) for m in inp.mm_inputs]
+        items = [preprocess_mm(m, self.preprocess_cfg, where)
+                 for m, where in zip(inp.mm_inputs, media_names(inp.mm_inputs))]
         if inp.prompt_token_ids is not None:
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:

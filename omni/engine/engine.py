@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from omni.outputs import StageInput, StageOutput
+from omni.prompts import text_only_messages
 
 from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
@@ -177,12 +178,16 @@ class StageEngine:
         if self.tokenizer is None:
             raise ValueError(f"prompt: stage {self.name} has no tokenizer; send prompt_token_ids instead")
         if isinstance(inp.prompt, list):
-            messages = inp.prompt
+            messages = text_only_messages(inp.prompt, self.name)
         elif self.config.use_chat_template:
             messages = [{"role": "user", "content": inp.prompt}]
         else:
             return list(self.tokenizer(inp.prompt, add_special_tokens=True)["input_ids"])
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
+            raise ValueError(f"prompt: the chat template of stage {self.name!r} cannot render these messages: "
+                             f"{type(e).__name__}: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -192,6 +197,10 @@ class StageEngine:
         rid = inp.request_id
         params = resolve_sampling_params(inp.sampling_params, self.config.default_sampling)
         prepared = self.model.preprocess(inp)
+        if prepared is None and inp.mm_inputs:  # the stage model would silently drop them
+            kinds = sorted({m.modality for m in inp.mm_inputs})
+            raise ValueError(f"multi_modal_data: stage {self.name!r} takes no {'/'.join(kinds)} inputs "
+                             "(a text-only model)")
         token_ids = prepared.token_ids if prepared is not None else self._tokenize(inp)
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         if not token_ids:
