@@ -352,6 +352,8 @@ def _read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         data = load_yaml(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config: {e}") from None
     except yaml.YAMLError as e:  # one line: "FILE:LINE: invalid YAML: what"
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

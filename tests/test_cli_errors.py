@@ -91,6 +91,13 @@ def test_duplicate_yaml_key_names_both_lines(tmp_path, capsys):
     assert f"{cfg}:6: invalid YAML: duplicate key 'cache' (first on line 5)" in one_line_error(capsys)
 
 
+def test_unreadable_config_exits_2(tmp_path, capsys):
+    cfg = tmp_path / "binary.yaml"
+    cfg.write_bytes(b"stages: \xff\xfe\n")
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert f"{cfg}: cannot read the config" in one_line_error(capsys)
+
+
 def test_validate_checks_the_shipped_configs_paths():
     for name in ("tiny_chain", "qwen2_5_omni_tiny", "fan_out"):
         assert cli.main(["validate", str(REPO / "stage_configs" / f"{name}.yaml")]) == 0
