@@ -32,7 +32,8 @@ from omni.errors import ConfigError
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Measured (tracemalloc) on CPython 3.11: a KVCacheBlock with __slots__ plus its
 # slot in the pool's list is 112 bytes; a cached block adds its 16-byte hash
-# (a 49-byte bytes object) and an entry in the hash -> block map.
+# (a 49-byte bytes object) and its entry in the hash -> block map (~90 bytes),
+# rounded up.
 POOL_BYTES_PER_BLOCK = 112
 HASH_BYTES_PER_BLOCK = 160
 # Leave room for activations, the sampler and the rest of the process.

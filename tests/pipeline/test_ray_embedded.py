@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +36,9 @@ def test_embedded_ray_is_started_and_shut_down(monkeypatch):
     try:
         temp_dir = o._backend._temp_dir
         assert ray.is_initialized() and temp_dir and os.path.isdir(temp_dir)
+        # a watcher removes the dir if this driver is SIGKILLed (tests/pipeline/test_temp_reaper.py)
+        watcher = o._backend._temp_watcher
+        assert watcher.poll() is None and watcher.args[-2:] == [str(os.getpid()), temp_dir]
         assert os.environ["RAY_AUTH_MODE"] == "disabled"
         [out] = o.generate("embedded", use_tqdm=False)
         assert out.outputs["thinker"].token_ids == expected_tokens("thinker", text_ids("embedded"), 3)
@@ -46,34 +46,5 @@ def test_embedded_ray_is_started_and_shut_down(monkeypatch):
         o.close()
     assert not ray.is_initialized()
     assert not os.path.exists(temp_dir)
+    assert watcher.poll() is not None  # stopped with the backend
 
-
-_DRIVER = """
-import time
-from omni import Omni
-from tests.pipeline.test_fake_engine import chain_config, fake_factory
-data = chain_config()
-data["runtime"]["backend"] = "ray"
-o = Omni(data, engine_factory=fake_factory)
-print(o._backend._temp_dir, flush=True)
-time.sleep(300)
-"""
-
-
-def test_temp_dir_of_a_sigkilled_driver_is_removed():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = REPO
-    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-    try:
-        temp_dir = driver.stdout.readline().strip()
-        assert temp_dir and os.path.isdir(temp_dir), "the driver did not start its embedded Ray"
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(30)
-        deadline = time.monotonic() + 60
-        while os.path.exists(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not os.path.exists(temp_dir)
-    finally:
-        driver.kill()
-        driver.wait()
