@@ -7,8 +7,9 @@
 
 Prompts: a string, a dict {"prompt" (text or chat messages) | "prompt_token_ids" |
 "prompt_embeds", "multi_modal_data", "cache_salt", "request_id"}, a StageInput, or a
-list of those. Sampling parameters: one SamplingParams for every stage, a list with
-one per stage (config order, vLLM-Omni's sampling_params_list), a dict
+list of those (checked by omni/prompts.py before anything is queued). Sampling
+parameters: one SamplingParams for every stage, a list with one per stage (config
+order, vLLM-Omni's sampling_params_list), a dict
 {stage: SamplingParams | dict of fields} (fields merged over that stage's defaults),
 or a dict of fields merged over every stage's defaults.
 """
