@@ -7,8 +7,9 @@
 
 Prompts: a string, a dict {"prompt" (text or chat messages) | "prompt_token_ids" |
 "prompt_embeds", "multi_modal_data", "cache_salt", "request_id"}, a StageInput, or a
-list of those. Sampling parameters: one SamplingParams for every stage, a list with
-one per stage (config order, vLLM-Omni's sampling_params_list), a dict
+list of those (checked by omni/prompts.py before anything is queued). Sampling
+parameters: one SamplingParams for every stage, a list with one per stage (config
+order, vLLM-Omni's sampling_params_list), a dict
 {stage: SamplingParams | dict of fields} (fields merged over that stage's defaults),
 or a dict of fields merged over every stage's defaults.
 """
@@ -21,19 +22,17 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from pydantic import ValidationError
 
 from omni.config import PipelineConfig, load_config
 from omni.engine.sampling_params import SamplingParams, resolve_sampling_params
 from omni.errors import BackendClosedError, ConfigError, OmniError
-from omni.outputs import MultiModalInput, RequestOutput, StageDelta, StageInput, StageOutput
+from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
+from omni.prompts import to_stage_input
 
 logger = logging.getLogger(__name__)
-
-_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id")
 
 
 def _close_backend(backend: Any) -> None:
@@ -198,40 +197,7 @@ class Omni:
                 return rid
 
     def _to_input(self, i: int, p: Any) -> StageInput:
-        if isinstance(p, StageInput):
-            return p if p.request_id else _replace_id(p, self._new_id())
-        if isinstance(p, str):
-            return StageInput(self._new_id(), prompt=p)
-        if not isinstance(p, Mapping):
-            raise ValueError(f"prompts[{i}]: expected a str, a dict or a StageInput, got {type(p).__name__}")
-        unknown = [k for k in p if k not in _PROMPT_KEYS]
-        if unknown:
-            hint = (" (chat messages go under 'prompt': {'prompt': [{'role': ..., 'content': ...}, ...]})"
-                    if {"role", "content"} & set(p) else "")
-            raise ValueError(f"prompts[{i}]: unknown key {unknown[0]!r} (allowed: {', '.join(_PROMPT_KEYS)}){hint}")
-        if p.get("prompt") is None and p.get("prompt_token_ids") is None and p.get("prompt_embeds") is None:
-            raise ValueError(f"prompts[{i}]: needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'")
-        prompt = p.get("prompt")
-        if prompt is not None and not isinstance(prompt, (str, list)):
-            raise ValueError(f"prompts[{i}].prompt: expected text or a list of chat messages, "
-                             f"got {type(prompt).__name__}")
-        ids = p.get("prompt_token_ids")
-        if ids is not None:
-            if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
-                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"prompts[{i}].prompt_token_ids: expected a list of ints")
-            ids = [int(t) for t in ids]
-        embeds = p.get("prompt_embeds")
-        if embeds is not None:
-            embeds = np.asarray(embeds, dtype=np.float32)
-            if embeds.ndim != 2:
-                raise ValueError(f"prompts[{i}].prompt_embeds: expected shape [num_tokens, hidden], "
-                                 f"got {embeds.shape}")
-        rid = p.get("request_id")
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError(f"prompts[{i}].request_id: expected a str, got {type(rid).__name__}")
-        return StageInput(rid or self._new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
-                          mm_inputs=_mm_inputs(i, p.get("multi_modal_data")), cache_salt=p.get("cache_salt"))
+        return to_stage_input(p, f"prompts[{i}]", self._new_id)
 
     def _per_stage_sampling(self, sp: Any) -> dict[str, Any]:
         stages = self.graph.order
@@ -250,9 +216,14 @@ class Omni:
                 return {n: self._stage_params(n, v) for n, v in sp.items() if v is not None}
             if all(k in SamplingParams.model_fields for k in sp):
                 return {n: self._stage_params(n, dict(sp)) for n in stages}
-            bad = next(k for k in sp if k not in self.graph.stages and k not in SamplingParams.model_fields)
-            raise ValueError(f"sampling_params: {bad!r} is neither a stage ({', '.join(names)}) nor a "
-                             f"sampling field ({', '.join(SamplingParams.model_fields)})")
+            bad = [k for k in sp if k not in self.graph.stages and k not in SamplingParams.model_fields]
+            if bad:
+                raise ValueError(f"sampling_params: {bad[0]!r} is neither a stage ({', '.join(names)}) nor a "
+                                 f"sampling field ({', '.join(SamplingParams.model_fields)})")
+            raise ValueError(
+                f"sampling_params: mixes stage names ({', '.join(k for k in sp if k in self.graph.stages)}) "
+                f"and sampling fields ({', '.join(k for k in sp if k not in self.graph.stages)}); give either "
+                "{stage: params, ...} or {field: value, ...}, e.g. {'thinker': {'temperature': 0}}")
         raise ValueError(f"sampling_params: expected a SamplingParams, a list or a dict, got {type(sp).__name__}")
 
     def _stage_params(self, stage: str, v: Any) -> SamplingParams:
@@ -275,28 +246,3 @@ def _as_list(prompts: Any) -> list[Any]:
             raise ValueError("prompts: a list of ints is ambiguous; pass {'prompt_token_ids': [...]}")
         return list(prompts)
     raise ValueError(f"prompts: expected a str, a dict, a StageInput or a list of those, got {type(prompts).__name__}")
-
-
-def _replace_id(inp: StageInput, rid: str) -> StageInput:
-    import dataclasses
-
-    return dataclasses.replace(inp, request_id=rid)
-
-
-def _mm_inputs(i: int, data: Any) -> list[MultiModalInput]:
-    if data is None:
-        return []
-    if not isinstance(data, Mapping):
-        raise ValueError(f"prompts[{i}].multi_modal_data: expected a dict like {{'image': array}}")
-    out = []
-    for modality, items in data.items():
-        if modality not in ("image", "audio"):
-            raise ValueError(f"prompts[{i}].multi_modal_data: unknown modality {modality!r} (image, audio)")
-        if not isinstance(items, list):
-            items = [items]
-        for item in items:
-            sr = None
-            if modality == "audio" and isinstance(item, tuple):
-                item, sr = item
-            out.append(MultiModalInput(modality, np.asarray(item), sampling_rate=sr))
-    return out

@@ -5,7 +5,8 @@
     omni validate CONFIG [--stage-overrides JSON] [--json]
     omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni)
 
-Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config or usage.
+Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
+usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
 `omni bench` prints the benchmark's own lines, then its result as ONE JSON object on
 the last line.
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 import wave
 from pathlib import Path
 from typing import Any
@@ -90,13 +93,25 @@ def _error(msg: str, code: int = 2) -> int:
 
 
 # ------------------------------------------------------------------- validate
-def cmd_validate(args: argparse.Namespace) -> int:
+def _load_checked(config: str, overrides: str | None) -> tuple[Any, str | None]:
+    """Load and validate the config, and check its paths where the stages run (raises ConfigError).
+    Returns (config, the Ray cluster whose nodes hold the paths, when they were not checked here)."""
     from omni.config import load_config
+    from omni.preflight import check_paths, remote_cluster
+
+    cfg = load_config(config, overrides)
+    cluster = remote_cluster(cfg)
+    if cluster is None:
+        check_paths(cfg)
+    return cfg, cluster
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
     from omni.errors import ConfigError
     from omni.pipeline.graph import StageGraph
 
     try:
-        cfg = load_config(args.config, args.stage_overrides)
+        cfg, cluster = _load_checked(args.config, args.stage_overrides)
     except ConfigError as e:
         return _error(str(e))
     if args.json:
@@ -109,26 +124,40 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(graph.summary())
     print(f"entry: {', '.join(graph.entry_stages)}; final outputs: "
           + ", ".join(f"{n} ({graph.stages[n].final_output})" for n in graph.final_stages))
+    if cluster is not None:
+        print(f"model paths: not checked here (the stages run on the Ray cluster at {cluster})")
     print("OK")
     return 0
 
 
 # ------------------------------------------------------------------------ run
 def _read_prompts(args: argparse.Namespace) -> list[Any]:
+    """--prompt values and the --prompts-file lines, every one checked before anything loads."""
+    from omni.prompts import to_stage_input
+
     prompts: list[Any] = list(args.prompt)
     if args.prompts_file:
         path: Path = args.prompts_file
         if not path.is_file():
             raise ValueError(f"--prompts-file: no such file: {path}")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompts-file {path}: cannot read it: {e}") from None
+        lines = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]
         if path.suffix == ".jsonl":
-            for i, ln in enumerate(lines, 1):
+            for i, ln in lines:
                 try:
-                    prompts.append(json.loads(ln))
+                    prompt = json.loads(ln)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"--prompts-file {path}:{i}: invalid JSON: {e}") from None
+                if not isinstance(prompt, (str, dict)):
+                    raise ValueError(f"--prompts-file {path}:{i}: expected a JSON string or object, "
+                                     f"got {type(prompt).__name__}: {ln.strip()[:40]}")
+                to_stage_input(prompt, f"--prompts-file {path}:{i}", str)  # raises ValueError naming the field
+                prompts.append(prompt)
         else:
-            prompts.extend(lines)
+            prompts.extend(ln for _, ln in lines)
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     return prompts
@@ -212,12 +241,11 @@ def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any) -> li
 
 def cmd_run(args: argparse.Namespace) -> int:
     from omni.api import Omni
-    from omni.config import load_config
     from omni.errors import ConfigError, OmniError
 
     try:
         prompts = _read_prompts(args)
-        cfg = load_config(args.config, args.stage_overrides)
+        cfg, _ = _load_checked(args.config, args.stage_overrides)
         if args.max_tokens is not None and args.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     except (ConfigError, ValueError) as e:
@@ -291,13 +319,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+_sigterm_received = threading.Event()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM takes Ctrl-C's way out, so that the pipeline closes on the way out. A KeyboardInterrupt,
+    because that is what Ray's blocking calls let through (any other exception raised in a signal
+    handler inside ray.wait surfaces as a SystemError)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not interrupt the cleanup
+    _sigterm_received.set()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "validate":
-        return cmd_validate(args)
-    if args.command == "run":
-        return cmd_run(args)
-    return cmd_bench(args)
+    commands = {"validate": cmd_validate, "run": cmd_run, "bench": cmd_bench}
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return commands[args.command](args)
+    except KeyboardInterrupt:
+        if _sigterm_received.is_set():
+            print("omni: terminated (SIGTERM)", file=sys.stderr)
+            return 143
+        print("omni: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

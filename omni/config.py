@@ -33,6 +33,7 @@ from omni import registry
 from omni.engine.sampling_params import SamplingParams
 from omni.engine.scheduler import check_prefill_fits
 from omni.errors import ConfigError
+from omni.strict import load_yaml, no_bool_for_number
 
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -55,6 +56,8 @@ def expand_env(value: str) -> str:
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    _no_bool_for_number = field_validator("*", mode="before")(classmethod(no_bool_for_number))
 
 
 class CacheConfig(_Model):
@@ -137,7 +140,8 @@ class StageConfig(_Model):
     final_output: Literal["text", "tokens", "audio", "hidden"] | None = Field(
         None, description="Return this stage's outputs to the caller, as this kind.")
     enable_prefix_caching: bool = Field(
-        True, description="Reuse KV blocks (and the stage tensor cache) across requests sharing a prefix.")
+        True, description="Reuse KV blocks (and the stage tensor cache) across requests sharing a prefix. "
+        "Default: on, and off for a one-shot (not autoregressive) stage, which has no KV cache.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache geometry.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching limits.")
     sampling: SamplingParams = Field(
@@ -179,6 +183,8 @@ class StageConfig(_Model):
             model = registry.stage_model_entry(self.model)
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: model: {e.args[0]}") from None
+        if not model.autoregressive and "enable_prefix_caching" not in self.model_fields_set:
+            self.enable_prefix_caching = False  # the default is off for a one-shot stage
         if self.enable_prefix_caching and not model.autoregressive:
             raise ValueError(
                 f"{where}: enable_prefix_caching: model {self.model!r} is not autoregressive (no KV cache), "
@@ -345,9 +351,13 @@ def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        data = load_yaml(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config: {e}") from None
+    except yaml.YAMLError as e:  # one line: "FILE:LINE: invalid YAML: what"
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping with `stages`, got {type(data).__name__}")
     data.setdefault("name", path.stem)

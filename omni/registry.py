@@ -7,10 +7,12 @@ imported only when an engine is built (as vLLM's model registry does). The
 facts a config validator needs travel with each entry, so that validating a
 config imports neither torch nor any model:
 
-    stage model      target, autoregressive (has a KV cache), emits_hidden_states
+    stage model      target, autoregressive (has a KV cache), emits_hidden_states,
+                     checkpoint (loads weights from model_path: the path is checked before start)
     input processor  target, needs_hidden_states (reads the upstream's per-token rows),
                      incremental (the chunk form a streaming edge uses; None: not streamable)
-    path scheme      "builtin" -> target of fn(name) -> Path
+    path scheme      "builtin" -> target of fn(name) -> Path, and of fn(name) that checks a
+                     name without building anything (optional)
 
 Model packages register themselves through a plugin: "package.module:function",
 called once before the first lookup. The default plugin is this repository's
@@ -41,6 +43,7 @@ class StageModelEntry:
     target: str  # "package.module:Class"
     autoregressive: bool = True  # False: a one-shot stage (no KV cache, no prefix caching)
     emits_hidden_states: bool = True  # per-token last hidden states a downstream stage can read
+    checkpoint: bool = True  # loads weights from model_path (False: test doubles; the path is not checked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,7 @@ _INPUT_PROCESSORS: dict[str, InputProcessorEntry] = {
                                               incremental="omni.pipeline.stage_worker:passthrough_tokens_chunk"),
 }
 _PATH_SCHEMES: dict[str, str] = {}
+_PATH_CHECKS: dict[str, str] = {}
 _plugins_loaded = False
 _plugins_lock = threading.Lock()
 
@@ -105,11 +109,11 @@ def _check_name(kind: str, name: str, target: str) -> None:
 
 
 def register_stage_model(name: str, target: str, *, autoregressive: bool = True,
-                         emits_hidden_states: bool | None = None) -> None:
+                         emits_hidden_states: bool | None = None, checkpoint: bool = True) -> None:
     """Register a stage model class by its "module:Class" string (not imported here)."""
     _check_name("stage model", name, target)
     emits = autoregressive if emits_hidden_states is None else emits_hidden_states
-    _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits)
+    _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits, checkpoint)
 
 
 def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False,
@@ -128,10 +132,14 @@ def register_input_processor(name: str, target: str, *, needs_hidden_states: boo
     _INPUT_PROCESSORS[name] = InputProcessorEntry(target, needs_hidden_states, incremental)
 
 
-def register_model_path_scheme(scheme: str, target: str) -> None:
-    """Model paths "scheme:NAME" resolve through fn(NAME) -> Path at `target` (e.g. builtin:smollm2)."""
+def register_model_path_scheme(scheme: str, target: str, *, check: str | None = None) -> None:
+    """Model paths "scheme:NAME" resolve through fn(NAME) -> Path at `target` (e.g. builtin:smollm2);
+    `check`: fn(NAME) that raises ValueError for a NAME the scheme does not know, building nothing."""
     _check_name("model path scheme", scheme, target)
     _PATH_SCHEMES[scheme] = target
+    if check is not None:
+        _check_name("model path scheme check", scheme, check)
+        _PATH_CHECKS[scheme] = check
 
 
 # ------------------------------------------------------------------ lookups
@@ -185,21 +193,40 @@ def resolve_incremental_processor(name: str) -> Callable[..., Any]:
     return _resolve_target(entry.incremental, "callable", callable)
 
 
-def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
-    """"scheme:NAME" through its registered resolver; anything else is a local path that must exist."""
+def resolve_model_path(spec: str | os.PathLike[str], what: str = "model path") -> Path:
+    """"scheme:NAME" through its registered resolver; anything else is a local path that must exist.
+    `what` names the path in the error ("model path", "tokenizer path")."""
     text = os.fspath(spec)
     scheme, sep, rest = text.partition(":")
     if sep:
         load_plugins()
         if scheme in _PATH_SCHEMES:
             return Path(import_target(_PATH_SCHEMES[scheme])(rest))
+    return _existing_path(text, what).resolve()
+
+
+def check_model_path(spec: str | os.PathLike[str], what: str = "model path") -> None:
+    """ValueError when `spec` cannot resolve (a name its scheme does not know, a missing local path);
+    builds and loads nothing, so a config can be checked before anything starts."""
+    text = os.fspath(spec)
+    scheme, sep, rest = text.partition(":")
+    if sep:
+        load_plugins()
+        if scheme in _PATH_SCHEMES:
+            if scheme in _PATH_CHECKS:
+                import_target(_PATH_CHECKS[scheme])(rest)
+            return
+    _existing_path(text, what)
+
+
+def _existing_path(text: str, what: str) -> Path:
     path = Path(os.path.expanduser(os.path.expandvars(text)))
     if not path.exists():
         expanded = f" (expanded to {str(path)!r})" if str(path) != text else ""
         schemes = ", ".join(f"{s}:NAME" for s in sorted(_PATH_SCHEMES)) or "none registered"
-        raise ValueError(f"model path {text!r}{expanded} does not exist; give an existing local directory "
+        raise ValueError(f"{what} {text!r}{expanded} does not exist; give an existing local directory "
                          f"or file, or a registered scheme ({schemes})")
-    return path.resolve()
+    return path
 
 
 def import_target(target: str) -> Any:
@@ -229,7 +256,7 @@ def snapshot() -> dict[str, dict[str, Any]]:
     """Every table, to re-create this process's registrations in another one."""
     load_plugins()
     return {"stage_models": dict(_STAGE_MODELS), "input_processors": dict(_INPUT_PROCESSORS),
-            "path_schemes": dict(_PATH_SCHEMES)}
+            "path_schemes": dict(_PATH_SCHEMES), "path_checks": dict(_PATH_CHECKS)}
 
 
 def restore(snap: dict[str, dict[str, Any]]) -> None:
@@ -237,3 +264,4 @@ def restore(snap: dict[str, dict[str, Any]]) -> None:
     _STAGE_MODELS.update(snap.get("stage_models", {}))
     _INPUT_PROCESSORS.update(snap.get("input_processors", {}))
     _PATH_SCHEMES.update(snap.get("path_schemes", {}))
+    _PATH_CHECKS.update(snap.get("path_checks", {}))

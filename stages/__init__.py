@@ -21,4 +21,4 @@ def register() -> None:
     register_input_processor("thinker2talker", "stages.qwen2_5_omni:thinker2talker", needs_hidden_states=True)
     register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav")
 
-    register_model_path_scheme("builtin", "stages.checkpoints:builtin_path")
+    register_model_path_scheme("builtin", "stages.checkpoints:builtin_path", check="stages.checkpoints:check_builtin")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from omni.engine.attention import register_attention
+from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec
 
 
@@ -69,6 +70,10 @@ class CausalLMStage(AutoregressiveStageModel):
         except (OSError, ValueError):
             tokenizer = None  # token-id-only stages (e.g. a talker) need none
         return cls(model, tokenizer, device, dtype)
+
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
+        return checkpoint_geometry(model_path) or checkpoint_geometry(model_path, "text_config")
 
     def kv_spec(self) -> KVSpec:
         cfg = self.config

@@ -287,8 +287,15 @@ def tiny_checkpoint(arch: str, cache_dir: str | os.PathLike | None = None) -> Pa
 # ----------------------------------------------------------------------------- resolution + CLI
 
 
+def check_builtin(name: str) -> None:
+    """ValueError for a NAME that `builtin:NAME` does not know (builds nothing: for config checks)."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; known: " + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS))
+
+
 def builtin_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached checkpoint `builtin:NAME` (built on first use); omni resolves `builtin:` paths here."""
+    check_builtin(name)
     if name == "tiny-llama":
         return tiny_checkpoint("llama", cache_dir)
     if name == "tiny-qwen2":
@@ -299,9 +306,7 @@ def builtin_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         from stages.qwen2_5_omni_checkpoint import tiny_omni_checkpoint
 
         return tiny_omni_checkpoint(cache_dir)
-    raise ValueError(
-        f"unknown builtin model {name!r}; known: " + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
-    )
+    raise AssertionError(f"builtin:{name} is listed in BUILTIN_MODELS but has no recipe")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,9 @@ import torch
 import xxhash
 
 from omni.outputs import MultiModalInput
+from omni.prompts import check_messages
+
+from .media import check_audio, check_image
 
 IMAGE_TOKEN, AUDIO_TOKEN = "<|IMAGE|>", "<|AUDIO|>"
 IMAGE_PLACEHOLDER = "<|vision_bos|><|IMAGE|><|vision_eos|>"
@@ -70,9 +73,8 @@ def mm_hash(inp: MultiModalInput) -> str:
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's resize rule: both sides multiples of `factor`, area within [min, max] pixels."""
-    if max(h, w) / min(h, w) > 200:
-        raise ValueError(f"image: aspect ratio must be < 200, got {h}x{w}")
+    """Qwen2-VL's resize rule: both sides multiples of `factor`, area within [min, max] pixels
+    (h, w >= 1 and aspect ratio < 200: checked by preprocess_image)."""
     rh, rw = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
     if rh * rw > max_pixels:
         beta = math.sqrt(h * w / max_pixels)
@@ -83,13 +85,14 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) 
     return rh, rw
 
 
-def preprocess_image(image: np.ndarray, cfg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
+                     where: str = "multi_modal_data.image") -> tuple[torch.Tensor, torch.Tensor]:
     """HxWxC (uint8 0..255 or float 0..1) -> (pixel_values [patches, C*T*P*P], grid_thw [3])."""
-    arr = np.asarray(image)
+    arr = check_image(image, where)
+    if max(arr.shape[:2]) / min(arr.shape[:2]) > 200:
+        raise ValueError(f"{where}: aspect ratio must be < 200, got {arr.shape[0]}x{arr.shape[1]}")
     if arr.ndim == 2:
         arr = np.repeat(arr[..., None], 3, axis=-1)
-    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"mm_inputs: an image must be an HxWxC array with C in (1, 3, 4), got shape {arr.shape}")
     arr = arr[..., :3] if arr.shape[-1] != 1 else np.repeat(arr, 3, axis=-1)
     x = torch.from_numpy(np.ascontiguousarray(arr)).float()
     if np.issubdtype(arr.dtype, np.integer):
@@ -114,16 +117,14 @@ def preprocess_image(image: np.ndarray, cfg: dict[str, Any]) -> tuple[torch.Tens
 _FEATURE_EXTRACTORS: dict[int, Any] = {}
 
 
-def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any]) -> torch.Tensor:
+def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any],
+                     where: str = "multi_modal_data.audio") -> torch.Tensor:
     """Waveform (mono, at the model's sampling rate) -> log-mel features [mel, valid frames]."""
     from transformers import WhisperFeatureExtractor
 
     sr = cfg["audio_sampling_rate"]
-    if sampling_rate is not None and sampling_rate != sr:
-        raise ValueError(f"mm_inputs: audio sampling_rate must be {sr} Hz, got {sampling_rate}")
-    wave = np.asarray(wave, dtype=np.float32)
-    if wave.ndim != 1 or wave.size < 400:
-        raise ValueError(f"mm_inputs: audio must be a 1-D waveform of >= 400 samples, got shape {wave.shape}")
+    # one Whisper window (n_fft) at least
+    wave = check_audio(wave, sampling_rate, sr, 400, where).astype(np.float32)
     fe = _FEATURE_EXTRACTORS.get(cfg["num_mel_bins"])
     if fe is None:
         fe = _FEATURE_EXTRACTORS[cfg["num_mel_bins"]] = WhisperFeatureExtractor(
@@ -137,15 +138,15 @@ def audio_num_tokens(num_frames: int) -> int:
     return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
-def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any]) -> MMItem:
+def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi_modal_data") -> MMItem:
     if inp.modality == "image":
-        pixels, grid = preprocess_image(inp.data, cfg)
+        pixels, grid = preprocess_image(inp.data, cfg, where)
         n = int(grid.prod()) // cfg["merge_size"] ** 2
         return MMItem("image", mm_hash(inp), n, pixels, grid)
     if inp.modality == "audio":
-        feats = preprocess_audio(inp.data, inp.sampling_rate, cfg)
+        feats = preprocess_audio(inp.data, inp.sampling_rate, cfg, where)
         return MMItem("audio", mm_hash(inp), audio_num_tokens(feats.shape[1]), feats)
-    raise ValueError(f"mm_inputs: modality must be 'image' or 'audio', got {inp.modality!r}")
+    raise ValueError(f"{where}: modality must be 'image' or 'audio', got {inp.modality!r}")
 
 
 def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
@@ -175,12 +176,17 @@ def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
 
 def messages_for(prompt: str | list[dict[str, Any]], mm_inputs: list[MultiModalInput]) -> list[dict[str, Any]]:
     """A text prompt becomes one user message; media without a placeholder go first in the last user turn."""
+    if not isinstance(prompt, str):
+        check_messages(prompt, "prompt")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     text = json.dumps([m.get("content") for m in messages], default=str)
     have = text.count(IMAGE_TOKEN) + text.count(AUDIO_TOKEN) + text.count('"type": "image"') \
         + text.count('"type": "audio"')
     if mm_inputs and have == 0:
-        user = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise ValueError("multi_modal_data: the messages have no user turn to attach the media to")
+        user = users[-1]
         c = messages[user].get("content", "")
         media = [{"type": m.modality} for m in mm_inputs]
         c = c if isinstance(c, list) else [{"type": "text", "text": c}]

@@ -31,6 +31,7 @@ import torch
 
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
+from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.outputs import StageInput
 
@@ -110,6 +111,10 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
         return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),
                    device, dtype, mm, compat)
+
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
+        return checkpoint_geometry(model_path, "talker_config")
 
     def kv_spec(self) -> KVSpec:
         cfg = self.config

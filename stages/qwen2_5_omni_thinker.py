@@ -21,10 +21,12 @@ import torch
 
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
+from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.outputs import StageInput
 
+from .media import media_names
 from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, load_preprocess_config, messages_for,
                                   preprocess_mm, render_chat)
 
@@ -112,6 +114,10 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size)
 
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
+        return checkpoint_geometry(model_path, "thinker_config", "text_config")
+
     def kv_spec(self) -> KVSpec:
         tc = self.text_config
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
@@ -119,7 +125,8 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
 
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
-        items = [preprocess_mm(m, self.preprocess_cfg) for m in inp.mm_inputs]
+        items = [preprocess_mm(m, self.preprocess_cfg, where)
+                 for m, where in zip(inp.mm_inputs, media_names(inp.mm_inputs))]
         if inp.prompt_token_ids is not None:
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:

@@ -142,7 +142,8 @@ def test_bench_dispatch_prints_json_last(monkeypatch, capsys):
 
 def test_bench_names_map_to_modules():
     assert cli.BENCHES == {"kv": "kv", "kernels": "kernels", "throughput": "throughput", "prefix": "prefix",
-                           "tensor-cache": "tensor_cache", "pipeline": "pipeline", "omni": "omni_bench"}
+                           "tensor-cache": "tensor_cache", "pipeline": "pipeline", "omni": "omni_bench",
+                           "streaming": "streaming"}
 
 
 def test_bench_errors(monkeypatch, capsys):

@@ -167,11 +167,15 @@ def test_final_output_hidden_needs_a_model_that_emits_hidden_states():
 
 
 def test_prefix_caching_on_non_autoregressive_model():
-    msg = err(cfg_with(stage("a"), stage("w", model="fake_nar", inputs=["a"], final_output="audio")))
+    # Asked for explicitly, it is an error; by default a one-shot stage has it off (issue 11).
+    msg = err(cfg_with(stage("a"), stage("w", model="fake_nar", inputs=["a"], final_output="audio",
+                                         enable_prefix_caching=True)))
     assert "stage 'w': enable_prefix_caching" in msg and "does not apply" in msg
     ok = load_config(cfg_with(stage("a"), stage("w", model="fake_nar", inputs=["a"], final_output="audio",
                                                 enable_prefix_caching=False)))
     assert ok.stages[1].enable_prefix_caching is False
+    default = load_config(cfg_with(stage("a"), stage("w", model="fake_nar", inputs=["a"], final_output="audio")))
+    assert [s.enable_prefix_caching for s in default.stages] == [True, False]
 
 
 @pytest.mark.parametrize("field,expect", [

@@ -27,10 +27,12 @@ import numpy as np
 import torch
 
 from omni.outputs import StageInput, StageOutput
+from omni.prompts import text_only_messages
 
 from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
 from .loading import load_stage_model
+from .memory import check_before_load, check_loaded
 from .model_runner import ModelRunner, RunnerRequestState
 from .output_rows import FinishedRows, OutputRows, RowsRequest
 from .request import Request, RequestStatus
@@ -95,6 +97,7 @@ class StageEngine:
         self.config = config
         self.name = config.name
         if model is None:
+            check_before_load(config)  # a cache the machine cannot hold fails before minutes of loading
             model = load_stage_model(config.name, config.model_cls, config.model_path, dtype=config.dtype,
                                      device=config.device, model_kwargs=config.model_kwargs,
                                      tokenizer_path=config.tokenizer_path)
@@ -112,6 +115,7 @@ class StageEngine:
             self._max_len_note = (f" (lowered from {max_len}: the KV cache holds {num_blocks} blocks of "
                                   f"{config.block_size} tokens)")
             max_len = capacity
+        check_loaded(config, model, num_blocks)  # before the KV cache, block pool and tensor cache exist
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
         try:
             self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
@@ -174,12 +178,16 @@ class StageEngine:
         if self.tokenizer is None:
             raise ValueError(f"prompt: stage {self.name} has no tokenizer; send prompt_token_ids instead")
         if isinstance(inp.prompt, list):
-            messages = inp.prompt
+            messages = text_only_messages(inp.prompt, self.name)
         elif self.config.use_chat_template:
             messages = [{"role": "user", "content": inp.prompt}]
         else:
             return list(self.tokenizer(inp.prompt, add_special_tokens=True)["input_ids"])
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
+            raise ValueError(f"prompt: the chat template of stage {self.name!r} cannot render these messages: "
+                             f"{type(e).__name__}: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -189,6 +197,10 @@ class StageEngine:
         rid = inp.request_id
         params = resolve_sampling_params(inp.sampling_params, self.config.default_sampling)
         prepared = self.model.preprocess(inp)
+        if prepared is None and inp.mm_inputs:  # the stage model would silently drop them
+            kinds = sorted({m.modality for m in inp.mm_inputs})
+            raise ValueError(f"multi_modal_data: stage {self.name!r} takes no {'/'.join(kinds)} inputs "
+                             "(a text-only model)")
         token_ids = prepared.token_ids if prepared is not None else self._tokenize(inp)
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         if not token_ids:

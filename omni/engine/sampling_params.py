@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omni.strict import no_bool_for_number
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns
 # the softmax into NaNs, while the limit of temperature -> 0 is exactly argmax.
 _GREEDY_EPS = 1e-5
@@ -54,6 +56,8 @@ class SamplingParams(BaseModel):
         description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "
         "divided by it and negative ones multiplied. 1 turns it off.",
     )
+
+    _no_bool_for_number = field_validator("*", mode="before")(classmethod(no_bool_for_number))
 
     @field_validator("temperature")
     @classmethod

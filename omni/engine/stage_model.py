@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from omni.engine.memory import StageGeometry
     from omni.engine.request import MultiModalFeature
     from omni.outputs import StageInput
 
@@ -107,7 +108,14 @@ class AutoregressiveStageModel(StageModel):
         """[N, hidden] -> [N, vocab] float32 logits."""
         raise NotImplementedError
 
-    # -- optional per-request hooks (multimodal / model-specific stages) -----
+    # -- optional hooks (multimodal / model-specific stages) -----------------
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> "StageGeometry | None":
+        """Cache geometry (layers, KV heads, head dim, hidden size) read from the checkpoint's config
+        without loading weights, so that the engine refuses caches the machine cannot hold before it
+        loads the model (omni/engine/memory.py). None: known only once loaded."""
+        return None
+
     def preprocess(self, inp: "StageInput") -> PreparedPrompt | None:
         """Turn a request into token ids etc.; None = the engine's default
         (tokenize text with the stage's tokenizer, or take the given ids/embeds)."""

@@ -39,7 +39,7 @@ def build_engine(stage: StageConfig) -> Engine:
 
     return StageEngine(StageEngineConfig(
         name=stage.name, model_cls=model_cls, model_path=model_path,
-        tokenizer_path=registry.resolve_model_path(stage.tokenizer) if stage.tokenizer else None,
+        tokenizer_path=registry.resolve_model_path(stage.tokenizer, "tokenizer path") if stage.tokenizer else None,
         enable_prefix_caching=stage.enable_prefix_caching,
         block_size=stage.cache.block_size, num_blocks=stage.cache.num_blocks,
         memory_budget_mb=stage.cache.memory_budget_mb, hash_seed=stage.cache.hash_seed,

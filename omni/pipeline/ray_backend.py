@@ -32,6 +32,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -50,6 +51,7 @@ from omni.outputs import StageInput, StageOutput, error_output
 from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
 from omni.outputs import StageDelta
+from omni.pipeline import temp_reaper
 from omni.pipeline.orchestrator import StageEvent
 from omni.pipeline.stage_worker import StageWorker, TickResult
 from omni.pipeline.streaming import StreamTarget
@@ -254,23 +256,31 @@ class StageActor:
         return s
 
 
-def _ray_init(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, str | None]:
-    """Connect to / start Ray. Returns (we initialized it, temp dir to remove on close)."""
+def _ray_init(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, str | None, Any]:
+    """Connect to / start Ray. Returns (we initialized it, temp dir to remove on close, its watcher)."""
     if ray.is_initialized():
-        return False, None
+        return False, None, None
+    # ray.init makes SIGTERM exit the driver its own way: keep the application's handler
+    # (the CLI's quiet exit, a server's graceful shutdown).
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     address = runtime.ray_address or os.environ.get("RAY_ADDRESS")
     if address:  # a cluster, or the cluster of the Ray job we run in
         ray.init(address=address, namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
-        return True, None
-    # Embedded local Ray. Ray 2.60 turns token auth on by default; a private
-    # throwaway cluster does not need it.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
-    # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
-    num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus for s in stages)))
-    ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
-             namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
-    return True, temp_dir
+        temp_dir, watcher = None, None
+    else:
+        # Embedded local Ray. Ray 2.60 turns token auth on by default; a private
+        # throwaway cluster does not need it.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
+        watcher = temp_reaper.watch(temp_dir)  # removes it if this driver is SIGKILLed
+        # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
+        num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus for s in stages)))
+        ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
+                 namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+    if sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
+    return True, temp_dir, watcher
 
 
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:
@@ -299,8 +309,11 @@ class RayBackend:
         self._dead: dict[str, str] = {}  # stage -> why it will not come back
         self._events: list[StageEvent] = []  # produced without a round trip
         self._lock = threading.RLock()  # poll / submit / abort may come from several threads
+        # One poller at a time: a submit() generator that one thread has read to its end cannot be
+        # waited on by another (ray.wait: "owner is unknown"). Submit and abort do not wait for it.
+        self._poll_lock = threading.Lock()
         self._start_timeout_s = config.runtime.stage_start_timeout_s
-        self._owns_ray, self._temp_dir = _ray_init(config.runtime, config.stages)
+        self._owns_ray, self._temp_dir, self._temp_watcher = _ray_init(config.runtime, config.stages)
         try:
             snap = registry.snapshot()
             tag = uuid.uuid4().hex[:8]
@@ -387,6 +400,10 @@ class RayBackend:
                 self.actors[stage].abort.remote(request_id)  # fire and forget
 
     def poll(self, timeout_s: float) -> list[StageEvent]:
+        with self._poll_lock:
+            return self._poll(timeout_s)
+
+    def _poll(self, timeout_s: float) -> list[StageEvent]:
         with self._lock:
             events, self._events = self._events, []
             gate_refs = {g[0]: stage for stage, g in self._gates.items()}
@@ -524,6 +541,8 @@ class RayBackend:
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+        temp_reaper.stop(self._temp_watcher)
+        self._temp_watcher = None
 
 
 def _wait_dead(actors: list[Any], timeout_s: float) -> None:

@@ -33,8 +33,9 @@ class FakeNonARModel:
     autoregressive = False
 
 
-register_stage_model("fake", "tests.pipeline.test_fake_engine:FakeStageModel")
-register_stage_model("fake_nar", "tests.pipeline.test_fake_engine:FakeNonARModel", autoregressive=False)
+register_stage_model("fake", "tests.pipeline.test_fake_engine:FakeStageModel", checkpoint=False)
+register_stage_model("fake_nar", "tests.pipeline.test_fake_engine:FakeNonARModel", autoregressive=False,
+                     checkpoint=False)
 
 
 def tagged_concat(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, StageStartError
+from omni.outputs import StageOutput
 from tests.pipeline.test_fake_engine import (chain_config, diamond_config, embeds_ids,
                                              expected_tokens, fake_factory, text_ids)
 
@@ -113,6 +115,25 @@ def test_stream_and_stats_on_ray(chain):
     for name in ("thinker", "talker"):
         assert {"running", "waiting", "kv_usage", "prefix_cache_hit_rate", "pid", "orchestrator"} <= set(st["stages"][name])
     assert st["stages"]["thinker"]["pid"] != os.getpid()
+
+
+def test_streams_from_several_threads_at_once():
+    """Omni is thread-safe: several threads stream at once, each polling the backend (the submit()
+    generators one thread reads to their end must not be waited on by another)."""
+    data = ray_chain()
+    for s in data["stages"]:
+        s.update(model_kwargs={"step_delay_s": 0.005}, sampling={"max_tokens": 10})
+    with Omni(data, engine_factory=fake_factory) as o:
+        def one(k: int) -> list:
+            evs = []
+            for i in range(10):
+                evs += list(o.stream([{"prompt": "x" * (3 + 7 * j), "request_id": f"t{k}-{i}-{j}"} for j in range(5)]))
+            return evs
+
+        with ThreadPoolExecutor(4) as pool:
+            events = [ev for evs in pool.map(one, range(4)) for ev in evs]
+    outs = [e for e in events if isinstance(e, StageOutput)]
+    assert len(outs) == 4 * 10 * 5 * 2 and all(e.error is None for e in outs), [e.error for e in outs if e.error][:3]
 
 
 def test_timeout_and_abort_on_ray():

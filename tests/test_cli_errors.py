@@ -1,0 +1,187 @@
+"""The `omni` command on bad input: config and prompts-file errors exit 2 with one line naming the
+line or field, before anything loads; Ctrl-C and SIGTERM exit quietly with 130 / 143."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni import cli
+from tests.pipeline.test_fake_engine import chain_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def real_stage(name: str, **kw) -> dict:
+    return {"name": name, "model": "causal_lm", "model_path": "builtin:tiny-qwen2", **kw}
+
+
+@pytest.fixture
+def no_engines(monkeypatch):
+    """Nothing may load: a bad prompts file or config is refused before any stage starts."""
+    import omni.pipeline.engine_factory as engine_factory
+
+    def refuse(stage):
+        raise AssertionError(f"stage {stage.name} was started")
+
+    monkeypatch.setattr(engine_factory, "build_engine", refuse)
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("error: ")
+    return err
+
+
+@pytest.mark.parametrize("line,expected", [
+    ('{"promt": "hi"}', "unknown key 'promt' (allowed: prompt, prompt_token_ids"),
+    ('{"prompt": 5}', "prompt: expected text or a list of chat messages, got int"),
+    ("5", "expected a JSON string or object, got int: 5"),
+    ("[1, 2]", "expected a JSON string or object, got list"),
+    ("{}", "needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'"),
+    ('{"prompt_token_ids": "12"}', "prompt_token_ids: expected a list of ints"),
+    ('{"prompt": [{"role": "user"}]}', "prompt: messages[0].content: expected text or a list of content parts"),
+    ('{"prompt": [{"role": "user", "content": [{"type": "video"}]}]}', "messages[0].content[0]: expected a dict"),
+    ('{"prompt": "x", "multi_modal_data": {"audio": [[[0.1], 16000, 1]]}}', "multi_modal_data.audio[0]"),
+    ('{"prompt": "x", "request_id": 7}', "request_id: expected a str, got int"),
+    ("{oops", "invalid JSON"),
+])
+def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engines, line, expected):
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(yaml.safe_dump(chain_config()))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"fine"\n\n' + line + "\n")  # the bad one is on line 3
+    t0 = time.monotonic()
+    assert cli.main(["run", str(cfg), "--prompts-file", str(prompts)]) == 2
+    assert time.monotonic() - t0 < 2.0
+    err = one_line_error(capsys)
+    assert f"--prompts-file {prompts}:3: " in err and expected in err, err
+
+
+@pytest.mark.parametrize("stage,expected", [
+    (real_stage("a", model_path="/nonexistent/model"),
+     "stage 'a': model_path: model path '/nonexistent/model' does not exist"),
+    (real_stage("a", model_path="builtin:tiny-gpt"), "stage 'a': model_path: unknown builtin model 'tiny-gpt'"),
+    (real_stage("a", tokenizer="/nonexistent/tok"), "stage 'a': tokenizer: tokenizer path '/nonexistent/tok'"),
+    (real_stage("a", cache={"block_size": True}), "stage 'a': cache.block_size: expected a number, got true"),
+])
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_config_errors_exit_2_before_anything_starts(tmp_path, capsys, no_engines, command, stage, expected):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump({"runtime": {"backend": "local"}, "stages": [{**stage, "final_output": "text"}]}))
+    t0 = time.monotonic()
+    assert cli.main([command, str(cfg), *(["--prompt", "hi"] if command == "run" else [])]) == 2
+    assert time.monotonic() - t0 < 2.0
+    assert expected in one_line_error(capsys)
+
+
+def test_duplicate_yaml_key_names_both_lines(tmp_path, capsys):
+    cfg = tmp_path / "dup.yaml"
+    cfg.write_text("stages:\n  - name: a\n    model_path: builtin:tiny-qwen2\n    final_output: text\n"
+                   "    cache: {block_size: 4}\n    cache: {num_blocks: 8}\n")
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert f"{cfg}:6: invalid YAML: duplicate key 'cache' (first on line 5)" in one_line_error(capsys)
+
+
+def test_unreadable_config_exits_2(tmp_path, capsys):
+    cfg = tmp_path / "binary.yaml"
+    cfg.write_bytes(b"stages: \xff\xfe\n")
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert f"{cfg}: cannot read the config" in one_line_error(capsys)
+
+
+def test_validate_checks_the_shipped_configs_paths():
+    for name in ("tiny_chain", "qwen2_5_omni_tiny", "fan_out"):
+        assert cli.main(["validate", str(REPO / "stage_configs" / f"{name}.yaml")]) == 0
+
+
+def test_paths_on_a_cluster_are_left_to_its_nodes(tmp_path, capsys):
+    cfg = tmp_path / "remote.yaml"
+    cfg.write_text(yaml.safe_dump({"runtime": {"ray_address": "ray://head:10001"},
+                                   "stages": [real_stage("a", model_path="/models/only/on/the/gpu/nodes",
+                                                         final_output="text")]}))
+    assert cli.main(["validate", str(cfg)]) == 0
+    assert "model paths: not checked here (the stages run on the Ray cluster at ray://head:10001)" in \
+        capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ signals
+# A terminal delivers Ctrl-C to a process whose SIGINT is Python's default handler; a process
+# started in the background of a non-interactive shell inherits SIGINT ignored, so restore it.
+_LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from omni.cli import main; sys.exit(main(sys.argv[1:]))")
+_LONG = json.dumps({s: {"sampling": {"ignore_eos": True, "max_tokens": 1000}, "cache": {"num_blocks": 1024},
+                        "scheduler": {"max_model_len": 2048}} for s in ("thinker", "talker")})
+
+
+def run_and_signal(sig: int, backend: str) -> tuple[int, str, float]:
+    """Start a long `omni run`, send `sig` once it is generating; (exit status, stderr, seconds to exit)."""
+    args = [sys.executable, "-c", _LAUNCH, "run", "stage_configs/tiny_chain.yaml", "--backend", backend,
+            "--stage-overrides", _LONG, *[a for i in range(8) for a in ("--prompt", f"prompt {i}")]]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = ""
+    try:
+        deadline = time.monotonic() + 120
+        while "Processed prompts" not in err and time.monotonic() < deadline:
+            err += proc.stderr.read(1)  # the progress bar shows once generate() runs
+            assert err or proc.poll() is None
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, rest = proc.communicate(timeout=60)
+        return proc.returncode, err + rest, time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("sig,code,message", [
+    (signal.SIGINT, 130, "omni: interrupted (Ctrl-C)"),
+    (signal.SIGTERM, 143, "omni: terminated (SIGTERM)"),
+])
+def test_signals_exit_quietly(tmp_path, capsys, monkeypatch, sig, code, message):
+    """In this process, with fake engines: the signal comes while `omni run` waits on a request."""
+    import omni.pipeline.engine_factory as engine_factory
+    from tests.pipeline.test_fake_engine import fake_factory
+
+    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), sig))
+
+    def factory(stage):  # the CLI's handlers are in place once engines are built
+        if stage.name == "talker":
+            timer.start()
+        return fake_factory(stage)
+
+    monkeypatch.setattr(engine_factory, "build_engine", factory)
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(yaml.safe_dump(chain_config(request_timeout_s=60)))
+    previous = signal.getsignal(signal.SIGTERM)
+    t0 = time.monotonic()
+    try:
+        assert cli.main(["run", str(cfg), "--prompt", "__hang__", "--json"]) == code
+    finally:
+        timer.cancel()  # never signal this process once the CLI's handlers are gone
+    assert time.monotonic() - t0 < 10
+    err = capsys.readouterr().err
+    assert err.strip() == message, err
+    assert signal.getsignal(signal.SIGTERM) is previous  # restored
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sigterm_on_ray_closes_the_pipeline_quietly():
+    """Ray's blocking calls only let a KeyboardInterrupt through: SIGTERM must take that way out."""
+    rc, err, took = run_and_signal(signal.SIGTERM, "ray")
+    assert rc == 143, err[-2000:]
+    assert "Traceback" not in err and err.rstrip().endswith("omni: terminated (SIGTERM)"), err[-2000:]
+    assert took < 30
