@@ -108,6 +108,7 @@ class StageWorker:
         self._incoming: dict[str, Incoming] = {}  # waiting for (more) chunks
         self._outgoing: dict[str, Outgoing] = {}  # feeding streaming consumers
         self._stream_out: set[str] = set()  # the caller wants deltas
+        self._rows_sent: dict[str, int] = {}  # rows already attached to a caller's deltas
 
     def submit(self, request: StageInput, upstream: dict[str, StageOutput] | None, sampling: Any,
                keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
@@ -145,8 +146,7 @@ class StageWorker:
                 # No output: whoever aborts has already finished the request on its side.
                 rid = item[1]
                 self._incoming.pop(rid, None)
-                self._outgoing.pop(rid, None)
-                self._stream_out.discard(rid)
+                self._drop_streams(rid)
                 if self._in_flight.pop(rid, None) is not None:
                     self.engine.abort(rid)
                 continue
@@ -231,6 +231,7 @@ class StageWorker:
     def _drop_streams(self, rid: str) -> None:
         self._outgoing.pop(rid, None)
         self._stream_out.discard(rid)
+        self._rows_sent.pop(rid, None)
 
     def tick(self) -> TickResult:
         """Apply queued adds/aborts/chunks, run one engine step; return what came of it."""
@@ -255,7 +256,7 @@ class StageWorker:
                         logger.exception("stage %s: abort of %s failed", self.name, rid)
                     self._fail(rid, f"engine step failed: {type(e).__name__}: {e}")
             else:
-                self._streamed(step.deltas, result)
+                self._streamed(step.deltas, {o.request_id: o for o in step.finished}, result)
                 # step.aborted reports our own aborts: those entries are gone already.
                 for out in step.finished:
                     keep = self._in_flight.pop(out.request_id, None)
@@ -263,15 +264,17 @@ class StageWorker:
                         outgoing = self._outgoing.pop(out.request_id, None)
                         if outgoing is not None and out.ok:
                             result.chunks += [(to, out.request_id, seq, c) for to, seq, c in outgoing.on_finished(out)]
-                        self._stream_out.discard(out.request_id)
+                        self._drop_streams(out.request_id)
                         self._done(out, keep)
         result.finished, self._ready = self._ready, []
         return result
 
-    def _streamed(self, deltas: list[StageDelta], result: TickResult) -> None:
+    def _streamed(self, deltas: list[StageDelta], finished: dict[str, StageOutput], result: TickResult) -> None:
         for d in deltas:
             rid = d.request_id
             if rid in self._stream_out:
+                if self._in_flight.get(rid):  # the caller asked for the rows too: the new ones ride along
+                    self._attach_rows(d, finished.get(rid))
                 result.deltas.append(d)
             outgoing = self._outgoing.get(rid)
             if outgoing is None:
@@ -286,6 +289,19 @@ class StageWorker:
                 self._fail(rid, f"streaming its output failed: {type(e).__name__}: {e}")
                 continue
             result.chunks += [(to, rid, seq, c) for to, seq, c in due]
+
+    def _attach_rows(self, d: StageDelta, out: StageOutput | None) -> None:
+        start = self._rows_sent.get(d.request_id, 0)
+        if out is not None:  # the step that finished it: the rest comes from its complete output
+            per_token = dict(out.mm_outputs)
+            if out.hidden_states is not None:
+                per_token["hidden_states"] = out.hidden_states
+            d.rows = {k: v[start:] for k, v in per_token.items()}
+            self._rows_sent.pop(d.request_id, None)
+        elif d.num_computed_tokens > start:
+            d.rows = self.engine.read_rows(d.request_id, start, d.num_computed_tokens)
+            self._rows_sent[d.request_id] = d.num_computed_tokens
+        d.rows_start = start
 
     def stats(self) -> dict[str, Any]:
         try:

@@ -80,6 +80,24 @@ def test_streaming_edge_gives_the_non_streaming_outputs(reference, chunk_tokens)
         assert_clean(o)
 
 
+def test_streamed_rows_add_up_to_the_hidden_states():
+    """stream(return_hidden_states=True): each delta carries the rows computed since the last one."""
+    import numpy as np
+
+    with Omni(CONFIG, backend="local", stage_overrides=streaming(3)) as o:
+        rows, finals = {}, {}
+        for ev in o.stream(PROMPTS[:2], GREEDY, return_hidden_states=True):
+            if isinstance(ev, StageDelta):
+                if ev.rows:
+                    assert ev.rows_start == sum(r.shape[0] for r in rows.get((ev.request_id, ev.stage), []))
+                    rows.setdefault((ev.request_id, ev.stage), []).append(ev.rows["hidden_states"])
+            else:
+                finals[(ev.request_id, ev.stage)] = ev
+        for key, out in finals.items():
+            np.testing.assert_array_equal(np.concatenate(rows[key]), out.hidden_states)
+        assert_clean(o)
+
+
 def test_talker_starts_before_the_thinker_finishes():
     """The overlap that streaming is for: the talker has computed rows while the thinker still decodes."""
     with Omni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:
