@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
     run.add_argument("--json", action="store_true", help="print the results as one JSON object")
     run.add_argument("--stream", action="store_true",
-                     help="print each stage's text as it is generated (stderr when --json)")
+                     help="print each stage's text as it is generated (stderr when --json) and write audio "
+                          "to a WAV file as its chunks arrive (in --output-dir, default the current directory)")
 
     val = sub.add_parser("validate", help="validate a pipeline config and print its graph")
     _config_args(val)
@@ -202,8 +203,9 @@ def _write_outputs(out_dir: Path, results: list[dict[str, Any]], outputs: list[A
                 np.save(stem.with_suffix(".npy"), np.asarray(so.hidden_states))
 
 
-def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any) -> list[Any]:
-    """Stream every prompt, printing text deltas as they arrive; the RequestOutputs, in prompt order.
+def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any, audio_dir: Path) -> list[Any]:
+    """Stream every prompt, printing text deltas as they arrive and appending audio chunks to WAV
+    files (`{i:04d}_{stage}.stream.wav`); the RequestOutputs, in prompt order.
 
     One prompt: each stage's text is written as it grows. Several: one line per delta,
     prefixed "[i stage]" (they interleave as the requests run concurrently)."""
@@ -212,31 +214,57 @@ def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any) -> li
     order: list[str] = []
     results: dict[str, RequestOutput] = {}
     current: tuple[str, str] | None = None
-    for ev in omni.stream(prompts, sampling):
-        rid = ev.request_id
-        if rid not in results:
-            order.append(rid)
-            results[rid] = RequestOutput(rid, prompts[len(order) - 1] if len(order) <= len(prompts) else None)
-        i = order.index(rid)
-        if isinstance(ev, StageDelta):
-            if not ev.text:
-                continue
-            if len(prompts) == 1:
-                if current != (rid, ev.stage):
-                    out.write(("\n" if current else "") + f"{ev.stage}: ")
-                    current = (rid, ev.stage)
-                out.write(ev.text)
-            else:
-                out.write(f"[{i} {ev.stage}] {ev.text!r}\n")
-            out.flush()
-            continue
+    wavs: dict[tuple[str, str], Any] = {}
+    try:
+        for ev in omni.stream(prompts, sampling):
+            current = _on_stream_event(ev, prompts, order, results, current, wavs, out, audio_dir)
+    finally:
+        for w in wavs.values():
+            w.close()
+    if current:
+        out.write("\n")
+    return [results[r] for r in order]
+
+
+def _on_stream_event(ev: Any, prompts: list[Any], order: list[str], results: dict[str, Any],
+                     current: tuple[str, str] | None, wavs: dict[tuple[str, str], Any], out: Any,
+                     audio_dir: Path) -> tuple[str, str] | None:
+    """Handle one streamed item; returns the (request, stage) whose text is being written inline."""
+    from omni.outputs import RequestOutput, StageDelta
+
+    rid = ev.request_id
+    if rid not in results:
+        order.append(rid)
+        results[rid] = RequestOutput(rid, prompts[len(order) - 1] if len(order) <= len(prompts) else None)
+    i = order.index(rid)
+    if not isinstance(ev, StageDelta):
         if ev.error:
             results[rid].error = ev.error
         else:
             results[rid].outputs[ev.stage] = ev
-    if current:
-        out.write("\n")
-    return [results[r] for r in order]
+        return current
+    if ev.audio is not None and len(ev.audio):
+        key = (rid, ev.stage)
+        if key not in wavs:  # opened on the first chunk; the header is completed on close
+            audio_dir.mkdir(parents=True, exist_ok=True)
+            w = wave.open(str(audio_dir / f"{i:04d}_{ev.stage}.stream.wav"), "wb")
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(int(ev.sampling_rate or _DEFAULT_SAMPLE_RATE))
+            wavs[key] = w
+        pcm = (np.clip(np.asarray(ev.audio, dtype=np.float32), -1.0, 1.0) * 32767).astype("<i2")
+        wavs[key].writeframes(pcm.tobytes())
+    if not ev.text:
+        return current
+    if len(prompts) == 1:
+        if current != (rid, ev.stage):
+            out.write(("\n" if current else "") + f"{ev.stage}: ")
+            current = (rid, ev.stage)
+        out.write(ev.text)
+    else:
+        out.write(f"[{i} {ev.stage}] {ev.text!r}\n")
+    out.flush()
+    return current
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -256,7 +284,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with Omni(cfg, backend=args.backend) as omni:
             if args.stream:
-                outputs = _run_streaming(omni, prompts, sampling, sys.stderr if args.json else sys.stdout)
+                outputs = _run_streaming(omni, prompts, sampling, sys.stderr if args.json else sys.stdout,
+                                         args.output_dir or Path("."))
             else:
                 outputs = omni.generate(prompts, sampling, use_tqdm=not args.json)
             stats = omni.stats()

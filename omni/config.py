@@ -206,9 +206,9 @@ class StageConfig(_Model):
             if len(self.inputs) != 1:
                 raise ValueError(f"{where}: inputs: a streaming input must be the stage's only input "
                                  f"(got {len(self.inputs)} inputs)")
-            if not model.autoregressive:
-                raise ValueError(f"{where}: inputs[0].stream: model {self.model!r} is a one-shot stage; its "
-                                 "input cannot grow while it runs (set stream: false)")
+            if not model.streams_input:
+                raise ValueError(f"{where}: inputs[0].stream: model {self.model!r} is a one-shot stage that "
+                                 "cannot take its input in chunks (set stream: false)")
             proc = self.input_processor or "passthrough_tokens"
             if registry.input_processor_entry(proc).incremental is None:
                 raise ValueError(f"{where}: inputs[0].stream: input processor {proc!r} has no chunk form, so it "

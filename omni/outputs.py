@@ -97,6 +97,11 @@ class StageDelta:
     # Per-token rows of a range of tokens (filled where a consumer needs them): name -> [n, ...].
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     rows_start: int = 0  # token index of the first row in `rows`
+    # The request's prompt, on its first delta only (a streaming consumer may need it).
+    prompt_token_ids: list[int] | None = None
+    # A piece of waveform (float32, mono) ready now (a stage that streams audio out).
+    audio: np.ndarray | None = None
+    sampling_rate: int | None = None
 
 
 def error_output(stage: str, request_id: str, error: str, reason: str = "error") -> StageOutput:

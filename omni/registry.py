@@ -44,6 +44,9 @@ class StageModelEntry:
     autoregressive: bool = True  # False: a one-shot stage (no KV cache, no prefix caching)
     emits_hidden_states: bool = True  # per-token last hidden states a downstream stage can read
     checkpoint: bool = True  # loads weights from model_path (False: test doubles; the path is not checked)
+    # Its input may arrive in chunks (a streaming edge into it): every autoregressive model;
+    # a one-shot model only when it implements the streaming-input hooks.
+    streams_input: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +112,13 @@ def _check_name(kind: str, name: str, target: str) -> None:
 
 
 def register_stage_model(name: str, target: str, *, autoregressive: bool = True,
-                         emits_hidden_states: bool | None = None, checkpoint: bool = True) -> None:
+                         emits_hidden_states: bool | None = None, checkpoint: bool = True,
+                         streams_input: bool | None = None) -> None:
     """Register a stage model class by its "module:Class" string (not imported here)."""
     _check_name("stage model", name, target)
     emits = autoregressive if emits_hidden_states is None else emits_hidden_states
-    _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits, checkpoint)
+    streams = autoregressive if streams_input is None else streams_input
+    _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits, checkpoint, streams)
 
 
 def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False,
@@ -152,7 +157,8 @@ def stage_model_entry(name: str) -> StageModelEntry:
         cls = _resolve_target(name, "a class", lambda o: isinstance(o, type))
         autoregressive = bool(getattr(cls, "autoregressive", True))
         return StageModelEntry(name, autoregressive,
-                               bool(getattr(cls, "emits_hidden_states", autoregressive)))
+                               bool(getattr(cls, "emits_hidden_states", autoregressive)),
+                               streams_input=bool(getattr(cls, "streams_input", autoregressive)))
     return _registered(_STAGE_MODELS, "stage model", name, "package.module:Class")
 
 

@@ -14,11 +14,13 @@ def register() -> None:
     register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni:Qwen2_5OmniThinkerStage")
     register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni:Qwen2_5OmniTalkerStage")
     register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni:Qwen2_5OmniToken2WavStage",
-                         autoregressive=False)
+                         autoregressive=False, streams_input=True)
 
     register_input_processor("hidden_to_embeds", "stages.processors:hidden_to_embeds", needs_hidden_states=True,
                              incremental="stages.processors:hidden_to_embeds_chunk")
-    register_input_processor("thinker2talker", "stages.qwen2_5_omni:thinker2talker", needs_hidden_states=True)
-    register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav")
+    register_input_processor("thinker2talker", "stages.qwen2_5_omni:thinker2talker", needs_hidden_states=True,
+                             incremental="stages.qwen2_5_omni:thinker2talker_chunk")
+    register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav",
+                             incremental="stages.qwen2_5_omni:talker2wav_chunk")
 
     register_model_path_scheme("builtin", "stages.checkpoints:builtin_path", check="stages.checkpoints:check_builtin")

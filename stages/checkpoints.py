@@ -67,7 +67,7 @@ TINY_ARCHS = {
     "llama": 4,
     "qwen2": 3,
 }
-BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2", "tiny-qwen2_5-omni")
+BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2", "tiny-qwen2_5-omni", "small-qwen2_5-omni")
 
 
 # ----------------------------------------------------------------------------- cache plumbing
@@ -306,6 +306,10 @@ def builtin_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         from stages.qwen2_5_omni_checkpoint import tiny_omni_checkpoint
 
         return tiny_omni_checkpoint(cache_dir)
+    if name == "small-qwen2_5-omni":
+        from stages.qwen2_5_omni_checkpoint import small_omni_checkpoint
+
+        return small_omni_checkpoint(cache_dir)
     raise AssertionError(f"builtin:{name} is listed in BUILTIN_MODELS but has no recipe")
 
 

@@ -1,6 +1,12 @@
-"""A tiny random Qwen2.5-Omni checkpoint (thinker + talker + token2wav), written once, offline.
+"""Random Qwen2.5-Omni checkpoints (thinker + talker + token2wav), written once, offline.
 
-    builtin:tiny-qwen2_5-omni   (via `tiny_omni_checkpoint()`; see stages/checkpoints.py for the cache)
+    builtin:tiny-qwen2_5-omni    (`tiny_omni_checkpoint()`): ~20 M parameters, for tests
+    builtin:small-qwen2_5-omni   (`small_omni_checkpoint()`): ~100 M parameters with realistic
+                                 proportions (6 thinker layers, 4 talker layers, real vision and audio
+                                 encoders at small width, a 6-layer DiT and a full-rate BigVGAN:
+                                 24 kHz, 50 codec tokens per second), for benchmarks where prefill,
+                                 decoding and audio generation cost real time
+    (see stages/checkpoints.py for the cache)
 
 Same layout as the real `Qwen/Qwen2.5-Omni-7B` directory, so the same stage code and transformers'
 own `Qwen2_5OmniForConditionalGeneration.from_pretrained` load either:
@@ -28,6 +34,7 @@ from stages.checkpoints import QWEN2_ADDED_TOKENS, build_once, cache_root
 from stages.qwen2_5_omni_inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
 _RECIPE_VERSION = 2  # v2: thinker config carries vision_start/end token ids
+_SMALL_RECIPE_VERSION = 1
 _SEED = 1234
 _TEXT_STD = 0.2  # as in stages.checkpoints: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1
@@ -99,6 +106,40 @@ def tiny_omni_config():
                              enable_audio_output=True)
 
 
+def small_omni_config():
+    """Realistic proportions at ~100 M parameters (the 7B model's layout, narrower and shallower)."""
+    from transformers import Qwen2_5OmniConfig
+
+    ids = dict(pad_token_id=151643, eos_token_id=151645)
+    text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
+                tie_word_embeddings=False, initializer_range=_TEXT_STD, **ids)
+    vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, in_channels=3, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=256,
+                  fullatt_block_indexes=[1, 3])
+    audio = dict(num_mel_bins=128, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=256, d_model=128,
+                 output_dim=256, n_window=100, max_source_positions=1500)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio, vision_start_token_id=151652,
+                   vision_end_token_id=151653, vision_token_id=151654, bos_token_id=151644, **ids)
+    talker = dict(vocab_size=8448, embedding_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+                  initializer_range=_TEXT_STD)
+    dit = dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, ff_mult=2, emb_dim=64, head_dim=32,
+               max_position_embeddings=32768, block_size=24, look_ahead_layers=[2], look_backward_layers=[0, 4],
+               repeats=2, num_embeds=8448, mel_dim=80, dropout=0.0, enc_emb_dim=64, enc_dim=64,
+               enc_channels=[64, 64, 64, 64, 192], enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
+               enc_attention_channels=32, enc_res2net_scale=2, enc_se_channels=32)
+    # 240 samples per mel frame, 2 frames per codec token: 24 kHz at 50 tokens/s, as the real model.
+    bigvgan = dict(mel_dim=80, upsample_initial_channel=128, resblock_kernel_sizes=[3, 7],
+                   resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]], upsample_rates=[5, 3, 2, 2, 2, 2],
+                   upsample_kernel_sizes=[11, 7, 4, 4, 4, 4])
+    return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker,
+                             token2wav_config={"dit_config": dit, "bigvgan_config": bigvgan},
+                             enable_audio_output=True)
+
+
 def _randomize(model, gen) -> None:
     import torch
 
@@ -117,12 +158,20 @@ def _randomize(model, gen) -> None:
 
 def tiny_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """The tiny random Qwen2.5-Omni checkpoint directory, built on first use."""
+    return _omni_checkpoint(tiny_omni_config, f"tiny-qwen2_5-omni-v{_RECIPE_VERSION}", cache_dir)
 
+
+def small_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The small random Qwen2.5-Omni checkpoint directory (~100 M parameters), built on first use."""
+    return _omni_checkpoint(small_omni_config, f"small-qwen2_5-omni-v{_SMALL_RECIPE_VERSION}", cache_dir)
+
+
+def _omni_checkpoint(make_config, dirname: str, cache_dir) -> Path:
     def build(tmp: Path) -> dict:
         import torch
         from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
-        config = tiny_omni_config()
+        config = make_config()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_SEED)
             model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
@@ -141,9 +190,10 @@ def tiny_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         omni_tokenizer().save_pretrained(tmp)
         (tmp / "omni_preprocess.json").write_text(json.dumps({**PREPROCESS, "system_prompt": DEFAULT_SYSTEM},
                                                              indent=2) + "\n")
-        return {"arch": "qwen2_5_omni", "seed": _SEED, "speakers": sorted(SPEAKERS)}
+        return {"arch": "qwen2_5_omni", "seed": _SEED, "speakers": sorted(SPEAKERS),
+                "parameters": sum(p.numel() for p in model.parameters())}
 
-    return build_once(cache_root(cache_dir) / f"tiny-qwen2_5-omni-v{_RECIPE_VERSION}", build)
+    return build_once(cache_root(cache_dir) / dirname, build)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@ The prompt rows (in the thinker's hidden width, before `thinker_to_talker_proj`)
 `prompt_embeds`, so the engine hashes them into the block keys: a talker prefix hits only when the
 thinker's states for it were identical. `compute_logits` suppresses the codec bos token, as
 transformers' generate does.
+
+Streaming (a `stream: true` edge from the thinker): the prompt is complete once the thinker has
+sampled two tokens (reply[0] needs the hidden row of g0), so the talker starts then; later chunks
+only add reply rows, and decode step j waits until reply row j exists (`compute_limit`) or the
+thinker has finished (then the text eos / pad rows follow, as in the one-shot prompt). The rows and
+positions are the same as the one-shot path's, so the codes are too.
 """
 from __future__ import annotations
 
@@ -73,10 +79,31 @@ class _TalkerRequest:
     positions: torch.Tensor  # [3, num_prompt] int64
     delta: int
     reply: torch.Tensor  # [R, thinker_hidden]: added to the codec embedding of generated token j (min(j, R-1))
+    # Streaming input only: the thinker tokens so far and how many reply rows exist; `complete`
+    # once the thinker finished (its eos/pad rows are then in `reply`).
+    gen: list[int] | None = None
+    num_reply: int = 0
+    complete: bool = True
+    pending: torch.Tensor | None = None  # thinker rows that arrived before their token
+    _buf: torch.Tensor | None = None
+
+    def append_reply(self, rows: torch.Tensor) -> None:
+        """Grow `reply` (capacity doubles: k chunks cost O(total) copies)."""
+        n, k = self.reply.shape[0], rows.shape[0]
+        buf = self._buf if self._buf is not None else self.reply
+        if buf.shape[0] < n + k:
+            bigger = torch.empty((max(2 * buf.shape[0], n + k, 16), *rows.shape[1:]), dtype=self.reply.dtype,
+                                 device=self.reply.device)
+            bigger[:n] = self.reply
+            buf = bigger
+        buf[n : n + k] = rows.to(buf.dtype)
+        self._buf = buf
+        self.reply = buf[: n + k]
 
 
 class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
     tokenizer = None
+    decodes_before_input_complete = True  # one thinker row per step (compute_limit says how far)
 
     def __init__(self, talker, thinker_embed: torch.nn.Embedding, speakers: dict, device, dtype,
                  mm_token_ids: tuple[int, ...], transformers_compat: bool = True):
@@ -141,6 +168,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
             raise ValueError(f"thinker_output_ids: the talker needs >= 2 thinker tokens and their hidden states "
                              f"(got {n} tokens, {hidden.shape[0]} rows for a {L}-token prompt)")
         spk = speaker_params(self.speakers, ex.get("speaker"))
+        streaming = bool(ex.get("streaming"))
         cfg = self.config
         emb = self._embed_text(prompt)
         is_mm = torch.tensor([t in self.mm_token_ids for t in prompt], device=self.device)
@@ -155,8 +183,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         rows = torch.cat([hidden[:L] + emb,
                           self._embed_text([int(spk["bos_token"])]) + codec[:1],
                           reply[:1] + codec[1:]])
-        tail = self._embed_text([cfg.tts_text_end_token_id, cfg.tts_text_pad_token_id])
-        rest = torch.cat([reply[1:], tail])
+        rest = reply[1:] if streaming else torch.cat([reply[1:], self._tail()])
         tpos = torch.as_tensor(np.asarray(ex["thinker_positions"]), dtype=torch.long)[:L].t()
         if self.transformers_compat:
             tpos = torch.arange(L, dtype=torch.long).repeat(3, 1)
@@ -164,7 +191,43 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         positions = torch.cat([tpos, torch.tensor([[top + 1, top + 2]] * 3, dtype=torch.long)], dim=1)
         ids = [self.talker.codec_mask_token] * L + [self.talker.codec_pad_token, self.talker.codec_bos_token]
         state = _TalkerRequest(positions, top + 1 - L, rest.to(self.dtype))
+        if streaming:
+            state.gen, state.num_reply, state.complete = gen, num_reply, False
         return PreparedPrompt(ids, [], rows.cpu().numpy().astype(np.float32), {"talker": state})
+
+    def _tail(self) -> torch.Tensor:
+        """The rows after the thinker's reply: its text end token, then text pad (repeated)."""
+        cfg = self.config
+        return self._embed_text([cfg.tts_text_end_token_id, cfg.tts_text_pad_token_id])
+
+    @torch.inference_mode()
+    def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
+        """More of the thinker's output: reply row k = hidden row L + k + embedding of token g_k."""
+        st = self._requests.get(request_id)
+        if st is None or st.complete:
+            raise ValueError(f"request_id: {request_id!r} takes no more thinker output")
+        st.gen.extend(int(t) for t in extra.get("thinker_output_ids", ()))
+        hidden = extra.get("thinker_hidden")
+        if hidden is not None and len(hidden):
+            rows = torch.as_tensor(np.asarray(hidden, dtype=np.float32), device=self.device)
+            st.pending = rows if st.pending is None else torch.cat([st.pending, rows])
+        if st.pending is not None:
+            k0 = st.num_reply
+            k1 = min(k0 + st.pending.shape[0], len(st.gen))  # a row is used once its token is there
+            if k1 > k0:
+                st.append_reply((st.pending[: k1 - k0] + self._embed_text(st.gen[k0:k1])).to(self.dtype))
+                st.pending = st.pending[k1 - k0:]
+                st.num_reply = k1
+        if last:
+            st.append_reply(self._tail().to(self.dtype))
+            st.complete = True
+
+    def compute_limit(self, request_id: str) -> int | None:
+        st = self._requests.get(request_id)
+        if st is None or st.complete:
+            return None
+        # Output token j (position num_prompt + j) is fed with reply row j.
+        return st.positions.shape[1] + st.reply.shape[0]
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
         if prompt is not None:

@@ -7,9 +7,28 @@ waveform. No KV cache and no prefix caching: it runs in omni.engine.generation_e
 The noise comes from torch's global RNG (transformers' code draws it with `torch.randn`), so each
 request runs under `torch.random.fork_rng` seeded with the request's seed (sampling `seed`, else 0):
 the same codes and seed give the same waveform, whatever else ran before.
+
+Streaming (a `stream: true` edge from the talker): codec tokens arrive in chunks and the waveform
+leaves in chunks. The DiT's attention is block-local (blocks of `block_size` mel frames, one
+block of look-ahead / look-back in a few layers), so a chunk of codes [a, b) is generated on a
+window [a - left_context, b + lookahead), aligned to DiT blocks, and only its own frames are kept;
+BigVGAN runs on the window's mel and the chunk's samples are cut out. The ODE starts from the same
+noise the one-shot path draws for those frames (one seeded draw per request, sliced), so a request
+that fits in one chunk gives exactly the one-shot waveform and longer ones differ only by the
+context each window lacks (measured in tests: max |diff| and SNR). The first chunk is smaller
+(`first_chunk_codes`) for a short time to first audio.
+
+    model_kwargs: chunk_codes (25), first_chunk_codes (10), left_context_codes (1 DiT block),
+                  lookahead_codes (1 DiT block)
+
+Measured on the random small checkpoint (150 codes): with >= 1 block of context on each side the
+chunked waveform equals the one-shot one to fp32 rounding (SNR 122 dB); without look-ahead 19 dB,
+without left context 24 dB. A trained DiT's attention reaches further through the ODE's steps:
+measure the bound on real weights before trusting it there.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +42,29 @@ from .qwen2_5_omni_talker import load_speakers, speaker_params
 from .qwen2_5_omni_thinker import load_omni_part
 
 
+@dataclass(slots=True)
+class _WavStream:
+    """One request whose codes arrive in chunks."""
+
+    codes: list[int]
+    speaker: str | None
+    noise: torch.Tensor  # [1, max_frames, mel_dim]: the one-shot path's draw for this seed
+    done: int = 0  # codes whose audio has been emitted
+    complete: bool = False
+    finished: bool = False
+    pieces: list[np.ndarray] = field(default_factory=list)
+
+
 class Qwen2_5OmniToken2WavStage(OneShotStageModel):
+    streams_input = True
     tokenizer = None
     eos_token_id = None
     sampling_rate = 24000
 
     def __init__(self, token2wav, speakers: dict, device: torch.device, num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_codes: int = 25,
+                 first_chunk_codes: int = 10, left_context_codes: int | None = None,
+                 lookahead_codes: int | None = None):
         self.token2wav = token2wav
         self.speakers = speakers
         self.device = device
@@ -42,6 +77,22 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self.max_model_len = self.max_codes
         self.kwargs = {"num_steps": num_steps, "guidance_scale": guidance_scale,
                        "sway_coefficient": sway_coefficient}
+        self.repeats = dit.repeats
+        self.mel_dim = dit.mel_dim
+        block = max(1, dit.block_size // dit.repeats)  # codes per DiT attention block
+        self.block_codes = block
+        self.chunk_codes = int(chunk_codes)
+        self.first_chunk_codes = int(first_chunk_codes)
+        self.left_context_codes = block if left_context_codes is None else int(left_context_codes)
+        self.lookahead_codes = block if lookahead_codes is None else int(lookahead_codes)
+        for name in ("chunk_codes", "first_chunk_codes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model_kwargs.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("left_context_codes", "lookahead_codes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model_kwargs.{name}: must be >= 0, got {getattr(self, name)}")
+        bigvgan = token2wav.config.bigvgan_config
+        self.samples_per_frame = int(np.prod(bigvgan.upsample_rates))
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -49,7 +100,9 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         from transformers import Qwen2_5OmniToken2WavModel
 
         kwargs = dict(model_kwargs or {})
-        gen = {k: kwargs.pop(k) for k in ("num_steps", "guidance_scale", "sway_coefficient") if k in kwargs}
+        gen = {k: kwargs.pop(k) for k in ("num_steps", "guidance_scale", "sway_coefficient", "chunk_codes",
+                                          "first_chunk_codes", "left_context_codes", "lookahead_codes")
+               if k in kwargs}
         model, _ = load_omni_part(Path(model_path), "token2wav", Qwen2_5OmniToken2WavModel, torch.float32,
                                   device, **kwargs)
         return cls(model, load_speakers(Path(model_path)), device, **gen)
@@ -87,3 +140,112 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def run_generation(self, job: tuple[list[int], str | None, int]) -> dict[str, Any]:
         codes, speaker, seed = job
         return {"audio": self.generate(codes, speaker, seed), "sampling_rate": self.sampling_rate}
+
+    # -- streaming --------------------------------------------------------------
+    def prepare_stream(self, inp: StageInput, seed: int) -> _WavStream:
+        speaker = inp.extra.get("speaker")
+        speaker_params(self.speakers, speaker)
+        codes = self._check_codes([int(t) for t in (inp.prompt_token_ids or [])], 0)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            # The same draw as the one-shot path's `torch.randn([1, frames, mel])`, for the longest
+            # possible request: a prefix of a seeded draw is the shorter draw.
+            noise = torch.randn([1, self.max_codes * self.repeats, self.mel_dim], device=self.device)
+        return _WavStream(codes, speaker, noise)
+
+    def _check_codes(self, codes: list[int], have: int) -> list[int]:
+        bad = [c for c in codes if not 0 <= c < self.num_codes]
+        if bad:
+            raise ValueError(f"prompt_token_ids: codec token {bad[0]} is out of range (0..{self.num_codes - 1})")
+        if have + len(codes) > self.max_codes:
+            raise ValueError(f"prompt_token_ids: {have + len(codes)} codec tokens, at most {self.max_codes} allowed")
+        return codes
+
+    def extend_stream(self, state: _WavStream, inp: StageInput, last: bool) -> None:
+        if state.complete:
+            raise ValueError("prompt_token_ids: this request's codes are complete")
+        state.codes += self._check_codes([int(t) for t in (inp.prompt_token_ids or [])], len(state.codes))
+        state.complete = last
+        if last and not state.codes:
+            raise ValueError("prompt_token_ids: token2wav needs at least one codec token")
+
+    def _next_end(self, state: _WavStream) -> int | None:
+        """End (exclusive) of the next chunk of codes, or None while it cannot be made yet."""
+        if state.finished:
+            return None
+        total, start = len(state.codes), state.done
+        end = start + (self.first_chunk_codes if start == 0 else self.chunk_codes)
+        if state.complete:
+            if start >= total:
+                return total  # everything was emitted before the end was known: an empty last piece
+            # Never leave a sliver for a last chunk: fold it into this one.
+            return total if total - end < self.chunk_codes // 2 else end
+        return end if total >= end + self.lookahead_codes else None
+
+    def stream_ready(self, state: _WavStream) -> bool:
+        return not state.finished and self._next_end(state) is not None
+
+    @torch.inference_mode()
+    def next_output(self, state: _WavStream) -> tuple[dict[str, Any] | None, bool]:
+        end = self._next_end(state)
+        if end is None or state.finished:
+            return None, state.finished
+        start, total = state.done, len(state.codes)
+        if end > start:
+            # The window: left context aligned down to a DiT block (the block partition then matches
+            # the whole sequence's), the chunk, and the look-ahead its last frames attend to.
+            lo = max(0, start - self.left_context_codes) // self.block_codes * self.block_codes
+            hi = min(total, end + self.lookahead_codes)
+            spf = self.samples_per_frame * self.repeats  # samples per codec token
+            piece = self._window_audio(state, lo, hi)[(start - lo) * spf : (end - lo) * spf]
+        else:
+            piece = np.zeros(0, np.float32)
+        state.pieces.append(piece)
+        state.done = end
+        state.finished = state.complete and end >= total
+        return {"audio": piece, "sampling_rate": self.sampling_rate}, state.finished
+
+    def _window_audio(self, state: _WavStream, lo: int, hi: int) -> np.ndarray:
+        spk = speaker_params(self.speakers, state.speaker)
+        code = torch.tensor([state.codes[lo:hi]], dtype=torch.long, device=self.device)
+        cond = spk["cond"].to(self.device).float().expand(1, -1)
+        ref = spk["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        noise = state.noise[:, lo * self.repeats : hi * self.repeats]
+        mel = dit_sample(self.token2wav.code2wav_dit_model, cond, ref, code, noise, **self.kwargs)
+        return self.token2wav.code2wav_bigvgan_model(mel).reshape(-1).float().cpu().numpy()
+
+    def stream_result(self, state: _WavStream) -> dict[str, Any]:
+        """The whole waveform of a finished stream: its pieces, concatenated."""
+        audio = np.concatenate(state.pieces) if state.pieces else np.zeros(0, np.float32)
+        return {"audio": audio.astype(np.float32), "sampling_rate": self.sampling_rate}
+
+
+def dit_sample(dit, conditioning: torch.Tensor, reference_mel: torch.Tensor, code: torch.Tensor,
+               noise: torch.Tensor, num_steps: int = 10, guidance_scale: float = 0.5,
+               sway_coefficient: float = -1.0) -> torch.Tensor:
+    """transformers' Qwen2_5OmniToken2WavDiTModel.sample with the initial noise given, not drawn
+    (a window of a longer request must start from that request's noise for its frames). Same
+    time grid (sway), classifier-free guidance and Runge-Kutta solver."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+    frames = code.shape[1] * dit.repeats
+    if noise.shape[1] != frames:
+        raise ValueError(f"noise has {noise.shape[1]} frames for {frames} mel frames")
+    cond = conditioning.unsqueeze(1).repeat(1, frames, 1)
+
+    def velocity(t, x):
+        if guidance_scale < 1e-5:
+            return dit(hidden_states=x, speaker_embedding=cond, condition_vector=reference_mel,
+                       quantized_code=code, time_step=t, drop_audio_conditioning=False, drop_code=False,
+                       apply_cfg=False)
+        out = dit(hidden_states=x, quantized_code=code, speaker_embedding=cond, condition_vector=reference_mel,
+                  time_step=t, apply_cfg=True)
+        guided, null = torch.chunk(out, 2, dim=0)
+        return guided + (guided - null) * guidance_scale
+
+    t = torch.linspace(0, 1, num_steps, device=code.device, dtype=cond.dtype)
+    if sway_coefficient is not None:
+        t = t + sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
+    trajectory = RungeKutta4ODESolver(function=velocity, initial_value=noise.to(cond.dtype)).integrate(t)
+    return trajectory[-1].permute(0, 2, 1)

@@ -15,6 +15,9 @@ for) and the end. Concurrency 1 and 4, both modes. JSON keys:
     chain_e2e_ratio             end to end, streaming / non-streaming (concurrency 1; <= 1.0)
     ..._c4                      the same at concurrency 4
     thinker_tokens_identical    1 when the thinker's greedy tokens are the same in both modes
+
+`--pipeline omni` (or `both`, the default) adds the small Qwen2.5-Omni with audio: time to first
+audio and real-time factor, streaming vs not (omni_streaming.py).
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pipeline", choices=["chain", "omni", "both"], default="both")
+    p.add_argument("--omni-config", default="stage_configs/qwen2_5_omni_small.yaml")
+    p.add_argument("--omni-turns", type=int, default=3, help="turns of the TTFP-per-turn conversation")
+    p.add_argument("--omni-doc-tokens", type=int, default=1000, help="tokens of the first message's document")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw TTFP per turn (omni) into this PNG file")
 
 
 def _prompts(path, args, n: int, offset: int) -> list[str]:
@@ -96,6 +104,17 @@ def _mode(args, stream: bool, batches: dict[int, list[str]]) -> tuple[dict[str, 
 
 
 def run(args) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if args.pipeline in ("chain", "both"):
+        result.update(run_chain(args))
+    if args.pipeline in ("omni", "both"):
+        from .omni_streaming import run_omni
+
+        result.update(run_omni(args))
+    return result
+
+
+def run_chain(args) -> dict[str, Any]:
     from omni.config import load_config
     from omni.registry import resolve_model_path
 

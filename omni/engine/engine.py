@@ -227,6 +227,7 @@ class StageEngine:
             if inp.stream or not inp.input_complete:
                 req.input_complete = inp.input_complete
                 self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None)
+            req.compute_limit = self.model.compute_limit(rid)
             wants_rows = inp.return_hidden_states
             if self.config.emit_hidden_states if wants_rows is None else wants_rows:
                 if not self.runner.emits_rows:
@@ -261,9 +262,11 @@ class StageEngine:
         return t, digests, arr
 
     def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
-                       last: bool = False) -> None:
-        """Append a chunk to the prompt of a request admitted with input_complete=False.
-        ValueError (naming the field) when the chunk is bad or cannot fit; the request stays as it was."""
+                       last: bool = False, extra: dict[str, Any] | None = None) -> None:
+        """Append a chunk to the input of a request admitted with input_complete=False: prompt tokens
+        (and their embeddings), and/or model-specific side input (`extra`, for a model that decodes
+        while its input streams in). ValueError (naming the field) when the chunk is bad or cannot
+        fit; the prompt stays as it was."""
         req = self.scheduler.requests.get(request_id)
         if req is None or req.input_complete or request_id not in self.streams:
             raise ValueError(f"request_id: {request_id!r} is not a request of stage {self.name!r} waiting for input")
@@ -285,10 +288,13 @@ class StageEngine:
             state.append_prompt_embeds(rows)
         if token_ids:
             req.extend_prompt(token_ids, digests)
+        if extra or last:
+            self.model.extend_request(request_id, extra or {}, last)
         if last:
             req.input_complete = True
-            if not token_ids:
+            if not token_ids and not self.model.decodes_before_input_complete:
                 self.scheduler.recompute_last_token(req)
+        req.compute_limit = self.model.compute_limit(request_id)
 
     def read_rows(self, request_id: str, start: int, end: int) -> dict[str, np.ndarray]:
         """Per-token rows [start, end) of a running request that keeps rows (end <= its computed tokens)."""

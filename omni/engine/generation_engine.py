@@ -5,6 +5,12 @@ OneShotStageModel: `prepare_generation` when the request arrives, `run_generatio
 when it runs). Requests run in arrival order, up to `max_num_seqs` per `step()`;
 a failing request fails alone. The queue is this engine's scheduler: a request
 lives in it from add_request until its step (or abort).
+
+A request whose input streams in (input_complete=False; a model with streaming
+input, e.g. token2wav fed codec chunks) lives in `_streams` instead: its input
+grows through extend_request, and each step the model emits whatever piece of
+output is ready (a StageDelta with `audio`); the finished output carries the
+pieces concatenated.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni.outputs import StageInput, StageOutput
+from omni.outputs import StageDelta, StageInput, StageOutput
 
 from .interface import EngineStepOutput, StageStats
 from .loading import load_stage_model
@@ -47,6 +53,8 @@ class _Job:
     inp: StageInput
     job: Any
     arrival: float
+    tokens: list[int] = field(default_factory=list)  # streamed input: every token received
+    first_output: float | None = None
 
 
 class GenerationStageEngine:
@@ -61,6 +69,7 @@ class GenerationStageEngine:
         self.model = model
         self.tokenizer = model.tokenizer
         self._queue: OrderedDict[str, _Job] = OrderedDict()
+        self._streams: OrderedDict[str, _Job] = OrderedDict()
         self._aborted: list[StageOutput] = []
         self._num_finished = 0
         self._num_errors = 0
@@ -71,32 +80,45 @@ class GenerationStageEngine:
     # ------------------------------------------------------------- requests
     def add_request(self, inp: StageInput) -> None:
         rid = inp.request_id
-        if rid in self._queue:
+        if rid in self._queue or rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use on stage {self.name}")
-        seed = resolve_sampling_params(inp.sampling_params, self.config.default_sampling).seed
-        job = self.model.prepare_generation(inp, int(seed or 0))
+        seed = int(resolve_sampling_params(inp.sampling_params, self.config.default_sampling).seed or 0)
+        if not inp.input_complete:
+            if not getattr(self.model, "streams_input", False):
+                raise ValueError(f"stage {self.name!r}: {type(self.model).__name__} cannot take a streaming input")
+            self._streams[rid] = _Job(inp, self.model.prepare_stream(inp, seed), time.monotonic(),
+                                      list(inp.prompt_token_ids or []))
+            return
+        job = self.model.prepare_generation(inp, seed)
         self._queue[rid] = _Job(inp, job, time.monotonic())
 
     def abort(self, request_id: str) -> None:
-        job = self._queue.pop(request_id, None)
+        job = self._queue.pop(request_id, None) or self._streams.pop(request_id, None)
         if job is not None:
             self._aborted.append(StageOutput(request_id, self.name, finished=True, finish_reason="abort",
                                              prompt_token_ids=list(job.inp.prompt_token_ids or [])))
 
     def has_unfinished(self) -> bool:
-        return bool(self._queue) or bool(self._aborted)
+        """Queued requests, streams with output ready, or aborts to report."""
+        return (bool(self._queue) or bool(self._aborted)
+                or any(self.model.stream_ready(j.job) for j in self._streams.values()))
 
     def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
-                       last: bool = False) -> None:
-        # Config validation refuses streaming edges into one-shot stages; this guards direct callers.
-        raise ValueError(f"stage {self.name!r} is a one-shot stage: its input cannot arrive in chunks "
-                         "(use a non-streaming edge)")
+                       last: bool = False, extra: dict[str, Any] | None = None) -> None:
+        """More input for a request admitted with input_complete=False (ValueError when refused)."""
+        job = self._streams.get(request_id)
+        if job is None:
+            raise ValueError(f"request_id: {request_id!r} is not a request of stage {self.name!r} waiting for input")
+        self.model.extend_stream(job.job, StageInput(request_id, prompt_token_ids=list(token_ids), extra=extra or {}),
+                                 last)
+        job.tokens += [int(t) for t in token_ids]
 
     def read_rows(self, request_id: str, start: int, end: int) -> dict[str, Any]:
         raise ValueError(f"stage {self.name!r} is a one-shot stage: it has no per-token rows to read")
 
     def close(self) -> None:
         self._queue.clear()
+        self._streams.clear()
         self._aborted.clear()
 
     # ----------------------------------------------------------------- step
@@ -126,10 +148,49 @@ class GenerationStageEngine:
             res.metrics = {"ttft_s": latency, "e2e_s": latency}
             self._latencies = (self._latencies + [latency])[-1000:]
             self._num_finished += 1
+        ran += self._step_streams(out, max(1, self.config.max_num_seqs))
         if ran:
             self._num_steps += 1
             self._step_time += time.perf_counter() - t0
         return out
+
+    def _step_streams(self, out: EngineStepOutput, budget: int) -> int:
+        """Emit the next ready piece of up to `budget` streams (oldest first); finish those that end."""
+        ran = 0
+        for rid, job in list(self._streams.items()):
+            if ran >= budget:
+                break
+            if not self.model.stream_ready(job.job):
+                continue
+            ran += 1
+            try:
+                piece, done = self.model.next_output(job.job)
+            except Exception as exc:  # noqa: BLE001 - one bad request never takes the stage down
+                logger.exception("stage %s: request %s failed", self.name, rid)
+                del self._streams[rid]
+                self._num_errors += 1
+                out.finished.append(StageOutput(rid, self.name, prompt_token_ids=job.tokens, finished=True,
+                                                finish_reason="error",
+                                                error=f"stage {self.name}: generation failed: {type(exc).__name__}: {exc}"))
+                continue
+            now = time.monotonic()
+            if job.first_output is None:
+                job.first_output = now
+            if piece is not None:
+                out.deltas.append(StageDelta(rid, self.name, finished=done, audio=piece.get("audio"),
+                                             sampling_rate=piece.get("sampling_rate")))
+            if done:
+                del self._streams[rid]
+                produced = self.model.stream_result(job.job)
+                audio = produced.pop("audio", None)
+                res = StageOutput(rid, self.name, prompt_token_ids=job.tokens, finished=True, finish_reason="stop",
+                                  audio=None if audio is None else np.asarray(audio, dtype=np.float32),
+                                  passthrough=produced,
+                                  metrics={"ttft_s": job.first_output - job.arrival, "e2e_s": now - job.arrival})
+                out.finished.append(res)
+                self._latencies = (self._latencies + [now - job.arrival])[-1000:]
+                self._num_finished += 1
+        return ran
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> StageStats:
@@ -137,6 +198,7 @@ class GenerationStageEngine:
         return StageStats(
             stage=self.name,
             waiting=len(self._queue),
+            running=len(self._streams),
             max_model_len=self.model.max_model_len,
             finished=self._num_finished,
             errors=self._num_errors,

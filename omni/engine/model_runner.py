@@ -198,7 +198,7 @@ class ModelRunner:
                 stop = min(end, req.num_prompt_tokens)
                 embed_rows.append((row, state.prompt_embeds[start:stop]))
             # All known tokens computed: sample the next one (not while more prompt may come).
-            if end == req.num_tokens and req.input_complete:
+            if end == req.num_tokens and (req.input_complete or self.model.decodes_before_input_complete):
                 sample_rows.append(row + n - 1)
                 sample_states.append(state)
             is_decode = is_decode and n == 1

@@ -113,6 +113,9 @@ class Request:
         # False while more prompt may come (a streaming edge): the request computes
         # what it has, then waits without sampling (the scheduler skips it).
         self.input_complete = True
+        # Tokens computable with the input received so far (a model that decodes while its
+        # input still streams in); None: all of them.
+        self.compute_limit: int | None = None
         # Compute the whole prompt even when its blocks are cached (the engine sets
         # it when the stage's row store cannot vouch for cached blocks' rows).
         self.skip_prefix_hits = False
@@ -132,6 +135,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def computable_tokens(self) -> int:
+        """num_tokens, capped by compute_limit while a streamed input is behind."""
+        return self.num_tokens if self.compute_limit is None else min(self.num_tokens, self.compute_limit)
 
     @property
     def num_prompt_tokens(self) -> int:

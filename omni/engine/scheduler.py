@@ -102,7 +102,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Work to schedule: requests waiting for more input (a streaming edge) do not count."""
-        return bool(self.waiting) or any(r.num_computed_tokens < r.num_tokens for r in self.running)
+        return bool(self.waiting) or any(r.num_computed_tokens < r.computable_tokens for r in self.running)
 
     def recompute_last_token(self, req: Request) -> None:
         """A growing prompt was completed with nothing new: its last token was computed without
@@ -128,7 +128,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.computable_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -153,7 +153,9 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
                 req = self.waiting[0]
                 hit_blocks, num_hit = ([], 0) if req.skip_prefix_hits else self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_hit
+                num_new = req.computable_tokens - num_hit
+                if num_new <= 0:
+                    break  # its streamed input is behind even the cached part: nothing to run yet
                 if num_new > budget:
                     if not self.settings.enable_chunked_prefill:
                         break

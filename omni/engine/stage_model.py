@@ -81,6 +81,11 @@ class AutoregressiveStageModel(StageModel):
     # ForwardContext's device tensors (no per-request host state), so that a
     # decode step can be captured once in a CUDA graph and replayed.
     supports_cuda_graphs: bool = False
+    # On a streaming edge: True when the model may sample while its input is still
+    # arriving (Qwen2.5-Omni's talker consumes one thinker row per step and says how
+    # far it can go through `compute_limit`); False: a growing prompt is only
+    # prefilled, and decoding starts once the input is complete.
+    decodes_before_input_complete: bool = False
 
     hidden_size: int  # width of the last hidden states it emits
     # Width of rows accepted as `prompt_embeds` when it differs from
@@ -127,12 +132,24 @@ class AutoregressiveStageModel(StageModel):
     def remove_request(self, request_id: str) -> None:
         """Called once when a request leaves the stage (finished, aborted or failed)."""
 
+    def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
+        """A chunk of model-specific input for a request on a streaming edge (StageInput.extra of the
+        processor's chunk form); `last`: nothing more will come. Raise ValueError to refuse it."""
+        if extra:
+            raise ValueError(f"extra: {type(self).__name__} takes no side input on a streaming edge")
+
+    def compute_limit(self, request_id: str) -> int | None:
+        """How many of the request's tokens can be computed with the input received so far (a model
+        that decodes before its input is complete); None: no limit."""
+        return None
+
 
 class OneShotStageModel(StageModel):
     """A model that turns one request into its output in one call (GenerationStageEngine)."""
 
     autoregressive = False
     emits_hidden_states = False
+    streams_input = False  # True: implements the streaming-input hooks below
     max_model_len: int
 
     def prepare_generation(self, inp: "StageInput", seed: int) -> Any:
@@ -141,6 +158,29 @@ class OneShotStageModel(StageModel):
 
     def run_generation(self, job: Any) -> dict[str, Any]:
         """Run one job: {"audio": np.ndarray, ...}; other entries pass through to the output."""
+        raise NotImplementedError
+
+    # -- streaming input (a model that can start before its whole input is there) --
+    # On a streaming edge the engine calls prepare_stream with the first chunk (a request with
+    # input_complete=False), extend_stream with each later one, and next_output whenever the
+    # stream may have something ready; a model that cannot stream leaves these unimplemented
+    # (config validation keeps streaming edges away from it: registry `streams_input`).
+    def prepare_stream(self, inp: "StageInput", seed: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} cannot take a streaming input")
+
+    def extend_stream(self, state: Any, inp: "StageInput", last: bool) -> None:
+        raise NotImplementedError
+
+    def stream_ready(self, state: Any) -> bool:
+        """Whether next_output has something to produce now (cheap: called every step)."""
+        raise NotImplementedError
+
+    def next_output(self, state: Any) -> tuple[dict[str, Any] | None, bool]:
+        """(the next piece of output, e.g. {"audio": ..., "sampling_rate": ...}; True once the stream is done)."""
+        raise NotImplementedError
+
+    def stream_result(self, state: Any) -> dict[str, Any]:
+        """The whole output of a finished stream (what run_generation would return)."""
         raise NotImplementedError
 
 

@@ -40,6 +40,7 @@ class _Stream:
     deltas: bool
     detok: IncrementalDetokenizer | None
     tail: np.ndarray | None  # prompt-embedding rows of the last partial block (growing inputs)
+    sent_prompt: bool = False  # the first delta carries the prompt ids
 
 
 class RequestStreams:
@@ -96,7 +97,10 @@ class RequestStreams:
             done = rid in finished
             if done and st.detok is not None:
                 text += st.detok.flush()
-            out.append(StageDelta(rid, self.name, new, text, req.num_prompt_tokens, req.num_computed_tokens, done))
+            delta = StageDelta(rid, self.name, new, text, req.num_prompt_tokens, req.num_computed_tokens, done)
+            if not st.sent_prompt:
+                delta.prompt_token_ids, st.sent_prompt = list(req.prompt_token_ids), True
+            out.append(delta)
         self.num_deltas += len(out)
         return out
 

@@ -205,6 +205,11 @@ class StageWorker:
             self._stream_failed(rid, inc, f"input processor {name!r} failed on a chunk from stage "
                                           f"{inc.upstream!r}: {type(e).__name__}: {e}")
             return
+        if part is None and not inc.started:
+            if chunk.finished:  # the processor's chunk form must raise instead; guard anyway
+                self._stream_failed(rid, inc, f"input processor {name!r} built no input from stage "
+                                              f"{inc.upstream!r}'s complete output")
+            return  # it needs more of the upstream's output before the request can start
         if chunk.finished:
             del self._incoming[rid]
         if not inc.started:
@@ -214,9 +219,11 @@ class StageWorker:
             del self._in_flight[rid]
             self._admit(rid, inp, inc.keep_hidden)
             return
+        if part is None:
+            part = StageInput(rid)
         try:
             self.engine.extend_request(rid, list(part.prompt_token_ids or []), part.prompt_embeds,
-                                       last=chunk.finished)
+                                       last=chunk.finished, extra=part.extra or None)
         except Exception as e:  # noqa: BLE001
             self._stream_failed(rid, inc, f"a chunk from stage {inc.upstream!r} was refused: {type(e).__name__}: {e}")
 

@@ -49,6 +49,7 @@ class Outgoing:
         self.request_id = request_id
         self.progress = [_TargetProgress(t) for t in targets]
         self.tokens: list[int] = []  # generated so far
+        self.prompt_ids: list[int] | None = None  # from the first delta; sent with every first chunk
 
     @property
     def needs_rows(self) -> bool:
@@ -58,6 +59,8 @@ class Outgoing:
                  ) -> list[tuple[str, int, StageDelta]]:
         """Chunks due after one step of the running request: (target stage, seq, chunk)."""
         self.tokens.extend(delta.token_ids)
+        if delta.prompt_token_ids is not None:
+            self.prompt_ids = delta.prompt_token_ids
         if delta.finished:
             return []  # the finished output carries the rest (on_finished)
         out = []
@@ -70,6 +73,7 @@ class Outgoing:
 
     def on_finished(self, full: StageOutput) -> list[tuple[str, int, StageDelta]]:
         """The last chunk of every consumer, from the request's complete output."""
+        self.prompt_ids = list(full.prompt_token_ids)
         out = []
         for p in self.progress:
             rows: dict[str, np.ndarray] = {}
@@ -86,7 +90,8 @@ class Outgoing:
     def _emit(self, p: _TargetProgress, tokens: list[int], rows: dict[str, np.ndarray], rows_end: int,
               finished: bool) -> tuple[str, int, StageDelta]:
         chunk = StageDelta(self.request_id, self.stage, token_ids=list(tokens), finished=finished,
-                           num_computed_tokens=rows_end, rows=rows, rows_start=p.rows_sent)
+                           num_computed_tokens=rows_end, rows=rows, rows_start=p.rows_sent,
+                           prompt_token_ids=self.prompt_ids if p.seq == 0 else None)
         p.tokens_sent += len(tokens)
         p.rows_sent = rows_end if p.target.needs_rows else p.rows_sent
         p.seq += 1
@@ -98,9 +103,14 @@ def merge_chunks(a: StageDelta, b: StageDelta) -> StageDelta:
     rows = {k: np.concatenate([a.rows[k], b.rows[k]]) if k in a.rows else b.rows[k] for k in b.rows}
     for k in a.rows:
         rows.setdefault(k, a.rows[k])
+    audio = b.audio
+    if a.audio is not None:
+        audio = a.audio if b.audio is None else np.concatenate([a.audio, b.audio])
     return StageDelta(a.request_id, a.stage, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
                       num_prompt_tokens=b.num_prompt_tokens, num_computed_tokens=b.num_computed_tokens,
-                      finished=b.finished, rows=rows, rows_start=a.rows_start)
+                      finished=b.finished, rows=rows, rows_start=a.rows_start,
+                      prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
+                      audio=audio, sampling_rate=b.sampling_rate or a.sampling_rate)
 
 
 @dataclass(slots=True)
@@ -140,4 +150,4 @@ class Incoming:
     def timeout_error(self, stage: str) -> str:
         what = "the next chunk" if self.started else "the first chunk"
         return (f"stage {stage!r}: {what} on the streaming edge {self.upstream} -> {stage} did not arrive "
-                f"within {self.timeout_s:g}s (runtime.stream_chunk_timeout_s)")
+                f"within {self.timeout_s:g}s (runtime.stream_chunk_timeout_s; {self.next_seq} chunk(s) received)")

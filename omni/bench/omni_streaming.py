@@ -1,0 +1,151 @@
+"""The Qwen2.5-Omni half of `omni bench streaming`: time to first audio and real-time factor.
+
+The small random Qwen2.5-Omni (stage_configs/qwen2_5_omni_small.yaml: thinker ~> talker ~> token2wav,
+~95 M parameters) on the Ray backend, with its streaming edges vs the same pipeline with plain
+edges, one run:
+
+- concurrency 1 and 4 (distinct prompts, submitted together): per request TTFP (submission -> the
+  first audio samples: the first token2wav delta when streaming, the finished waveform otherwise),
+  end to end, and RTF = end to end / seconds of audio;
+- a multi-turn conversation (turn 1: a long message, an image and an audio clip; later turns resend
+  the conversation) for each of streaming on/off x prefix caching on/off: TTFP per turn (`--plot`
+  draws it).
+
+Keys: ttfp_speedup (non-streaming / streaming TTFP, concurrency 1; target >= 5), rtf_streaming
+(< 1: faster than real time), e2e_ratio (streaming / non-streaming end to end; target <= 1.10), the
+same with _c4, and ttfp_per_turn.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+_TOPICS = ["the sea", "a lighthouse", "the mountains", "a city at night", "an old library", "a rainy day",
+           "the desert", "a forest in autumn"]
+
+
+def plain_edges() -> dict[str, Any]:
+    return {"talker": {"inputs": ["thinker"]}, "token2wav": {"inputs": ["talker"]}}
+
+
+def _overrides(streaming: bool, caching: bool) -> dict[str, Any]:
+    ov: dict[str, Any] = {} if streaming else plain_edges()
+    for stage in ("thinker", "talker"):
+        ov.setdefault(stage, {})["enable_prefix_caching"] = caching
+    return ov
+
+
+def _run(omni, prompts: list[Any]) -> list[dict[str, float]]:
+    """Submit all prompts at once; per request: ttfp, e2e, audio seconds."""
+    from omni.outputs import StageDelta
+
+    t0 = time.perf_counter()
+    rec: dict[str, dict[str, float]] = {}
+    for ev in omni.stream(prompts):
+        r = rec.setdefault(ev.request_id, {})
+        now = time.perf_counter() - t0
+        if isinstance(ev, StageDelta):
+            if ev.audio is not None and len(ev.audio) and "ttfp_s" not in r:
+                r["ttfp_s"] = now
+            continue
+        if ev.error:
+            raise RuntimeError(f"request {ev.request_id} failed at stage {ev.stage}: {ev.error}")
+        if ev.stage == "token2wav":
+            r.setdefault("ttfp_s", now)
+            r["e2e_s"] = now
+            r["audio_s"] = len(ev.audio) / int(ev.passthrough.get("sampling_rate", 24000))
+    out = [rec[k] for k in sorted(rec, key=int)]
+    for r in out:
+        r["rtf"] = r["e2e_s"] / max(r["audio_s"], 1e-9)
+    return out
+
+
+def _conversation(omni, tokenizer, args) -> list[float]:
+    """TTFP per turn of one conversation (turn 1 carries a long document, an image and audio)."""
+    from .workloads import long_document
+
+    rng = np.random.default_rng(args.seed)
+    mm = {"image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
+          "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+    doc = long_document(tokenizer, args.omni_doc_tokens, args.seed)
+    messages: list[dict[str, Any]] = []
+    ttfp = []
+    for turn in range(args.omni_turns):
+        text = f"{doc}\nPlease describe the picture and the sound, then the table." if turn == 0 else \
+            f"Thank you. Tell me more, part {turn}."
+        content: Any = [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": text}] if turn == 0 else text
+        messages.append({"role": "user", "content": content})
+        [r] = _run(omni, [{"prompt": list(messages), "multi_modal_data": mm}])
+        ttfp.append(r["ttfp_s"])
+        messages.append({"role": "assistant", "content": f"Reply {turn}."})
+    return ttfp
+
+
+def run_omni(args) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from omni import Omni
+    from omni.config import load_config
+    from omni.registry import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(load_config(args.omni_config).stage("thinker")
+                                                               .model_path)))
+    conc: dict[bool, dict[int, list[dict[str, float]]]] = {}
+    turns: dict[str, list[float]] = {}
+    for streaming in (False, True):
+        for caching in (True, False):
+            with Omni(args.omni_config, backend=args.backend, stage_overrides=_overrides(streaming, caching)) as o:
+                _run(o, ["Warm up, please."])  # one-time costs out of the timing
+                if caching:  # distinct prompts: no prefix hits in the concurrency runs
+                    conc[streaming] = {}
+                    for c in args.concurrency:
+                        prompts = [f"Tell me a story about {_TOPICS[(i + c) % len(_TOPICS)]}, number {c}-{i}."
+                                   for i in range(c)]
+                        conc[streaming][c] = _run(o, prompts)
+                key = f"{'streaming' if streaming else 'non_streaming'}_caching_{'on' if caching else 'off'}"
+                turns[key] = _conversation(o, tok, args)
+                print(f"omni {key}: TTFP per turn {[round(t, 2) for t in turns[key]]}", flush=True)
+
+    def mean(streaming: bool, c: int, key: str) -> float:
+        return statistics.mean(r[key] for r in conc[streaming][c])
+
+    result: dict[str, Any] = {"omni_config": args.omni_config, "omni_turns": args.omni_turns,
+                              "ttfp_per_turn": turns}
+    for c in args.concurrency:
+        sfx = "" if c == 1 else f"_c{c}"
+        result[f"omni_c{c}"] = {mode: {k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf")}
+                                for mode, s in (("non_streaming", False), ("streaming", True))}
+        result[f"ttfp_speedup{sfx}"] = mean(False, c, "ttfp_s") / mean(True, c, "ttfp_s")
+        result[f"rtf_streaming{sfx}"] = mean(True, c, "rtf")
+        result[f"e2e_ratio{sfx}"] = mean(True, c, "e2e_s") / mean(False, c, "e2e_s")
+        print(f"omni c={c}: TTFP {mean(False, c, 'ttfp_s'):.2f}s -> {mean(True, c, 'ttfp_s'):.2f}s, "
+              f"e2e {mean(False, c, 'e2e_s'):.2f}s -> {mean(True, c, 'e2e_s'):.2f}s, "
+              f"RTF streaming {mean(True, c, 'rtf'):.2f}", flush=True)
+    if args.plot:
+        result["plot"] = plot_ttfp(turns, args.plot)
+    return result
+
+
+def plot_ttfp(turns: dict[str, list[float]], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    for key, ys in sorted(turns.items()):
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=key.replace("_", " "))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first audio (s)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(1, max(len(v) for v in turns.values()) + 1))
+    ax.set_title("small Qwen2.5-Omni: TTFP per turn")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
