@@ -161,3 +161,20 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
         assert wav.shape == ref.shape and snr_db(ref, wav) >= MIN_SNR_DB
     with pytest.raises(ValueError, match="complete"):
         model.extend_stream(st, StageInput("r", prompt_token_ids=[1]), last=True)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_streamed_audio_on_ray_actor_to_actor(one_shot):
+    """Three stage actors: thinker rows reach the talker and codec chunks reach token2wav actor to actor."""
+    pytest.importorskip("ray")
+    with Omni(CONFIG, stage_overrides=STREAMED) as o:
+        finals, audio, _ = stream_all(o, PROMPTS)
+        for ref in one_shot:
+            rid = ref.request_id
+            assert finals[(rid, "thinker")].token_ids == ref.outputs["thinker"].token_ids
+            wav = finals[(rid, "token2wav")].audio
+            np.testing.assert_array_equal(np.concatenate(audio[rid]), wav)
+            assert snr_db(ref.outputs["token2wav"].audio, wav) >= MIN_SNR_DB
+        stats = o.stats()["stages"]
+        assert stats["thinker"]["kv_usage"] == 0.0 and stats["talker"]["kv_usage"] == 0.0
