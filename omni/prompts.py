@@ -111,6 +111,28 @@ def text_only_messages(messages: list[dict[str, Any]], stage: str) -> list[dict[
     return out
 
 
+def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat_template: bool,
+                    stage: str) -> list[int]:
+    """A text prompt's token ids as a stage computes them: plain text with the tokenizer's special tokens,
+    chat messages (or text under `use_chat_template`) through the chat template with the generation prompt.
+    The stage's engine and the driver's router (omni/pipeline/route_keys.py) both call this, so that the
+    block hashes the router computes are the ones the stage caches."""
+    if isinstance(prompt, list):
+        messages = text_only_messages(prompt, stage)
+    elif use_chat_template:
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
+        raise ValueError(f"prompt: the chat template of stage {stage!r} cannot render these messages: "
+                         f"{type(e).__name__}: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def mm_inputs(data: Any, where: str) -> list[MultiModalInput]:
     """{"image": array | [arrays], "audio": wave | (wave, rate) | [...]} -> MultiModalInputs.
 

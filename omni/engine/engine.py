@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from omni.outputs import StageInput, StageOutput
-from omni.prompts import text_only_messages
+from omni.prompts import tokenize_prompt
 
 from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
@@ -177,20 +177,7 @@ class StageEngine:
             raise ValueError("prompt: a request needs `prompt`, `prompt_token_ids` or `prompt_embeds`")
         if self.tokenizer is None:
             raise ValueError(f"prompt: stage {self.name} has no tokenizer; send prompt_token_ids instead")
-        if isinstance(inp.prompt, list):
-            messages = text_only_messages(inp.prompt, self.name)
-        elif self.config.use_chat_template:
-            messages = [{"role": "user", "content": inp.prompt}]
-        else:
-            return list(self.tokenizer(inp.prompt, add_special_tokens=True)["input_ids"])
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
-            raise ValueError(f"prompt: the chat template of stage {self.name!r} cannot render these messages: "
-                             f"{type(e).__name__}: {e}") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return tokenize_prompt(self.tokenizer, inp.prompt, self.config.use_chat_template, self.name)
 
     def add_request(self, inp: StageInput) -> None:
         """Queue one request; raises ValueError naming the bad field (the stage keeps serving)."""
