@@ -53,6 +53,16 @@ class StageInput:
 
 
 @dataclass(slots=True)
+class CacheReport:
+    """What a stage's prefix cache lost since the stage's previous report: rides on the driver's summary
+    of a finished request, so that a router's picture of each replica's cache stays true."""
+
+    evicted: list[bytes] = field(default_factory=list)  # block hashes no longer cached
+    # More evictions than were logged (or a cache reset): nothing known of the cache still stands.
+    overflow: bool = False
+
+
+@dataclass(slots=True)
 class StageOutput:
     """What a stage emits for one request (finished, or a streamed chunk)."""
 
@@ -76,6 +86,7 @@ class StageOutput:
     audio: np.ndarray | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s, ...
+    cache_report: CacheReport | None = None  # on summaries for the driver (stage_worker.py)
 
     @property
     def ok(self) -> bool:

@@ -300,6 +300,10 @@ class StageEngine:
                 token_ids=list(req.output_token_ids), finished=True, finish_reason="abort"))
         self._release_finished()
 
+    def take_evicted_blocks(self) -> tuple[list[bytes], bool]:
+        """Prefix-cache block hashes evicted since the previous call (+ whether some went unlogged)."""
+        return self.kv.take_evicted()
+
     def has_unfinished(self) -> bool:
         """Work a step can do now (requests waiting for more input do not count), or aborts to report."""
         return self.scheduler.has_unfinished() or bool(self._aborted)

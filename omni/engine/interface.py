@@ -13,6 +13,9 @@
     has_unfinished()    anything queued, running, or an abort not yet reported
     stats()             StageStats
     close()             release what the engine holds
+    take_evicted_blocks()  optional: prefix-cache block hashes evicted since the previous call,
+                        and whether some went unlogged (a router corrects its picture of the
+                        stage's cache with them; an engine without a prefix cache leaves it out)
 
 Both StageEngine (autoregressive) and GenerationStageEngine (one-shot) implement it; so
 can a test double. One request, one terminal output: a request that finishes (stop,

@@ -187,6 +187,11 @@ class BlockPool:
         # Number of map keys holding a dict; lets the hot paths skip
         # duplicate handling entirely in the usual case of none.
         self._num_dup_keys = 0
+        # Hashes that left the cache since the last take_evicted(), for a router that keeps
+        # its own summary of what this cache holds. Bounded by one full turnover of the
+        # pool: past that, "forget everything" says more than the list would.
+        self._evicted: list[BlockHash] = []
+        self._evicted_overflow = False
 
     # -- queries -------------------------------------------------------------
     @property
@@ -217,6 +222,13 @@ class BlockPool:
         if self._num_dup_keys:
             hits = [b if b.__class__ is not dict else next(iter(b.values())) for b in hits]
         return hits
+
+    def take_evicted(self) -> tuple[list[BlockHash], bool]:
+        """Hashes no longer cached since the previous call, and whether more left than the log holds
+        (or the whole cache was reset): then nothing known of this cache's contents still stands."""
+        out, overflow = self._evicted, self._evicted_overflow
+        self._evicted, self._evicted_overflow = [], False
+        return out, overflow
 
     # -- state changes ---------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -298,7 +310,11 @@ class BlockPool:
         m = self.cached_block_hash_to_block
         entry = m[h]
         if entry is block:
-            del m[h]
+            del m[h]  # the last block holding this hash: the prefix is gone from the cache
+            if len(self._evicted) < self.num_blocks:
+                self._evicted.append(h)
+            else:
+                self._evicted_overflow = True
         else:
             del entry[block.block_id]
             if len(entry) == 1:
@@ -312,6 +328,7 @@ class BlockPool:
             return False
         self.cached_block_hash_to_block.clear()
         self._num_dup_keys = 0
+        self._evicted, self._evicted_overflow = [], True
         for block in self.blocks:
             block.block_hash = None
         return True

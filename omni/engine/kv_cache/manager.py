@@ -85,6 +85,10 @@ class KVCacheManager:
             "hit_rate": self._stat_hits / q if q else 0.0,
         }
 
+    def take_evicted(self) -> tuple[list[bytes], bool]:
+        """Block hashes evicted since the previous call, and whether some were not logged (BlockPool)."""
+        return self.block_pool.take_evicted()
+
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``: (blocks, number of tokens they hold).
 

@@ -124,3 +124,28 @@ def test_touch_takes_free_blocks_out_of_the_queue():
 def test_pool_validation():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
+
+
+def test_evicted_hashes_are_logged_for_a_router():
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a, b], [b"h0", b"h1"], 0, 2)
+    c = pool.get_new_blocks(1)[0]
+    pool.cache_full_blocks([c], [b"h1"], 0, 1)  # a duplicate of h1
+    pool.free_blocks([c])  # the redundant copy goes: h1 is still cached (in b), nothing evicted
+    assert pool.take_evicted() == ([], False)
+    pool.free_blocks([b, a])
+    pool.get_new_blocks(3)  # lazy eviction of both cached blocks (b first: it ends the longer prefix)
+    assert pool.take_evicted() == ([b"h1", b"h0"], False)
+    assert pool.take_evicted() == ([], False)  # taken once
+
+    small = BlockPool(2)  # more evictions than the pool has blocks: the log says it overflowed
+    for i in range(3):
+        [x] = small.get_new_blocks(1)
+        small.cache_full_blocks([x], [b"k%d" % i], 0, 1)
+        small.free_blocks([x])
+    small.get_new_blocks(2)
+    evicted, overflow = small.take_evicted()
+    assert evicted == [b"k0", b"k1"] and overflow
+    assert small.reset_prefix_cache() is False  # blocks in use: refused, nothing to report
+    assert small.take_evicted() == ([], False)
