@@ -109,6 +109,26 @@ class ResourcesConfig(_Model):
         return v
 
 
+class RouterConfig(_Model):
+    """How a stage with several replicas picks one per request (omni/pipeline/router.py)."""
+
+    imbalance_threshold: int = Field(
+        4, ge=0, description="Load spread (most minus fewest requests in flight among the live replicas) "
+        "above which prefix affinity is ignored and the request goes to the less loaded of two random "
+        "replicas (power of two choices), as Ray Serve's PrefixCacheAffinityRouter does.")
+    min_match_ratio: float = Field(
+        0.5, ge=0, le=1, description="prefix_affinity: the best replica's cached prefix must cover at least "
+        "this fraction of the request's blocks; a shorter match goes to the least-loaded replica instead "
+        "(a shared system prompt alone should not pile every request on one replica).")
+    summary_blocks: int | None = Field(
+        None, ge=1, description="Block hashes the router remembers per replica (least recently used "
+        "forgotten first). None: the replica's KV cache size in blocks once it is known (4096 before).")
+    on_replica_failure: Literal["retry", "fail"] = Field(
+        "retry", description="A request in flight on a replica that dies: retry sends it once more to "
+        "another live replica (unless part of it already streamed out, or it is on a streaming edge); "
+        "fail fails it with an error naming the replica.")
+
+
 class InputEdge(_Model):
     """One input of a stage: `inputs: [thinker]` is `inputs: [{stage: thinker}]`."""
 
@@ -152,6 +172,13 @@ class StageConfig(_Model):
         default_factory=ResourcesConfig, description="Resources of the stage's Ray actor.")
     max_restarts: int = Field(
         0, ge=-1, description="How often Ray restarts the stage's actor after it dies (-1: forever).")
+    replicas: int = Field(
+        1, ge=1, le=64, description="Copies of the stage (1..64), each with its own engine and KV cache: on Ray, "
+        "one actor each with the stage's resources, spread over the nodes; locally, engines in this process.")
+    routing: Literal["prefix_affinity", "least_loaded", "round_robin"] | None = Field(
+        None, description="How a request picks a replica when replicas > 1. None: prefix_affinity for a stage "
+        "with prefix caching, least_loaded otherwise.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Routing thresholds (replicas > 1).")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Model dtype.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
     model_kwargs: dict[str, Any] = Field(
@@ -189,6 +216,9 @@ class StageConfig(_Model):
             raise ValueError(
                 f"{where}: enable_prefix_caching: model {self.model!r} is not autoregressive (no KV cache), "
                 "so prefix caching does not apply; set enable_prefix_caching: false")
+        if self.routing == "prefix_affinity" and not self.enable_prefix_caching:
+            raise ValueError(f"{where}: routing: prefix_affinity routes by what each replica's prefix cache "
+                             "holds, and enable_prefix_caching is false; use least_loaded or round_robin")
         if self.final_output == "hidden" and not model.emits_hidden_states:
             raise ValueError(f"{where}: final_output: model {self.model!r} emits no hidden states; "
                              "choose text, tokens or audio")
@@ -219,6 +249,13 @@ class StageConfig(_Model):
     def input_edges(self) -> list[InputEdge]:
         """`inputs` with every plain name as a non-streaming edge."""
         return [e if isinstance(e, InputEdge) else InputEdge(stage=e) for e in self.inputs]
+
+    @property
+    def routing_policy(self) -> str:
+        """`routing`, with its default resolved (left None in the config: overrides may turn caching off)."""
+        if self.routing is not None:
+            return self.routing
+        return "prefix_affinity" if self.enable_prefix_caching else "least_loaded"
 
     @property
     def input_names(self) -> list[str]:

@@ -327,3 +327,33 @@ def test_copy_of_config_dict_revalidates():
     data = copy.deepcopy(chain_config())
     data["stages"][1]["inputs"] = ["ghost"]
     assert "unknown stage 'ghost'" in err(data)
+
+
+def test_replicas_and_routing():
+    cfg = load_config(chain_config())
+    th = cfg.stages[0]
+    assert th.replicas == 1 and th.routing is None and th.routing_policy == "prefix_affinity"
+    assert th.router.imbalance_threshold == 4 and th.router.on_replica_failure == "retry"
+    data = chain_config()
+    data["stages"][1].update(replicas=3, enable_prefix_caching=False, router={"on_replica_failure": "fail"})
+    ta = load_config(data).stages[1]
+    assert ta.replicas == 3 and ta.routing_policy == "least_loaded" and ta.router.on_replica_failure == "fail"
+    # The default follows the caching toggle, also when an override turns caching off later.
+    over = load_config(cfg, {"thinker": {"enable_prefix_caching": False}})
+    assert over.stages[0].routing_policy == "least_loaded"
+
+
+@pytest.mark.parametrize("fields,msg", [
+    ({"replicas": 0}, "stage 'thinker': replicas: Input should be greater than or equal to 1 (got 0)"),
+    ({"routing": "random"}, "stage 'thinker': routing: Input should be 'prefix_affinity', 'least_loaded' or "
+                            "'round_robin' (got 'random')"),
+    ({"routing": "prefix_affinity", "enable_prefix_caching": False},
+     "stage 'thinker': routing: prefix_affinity routes by what each replica's prefix cache holds"),
+    ({"router": {"min_match_ratio": 1.5}}, "stage 'thinker': router.min_match_ratio: Input should be less than or "
+                                           "equal to 1"),
+    ({"router": {"on_replica_failure": "retry_twice"}}, "stage 'thinker': router.on_replica_failure"),
+])
+def test_bad_replica_settings_name_the_field(fields, msg):
+    data = chain_config()
+    data["stages"][0].update(fields)
+    assert msg in err(data)
