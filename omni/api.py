@@ -150,15 +150,18 @@ class Omni:
         return self._orch.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
-        """Per stage: the engine's stats (hit rate, TTFT, queue sizes, ...) + the orchestrator's counts."""
+        """Per stage: the engine's stats (hit rate, TTFT, queue sizes, ...) + the orchestrator's counts.
+        A stage with replicas: its totals, each replica's own stats under "replicas" (hit rate, running and
+        waiting requests, KV usage, state, ...) and the router's decisions under "router"."""
         self._check_open()
         orch = self._orch.stats()
         engines = self._backend.stats()
-        return {
-            "backend": self.backend,
-            "requests": orch["requests"],
-            "stages": {n: {**engines.get(n, {}), "orchestrator": orch["stages"][n]} for n in self.graph.order},
-        }
+        stages = {}
+        for n in self.graph.order:
+            stages[n] = {**engines.get(n, {}), "orchestrator": orch["stages"][n]}
+            if n in orch["routers"]:
+                stages[n]["router"] = orch["routers"][n]
+        return {"backend": self.backend, "requests": orch["requests"], "stages": stages}
 
     def close(self) -> None:
         """Stop the stages (and the embedded Ray, if this started one). Idempotent."""

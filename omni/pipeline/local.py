@@ -1,4 +1,4 @@
-"""In-process backend: every stage's StageWorker in this process, stepped round-robin."""
+"""In-process backend: every stage's StageWorkers (one per replica) in this process, stepped round-robin."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +11,7 @@ from omni.outputs import StageInput
 from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import StageEvent
+from omni.pipeline.replica_stats import merge_replica_stats
 from omni.pipeline.stage_worker import StageWorker
 from omni.pipeline.streaming import StreamTarget
 
@@ -18,63 +19,78 @@ logger = logging.getLogger(__name__)
 
 
 class LocalBackend:
-    """Every stage in this process; `poll()` steps each stage with work once (round-robin)."""
+    """Every stage in this process; `poll()` steps each worker with work once (round-robin).
+
+    `replicas[stage]` holds one worker per replica (each its own engine and KV cache);
+    `workers[stage]` is the first of them."""
 
     name = "local"
 
     def __init__(self, config: PipelineConfig, graph: StageGraph | None = None,
                  engine_factory: EngineFactory | None = None):
         self.graph = graph or StageGraph(config.stages)
-        self.workers: dict[str, StageWorker] = {}
+        self.replicas: dict[str, list[StageWorker]] = {}
         self._lock = threading.Lock()  # one thread steps the engines at a time
         try:
             for name in self.graph.order:
                 stage = self.graph.stages[name]
-                self.workers[name] = StageWorker(stage, make_engine(stage, engine_factory),
-                                                 emit_hidden_states=self.graph.emits_hidden_states(name),
-                                                 chunk_timeout_s=config.runtime.stream_chunk_timeout_s)
+                self.replicas[name] = []
+                for _ in range(stage.replicas):
+                    self.replicas[name].append(StageWorker(
+                        stage, make_engine(stage, engine_factory), emit_hidden_states=self.graph.emits_hidden_states(name),
+                        chunk_timeout_s=config.runtime.stream_chunk_timeout_s))
         except BaseException:
             self.close()
             raise
 
-    def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
-               keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
-               stream_out: bool = False) -> None:
-        self.workers[stage].submit(request, upstream, sampling, keep_hidden, stream_to=stream_to,
-                                   stream_from=stream_from, stream_out=stream_out)
+    @property
+    def workers(self) -> dict[str, StageWorker]:
+        return {name: ws[0] for name, ws in self.replicas.items() if ws}
 
-    def abort(self, stage: str, request_id: str) -> None:
+    def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
+               keep_hidden: bool, *, replica: int = 0, stream_to: tuple[StreamTarget, ...] = (),
+               stream_from: str | None = None, stream_out: bool = False) -> None:
+        self.replicas[stage][replica].submit(request, upstream, sampling, keep_hidden, stream_to=stream_to,
+                                             stream_from=stream_from, stream_out=stream_out)
+
+    def abort(self, stage: str, request_id: str, replica: int = 0) -> None:
         # Applied at once, so that the engine forgets the id before it can be reused.
         with self._lock:
-            worker = self.workers[stage]
+            worker = self.replicas[stage][replica]
             worker.abort(request_id)
             worker.drain()
+
+    def replica_states(self, stage: str) -> list[str]:
+        return ["up"] * len(self.replicas[stage])
 
     def poll(self, timeout_s: float) -> list[StageEvent]:
         events: list[StageEvent] = []
         with self._lock:
             busy = False
-            for name, worker in self.workers.items():
-                if worker.has_work():
+            for name, workers in self.replicas.items():
+                for i, worker in enumerate(workers):
+                    if not worker.has_work():
+                        continue
                     busy = True
                     result = worker.tick()
-                    for to, rid, seq, chunk in result.chunks:  # stage to stage, in-process
-                        self.workers[to].push_chunk(rid, seq, chunk)
-                    events += [StageEvent(name, d.request_id, None, delta=d) for d in result.deltas]
+                    for to, rid, seq, chunk in result.chunks:  # stage to stage (the chosen replica), in-process
+                        self.replicas[to.stage][to.replica].push_chunk(rid, seq, chunk)
+                    events += [StageEvent(name, d.request_id, None, delta=d, replica=i) for d in result.deltas]
                     for full, summary in result.finished:
-                        events.append(StageEvent(name, full.request_id, summary, full))
+                        events.append(StageEvent(name, full.request_id, summary, full, replica=i))
         if not busy:  # nothing to do in-process: do not spin
             time.sleep(min(timeout_s, 0.005))
         return events
 
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return {name: w.stats() for name, w in self.workers.items()}
+            return {name: merge_replica_stats([w.stats() for w in ws]) for name, ws in self.replicas.items()}
 
     def close(self) -> None:
-        workers, self.workers = self.workers, {}
-        for w in workers.values():
-            try:
-                w.close()
-            except Exception:  # noqa: BLE001
-                logger.exception("stage %s: close failed", w.name)
+        replicas, self.replicas = self.replicas, {}
+        for ws in replicas.values():
+            for w in ws:
+                try:
+                    w.close()
+                except Exception:  # noqa: BLE001
+                    logger.exception("stage %s: close failed", w.name)

@@ -20,14 +20,23 @@ go stage-to-stage directly.
 Request ids are unique among the requests in flight: checked here (and by each
 stage's scheduler); a finished or aborted id may be reused.
 
+Replicas: a stage may run as several replicas (`replicas: N`); every submission picks
+one through the stage's router (routing.py, router.py), and a streaming consumer's
+replica is picked together with its producer's, which then pushes its chunks to that
+replica. A replica that dies with requests in flight reports them `replica_lost`: each is
+sent once more to another replica (router.on_replica_failure: retry) or fails with the
+replica's error; a request is answered once either way (events from a replica it moved
+away from are dropped).
+
 A backend implements:
 
-    submit(stage, request, upstream: dict[str, handle] | None, sampling, keep_hidden,
+    submit(stage, request, upstream: dict[str, handle] | None, sampling, keep_hidden, *, replica=0,
            stream_to=(StreamTarget...), stream_from=None | stage, stream_out=False) -> None
     poll(timeout_s) -> list[StageEvent]     # stages that finished a request (or streamed a delta)
-    abort(stage, request_id) -> None
-    stats() -> dict[str, dict]              # per stage
+    abort(stage, request_id, replica=0) -> None
+    stats() -> dict[str, dict]              # per stage (replicas merged, each listed under "replicas")
     close() -> None
+    replica_states(stage) -> list[str]      # optional: "up" | "restarting" | "dead" per replica
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ from typing import Any, Protocol
 
 from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.graph import StageGraph
+from omni.pipeline.routing import Lineage, PipelineRouting
 from omni.pipeline.streaming import StreamTarget, merge_chunks
 
 logger = logging.getLogger(__name__)
@@ -54,14 +64,17 @@ class StageEvent:
     summary: StageOutput | None  # error set when the stage failed the request; None for a delta
     handle: Any = None  # what downstream stages get (backend-specific)
     delta: StageDelta | None = None
+    replica: int = 0  # which replica of the stage
+    # The replica died or became unreachable with the request in flight: it may be retried elsewhere.
+    replica_lost: bool = False
 
 
 class Backend(Protocol):
     def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None,
-               sampling: Any, keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (),
+               sampling: Any, keep_hidden: bool, *, replica: int = 0, stream_to: tuple[StreamTarget, ...] = (),
                stream_from: str | None = None, stream_out: bool = False) -> None: ...
     def poll(self, timeout_s: float) -> list[StageEvent]: ...
-    def abort(self, stage: str, request_id: str) -> None: ...
+    def abort(self, stage: str, request_id: str, replica: int = 0) -> None: ...
     def stats(self) -> dict[str, dict[str, Any]]: ...
     def close(self) -> None: ...
 
@@ -75,10 +88,14 @@ class _Req:
     timeout_s: float
     deadline: float
     stream: bool
+    lineage: Lineage
     handles: dict[str, Any] = field(default_factory=dict)  # finished stage -> handle, until consumed
     submitted: set[str] = field(default_factory=set)
     finished: set[str] = field(default_factory=set)
     outputs: dict[str, StageOutput] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)  # upstream handles of a stage that may be retried
+    retried: set[str] = field(default_factory=set)  # stages it was sent to a second replica of
+    streamed: set[str] = field(default_factory=set)  # stages whose deltas reached the caller
 
 
 class Orchestrator:
@@ -93,7 +110,9 @@ class Orchestrator:
         self._results: dict[str, RequestOutput] = {}
         self._events: dict[str, list[StageOutput]] = {}  # streamed final-stage outputs
         self._counts = {"total": 0, "finished": 0, "failed": 0, "aborted": 0, "timed_out": 0}
-        self._stage_counts = {n: {"submitted": 0, "completed": 0, "errors": 0} for n in graph.order}
+        self._stage_counts = {n: {"submitted": 0, "completed": 0, "errors": 0, "retried": 0} for n in graph.order}
+        self.routing = PipelineRouting(graph)
+        self.routing.load_tokenizer()  # now, not under the lock of the first request
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: StageInput, sampling: Mapping[str, Any] | None = None, *,
@@ -106,7 +125,7 @@ class Orchestrator:
                 raise ValueError(f"request_id {rid!r} is already in use")
             timeout_s = timeout_s or self.request_timeout_s
             st = _Req(request, dict(sampling or {}), return_hidden_states, timeout_s,
-                      time.monotonic() + timeout_s, stream)
+                      time.monotonic() + timeout_s, stream, self.routing.lineage(request))
             self._reqs[rid] = st
             self._counts["total"] += 1
             if stream:
@@ -116,24 +135,80 @@ class Orchestrator:
                     break
         return rid
 
-    def _submit(self, st: _Req, stage: str, upstream: dict[str, Any] | None) -> bool:
-        """Hand the request to `stage` (and to the stages it streams into); False when that failed
+    def _submit(self, st: _Req, stage: str, upstream: dict[str, Any] | None, replica: int | None = None,
+                exclude: tuple[int, ...] = ()) -> bool:
+        """Hand the request to `stage` (`replica`, else the router's choice) and to the stages it streams
+        into (their replicas chosen now: the producer pushes its chunks to them); False when that failed
         (the request is then failed)."""
         g = self.graph
-        targets = tuple(StreamTarget(d, edge.chunk_tokens, g.needs_rows(d)) for d, edge in g.streams_to(stage))
+        if replica is None:
+            replica = self._place(st, stage, exclude)
+        targets = tuple(StreamTarget(d, edge.chunk_tokens, g.needs_rows(d), self._place(st, d))
+                        for d, edge in g.streams_to(stage))
         st.submitted.add(stage)
         self._stage_counts[stage]["submitted"] += 1
         try:
             self.backend.submit(stage, st.request, upstream, st.sampling.get(stage), st.keep_hidden,
-                                stream_to=targets, stream_from=g.streams_from(stage), stream_out=st.stream)
+                                replica=replica, stream_to=targets, stream_from=g.streams_from(stage),
+                                stream_out=st.stream)
         except Exception as e:  # noqa: BLE001 - e.g. the backend lost its connection
             logger.exception("submitting request %s to stage %s failed", st.request.request_id, stage)
             st.finished.add(stage)
             self._fail(st.request.request_id, st, stage,
                        f"stage {stage!r} failed: could not submit the request: {type(e).__name__}: {e}")
             return False
+        if self._retryable(stage):
+            st.inputs[stage] = upstream  # kept until the stage finishes: a retry needs them again
         # A streaming consumer starts with its producer, waiting for the first chunk.
-        return all(self._submit(st, t.stage, None) for t in targets)
+        return all(self._submit(st, t.stage, None, t.replica) for t in targets)
+
+    # ------------------------------------------------------------ replicas
+    def _states(self, stage: str) -> list[str]:
+        states = getattr(self.backend, "replica_states", None)
+        return list(states(stage)) if states is not None else ["up"] * self.graph.stages[stage].replicas
+
+    def _place(self, st: _Req, stage: str, exclude: tuple[int, ...] = ()) -> int:
+        states = self._states(stage)
+        avoid = set(exclude) | {i for i, s in enumerate(states) if s == "dead"}
+        if len(avoid) >= len(states):  # all dead: the backend answers with the stage's error
+            avoid = set(exclude) if len(exclude) < len(states) else set()
+        return self.routing.place(st.lineage, stage, [s == "up" for s in states], tuple(sorted(avoid)))
+
+    def _retryable(self, stage: str) -> bool:
+        s = self.graph.stages[stage]
+        return s.replicas > 1 and s.router.on_replica_failure == "retry"
+
+    def _retry(self, st: _Req, ev: StageEvent) -> bool:
+        """Send a request that a dying replica lost to another replica, once; False (with the reason added
+        to the event's error) when it is not retried."""
+        stage, rid = ev.stage, ev.request_id
+        if self.graph.stages[stage].replicas < 2:
+            return False
+        others = [i for i, s in enumerate(self._states(stage)) if s != "dead" and i != ev.replica]
+        why = None
+        if self.graph.stages[stage].router.on_replica_failure != "retry":
+            why = "router.on_replica_failure is 'fail'"
+        elif stage in st.retried:
+            why = "it was retried once already"
+        elif self.graph.streams_to(stage) or self.graph.streams_from(stage):
+            why = "the stage is on a streaming edge"
+        elif stage in st.streamed:
+            why = "part of its output already went to the caller"
+        elif not others:
+            why = "no other replica is left"
+        if why is not None:
+            ev.summary.error = f"{ev.summary.error} (not retried: {why})"
+            return False
+        logger.warning("stage %s replica %d lost request %s; retrying it on another replica: %s",
+                       stage, ev.replica, rid, ev.summary.error)
+        self.backend.abort(stage, rid, replica=ev.replica)  # unreachable is not always dead
+        self.routing.released(st.lineage, stage)
+        st.retried.add(stage)
+        st.submitted.discard(stage)
+        self._stage_counts[stage]["retried"] += 1
+        self._stage_counts[stage]["submitted"] -= 1  # counted again by _submit
+        self._submit(st, stage, st.inputs.get(stage), exclude=(ev.replica,))
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Abort on every stage; the request finishes with an "aborted" error. False if unknown."""
@@ -152,7 +227,10 @@ class Orchestrator:
                 error += "; its streaming edge(s) " + ", ".join(f"{stage} -> {d}" for d in cut) + " were cut off"
         for s in st.submitted - st.finished:
             if s != stage:
-                self.backend.abort(s, rid)
+                self.backend.abort(s, rid, replica=self.routing.replica_of(st.lineage, s))
+        for s in list(st.lineage.placed):
+            self.routing.released(st.lineage, s)
+        st.inputs.clear()
         del self._reqs[rid]
         self._counts[{"error": "failed", "abort": "aborted", "timeout": "timed_out"}[kind]] += 1
         reason = "abort" if kind == "abort" else "error"
@@ -172,17 +250,31 @@ class Orchestrator:
             self._expire()
 
     def _on_event(self, ev: StageEvent) -> None:
+        out = ev.summary
+        if out is not None and out.cache_report is not None:  # the replica's, whatever became of the request
+            self.routing.cache_report(ev.stage, ev.replica, out.cache_report)
+            out.cache_report = None
+        if ev.replica_lost:
+            self.routing.replica_lost(ev.stage, ev.replica)
         st = self._reqs.get(ev.request_id)
         if st is None or ev.stage not in st.submitted or ev.stage in st.finished:
             return  # aborted, failed or timed out meanwhile
+        placed = st.lineage.placed.get(ev.stage)
+        if placed is not None and placed.replica != ev.replica:
+            return  # from a replica the request moved away from
         if ev.delta is not None:
+            st.streamed.add(ev.stage)
             if st.stream:
                 self._push_event(ev.request_id, ev.delta)
             return
+        if ev.replica_lost and self._retry(st, ev):
+            return
         st.finished.add(ev.stage)
+        self.routing.finished(st.lineage, ev.stage, out)
+        self.routing.released(st.lineage, ev.stage)
+        st.inputs.pop(ev.stage, None)
         counts = self._stage_counts[ev.stage]
         counts["completed"] += 1
-        out = ev.summary
         if out.error is not None or out.finish_reason == "abort":
             counts["errors"] += 1
             err = out.error or "aborted by the stage"
@@ -267,6 +359,7 @@ class Orchestrator:
             return {
                 "requests": {**self._counts, "in_flight": len(self._reqs)},
                 "stages": {n: {**self._stage_counts[n], "in_flight": in_flight[n]} for n in self.graph.order},
+                "routers": {n: self.routing.stats(n) for n in self.graph.order if self.graph.stages[n].replicas > 1},
             }
 
 

@@ -31,7 +31,7 @@ from omni import registry
 from omni.config import StageConfig
 from omni.engine.interface import Engine
 from omni.errors import OmniError
-from omni.outputs import StageDelta, StageInput, StageOutput, error_output
+from omni.outputs import CacheReport, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> 
 @dataclass(slots=True)
 class TickResult:
     finished: list[tuple[StageOutput, StageOutput]] = field(default_factory=list)  # (full, summary)
-    chunks: list[tuple[str, str, int, StageDelta]] = field(default_factory=list)  # (to stage, rid, seq, chunk)
+    chunks: list[tuple[StreamTarget, str, int, StageDelta]] = field(default_factory=list)  # (to, rid, seq, chunk)
     deltas: list[StageDelta] = field(default_factory=list)  # for callers that stream
 
 
@@ -274,7 +274,18 @@ class StageWorker:
                         self._drop_streams(out.request_id)
                         self._done(out, keep)
         result.finished, self._ready = self._ready, []
+        if result.finished:
+            self._attach_cache_report(result.finished[-1][1])
         return result
+
+    def _attach_cache_report(self, summary: StageOutput) -> None:
+        """The prefix cache's evictions since the last report ride on a summary to the driver's router."""
+        take = getattr(self.engine, "take_evicted_blocks", None)  # optional in the engine contract
+        if take is None:
+            return
+        evicted, overflow = take()
+        if evicted or overflow:
+            summary.cache_report = CacheReport(evicted, overflow)
 
     def _streamed(self, deltas: list[StageDelta], finished: dict[str, StageOutput], result: TickResult) -> None:
         for d in deltas:

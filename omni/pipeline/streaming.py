@@ -26,11 +26,12 @@ from omni.outputs import StageDelta, StageInput, StageOutput
 
 @dataclass(frozen=True, slots=True)
 class StreamTarget:
-    """A downstream stage fed by one stage over a streaming edge."""
+    """A downstream stage (one replica of it) fed by one stage over a streaming edge."""
 
     stage: str
     chunk_tokens: int
     needs_rows: bool  # its input processor reads the upstream's per-token rows
+    replica: int = 0  # which replica of `stage` the router chose: chunks go to that one only
 
 
 @dataclass(slots=True)
@@ -56,8 +57,8 @@ class Outgoing:
         return any(p.target.needs_rows for p in self.progress)
 
     def on_delta(self, delta: StageDelta, read_rows: Callable[[int, int], dict[str, np.ndarray]]
-                 ) -> list[tuple[str, int, StageDelta]]:
-        """Chunks due after one step of the running request: (target stage, seq, chunk)."""
+                 ) -> list[tuple[StreamTarget, int, StageDelta]]:
+        """Chunks due after one step of the running request: (target, seq, chunk)."""
         self.tokens.extend(delta.token_ids)
         if delta.prompt_token_ids is not None:
             self.prompt_ids = delta.prompt_token_ids
@@ -71,7 +72,7 @@ class Outgoing:
                 out.append(self._emit(p, self.tokens[p.tokens_sent:], rows, delta.num_computed_tokens, False))
         return out
 
-    def on_finished(self, full: StageOutput) -> list[tuple[str, int, StageDelta]]:
+    def on_finished(self, full: StageOutput) -> list[tuple[StreamTarget, int, StageDelta]]:
         """The last chunk of every consumer, from the request's complete output."""
         self.prompt_ids = list(full.prompt_token_ids)
         out = []
@@ -88,14 +89,14 @@ class Outgoing:
         return out
 
     def _emit(self, p: _TargetProgress, tokens: list[int], rows: dict[str, np.ndarray], rows_end: int,
-              finished: bool) -> tuple[str, int, StageDelta]:
+              finished: bool) -> tuple[StreamTarget, int, StageDelta]:
         chunk = StageDelta(self.request_id, self.stage, token_ids=list(tokens), finished=finished,
                            num_computed_tokens=rows_end, rows=rows, rows_start=p.rows_sent,
                            prompt_token_ids=self.prompt_ids if p.seq == 0 else None)
         p.tokens_sent += len(tokens)
         p.rows_sent = rows_end if p.target.needs_rows else p.rows_sent
         p.seq += 1
-        return p.target.stage, p.seq - 1, chunk
+        return p.target, p.seq - 1, chunk
 
 
 def merge_chunks(a: StageDelta, b: StageDelta) -> StageDelta:
