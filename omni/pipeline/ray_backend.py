@@ -12,9 +12,16 @@ text: only when the caller streams), then a small *summary* the driver reads
 (errors, text, token ids; arrays only for final stages), then the full output,
 whose ObjectRef the driver only forwards, so hidden states never pass through it.
 
-Streaming edges go actor to actor: a stage actor holds the handles of the stages
-it streams into and pushes each chunk (numpy rows in Ray's object store) to them
-in order, tagged with a sequence number; the driver never sees a chunk.
+Streaming edges go actor to actor: a stage actor holds the names of the stages
+it streams into (every replica of them) and pushes each chunk (numpy rows in Ray's
+object store) to the replica the router chose for the request, in order, tagged with a
+sequence number; the driver never sees a chunk.
+
+Replicas: a stage with `replicas: N` is N actors, each with the stage's resources,
+placed with Ray's SPREAD strategy (over the nodes that fit them). Each replica is gated
+on its own after a failure (below): the others keep serving, and the router sends a
+replica nothing while it restarts (`replica_states`). The requests a dying replica held
+come back `replica_lost`, for the orchestrator to retry elsewhere or fail.
 
 Inside the actor a background asyncio task steps the engine while there is
 work; each step runs in a one-thread executor so the event loop keeps
@@ -53,6 +60,7 @@ from omni.pipeline.graph import StageGraph
 from omni.outputs import StageDelta
 from omni.pipeline import temp_reaper
 from omni.pipeline.orchestrator import StageEvent
+from omni.pipeline.replica_stats import merge_replica_stats
 from omni.pipeline.stage_worker import StageWorker, TickResult
 from omni.pipeline.streaming import StreamTarget
 
@@ -82,6 +90,7 @@ def _describe(e: BaseException) -> str:
 @dataclass(slots=True)
 class _Submission:
     stage: str
+    replica: int
     request: StageInput
     upstream: dict[str, Any] | None
     sampling: Any
@@ -95,14 +104,15 @@ class StageActor:
     """The body of a stage actor (wrapped with ray.remote by RayBackend)."""
 
     def __init__(self, stage: StageConfig, emit_hidden_states: bool, registry_snapshot: dict[str, Any],
-                 engine_factory: EngineFactory | None, peers: dict[str, Any] | None = None,
-                 chunk_timeout_s: float = 60.0):
+                 engine_factory: EngineFactory | None, peers: dict[str, list[str]] | None = None,
+                 chunk_timeout_s: float = 60.0, replica: int = 0):
         self.name = stage.name
-        # Stages this one streams into: stage -> actor name, looked up on first use (a name
-        # survives restarts on either side; a handle in the constructor arguments would pin
-        # them in the object store).
-        self.peers: dict[str, str] = dict(peers or {})
-        self._peer_handles: dict[str, Any] = {}
+        self.replica = replica
+        # Stages this one streams into: stage -> the actor name of each replica, looked up on
+        # first use (a name survives restarts on either side; a handle in the constructor
+        # arguments would pin them in the object store).
+        self.peers: dict[str, list[str]] = {k: list(v) for k, v in (peers or {}).items()}
+        self._peer_handles: dict[tuple[str, int], Any] = {}
         self.worker: StageWorker | None = None
         # A start failure is kept and raised by ready(): the driver gets the exception itself
         # (RayTaskError.cause) instead of a dead actor, and Ray does not restart an actor
@@ -127,7 +137,8 @@ class StageActor:
     async def ready(self) -> dict[str, Any]:
         if self._start_error is not None:
             raise self._start_error
-        return {"stage": self.name, "pid": os.getpid()}
+        return {"stage": self.name, "replica": self.replica, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -178,10 +189,11 @@ class StageActor:
         for full, summary in result.finished:
             self._reply(full.request_id, (full, summary))
 
-    def _peer(self, stage: str) -> Any:
-        handle = self._peer_handles.get(stage)
+    def _peer(self, target: StreamTarget) -> Any:
+        key = (target.stage, target.replica)
+        handle = self._peer_handles.get(key)
         if handle is None:
-            handle = self._peer_handles[stage] = ray.get_actor(self.peers[stage])
+            handle = self._peer_handles[key] = ray.get_actor(self.peers[target.stage][target.replica])
         return handle
 
     @ray.method(num_returns="streaming")
@@ -253,6 +265,7 @@ class StageActor:
         # Through the executor: never read engine state while a step mutates it.
         s = await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.stats)
         s["pid"] = os.getpid()
+        s["node_id"] = ray.get_runtime_context().get_node_id()
         return s
 
 
@@ -275,7 +288,7 @@ def _ray_init(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, 
         temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
         watcher = temp_reaper.watch(temp_dir)  # removes it if this driver is SIGKILLed
         # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
-        num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus for s in stages)))
+        num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus * s.replicas for s in stages)))
         ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
                  namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
     if sigterm is not None:
@@ -289,8 +302,15 @@ def _schedulable(resources: dict[str, float]) -> dict[str, float]:
             if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
 
 
+def _actor_name(pipeline: str, stage: StageConfig, replica: int, tag: str) -> str:
+    """`omni.PIPELINE.STAGE.TAG`; with replicas `omni.PIPELINE.STAGE.REPLICA.TAG`."""
+    return f"omni.{pipeline}.{stage.name}.{tag}" if stage.replicas == 1 else f"omni.{pipeline}.{stage.name}.{replica}.{tag}"
+
+
 class RayBackend:
-    """One Ray actor per stage; the orchestrator drives it from the caller's thread."""
+    """One Ray actor per stage replica; the orchestrator drives it from the caller's thread.
+
+    `replica_actors[stage]` holds the actor of each replica; `actors[stage]` is the first."""
 
     name = "ray"
 
@@ -302,11 +322,12 @@ class RayBackend:
                 raise ConfigError(
                     f"stage {s.name!r}: device: 'cuda' needs resources.num_gpus > 0 on Ray "
                     "(Ray hides the GPUs from actors that reserve none); set resources.num_gpus, e.g. 1 or 0.5")
-        self.actors: dict[str, Any] = {}
+        self.replica_actors: dict[str, list[Any]] = {}
         self._pending: dict[Any, _Submission] = {}  # the submit() generator of each request in flight
-        self._gates: dict[str, tuple[Any, float]] = {}  # stage -> (ready ref, deadline) while restarting
-        self._deferred: dict[str, list[_Submission]] = {}  # stage -> submissions waiting for its gate
-        self._dead: dict[str, str] = {}  # stage -> why it will not come back
+        # Per (stage, replica): after a failure the replica is *gated* until it serves again (below).
+        self._gates: dict[tuple[str, int], tuple[Any, float]] = {}  # -> (ready ref, deadline)
+        self._deferred: dict[tuple[str, int], list[_Submission]] = {}  # submissions waiting for the gate
+        self._dead: dict[tuple[str, int], str] = {}  # -> why it will not come back
         self._events: list[StageEvent] = []  # produced without a round trip
         self._lock = threading.RLock()  # poll / submit / abort may come from several threads
         # One poller at a time: a submit() generator that one thread has read to its end cannot be
@@ -317,41 +338,58 @@ class RayBackend:
         try:
             snap = registry.snapshot()
             tag = uuid.uuid4().hex[:8]
-            # Consumers first: a stage that streams into others is given their handles.
+            names = {n: [_actor_name(config.name, self.graph.stages[n], i, tag)
+                         for i in range(self.graph.stages[n].replicas)] for n in self.graph.order}
+            # Consumers first: a stage that streams into others looks their replicas up by name.
             for name in reversed(self.graph.order):
                 s = self.graph.stages[name]
-                cls = ray.remote(StageActor).options(
-                    name=f"omni.{config.name}.{name}.{tag}",
-                    num_cpus=s.resources.num_cpus,
-                    num_gpus=s.resources.num_gpus,
-                    resources=dict(s.resources.custom) or None,
-                    max_restarts=s.max_restarts,
-                    max_task_retries=0,
-                )
-                peers = {d: f"omni.{config.name}.{d}.{tag}" for d, _ in self.graph.streams_to(name)}
-                self.actors[name] = cls.remote(s, self.graph.emits_hidden_states(name), snap, engine_factory,
-                                               peers, config.runtime.stream_chunk_timeout_s)
+                peers = {d: names[d] for d, _ in self.graph.streams_to(name)}
+                self.replica_actors[name] = []
+                for i in range(s.replicas):
+                    cls = ray.remote(StageActor).options(
+                        name=names[name][i],
+                        num_cpus=s.resources.num_cpus,
+                        num_gpus=s.resources.num_gpus,
+                        resources=dict(s.resources.custom) or None,
+                        max_restarts=s.max_restarts,
+                        max_task_retries=0,
+                        # Replicas over as many nodes as fit them: a node lost takes one replica, not all.
+                        scheduling_strategy="SPREAD" if s.replicas > 1 else "DEFAULT",
+                    )
+                    self.replica_actors[name].append(cls.remote(
+                        s, self.graph.emits_hidden_states(name), snap, engine_factory, peers,
+                        config.runtime.stream_chunk_timeout_s, i))
             self._wait_ready(config.runtime.stage_start_timeout_s)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def actors(self) -> dict[str, Any]:
+        return {name: actors[0] for name, actors in self.replica_actors.items() if actors}
+
+    def _where(self, stage: str, replica: int) -> str:
+        """How an error names the replica ("" for a stage with one)."""
+        return f"replica {replica}: " if self.graph.stages[stage].replicas > 1 else ""
+
     def _wait_ready(self, timeout_s: float) -> None:
-        refs = {self.actors[n].ready.remote(): n for n in self.graph.order}
+        refs = {actor.ready.remote(): (n, i) for n in self.graph.order
+                for i, actor in enumerate(self.replica_actors[n])}
         ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref in ready:
-            name = refs[ref]
+            name, i = refs[ref]
+            where = f"stage {name!r}" + (f" (replica {i})" if self.graph.stages[name].replicas > 1 else "")
             try:
                 ray.get(ref, timeout=_GET_TIMEOUT_S)
             except RayTaskError as e:  # ready() raised the stage's start error
                 if isinstance(e.cause, StageStartError):
                     raise StageStartError(str(e.cause), stage=name) from None
-                raise StageStartError(f"stage {name!r} failed to start: {_describe(e)}", stage=name) from None
+                raise StageStartError(f"{where} failed to start: {_describe(e)}", stage=name) from None
             except RayError as e:  # e.g. the actor process died while loading
-                raise StageStartError(f"stage {name!r} failed to start: its Ray actor failed: {_describe(e)}",
+                raise StageStartError(f"{where} failed to start: its Ray actor failed: {_describe(e)}",
                                       stage=name) from None
         if not_ready:
-            names = [refs[r] for r in not_ready]
+            names = list(dict.fromkeys(refs[r][0] for r in not_ready))
             wanted = {n: self.graph.stages[n].resources.model_dump() for n in names}
             raise StageStartError(
                 f"stage(s) {', '.join(map(repr, names))} did not start within {timeout_s:g}s "
@@ -359,45 +397,54 @@ class RayBackend:
                 f"available in the cluster now: {_schedulable(ray.available_resources())}", stage=names[0])
 
     # ------------------------------------------------------------- backend
-    # After a stage actor fails, the stage is *gated*: a `ready()` call that Ray
-    # retries across restarts tells when the restarted actor serves again; new
-    # submissions wait behind the gate (the orchestrator's request timeout still
-    # applies). A gate that fails for good marks the stage dead: its requests then
-    # fail at once with a clear error instead of hanging.
+    # After a replica's actor fails, the replica is *gated*: a `ready()` call that Ray
+    # retries across restarts tells when the restarted actor serves again; submissions to
+    # it wait behind the gate (the orchestrator's request timeout still applies; its router
+    # sends a gated replica nothing while another one serves). A gate that fails for good
+    # marks the replica dead: its requests then fail at once with a clear error.
     def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
-               keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
-               stream_out: bool = False) -> None:
-        args = _Submission(stage, request, upstream, sampling, keep_hidden, tuple(stream_to), stream_from,
+               keep_hidden: bool, *, replica: int = 0, stream_to: tuple[StreamTarget, ...] = (),
+               stream_from: str | None = None, stream_out: bool = False) -> None:
+        args = _Submission(stage, replica, request, upstream, sampling, keep_hidden, tuple(stream_to), stream_from,
                            stream_out)
+        key = (stage, replica)
         with self._lock:
-            if stage in self._dead:
+            if key in self._dead:
                 self._events.append(StageEvent(stage, request.request_id, error_output(
-                    stage, request.request_id, self._dead[stage])))
-            elif stage in self._gates:
-                self._deferred[stage].append(args)
+                    stage, request.request_id, self._where(stage, replica) + self._dead[key]),
+                    replica=replica, replica_lost=True))
+            elif key in self._gates:
+                self._deferred[key].append(args)
             else:
                 self._send(args)
 
+    def replica_states(self, stage: str) -> list[str]:
+        with self._lock:
+            return ["dead" if (stage, i) in self._dead else "restarting" if (stage, i) in self._gates else "up"
+                    for i in range(self.graph.stages[stage].replicas)]
+
     def _send(self, a: "_Submission") -> None:
-        gen = self.actors[a.stage].submit.remote(a.request, a.upstream, a.sampling, a.keep_hidden,
-                                                 a.stream_to, a.stream_from, a.stream_out)
+        gen = self.replica_actors[a.stage][a.replica].submit.remote(
+            a.request, a.upstream, a.sampling, a.keep_hidden, a.stream_to, a.stream_from, a.stream_out)
         self._pending[gen] = a
 
-    def _gate(self, stage: str) -> None:
-        if stage not in self._gates and stage not in self._dead:
-            ref = self.actors[stage].ready.options(max_task_retries=-1).remote()
-            self._gates[stage] = (ref, time.monotonic() + self._start_timeout_s)
-            self._deferred.setdefault(stage, [])
+    def _gate(self, stage: str, replica: int) -> None:
+        key = (stage, replica)
+        if key not in self._gates and key not in self._dead:
+            ref = self.replica_actors[stage][replica].ready.options(max_task_retries=-1).remote()
+            self._gates[key] = (ref, time.monotonic() + self._start_timeout_s)
+            self._deferred.setdefault(key, [])
 
-    def abort(self, stage: str, request_id: str) -> None:
+    def abort(self, stage: str, request_id: str, replica: int = 0) -> None:
+        key = (stage, replica)
         with self._lock:
             for gen, a in list(self._pending.items()):
-                if a.stage == stage and a.request.request_id == request_id:
+                if a.stage == stage and a.replica == replica and a.request.request_id == request_id:
                     del self._pending[gen]
-            if stage in self._deferred:
-                self._deferred[stage] = [a for a in self._deferred[stage] if a.request.request_id != request_id]
-            if stage in self.actors and stage not in self._dead and stage not in self._gates:
-                self.actors[stage].abort.remote(request_id)  # fire and forget
+            if key in self._deferred:
+                self._deferred[key] = [a for a in self._deferred[key] if a.request.request_id != request_id]
+            if stage in self.replica_actors and key not in self._dead and key not in self._gates:
+                self.replica_actors[stage][replica].abort.remote(request_id)  # fire and forget
 
     def poll(self, timeout_s: float) -> list[StageEvent]:
         with self._poll_lock:
@@ -406,7 +453,7 @@ class RayBackend:
     def _poll(self, timeout_s: float) -> list[StageEvent]:
         with self._lock:
             events, self._events = self._events, []
-            gate_refs = {g[0]: stage for stage, g in self._gates.items()}
+            gate_refs = {g[0]: key for key, g in self._gates.items()}
             refs = list(self._pending) + list(gate_refs)
         if not refs:
             if not events:
@@ -426,11 +473,11 @@ class RayBackend:
                     events += self._on_items(ref)
             # Gates that ran out of time.
             now = time.monotonic()
-            for stage, (_, deadline) in list(self._gates.items()):
+            for key, (_, deadline) in list(self._gates.items()):
                 if now >= deadline:
-                    del self._gates[stage]
-                    events += self._fail_deferred(stage, f"the stage's Ray actor did not come back within "
-                                                         f"{self._start_timeout_s:g}s after it died")
+                    del self._gates[key]
+                    events += self._fail_deferred(key, f"the stage's Ray actor did not come back within "
+                                                       f"{self._start_timeout_s:g}s after it died")
         return events
 
     def _on_items(self, gen: Any) -> list[StageEvent]:
@@ -451,7 +498,7 @@ class RayBackend:
                 events.append(self._on_summary(a, e, None))
                 break
             if item[0] == "delta":
-                events.append(StageEvent(a.stage, a.request.request_id, None, delta=item[1]))
+                events.append(StageEvent(a.stage, a.request.request_id, None, delta=item[1], replica=a.replica))
                 ready, _ = ray.wait([gen], timeout=0)
                 if not ready:
                     break
@@ -462,70 +509,83 @@ class RayBackend:
             except Exception as e:  # noqa: BLE001
                 events.append(self._on_summary(a, e, None))
                 break
-            events.append(StageEvent(a.stage, a.request.request_id, item[1], output_ref))
+            events.append(StageEvent(a.stage, a.request.request_id, item[1], output_ref, replica=a.replica))
         return events
 
     def _on_summary(self, a: "_Submission", error: BaseException | None, output_ref: Any) -> StageEvent:
         """The event of a request whose generator failed (`error`) or stopped early (None)."""
         rid = a.request.request_id
+        where = self._where(a.stage, a.replica)
+        lost = False
         try:
             if error is not None:
                 raise error
-            summary = error_output(a.stage, rid, "the stage's Ray actor stopped replying (killed?)")
+            lost = True
+            summary = error_output(a.stage, rid, where + "the stage's Ray actor stopped replying (killed?)")
         except RayActorError as e:
             # ActorDiedError, or ActorUnavailableError ("may or may not have been executed": in flight when
-            # the actor died, or sent while it restarted). Either way this request is lost on the stage and
-            # is not sent again: a request that crashed the actor would crash its restarted successor too.
-            self._gate(a.stage)
-            summary = error_output(a.stage, rid, "the stage's Ray actor died or became unreachable "
-                                                 f"while serving the request: {_describe(e)}")
+            # the actor died, or sent while it restarted). Either way this request is lost on this replica and
+            # is not sent to it again: a request that crashed the actor would crash its restarted successor too.
+            self._gate(a.stage, a.replica)
+            lost = True
+            summary = error_output(a.stage, rid, where + "the stage's Ray actor died or became unreachable "
+                                                         f"while serving the request: {_describe(e)}")
         except GetTimeoutError:
-            summary = error_output(a.stage, rid, f"could not fetch the result within {_GET_TIMEOUT_S:g}s")
+            summary = error_output(a.stage, rid, f"{where}could not fetch the result within {_GET_TIMEOUT_S:g}s")
         except RayTaskError as e:
-            summary = error_output(a.stage, rid, f"stage task failed: {_describe(e)}")
+            summary = error_output(a.stage, rid, f"{where}stage task failed: {_describe(e)}")
         except RayError as e:
-            summary = error_output(a.stage, rid, _describe(e))
+            summary = error_output(a.stage, rid, where + _describe(e))
         except Exception as e:  # noqa: BLE001 - e.g. a reply that does not unpickle
-            summary = error_output(a.stage, rid, f"bad reply from the stage: {_describe(e)}")
-        return StageEvent(a.stage, rid, summary, output_ref)
+            summary = error_output(a.stage, rid, f"{where}bad reply from the stage: {_describe(e)}")
+        return StageEvent(a.stage, rid, summary, output_ref, replica=a.replica, replica_lost=lost)
 
-    def _on_gate(self, stage: str, ref: Any) -> list[StageEvent]:
-        _, deadline = self._gates.pop(stage)
+    def _on_gate(self, key: tuple[str, int], ref: Any) -> list[StageEvent]:
+        _, deadline = self._gates.pop(key)
+        stage, replica = key
         try:
             ray.get(ref, timeout=_GET_TIMEOUT_S)
         except RayError as e:
             if isinstance(e, ActorUnavailableError) and time.monotonic() < deadline:  # still restarting
-                self._gates[stage] = (self.actors[stage].ready.options(max_task_retries=-1).remote(), deadline)
+                self._gates[key] = (self.replica_actors[stage][replica].ready.options(max_task_retries=-1).remote(),
+                                    deadline)
                 return []
             restarts = self.graph.stages[stage].max_restarts
-            self._dead[stage] = (f"the stage's Ray actor is dead and will not restart "
-                                 f"(max_restarts={restarts}): {_describe(e)}")
-            return self._fail_deferred(stage, self._dead[stage])
-        for a in self._deferred.pop(stage, []):
+            self._dead[key] = (f"the stage's Ray actor is dead and will not restart "
+                               f"(max_restarts={restarts}): {_describe(e)}")
+            return self._fail_deferred(key, self._dead[key])
+        for a in self._deferred.pop(key, []):
             self._send(a)
         return []
 
-    def _fail_deferred(self, stage: str, error: str) -> list[StageEvent]:
-        return [StageEvent(stage, a.request.request_id, error_output(stage, a.request.request_id, error))
-                for a in self._deferred.pop(stage, [])]
+    def _fail_deferred(self, key: tuple[str, int], error: str) -> list[StageEvent]:
+        stage, replica = key
+        return [StageEvent(stage, a.request.request_id,
+                           error_output(stage, a.request.request_id, self._where(stage, replica) + error),
+                           replica=replica, replica_lost=True)
+                for a in self._deferred.pop(key, [])]
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        refs = {name: actor.stats.remote() for name, actor in self.actors.items()}
+        refs = {name: [actor.stats.remote() for actor in actors] for name, actors in self.replica_actors.items()}
         out: dict[str, dict[str, Any]] = {}
-        for name, ref in refs.items():
-            try:
-                out[name] = ray.get(ref, timeout=_GET_TIMEOUT_S)
-            except RayError as e:
-                out[name] = {"error": _describe(e)}
+        for name, stage_refs in refs.items():
+            per_replica = []
+            for ref in stage_refs:
+                try:
+                    per_replica.append(ray.get(ref, timeout=_GET_TIMEOUT_S))
+                except RayError as e:
+                    per_replica.append({"error": _describe(e)})
+            out[name] = merge_replica_stats(per_replica, self.replica_states(name))
         return out
 
     def close(self) -> None:
         with self._lock:
-            actors, self.actors = self.actors, {}
+            actors = [a for stage_actors in self.replica_actors.values() for a in stage_actors]
+            self.replica_actors = {}
             self._pending.clear()
             self._gates.clear()
             self._deferred.clear()
-        for actor in actors.values():
+        for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -536,7 +596,7 @@ class RayBackend:
             # ray.kill only asks the GCS; on a cluster we do not own, wait until
             # the actors are really gone so their CPUs/GPUs are free when close()
             # returns (a pipeline reopened right after must be able to place).
-            _wait_dead(list(actors.values()), self._start_timeout_s)
+            _wait_dead(actors, self._start_timeout_s)
         self._owns_ray = False
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
