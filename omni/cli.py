@@ -3,7 +3,7 @@
     omni run CONFIG [--prompt P ...] [--prompts-file F] [--output-dir D]
                     [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json]
     omni validate CONFIG [--stage-overrides JSON] [--json]
-    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni)
+    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, streaming, routing)
 
 Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
 usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
@@ -34,6 +34,7 @@ BENCHES = {
     "pipeline": "pipeline",
     "omni": "omni_bench",
     "streaming": "streaming",
+    "routing": "routing",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 
