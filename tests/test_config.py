@@ -338,6 +338,10 @@ def test_replicas_and_routing():
     data["stages"][1].update(replicas=3, enable_prefix_caching=False, router={"on_replica_failure": "fail"})
     ta = load_config(data).stages[1]
     assert ta.replicas == 3 and ta.routing_policy == "least_loaded" and ta.router.on_replica_failure == "fail"
+    from omni.pipeline.graph import StageGraph
+
+    summary = StageGraph(load_config(data).stages).summary()  # what `omni validate` prints
+    assert "replicas=3 (least_loaded)" in summary and summary.count("replicas=") == 1
     # The default follows the caching toggle, also when an override turns caching off later.
     over = load_config(cfg, {"thinker": {"enable_prefix_caching": False}})
     assert over.stages[0].routing_policy == "least_loaded"

@@ -179,7 +179,8 @@ class StageGraph:
                             for u in self.upstream[n]) if self.upstream[n] else "<prompt>"
             proc = f" via {s.input_processor or 'passthrough_tokens'}" if self.upstream[n] else ""
             final = f"  final_output={s.final_output}" if s.final_output else ""
+            reps = f"  replicas={s.replicas} ({s.routing_policy})" if s.replicas > 1 else ""
             lines.append(
                 f"  {n}: {s.model} ({s.model_path})  <- {src}{proc}  "
-                f"prefix_caching={'on' if s.enable_prefix_caching else 'off'}{final}")
+                f"prefix_caching={'on' if s.enable_prefix_caching else 'off'}{final}{reps}")
         return "\n".join(lines)

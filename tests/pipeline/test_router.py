@@ -318,3 +318,23 @@ def test_dead_replicas_are_never_chosen_while_another_serves():
     be.states["thinker"] = ["up", "restarting"]
     orch.add_request(StageInput("x", prompt_token_ids=[1] * 12))  # replica 1 holds its prefix, but restarts
     assert be.where("thinker", "x") == 0
+
+
+def test_a_downstream_stage_is_retried_with_the_same_upstream_output():
+    orch, be = chain()
+    prompt = list(range(1, 13))
+    orch.add_request(StageInput("r", prompt_token_ids=prompt))
+    orch.step()
+    be.finish("thinker", "r", prompt, [5, 6])
+    orch.step()
+    [first] = [s for s in be.submits if s.stage == "talker"]
+    assert first.upstream == {"thinker": "thinker/r"}
+    be.events.append(StageEvent("talker", "r", error_output("talker", "r", "died"), replica=first.replica,
+                                replica_lost=True))
+    orch.step()
+    second = [s for s in be.submits if s.stage == "talker"][-1]
+    assert second.replica != first.replica and second.upstream == first.upstream  # the thinker is not rerun
+    assert [s.stage for s in be.submits].count("thinker") == 1
+    be.finish("talker", "r", [0] * 13, [1])
+    orch.step()
+    assert orch.pop_result("r").error is None
