@@ -36,6 +36,7 @@ class Lineage:
     """What the driver knows of one request's prefix, and where its stages run."""
 
     tokens: list[int] | None = None  # the entry stage's: prompt, + output once it finished
+    entry_done: bool = False  # `tokens` holds the entry stage's output too
     driver_tokens: list[int] | None = None  # the prompt as tokenized here (checked against the stage's)
     text: str | None = None
     cache_salt: str | None = None
@@ -80,15 +81,17 @@ class PipelineRouting:
         return lin
 
     def keys(self, lin: Lineage, stage: str, *, computed_only: bool = False) -> RouteKeys | None:
-        """Stage `stage`'s keys of the request (computed_only: the tokens whose KV the stage has computed
-        once the request finished: every token of the sequence but the last sampled one)."""
+        """Stage `stage`'s keys of the request. Entry stage: its prompt (computed_only: once it finished,
+        every token of the sequence but the last sampled one, which never went through the model).
+        Downstream: the rows it is fed, one per token the entry stage computed."""
         s = self.graph.stages[stage]
         if lin.tokens is not None:
-            tokens = lin.tokens[:-1] if computed_only else lin.tokens
+            last_fed = computed_only if stage == self.primary else lin.entry_done
+            tokens = lin.tokens[:-1] if last_fed else lin.tokens
             h = token_hashes(tokens, s.cache.block_size, s.cache.hash_seed, lin.cache_salt)
-            if stage == self.primary:
-                return RouteKeys(h, max(0, (len(tokens) - 1) // s.cache.block_size), True)
-            return RouteKeys(h, len(h), self._aligned[stage])
+            # A prompt's last token is never a hit: its logits are needed.
+            aligned = stage == self.primary or self._aligned[stage]
+            return RouteKeys(h, max(0, (len(tokens) - 1) // s.cache.block_size), aligned)
         if lin.text is not None:
             h = text_hashes(lin.text, lin.cache_salt)
             return RouteKeys(h, len(h), False)
@@ -123,6 +126,7 @@ class PipelineRouting:
             # The stage's own token ids from now on (downstream stages route by them): exact even where
             # the entry stage itself had to be routed by text.
             lin.tokens = list(summary.prompt_token_ids) + list(summary.token_ids)
+            lin.entry_done = True
         if p is None or not router.uses_prefixes or not summary.ok:
             return
         bs = self.graph.stages[stage].cache.block_size
