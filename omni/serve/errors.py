@@ -24,6 +24,8 @@ _ADMISSION_RE = re.compile(r"^stage '(?P<stage>[^']+)' failed: invalid request: 
 _EDGE_RE = re.compile(r"^prompts\[\d+\]: (?P<rest>.*)$", re.S)
 # "sampling_params for stage 'talker': max_tokens: ..." (Omni._stage_params)
 _SAMPLING_RE = re.compile(r"^sampling_params for stage '(?P<stage>[^']+)': (?P<field>[\w.]+): ", re.S)
+# "prompt: 20 tokens + max_tokens 500 = 520 exceed max_model_len 256 of stage 'thinker'" (engine admission)
+_TOO_LONG_RE = re.compile(r"(?P<prompt>\d+) tokens \+ max_tokens \d+ = \d+ exceed max_model_len (?P<limit>\d+)")
 _FIELD_RE = re.compile(r"^(?P<field>[A-Za-z_][\w.]*(\[\d+\])*(\.[A-Za-z_]\w*(\[\d+\])*)*)\s*:")
 
 
@@ -127,11 +129,16 @@ def from_omni_error(message: str, fields: Mapping[str, str], sampling_param: Any
         if head == "prompt":  # "prompt: messages[1].content: ..." names a message; else the whole prompt
             sub = _field_of(rest.removeprefix("prompt: "))
             param = sub if sub is not None and sub.startswith("messages[") else fields.get("prompt")
-        elif field.startswith("multi_modal_data"):
+        elif field.startswith("multi_modal_data"):  # one item, or all of them: the first then
             base = re.match(r"multi_modal_data\.\w+\[\d+\]", field)
-            param = fields.get(base.group(0)) if base else None
+            media = [v for k, v in fields.items() if k.startswith("multi_modal_data.")]
+            param = fields.get(base.group(0)) if base else (media[0] if media else None)
             param = param or fields.get("prompt")
         else:
             param = fields.get(field) or fields.get(head) or fields.get("prompt")
-    code = "context_length_exceeded" if "exceed max_model_len" in rest else "invalid_value"
+    code = "invalid_value"
+    if m := _TOO_LONG_RE.search(rest):
+        code = "context_length_exceeded"
+        if int(m.group("prompt")) < int(m.group("limit")):  # the prompt fits: max_tokens is what is too large
+            param = fields.get("max_tokens", param)
     return bad_request(message, param, code)
