@@ -53,12 +53,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM `proc`'s process group (started with start_new_session=True), give it `grace_s`, then
-    SIGKILL whatever of it (or below it) is left."""
+def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0, *, group: bool = True) -> None:
+    """SIGTERM `proc`'s process group (started with start_new_session=True; `group=False`: `proc` alone, which
+    then shuts down what it started itself), give it `grace_s`, then SIGKILL whatever of it (or below it) is left."""
     spawned = descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:

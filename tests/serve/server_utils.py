@@ -83,12 +83,14 @@ def _send(req: urllib.request.Request) -> tuple[int, dict[str, str], Any]:
 
 
 @contextlib.contextmanager
-def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Start `omni serve CONFIG --port 0 ARGS...`; yields once /health answers 200."""
+def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None, port: int = 0,
+               stop_grace_s: float = 20) -> Iterator[Server]:
+    """Start `omni serve CONFIG --port PORT ARGS...`; yields once /health answers 200. Stopped with SIGTERM
+    (the server closes its pipeline and whatever Ray it started), then SIGKILL past `stop_grace_s`."""
     log = Path(tempfile.mkstemp(prefix="omni-serve-", suffix=".log")[1])
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "omni.cli", "serve", str(config), "--port", "0", *args]
+    cmd = [sys.executable, "-m", "omni.cli", "serve", str(config), "--port", str(port), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)
@@ -110,7 +112,7 @@ def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None
             time.sleep(0.2)
         yield Server(url, proc, log)
     finally:
-        stop_tree(proc, grace_s=20)
+        stop_tree(proc, grace_s=stop_grace_s, group=False)
         log.unlink(missing_ok=True)
 
 
