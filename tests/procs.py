@@ -8,7 +8,11 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 
 def free_ports(n: int) -> list[int]:
@@ -84,3 +88,21 @@ def tail(path: Path, n: int = 4000) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError:
         return ""
+
+
+def wait_until_up(proc: subprocess.Popen, log: Path, url: Callable[[], str | None], what: str,
+                  timeout_s: float, interval_s: float = 0.2) -> str:
+    """Wait until GET url() answers 200 (url() may be None until the process says where it listens); fails
+    the test with the log's tail if the process exits first or `timeout_s` passes. Returns the URL."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{tail(log)}")
+        if (address := url()) is not None:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(address, timeout=5) as r:
+                    if r.status == 200:
+                        return address
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not come up within {timeout_s:g}s:\n{tail(log)}")
+        time.sleep(interval_s)

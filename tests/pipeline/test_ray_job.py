@@ -7,21 +7,18 @@ stop every cluster of this user on the machine).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.procs import free_ports, stop_tree, tail
+from tests.procs import free_ports, stop_tree, wait_until_up
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -60,17 +57,7 @@ def cluster():
                                 start_new_session=True)  # its own process group: stopped by killpg
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ray start exited with {proc.returncode}:\n{tail(log)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{address}/api/version", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                pytest.fail(f"the Ray cluster's job server did not come up within {START_TIMEOUT_S}s:\n{tail(log)}")
-            time.sleep(1)
+        wait_until_up(proc, log, lambda: f"{address}/api/version", "the Ray cluster's job server", START_TIMEOUT_S, 1)
         yield address
     finally:
         stop_tree(proc)  # a graceful `ray start --block` shutdown can take 30 s: 5 s for this one

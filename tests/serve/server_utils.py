@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import stop_tree, tail
+from tests.procs import stop_tree, tail, wait_until_up
 
 REPO = Path(__file__).resolve().parents[2]
 CHAIN = REPO / "stage_configs" / "tiny_chain.yaml"
@@ -95,21 +95,11 @@ def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        url = None
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"omni serve exited with {proc.returncode}:\n{tail(log)}")
-            if url is None and (m := _LISTEN_RE.search(tail(log, 100_000))):
-                url = m.group(1)
-            if url is not None:
-                with contextlib.suppress(OSError):
-                    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-            if time.monotonic() > deadline:
-                pytest.fail(f"omni serve did not come up within {START_TIMEOUT_S}s:\n{tail(log)}")
-            time.sleep(0.2)
+        def health() -> str | None:
+            m = _LISTEN_RE.search(tail(log, 100_000))
+            return f"{m.group(1)}/health" if m else None
+
+        url = wait_until_up(proc, log, health, "omni serve", START_TIMEOUT_S).removesuffix("/health")
         yield Server(url, proc, log)
     finally:
         stop_tree(proc, grace_s=stop_grace_s, group=False)
