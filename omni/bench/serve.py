@@ -9,9 +9,9 @@ streamed chat completion whose reply goes into the next turn (so turns 2+ hit th
     http        `omni serve CONFIG` in a subprocess, driven by openai.AsyncOpenAI (streaming)
 
 Each mode has its own pipeline, both loaded for the whole run; the modes alternate per concurrency (a
-change of machine load hits both alike). Both use the config's backend (--backend to override). Per
-mode and concurrency: requests/s, TTFT
-(first text) and TTFP (first audio) p50/p99, end-to-end p50/mean. JSON keys (the first config, the
+change of machine load hits both alike; concurrency 1, with few requests, runs --repeats rounds). Both
+use the config's backend (--backend to override). Per mode and concurrency: requests/s, TTFT (first
+text) and TTFP (first audio) p50/p99, end-to-end p50/mean. JSON keys (the first config, the
 SmolLM2 chain): http_overhead_ratio (http / in-process mean end to end at concurrency 1; target
 <= 1.10), ttft_p99_ms_c16 and requests_per_s_c16 (http); for the omni config the same with an
 `omni_` prefix, and ttfp_p99_ms_c16.
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--turns", type=int, default=3, help=f"turns per conversation (1..{len(TURNS)})")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=4, help="rounds at concurrency 1 (modes alternating)")
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -116,8 +117,8 @@ async def _turn_http(client: Any, model: str, messages: list, audio: bool, max_t
     return text, rec
 
 
-async def _workload(turn, concurrency: int, turns: int, offset: int) -> dict[str, Any]:
-    """`concurrency` conversations at once; `turn(messages) -> (reply, record)`."""
+async def _workload(turn, concurrency: int, turns: int, offset: int) -> tuple[list[dict[str, float]], float]:
+    """`concurrency` conversations at once; `turn(messages) -> (reply, record)`. (records, wall seconds)"""
     recs: list[dict[str, float]] = []
 
     async def conversation(i: int) -> None:
@@ -130,7 +131,7 @@ async def _workload(turn, concurrency: int, turns: int, offset: int) -> dict[str
 
     t0 = time.perf_counter()
     await asyncio.gather(*(conversation(i) for i in range(concurrency)))
-    return _summary(recs, time.perf_counter() - t0)
+    return recs, time.perf_counter() - t0
 
 
 async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -155,9 +156,16 @@ async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[
                 await _workload(turn, 1, 1, offset=10_000)  # warm-up: one-time costs out of the timing
             offset = 0
             for c in args.concurrency:
-                for mode, turn in modes.items():
-                    out[mode][f"c{c}"] = await _workload(turn, c, args.turns, offset)
-                offset += c
+                recs: dict[str, list] = {mode: [] for mode in modes}
+                wall = dict.fromkeys(modes, 0.0)
+                for _ in range(args.repeats if c == 1 else 1):  # concurrency 1: few requests, so more rounds
+                    for mode, turn in modes.items():
+                        r, w = await _workload(turn, c, args.turns, offset)
+                        recs[mode] += r
+                        wall[mode] += w
+                    offset += c
+                for mode in modes:
+                    out[mode][f"c{c}"] = _summary(recs[mode], wall[mode])
             return out["in_process"], out["http"]
     finally:
         await omni.close()

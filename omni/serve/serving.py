@@ -125,7 +125,7 @@ async def _serve(state: ServerState, request: Request, req: ChatCompletionReques
             return response
         await race(request, run.start())
         handed_over = True  # the stream releases the admission when it ends
-        return EventSourceResponse(_guarded(state, run, stream(run)), sep="\n", ping=15)
+        return _Stream(state, run, stream(run))
     except ClientGone:
         reason = "abort"
         return Response(status_code=499)
@@ -136,26 +136,44 @@ async def _serve(state: ServerState, request: Request, req: ChatCompletionReques
             state.release(run, reason)
 
 
-async def _guarded(state: ServerState, run: Run, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict]:
-    """The SSE body: a failure midway is an error event (the status line is long gone), then [DONE];
-    the admission is released however the stream ends (a disconnect included)."""
-    reason = "abort"
-    try:
-        async with contextlib.aclosing(events) as evs:
-            async for ev in evs:
-                yield _sse(ev)
-        reason = run.finish_reason or "stop"
-    except ApiError as e:
-        reason = "error"
-        yield _sse(e.body())
-    except Exception as e:  # noqa: BLE001 - a bug must still end the stream properly
-        logger.exception("request %s failed while streaming", run.job.request_id)
-        reason = "error"
-        yield _sse(internal(f"the server failed while streaming: {type(e).__name__}").body())
-    finally:
-        await run.aclose()
-        state.release(run, reason)
-    yield {"data": "[DONE]"}
+class _Stream(EventSourceResponse):
+    """The SSE reply of one run: a failure midway is an error event (the status line is long gone), then
+    [DONE]. However the response ends (done, a disconnect, a body that never started because the client
+    was gone already), the run is left (aborted where it still runs) and the admission released, once."""
+
+    def __init__(self, state: ServerState, run: Run, events: AsyncIterator[dict[str, Any]]):
+        self._omni_state, self._run, self._finished = state, run, False
+        super().__init__(self._body(events), sep="\n", ping=15)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close("abort")
+
+    async def _close(self, reason: str) -> None:
+        if not self._finished:
+            self._finished = True
+            await self._run.aclose()
+            self._omni_state.release(self._run, reason)
+
+    async def _body(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+        run, reason = self._run, "abort"
+        try:
+            async with contextlib.aclosing(events) as evs:
+                async for ev in evs:
+                    yield _sse(ev)
+            reason = run.finish_reason or "stop"
+        except ApiError as e:
+            reason = "error"
+            yield _sse(e.body())
+        except Exception as e:  # noqa: BLE001 - a bug must still end the stream properly
+            logger.exception("request %s failed while streaming", run.job.request_id)
+            reason = "error"
+            yield _sse(internal(f"the server failed while streaming: {type(e).__name__}").body())
+        finally:
+            await self._close(reason)
+        yield {"data": "[DONE]"}
 
 
 # ----------------------------------------------------------------- chat
