@@ -69,6 +69,10 @@ class AsyncOmni:
     def stage_names(self) -> list[str]:
         return self._omni.stage_names
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ------------------------------------------------------------ requests
     async def generate(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
                        return_hidden_states: bool = False) -> RequestOutput:

@@ -3,7 +3,9 @@
     omni run CONFIG [--prompt P ...] [--prompts-file F] [--output-dir D]
                     [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json]
     omni validate CONFIG [--stage-overrides JSON] [--json]
-    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, streaming, routing)
+    omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
+    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, streaming, routing,
+                                     serve)
 
 Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
 usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
@@ -18,11 +20,13 @@ import json
 import signal
 import sys
 import threading
-import wave
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from omni.serve.server import add_arguments as serve_options
+from omni.serve.server import main as serve_main
 
 # bench name -> module in omni/bench/ (imported only when that bench runs)
 BENCHES = {
@@ -35,6 +39,7 @@ BENCHES = {
     "omni": "omni_bench",
     "streaming": "streaming",
     "routing": "routing",
+    "serve": "serve",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 
@@ -64,7 +69,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni", description="Multi-stage omni model pipelines on Ray.")
     parser.add_argument("--version", action="version", version="omni 0.1.0")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,validate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,validate,serve,bench}")
 
     run = sub.add_parser("run", help="run prompts through a pipeline")
     _config_args(run)
@@ -82,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="validate a pipeline config and print its graph")
     _config_args(val)
     val.add_argument("--json", action="store_true", help="print the validated config as JSON")
+
+    serve = sub.add_parser("serve", help="serve a pipeline over HTTP with the OpenAI API")
+    _config_args(serve)
+    serve_options(serve)
 
     bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES), add_help=False)
     bench.add_argument("name", nargs="?", help=", ".join(BENCHES))
@@ -179,12 +188,9 @@ def _stage_record(out: Any) -> dict[str, Any]:
 
 
 def _write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
-    pcm = (np.clip(np.asarray(audio, dtype=np.float32).reshape(-1), -1.0, 1.0) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
+    from omni.serve.audio import encode_wav
+
+    path.write_bytes(encode_wav(audio, rate))
 
 
 def _write_outputs(out_dir: Path, results: list[dict[str, Any]], outputs: list[Any]) -> None:
@@ -363,7 +369,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"validate": cmd_validate, "run": cmd_run, "bench": cmd_bench}
+    commands = {"validate": cmd_validate, "run": cmd_run, "serve": serve_main, "bench": cmd_bench}
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:

@@ -277,6 +277,9 @@ class RuntimeConfig(_Model):
         300.0, gt=0, description="Time a stage may take to start (model load, waiting for resources).")
     log_to_driver: bool = Field(
         False, description="Forward the stage actors' stdout/stderr to this process (embedded Ray).")
+    max_pending_requests: int = Field(
+        256, ge=1, description="Requests `omni serve` runs at once (>= 1); past it a new request gets "
+        "503 with a Retry-After header instead of waiting in an unbounded queue.")
 
 
 class PipelineConfig(_Model):

@@ -7,21 +7,18 @@ stop every cluster of this user on the machine).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.procs import free_ports, stop_tree, wait_until_up
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -34,81 +31,6 @@ PROMPT = "Hello from a Ray job"
 EXCLUDES = [".venv", ".git", "out", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "build"]
 START_TIMEOUT_S = 120
 JOB_TIMEOUT_S = 300
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def descendants(pid: int) -> set[int]:
-    """All processes below `pid` (Ray's workers start their own sessions, so the process group misses them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def stop_cluster(proc: subprocess.Popen) -> None:
-    """SIGTERM the cluster's process group, then SIGKILL whatever of it (or below it) is left.
-
-    A graceful `ray start --block` shutdown can take over 30 s (it stops its processes one by one, each
-    with its own grace period); this throwaway cluster gets 5 s.
-    """
-    spawned = descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(alive(p) for p in spawned):
-        time.sleep(0.2)
-    for p in spawned:
-        if alive(p):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, signal.SIGKILL)
-
-
-def tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
 
 
 @pytest.fixture(scope="module")
@@ -135,20 +57,10 @@ def cluster():
                                 start_new_session=True)  # its own process group: stopped by killpg
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ray start exited with {proc.returncode}:\n{tail(log)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{address}/api/version", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                pytest.fail(f"the Ray cluster's job server did not come up within {START_TIMEOUT_S}s:\n{tail(log)}")
-            time.sleep(1)
+        wait_until_up(proc, log, lambda: f"{address}/api/version", "the Ray cluster's job server", START_TIMEOUT_S, 1)
         yield address
     finally:
-        stop_cluster(proc)
+        stop_tree(proc)  # a graceful `ray start --block` shutdown can take 30 s: 5 s for this one
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

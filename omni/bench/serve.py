@@ -1,0 +1,239 @@
+"""`omni bench serve`: the OpenAI server vs AsyncOmni in-process, on the same multi-turn workload, one run.
+
+For each config (default: the SmolLM2 chain, and the tiny Qwen2.5-Omni with text + audio replies) and
+each concurrency C (default 1, 4, 16): C conversations of --turns turns run at once, each turn a
+streamed chat completion whose reply goes into the next turn (so turns 2+ hit the prefix cache).
+
+    in-process  the server's own request path without HTTP: omni.serve.translate.chat_job -> Run on an
+                AsyncOmni in this process
+    http        `omni serve CONFIG` in a subprocess, driven by openai.AsyncOpenAI (streaming)
+
+Each mode has its own pipeline, both loaded for the whole run; the modes alternate per concurrency (a
+change of machine load hits both alike; concurrency 1, with few requests, runs --repeats rounds). Both
+use the config's backend (--backend to override). Per mode and concurrency: requests/s, TTFT (first
+text) and TTFP (first audio) p50/p99, end-to-end p50/mean. JSON keys (the first config, the
+SmolLM2 chain): http_overhead_ratio (http / in-process mean end to end at concurrency 1; target
+<= 1.10), ttft_p99_ms_c16 and requests_per_s_c16 (http); for the omni config the same with an
+`omni_` prefix, and ttfp_p99_ms_c16.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+NOTES = ("I am planning a slow trip along the coast: three nights in the old harbour town, a day on the ferry "
+         "to the islands, then a week walking between the hill villages, staying in small guest houses and "
+         "eating wherever the fishermen eat. I would like quiet places, good bread and long walks.")
+_IDS = itertools.count()
+TURNS = ["Where should I start, and why?", "What should I pack for the walking week?",
+         "Which village would you stay longest in?", "How do I get back to the airport at the end?"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", nargs="+", default=["stage_configs/smollm2_chain.yaml",
+                                                    "stage_configs/qwen2_5_omni_tiny.yaml"])
+    p.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend (default: the config's)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--turns", type=int, default=3, help=f"turns per conversation (1..{len(TURNS)})")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=4, help="rounds at concurrency 1 (modes alternating)")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def _summary(recs: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
+    ms = lambda key: [r[key] * 1000 for r in recs if key in r]  # noqa: E731
+    out: dict[str, Any] = {"requests": len(recs), "requests_per_s": len(recs) / wall_s}
+    for key in ("ttft", "ttfp", "e2e"):
+        vals = ms(key)
+        if vals:
+            out[f"{key}_p50_ms"], out[f"{key}_p99_ms"] = _pct(vals, 50), _pct(vals, 99)
+            out[f"{key}_mean_ms"] = statistics.mean(vals)
+    return out
+
+
+def _conversation(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": f"You are travel agent number {i}. {NOTES}"}]
+
+
+# ------------------------------------------------------------------ in-process
+async def _turn_in_process(omni: Any, info: Any, settings: Any, messages: list, audio: bool, max_tokens: int):
+    from omni.serve.protocol import ChatCompletionRequest
+    from omni.serve.run import AudioEvent, Run, TextEvent
+    from omni.serve.translate import chat_job
+
+    t0, rec = time.perf_counter(), {}
+    req = ChatCompletionRequest.model_validate_json(json.dumps({  # as the server parses it
+        "model": info.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+        **({"modalities": ["text", "audio"], "audio": {"format": "pcm16"}} if audio else {})}))
+    run = Run(omni, chat_job(req, info, settings, f"bench-{next(_IDS)}"), settings.default_audio_rate)
+    await run.start()
+    async with contextlib.aclosing(run.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextEvent) and ev.text and "ttft" not in rec:
+                rec["ttft"] = time.perf_counter() - t0
+            if isinstance(ev, AudioEvent) and "ttfp" not in rec:
+                rec["ttfp"] = time.perf_counter() - t0
+    rec["e2e"] = time.perf_counter() - t0
+    return run.text, rec
+
+
+# ------------------------------------------------------------------------ http
+async def _turn_http(client: Any, model: str, messages: list, audio: bool, max_tokens: int):
+    extra = {"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "pcm16"}} if audio else {}
+    t0, rec, text = time.perf_counter(), {}, ""
+    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                  stream=True, **extra)
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text += delta.content
+            rec.setdefault("ttft", time.perf_counter() - t0)
+        if getattr(delta, "audio", None) is not None:
+            rec.setdefault("ttfp", time.perf_counter() - t0)
+    rec["e2e"] = time.perf_counter() - t0
+    return text, rec
+
+
+async def _workload(turn, concurrency: int, turns: int, offset: int) -> tuple[list[dict[str, float]], float]:
+    """`concurrency` conversations at once; `turn(messages) -> (reply, record)`. (records, wall seconds)"""
+    recs: list[dict[str, float]] = []
+
+    async def conversation(i: int) -> None:
+        messages = _conversation(offset + i)
+        for t in range(turns):
+            messages.append({"role": "user", "content": TURNS[t]})
+            reply, rec = await turn(messages)
+            recs.append(rec)
+            messages.append({"role": "assistant", "content": reply})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(i) for i in range(concurrency)))
+    return recs, time.perf_counter() - t0
+
+
+async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both modes, interleaved per concurrency (in-process, then http) so that a change of machine load
+    during the run hits both alike. Each has its own pipeline (the server's is in its process)."""
+    import openai
+
+    from omni.async_api import AsyncOmni
+    from omni.serve.settings import ServeSettings
+    from omni.serve.translate import PipelineInfo
+
+    omni = await AsyncOmni.create(config, backend=args.backend)
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600) as client:
+            info, settings = PipelineInfo.of(omni.config), ServeSettings()
+            modes = {
+                "in_process": lambda m: _turn_in_process(omni, info, settings, m, audio, args.max_tokens),
+                "http": lambda m: _turn_http(client, config.name, m, audio, args.max_tokens),
+            }
+            out: dict[str, dict[str, Any]] = {mode: {} for mode in modes}
+            for turn in modes.values():
+                await _workload(turn, 1, 1, offset=10_000)  # warm-up: one-time costs out of the timing
+            offset = 0
+            for c in args.concurrency:
+                recs: dict[str, list] = {mode: [] for mode in modes}
+                wall = dict.fromkeys(modes, 0.0)
+                for _ in range(args.repeats if c == 1 else 1):  # concurrency 1: few requests, so more rounds
+                    for mode, turn in modes.items():
+                        r, w = await _workload(turn, c, args.turns, offset)
+                        recs[mode] += r
+                        wall[mode] += w
+                    offset += c
+                for mode in modes:
+                    out[mode][f"c{c}"] = _summary(recs[mode], wall[mode])
+            return out["in_process"], out["http"]
+    finally:
+        await omni.close()
+
+
+@contextlib.contextmanager
+def _server(config: str, backend: str | None) -> Iterator[str]:
+    """`omni serve CONFIG --port 0` in a subprocess; yields its URL once /health answers."""
+    log = Path(tempfile.mkstemp(prefix="omni-bench-serve-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "omni.cli", "serve", config, "--port", "0", "--log-level", "warning"]
+    cmd += ["--backend", backend] if backend else []
+    env = {**os.environ, "OMNI_API_KEY": ""}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline, url = time.monotonic() + 600, None
+        while url is None or not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"omni serve did not come up:\n{log.read_text()[-3000:]}")
+            m = re.search(r"omni serve: \S+ on (http://\S+)", log.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.unlink(missing_ok=True)
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(OSError):
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status == 200
+    return False
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from omni.config import load_config
+
+    if not 1 <= args.turns <= len(TURNS):
+        raise ValueError(f"--turns must be in 1..{len(TURNS)}, got {args.turns}")
+    load = os.getloadavg()
+    result: dict[str, Any] = {"concurrency": args.concurrency, "turns": args.turns, "max_tokens": args.max_tokens,
+                              "loadavg_before": [round(x, 2) for x in load], "configs": {}}
+    for i, path in enumerate(args.configs):
+        cfg = load_config(path)
+        audio = any(s.final_output == "audio" for s in cfg.stages)
+        with _server(path, args.backend) as url:
+            local, http = asyncio.run(_compare(cfg, url, args, audio))
+        for c in args.concurrency:
+            a, b = local[f"c{c}"], http[f"c{c}"]
+            print(f"{cfg.name} c={c}: in-process {a['requests_per_s']:.2f} req/s, e2e {a['e2e_mean_ms']:.0f} ms; "
+                  f"http {b['requests_per_s']:.2f} req/s, e2e {b['e2e_mean_ms']:.0f} ms, "
+                  f"ttft p99 {b.get('ttft_p99_ms') or 0:.0f} ms", flush=True)
+        first = min(args.concurrency)
+        entry = {"audio": audio, "in_process": local, "http": http,
+                 "http_overhead_ratio": http[f"c{first}"]["e2e_mean_ms"] / local[f"c{first}"]["e2e_mean_ms"]}
+        result["configs"][cfg.name] = entry
+        prefix = "" if i == 0 else "omni_" if audio else f"{cfg.name}_"
+        top = max(args.concurrency)
+        result[f"{prefix}http_overhead_ratio"] = entry["http_overhead_ratio"]
+        result[f"{prefix}ttft_p99_ms_c{top}"] = http[f"c{top}"].get("ttft_p99_ms")
+        result[f"{prefix}requests_per_s_c{top}"] = http[f"c{top}"]["requests_per_s"]
+        if audio:
+            result[f"{prefix}ttfp_p99_ms_c{top}"] = http[f"c{top}"].get("ttfp_p99_ms")
+    result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    return result

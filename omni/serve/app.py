@@ -1,0 +1,92 @@
+"""The FastAPI app of `omni serve`: OpenAI's API on an AsyncOmni pipeline.
+
+    app = create_app(AsyncOmni("stage_configs/tiny_chain.yaml"), ServeSettings())
+
+    POST /v1/chat/completions   text, images (data: URLs), audio (base64); text and audio replies; SSE
+    POST /v1/completions        text
+    GET  /v1/models             the one model: the pipeline
+    GET  /health                200 while the pipeline serves
+    GET  /metrics               Prometheus text
+
+The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment).
+Every error is OpenAI-shaped (errors.py), a 404 or 405 of an unknown route included; an unexpected
+exception is a 500 that names its type, never a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omni.async_api import AsyncOmni
+from omni.serve import responses as R
+from omni.serve.edge import EdgeMiddleware
+from omni.serve.errors import ApiError, internal
+from omni.serve.metrics import CONTENT_TYPE
+from omni.serve.serving import ServerState, chat_completions, completions
+from omni.serve.settings import ServeSettings
+from omni.serve.translate import PipelineInfo
+
+logger = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 10.0  # a scrape waits this long for the stages' stats
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+
+
+def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAPI:
+    settings = settings or ServeSettings()
+    state = ServerState(omni, settings, PipelineInfo.of(omni.config, settings.served_model_name))
+    app = FastAPI(title="omni", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.omni = state
+    app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       metrics=state.metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return _error(ApiError(exc.status_code, message, code=code))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error(internal(f"the server failed on this request ({type(exc).__name__}); see its log"))
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await chat_completions(state, request)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        return await completions(state, request)
+
+    @app.get("/v1/models")
+    async def _models() -> JSONResponse:
+        return JSONResponse(R.models(state.info.model, state.created))
+
+    @app.get("/health")
+    async def _health() -> JSONResponse:
+        if omni.closed:
+            return _error(ApiError(503, "the pipeline is closed", type="server_error", code="shutting_down"))
+        return JSONResponse({"status": "ok", "model": state.info.model, "pending_requests": state.pending})
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        try:
+            stats = await asyncio.wait_for(omni.stats(), STATS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a scrape still answers with what the server knows itself
+            logger.warning("metrics: the pipeline's stats are unavailable", exc_info=True)
+            stats = None
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app

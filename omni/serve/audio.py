@@ -1,0 +1,91 @@
+"""Audio at the server's edge: decoding what users send, encoding what the pipeline makes.
+
+    decode_audio(bytes)            WAV / FLAC / OGG / MP3 (libsndfile via soundfile) -> mono float32 + rate
+    resample(x, src, dst)          band-limited (FFT) resampling to the rate the model expects
+    to_pcm16(x) / pcm16_to_float   OpenAI's pcm16: 16-bit little-endian mono
+    encode_wav(x, rate)            a 16-bit PCM WAV file (the standard library's `wave`)
+    pcm16_chunks(x, n)             a waveform as pcm16 pieces of n samples (the SSE audio chunks)
+
+The float -> pcm16 conversion is the same everywhere (WAV body, pcm16 reply, each streamed chunk), so
+the streamed chunks concatenate to exactly the samples of the non-streamed WAV.
+"""
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Iterator
+
+import numpy as np
+
+from omni.serve.errors import bad_request, too_large
+
+
+def decode_audio(data: bytes, where: str, max_decoded_bytes: int) -> tuple[np.ndarray, int]:
+    """An audio file -> (mono float32 waveform, sampling rate). The decoded size is checked from the
+    header before any sample is decoded (413 past `max_decoded_bytes`, counted as float32)."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - libsndfile's errors are RuntimeError/LibsndfileError/TypeError
+        raise bad_request(f"{where}: not a readable audio file (WAV, FLAC, OGG or MP3): {e}", where) from None
+    if info.frames <= 0 or info.channels <= 0 or info.samplerate <= 0:
+        raise bad_request(f"{where}: the audio holds no samples", where)
+    decoded = int(info.frames) * int(info.channels) * 4
+    if decoded > max_decoded_bytes:
+        raise too_large(f"{where}: {info.frames} frames x {info.channels} channels decode to {decoded} bytes, "
+                        f"more than the server's limit of {max_decoded_bytes} (--max-media-mb)", where)
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:  # noqa: BLE001
+        raise bad_request(f"{where}: the audio could not be decoded: {e}", where) from None
+    mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
+    if mono.size == 0:
+        raise bad_request(f"{where}: the audio holds no samples", where)
+    if not np.isfinite(mono).all():
+        raise bad_request(f"{where}: the audio holds NaN or infinite samples", where)
+    return np.ascontiguousarray(mono, dtype=np.float32), int(rate)
+
+
+def resample(x: np.ndarray, src: int, dst: int) -> np.ndarray:
+    """Resample a mono waveform from `src` to `dst` Hz (FFT: exact for band-limited signals, no aliasing)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if src == dst or x.size == 0:
+        return x
+    n_out = max(1, round(x.size * dst / src))
+    spec = np.fft.rfft(x.astype(np.float64))
+    out = np.zeros(n_out // 2 + 1, dtype=np.complex128)
+    k = min(spec.size, out.size)
+    out[:k] = spec[:k]
+    if n_out < x.size and n_out % 2 == 0:
+        out[-1] = out[-1].real  # the new Nyquist bin of a real signal is real
+    return (np.fft.irfft(out, n_out) * (n_out / x.size)).astype(np.float32)
+
+
+def to_pcm16(x: np.ndarray) -> bytes:
+    """float waveform in [-1, 1] -> 16-bit little-endian PCM bytes (clipped)."""
+    x = np.clip(np.asarray(x, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    return (x * 32767.0).astype("<i2").tobytes()
+
+
+def pcm16_to_float(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+
+
+def encode_wav(x: np.ndarray, rate: int) -> bytes:
+    """A mono 16-bit PCM WAV file of the waveform."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(int(rate))
+        w.writeframes(to_pcm16(x))
+    return buf.getvalue()
+
+
+def pcm16_chunks(x: np.ndarray, samples_per_chunk: int) -> Iterator[bytes]:
+    """The waveform as pcm16 pieces of `samples_per_chunk` samples (the last may be shorter)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    step = max(1, int(samples_per_chunk))
+    for i in range(0, x.size, step):
+        yield to_pcm16(x[i : i + step])

@@ -1,0 +1,204 @@
+"""The OpenAI request shapes `omni serve` accepts (pydantic at the edge, unknown fields refused).
+
+Chat completions and completions as OpenAI documents them, plus the extensions vLLM / vLLM-Omni
+clients send in `extra_body`: `sampling_params_list` (one entry per stage, config order),
+`cache_salt`, `top_k`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`. A field this server does
+not implement (tools, logprobs, n > 1, ...) is a 400 naming it, never silently ignored.
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    # strict: no "0.5" for a number, no true for an int; JSON ints are still accepted for floats
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# ------------------------------------------------------------------- content
+class TextPart(_Strict):
+    type: Literal["text"] = Field(description="A text part.")
+    text: str = Field(description="The text.")
+
+
+class ImageURL(_Strict):
+    url: str = Field(description="A data: URL, data:image/png;base64,... (PNG, JPEG, WEBP, GIF, BMP).")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted; the model's own "
+                                                           "resolution rules apply.")
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"] = Field(description="An image part.")
+    image_url: ImageURL = Field(description="The image.")
+
+
+class InputAudio(_Strict):
+    data: str = Field(description="The audio file, base64.")
+    format: Literal["wav", "mp3", "flac", "ogg"] = Field(description="Its container format.")
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"] = Field(description="An audio part (OpenAI's shape).")
+    input_audio: InputAudio = Field(description="The audio.")
+
+
+class AudioURL(_Strict):
+    url: str = Field(description="A data: URL, data:audio/wav;base64,...")
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"] = Field(description="An audio part (vLLM's shape).")
+    audio_url: AudioURL = Field(description="The audio.")
+
+
+ContentPart = Annotated[TextPart | ImagePart | InputAudioPart | AudioURLPart, Field(discriminator="type")]
+PART_TAGS = frozenset({"text", "image_url", "input_audio", "audio_url"})  # dropped from error paths
+
+
+class AssistantAudio(_Strict):
+    id: str = Field(description="The id of an earlier reply's audio.")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="Who speaks.")
+    content: list[ContentPart] | None = Field(
+        None, description="Text, or a list of text / image_url / input_audio / audio_url parts.")
+    name: str | None = Field(None, description="Accepted; not shown to the model.")
+    audio: AssistantAudio | None = Field(None, description="An assistant turn's earlier audio reply (by id).")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_is_one_part(cls, v: Any) -> Any:
+        return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None:
+            if self.audio is not None:
+                raise ValueError("content: this server keeps no audio by id; send the reply's transcript as "
+                                 "the assistant message's content")
+            raise ValueError("content: required (text or a list of content parts)")
+        if self.role != "user" and any(p.type != "text" for p in self.content):
+            raise ValueError(f"content: images and audio go in user messages, not in a {self.role} message")
+        return self
+
+
+# ------------------------------------------------------------------ requests
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="Send one more chunk with the usage before [DONE].")
+
+
+class AudioOutput(_Strict):
+    voice: str | None = Field(None, description="The speaker (Qwen2.5-Omni: Chelsie or Ethan); None: the "
+                              "pipeline's default.")
+    format: Literal["wav", "pcm16"] = Field("wav", description="wav, or pcm16 (16-bit little-endian mono "
+                                            "at the pipeline's rate; required when streaming).")
+
+
+class _Common(_Strict):
+    """Fields chat completions and completions share."""
+
+    model: str = Field(description="The served model name (the pipeline's name unless --served-model-name).")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (the text stage).")
+    temperature: float | None = Field(None, ge=0, le=2, description="0..2; 0 is greedy (the text stage).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling, (0, 1] (the text stage).")
+    top_k: int | None = Field(None, ge=-1, description="Top-k sampling; 0 or -1: off (the text stage).")
+    seed: int | None = Field(None, description="Per-request seed (the text stage).")
+    stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the text (not included).")
+    n: int = Field(1, description="Number of choices; only 1 is supported.")
+    stream: bool = Field(False, description="Reply as server-sent events.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options (stream only).")
+    user: str | None = Field(None, description="Accepted; not used.")
+    ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence (the text stage).")
+    repetition_penalty: float | None = Field(None, gt=0, description="HF repetition penalty (the text stage).")
+    stop_token_ids: list[int] | None = Field(None, description="Extra token ids that end the text stage.")
+    sampling_params_list: list[dict[str, Any] | None] | None = Field(
+        None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
+        "that stage's defaults, or null. The top-level fields above then apply to the text stage.")
+    cache_salt: str | None = Field(
+        None, min_length=1, description="Prefix-cache isolation: requests only share cached blocks with requests "
+        "of the same salt (one tenant's prefix cache, and its timing side channel, stays its own).")
+
+    @field_validator("temperature", "top_p", "repetition_penalty")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("expected up to 16 non-empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_Common":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, min_length=1, description='What to reply with: ["text"] (default) or ["text", "audio"].')
+    audio: AudioOutput | None = Field(None, description="Audio reply options (with modalities audio).")
+    omni_stream_format: Literal["openai", "vllm-omni"] = Field(
+        "openai", description="Streaming audio: openai sends it in delta.audio.data; vllm-omni sends each "
+        "chunk with a top-level modality ('text' or 'audio') and the audio's base64 in delta.content.")
+
+    @model_validator(mode="after")
+    def _audio_needs_audio_modality(self) -> "ChatCompletionRequest":
+        if self.audio is not None and "audio" not in self.output_modalities:
+            raise ValueError('audio: set modalities to ["text", "audio"] to get audio')
+        if self.stream and self.audio is not None and self.audio.format != "pcm16":
+            raise ValueError("audio.format: streamed audio is pcm16 (set audio.format to pcm16)")
+        return self
+
+    @property
+    def output_modalities(self) -> list[str]:
+        return list(self.modalities or ["text"])
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] = Field(description="The prompt: text, or token ids.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (send several requests concurrently)")
+        elif not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens

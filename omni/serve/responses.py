@@ -1,0 +1,92 @@
+"""The OpenAI response shapes `omni serve` sends (plain dicts, serialized once).
+
+Non-streaming: a `chat.completion` whose message has `content` (the text) and `audio` (`id`, base64
+`data` as WAV or pcm16, `transcript`, `expires_at`), or a `text_completion`. Streaming: one
+`chat.completion.chunk` / `text_completion` per piece; audio as base64 pcm16 in `delta.audio.data`
+(or, for vLLM-Omni clients, in `delta.content` with a top-level `modality: "audio"`), then a chunk
+with the finish reason, then (stream_options.include_usage) one with the usage.
+"""
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from omni.serve.audio import encode_wav, to_pcm16
+from omni.serve.run import Run
+
+AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field; this server keeps nothing)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(run: Run) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
+                         "total_tokens": run.prompt_tokens + run.completion_tokens}
+    if run.cached_tokens is not None:  # unknown when a stop string ended the text early
+        u["prompt_tokens_details"] = {"cached_tokens": run.cached_tokens}
+    return u
+
+
+def audio_message(samples: list[np.ndarray], rate: int, fmt: str, transcript: str) -> dict[str, Any]:
+    wave = np.concatenate(samples) if samples else np.zeros(0, np.float32)
+    data = encode_wav(wave, rate) if fmt == "wav" else to_pcm16(wave)
+    return {"id": new_id("audio"), "data": base64.b64encode(data).decode("ascii"),
+            "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": transcript}
+
+
+def chat_completion(rid: str, model: str, created: int, run: Run, audio: dict[str, Any] | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": run.text if run.job.text_stage is not None else None}
+    if audio is not None:
+        message["audio"] = audio
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}],
+            "usage": usage(run)}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None, *,
+               finish_reason: str | None = None, usage_: dict[str, Any] | None = None,
+               modality: str | None = None) -> dict[str, Any]:
+    """One chunk; `delta` None: the usage chunk (no choices). `modality`: vLLM-Omni's top-level field."""
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "choices": [] if delta is None else [
+                                 {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    if modality is not None:
+        chunk["modality"] = modality
+    return chunk
+
+
+def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, Any], str | None]:
+    """(delta, modality) of one pcm16 chunk."""
+    data = base64.b64encode(pcm).decode("ascii")
+    if vllm_omni:
+        return {"role": "assistant", "content": data}, "audio"
+    return {"audio": {"id": audio_id, "data": data, "expires_at": int(time.time()) + AUDIO_TTL_S}}, None
+
+
+def completion(rid: str, model: str, created: int, run: Run) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": run.text, "finish_reason": run.finish_reason, "logprobs": None}],
+            "usage": usage(run)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, *, finish_reason: str | None = None,
+                     usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [] if text is None else [
+                                 {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def models(model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}]}

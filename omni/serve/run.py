@@ -1,0 +1,194 @@
+"""One Job through AsyncOmni.stream: the text and audio a reply is made of, as they arrive.
+
+    run = Run(omni, job, ...)
+    await run.start()              # submitted and alive, or ApiError (bad request, refused at admission)
+    async for ev in run.events():  # TextEvent / AudioEvent, then run.finish_reason and the usage are set
+        ...
+
+The run ends as soon as the reply is complete (the text stage finished, and the audio stage when audio
+is wanted): whatever else the pipeline would still compute for it (a talker whose tokens nobody asked
+for, the audio of a text-only reply) is aborted on every stage, as is everything when the caller leaves
+early (closing `events()`, a cancelled task, a client that disconnected).
+
+Audio goes out as soon as the pipeline yields it: a StageDelta carrying `audio` (stages that stream
+their waveform in chunks) is forwarded at once; a final StageOutput's `audio` is forwarded past what
+the deltas already carried (the whole waveform of a one-shot stage).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import numpy as np
+
+from omni.async_api import AsyncOmni
+from omni.errors import BackendClosedError
+from omni.outputs import StageDelta, StageOutput
+from omni.serve.errors import ApiError, from_omni_error, internal
+from omni.serve.translate import Job
+
+
+@dataclass(slots=True)
+class TextEvent:
+    text: str  # may be "" (tokens whose text is not final yet): still a sign of progress
+
+
+@dataclass(slots=True)
+class AudioEvent:
+    samples: np.ndarray  # float32, mono
+    rate: int
+
+
+class Observer(Protocol):
+    def first_token(self, stage: str, seconds: float) -> None: ...
+    def first_audio(self, seconds: float) -> None: ...
+
+
+class StopMatcher:
+    """Stop strings on streamed text: text that may be the start of a stop string is held back until
+    it is not; at a stop string the text ends (the stop string excluded), as in vLLM."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._buf = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        self._buf += text
+        hits = [i for i in (self._buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._buf = self._buf[: min(hits)], ""
+            return out
+        cut = max(0, len(self._buf) - self._hold)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = ("" if self.stopped else self._buf), ""
+        return out
+
+
+class Run:
+    """One request's run; see the module docstring."""
+
+    def __init__(self, omni: AsyncOmni, job: Job, default_rate: int, observer: Observer | None = None):
+        self.omni = omni
+        self.job = job
+        self.t0 = time.monotonic()
+        self.default_rate = default_rate
+        self.observer = observer
+        self.text = ""  # the reply's text so far (stop strings applied)
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens: int | None = None  # known once the text stage finished
+        self._stop = StopMatcher(job.stops)
+        self._agen: Any = None
+        self._first: StageDelta | StageOutput | None = None
+        self._done: set[str] = set()
+        self._ttft_seen: set[str] = set()
+        self._audio_sent = 0
+        self._audio_seen = False
+        wanted = {job.usage_stage} | ({job.audio_stage} if job.audio_stage else set())
+        self._wanted = frozenset(wanted)
+
+    @property
+    def complete(self) -> bool:
+        return self._stop.stopped or self._wanted <= self._done
+
+    def _error(self, message: str) -> ApiError:
+        return from_omni_error(message, self.job.fields, self.job.sampling_param)
+
+    async def start(self) -> None:
+        """Submit the request and wait for its first item: raises ApiError when it is refused (a bad field
+        at the edge, or at the entry stage's admission) or failed before producing anything."""
+        try:
+            self._agen = self.omni.stream(self.job.prompt, self.job.sampling or None, request_id=self.job.request_id)
+            self._first = await self._agen.__anext__()
+        except ValueError as e:
+            raise self._error(str(e)) from None
+        except BackendClosedError as e:
+            raise ApiError(503, f"the pipeline is shutting down: {e}", type="server_error",
+                           code="shutting_down") from None
+        except StopAsyncIteration:
+            raise internal("the pipeline ended the request without any output") from None
+        if isinstance(self._first, StageOutput) and self._first.error is not None:
+            await self.aclose()
+            raise self._error(self._first.error)
+
+    async def events(self) -> AsyncIterator[TextEvent | AudioEvent]:
+        """The reply's pieces as they come; raises ApiError when the request fails midway."""
+        item, self._first = self._first, None
+        try:
+            while item is not None:
+                for ev in self._on(item):
+                    yield ev
+                if self.complete:
+                    break
+                item = await anext(self._agen, None)
+            if not self.complete:
+                raise internal("the pipeline ended the request before its reply was complete")
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Leave the request (aborted on every stage where it still runs). Shielded: it also runs inside a
+        cancelled scope (a client that went away)."""
+        agen, self._agen = self._agen, None
+        if agen is not None:
+            with anyio.CancelScope(shield=True):
+                await agen.aclose()
+
+    # ------------------------------------------------------------ items
+    def _on(self, item: StageDelta | StageOutput) -> list[TextEvent | AudioEvent]:
+        job, out = self.job, []
+        if isinstance(item, StageDelta):
+            if item.token_ids and item.stage not in self._ttft_seen:
+                self._ttft_seen.add(item.stage)
+                if self.observer is not None:
+                    self.observer.first_token(item.stage, time.monotonic() - self.t0)
+            if item.stage == job.usage_stage:
+                self.prompt_tokens = item.num_prompt_tokens or self.prompt_tokens
+                self.completion_tokens += len(item.token_ids)
+                out += self._text(self._stop.feed(item.text))
+                if self._stop.stopped:
+                    self.finish_reason = "stop"
+            audio = getattr(item, "audio", None)  # stages that stream their waveform (codec chunks)
+            if audio is not None and item.stage == job.audio_stage:
+                out += self._audio(np.asarray(audio, dtype=np.float32).reshape(-1),
+                                   getattr(item, "sampling_rate", None))
+            return out
+        if item.error is not None:
+            raise self._error(item.error)
+        self._done.add(item.stage)
+        if item.stage == job.usage_stage:
+            out += self._text(self._stop.flush())
+            self.finish_reason = self.finish_reason or item.finish_reason or "stop"
+            self.prompt_tokens = len(item.prompt_token_ids)
+            self.completion_tokens = len(item.token_ids)
+            self.cached_tokens = item.num_cached_tokens
+        if item.stage == job.audio_stage and item.audio is not None:
+            full = np.asarray(item.audio, dtype=np.float32).reshape(-1)
+            out += self._audio(full[self._audio_sent:], item.passthrough.get("sampling_rate"))
+        return out
+
+    def _text(self, text: str) -> list[TextEvent]:
+        self.text += text
+        return [TextEvent(text)] if self.job.text_stage is not None else []
+
+    def _audio(self, samples: np.ndarray, rate: Any) -> list[AudioEvent]:
+        if samples.size == 0:
+            return []
+        if not self._audio_seen:
+            self._audio_seen = True
+            if self.observer is not None:
+                self.observer.first_audio(time.monotonic() - self.t0)
+        self._audio_sent += samples.size
+        return [AudioEvent(samples, int(rate or self.default_rate))]

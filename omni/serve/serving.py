@@ -1,0 +1,254 @@
+"""The two generation endpoints: parse, admit, run, reply (JSON or server-sent events).
+
+    body -> pydantic request (400 naming the field) -> model check (404) -> admission (503 past
+    runtime.max_pending_requests) -> Job (media decoded off the event loop; 400 / 413) ->
+    Run.start (400 when the pipeline refuses it, 504 on timeout) -> reply
+
+A client that disconnects aborts its request on every stage: while it waits for a non-streamed reply
+(a watcher on the connection cancels the run), or mid-stream (the SSE response is cancelled).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni.async_api import AsyncOmni
+from omni.serve import responses as R
+from omni.serve.audio import pcm16_chunks
+from omni.serve.errors import ApiError, bad_request, from_validation_error, internal
+from omni.serve.metrics import ServerMetrics
+from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
+from omni.serve.run import AudioEvent, Run, TextEvent
+from omni.serve.settings import ServeSettings
+from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_job
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready."""
+
+
+@dataclass
+class ServerState:
+    """What the endpoints share: the pipeline, the settings, the metrics, the admission count."""
+
+    omni: AsyncOmni
+    settings: ServeSettings
+    info: PipelineInfo
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    pending: int = 0
+
+    @property
+    def max_pending(self) -> int:
+        return self.omni.config.runtime.max_pending_requests
+
+    def admit(self) -> None:
+        if self.pending >= self.max_pending:
+            raise ApiError(503, f"the server is running {self.pending} requests, its limit "
+                           "(runtime.max_pending_requests); retry later", type="server_error", code="overloaded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.pending += 1
+        self.metrics.pending.set(self.pending)
+
+    def release(self, run: Run | None, finish_reason: str) -> None:
+        self.pending -= 1
+        self.metrics.pending.set(self.pending)
+        if run is not None:
+            self.metrics.request_done(finish_reason, time.monotonic() - run.t0, run.prompt_tokens,
+                                      run.completion_tokens, run.cached_tokens)
+
+
+def parse(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e, PART_TAGS) from None
+
+
+async def race(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelled (ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # this handler was cancelled (a proxy that saw the client go)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientGone
+    return task.result()
+
+
+def _sse(payload: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(payload, separators=(",", ":"))}
+
+
+async def _serve(state: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest,
+                 run_for: Any, reply: Any, stream: Any) -> Response:
+    """Admission, the run, the reply; `run_for(rid) -> Run` builds the run (off the loop), `reply(run) ->
+    Response` collects a non-streamed one, `stream(run) -> async iterator of SSE events` streams."""
+    state.admit()
+    run: Run | None = None
+    handed_over = False
+    reason = "error"
+    try:
+        run = await asyncio.to_thread(run_for)
+        if not req.stream:
+            response = await race(request, reply(run))
+            reason = run.finish_reason or "stop"
+            return response
+        await race(request, run.start())
+        handed_over = True  # the stream releases the admission when it ends
+        return _Stream(state, run, stream(run))
+    except ClientGone:
+        reason = "abort"
+        return Response(status_code=499)
+    finally:
+        if not handed_over:
+            if run is not None:
+                await run.aclose()
+            state.release(run, reason)
+
+
+class _Stream(EventSourceResponse):
+    """The SSE reply of one run: a failure midway is an error event (the status line is long gone), then
+    [DONE]. However the response ends (done, a disconnect, a body that never started because the client
+    was gone already), the run is left (aborted where it still runs) and the admission released, once."""
+
+    def __init__(self, state: ServerState, run: Run, events: AsyncIterator[dict[str, Any]]):
+        self._omni_state, self._run, self._finished = state, run, False
+        super().__init__(self._body(events), sep="\n", ping=15)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close("abort")
+
+    async def _close(self, reason: str) -> None:
+        if not self._finished:
+            self._finished = True
+            await self._run.aclose()
+            self._omni_state.release(self._run, reason)
+
+    async def _body(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+        run, reason = self._run, "abort"
+        try:
+            async with contextlib.aclosing(events) as evs:
+                async for ev in evs:
+                    yield _sse(ev)
+            reason = run.finish_reason or "stop"
+        except ApiError as e:
+            reason = "error"
+            yield _sse(e.body())
+        except Exception as e:  # noqa: BLE001 - a bug must still end the stream properly
+            logger.exception("request %s failed while streaming", run.job.request_id)
+            reason = "error"
+            yield _sse(internal(f"the server failed while streaming: {type(e).__name__}").body())
+        finally:
+            await self._close(reason)
+        yield {"data": "[DONE]"}
+
+
+# ----------------------------------------------------------------- chat
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    req = parse(ChatCompletionRequest, await request.body())
+    check_model(req.model, state.info)
+    if req.stops and "audio" in req.output_modalities:
+        raise bad_request("stop: stop strings end the text only, the audio would still speak past them; "
+                          "use stop_token_ids with audio output", "stop")
+    rid, created, model = R.new_id("chatcmpl"), int(time.time()), state.info.model
+    fmt = req.audio.format if req.audio is not None else "wav"
+
+    def run_for() -> Run:
+        return Run(state.omni, chat_job(req, state.info, state.settings, rid), state.settings.default_audio_rate,
+                   state.metrics)
+
+    async def reply(run: Run) -> Response:
+        await run.start()
+        audio: list[np.ndarray] = []
+        rate = state.settings.default_audio_rate
+        async with contextlib.aclosing(run.events()) as evs:
+            async for ev in evs:
+                if isinstance(ev, AudioEvent):
+                    audio.append(ev.samples)
+                    rate = ev.rate
+        msg_audio = R.audio_message(audio, rate, fmt, run.text) if run.job.audio_stage else None
+        return JSONResponse(R.chat_completion(rid, model, created, run, msg_audio))
+
+    async def stream(run: Run) -> AsyncIterator[dict[str, Any]]:
+        vllm = req.omni_stream_format == "vllm-omni"
+        text_mod = "text" if vllm else None
+        audio_id = R.new_id("audio")
+        chunk = lambda delta, **kw: R.chat_chunk(rid, model, created, delta, **kw)  # noqa: E731
+        yield chunk({"role": "assistant", "content": ""}, modality=text_mod)
+        async with contextlib.aclosing(run.events()) as evs:
+            async for ev in evs:
+                if isinstance(ev, TextEvent):
+                    if ev.text:
+                        yield chunk({"content": ev.text}, modality=text_mod)
+                    continue
+                per_chunk = max(1, round(ev.rate * state.settings.audio_chunk_ms / 1000))
+                for pcm in pcm16_chunks(ev.samples, per_chunk):
+                    delta, modality = R.audio_delta(audio_id, pcm, vllm)
+                    yield chunk(delta, modality=modality)
+        yield chunk({}, finish_reason=run.finish_reason, modality=text_mod)
+        if req.include_usage:
+            yield chunk(None, usage_=R.usage(run))
+
+    return await _serve(state, request, req, run_for, reply, stream)
+
+
+# ----------------------------------------------------------- completions
+async def completions(state: ServerState, request: Request) -> Response:
+    req = parse(CompletionRequest, await request.body())
+    check_model(req.model, state.info)
+    rid, created, model = R.new_id("cmpl"), int(time.time()), state.info.model
+
+    def run_for() -> Run:
+        return Run(state.omni, completion_job(req, state.info, rid), state.settings.default_audio_rate,
+                   state.metrics)
+
+    async def reply(run: Run) -> Response:
+        await run.start()
+        async with contextlib.aclosing(run.events()) as evs:
+            async for _ in evs:
+                pass
+        return JSONResponse(R.completion(rid, model, created, run))
+
+    async def stream(run: Run) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(run.events()) as evs:
+            async for ev in evs:
+                if isinstance(ev, TextEvent) and ev.text:
+                    yield R.completion_chunk(rid, model, created, ev.text)
+        yield R.completion_chunk(rid, model, created, "", finish_reason=run.finish_reason)
+        if req.include_usage:
+            yield R.completion_chunk(rid, model, created, None, usage_=R.usage(run))
+
+    return await _serve(state, request, req, run_for, reply, stream)

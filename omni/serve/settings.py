@@ -1,0 +1,41 @@
+"""ServeSettings: how `omni serve` listens and what it accepts (the pipeline itself is the YAML config)."""
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_KEY_ENV = "OMNI_API_KEY"
+_MB = 2**20
+
+
+class ServeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="Address to bind; 127.0.0.1 unless told otherwise "
+                      "(0.0.0.0 exposes the server to the network).")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port).")
+    api_key: str | None = Field(None, min_length=1, description="When set, /v1/* requires "
+                                "`Authorization: Bearer <key>` (401 otherwise). Default: $OMNI_API_KEY.")
+    served_model_name: str | None = Field(None, min_length=1, description="The model name clients send; "
+                                          "default: the pipeline's name.")
+    max_body_bytes: int = Field(32 * _MB, ge=1024, description="Largest request body (413 past it).")
+    max_media_items: int = Field(8, ge=0, description="Images + audio clips per request (413 past it).")
+    max_media_bytes: int = Field(64 * _MB, ge=1, description="Largest decoded image (RGB bytes) or audio "
+                                 "clip (float32 bytes), checked from its header before decoding (413 past it).")
+    audio_input_rate: int = Field(16000, ge=1, description="Sampling rate the model's audio encoder expects; "
+                                  "input audio is resampled to it (Qwen2.5-Omni's Whisper encoder: 16000).")
+    audio_chunk_ms: float = Field(100.0, gt=0, description="Length of each streamed pcm16 audio chunk cut "
+                                  "from a waveform the pipeline hands over whole.")
+    default_audio_rate: int = Field(24000, ge=1, description="Rate of pipeline audio that does not say its own "
+                                    "(its passthrough sampling_rate).")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 503 (runtime.max_pending_requests reached).")
+    log_level: str = Field("info", description="uvicorn's log level.")
+
+    @classmethod
+    def from_env(cls, **kw: object) -> "ServeSettings":
+        """Settings with the API key from $OMNI_API_KEY unless given (None values are left out)."""
+        values = {k: v for k, v in kw.items() if v is not None}
+        if "api_key" not in values and os.environ.get(API_KEY_ENV):
+            values["api_key"] = os.environ[API_KEY_ENV]
+        return cls(**values)

@@ -1,0 +1,167 @@
+"""OpenAI requests -> what AsyncOmni runs (a Job): the prompt, per-stage sampling, what to send back.
+
+    chat messages          -> chat messages for the entry stage; each image_url / input_audio part
+                              becomes an {"type": "image" | "audio"} part + its decoded array in
+                              mm_inputs (images RGB uint8, audio mono float32 resampled to the model's rate)
+    top-level sampling     -> the text stage (the stage whose final_output is text), over its defaults
+    sampling_params_list   -> stage i (config order), over its defaults; the top-level fields win on the text stage
+    cache_salt             -> StageInput.cache_salt;  audio.voice -> the request's speaker
+
+No engine logic: the stages check what they check (vocabulary, max_model_len, media content).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni.config import PipelineConfig
+from omni.outputs import MultiModalInput, StageInput
+from omni.serve.audio import decode_audio, resample
+from omni.serve.errors import ApiError, bad_request, too_large
+from omni.serve.media import b64decode, decode_image, parse_data_url
+from omni.serve.protocol import ChatCompletionRequest, CompletionRequest
+from omni.serve.settings import ServeSettings
+
+# request field -> SamplingParams field, applied to the text stage
+_TOP_LEVEL = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "repetition_penalty", "stop_token_ids")
+
+
+@dataclass(slots=True)
+class PipelineInfo:
+    """What the server needs to know of the pipeline (from its config)."""
+
+    model: str
+    stages: list[str]  # config order: the order of sampling_params_list
+    entry_stage: str
+    text_stage: str | None  # its text is the reply's content
+    audio_stage: str | None  # its audio is the reply's audio
+
+    @classmethod
+    def of(cls, config: PipelineConfig, served_model_name: str | None = None) -> "PipelineInfo":
+        finals = {s.name: s.final_output for s in config.stages}
+        first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
+        entry = next(s.name for s in config.stages if not s.inputs)
+        return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"))
+
+
+@dataclass(slots=True)
+class Job:
+    """One request, ready for AsyncOmni.stream, and what its reply needs."""
+
+    request_id: str
+    prompt: StageInput
+    sampling: dict[str, dict[str, Any]]
+    text_stage: str | None  # None: no text wanted
+    audio_stage: str | None  # None: no audio wanted
+    usage_stage: str  # its prompt / generated / cached tokens are the usage
+    stops: list[str]
+    fields: dict[str, str]  # omni's names -> the request's fields (for error params)
+    from_list: dict[str, tuple[int, set[str]]] = field(default_factory=dict)  # stage -> (index, fields)
+
+    def sampling_param(self, stage: str, name: str) -> str:
+        """The request field that set `stage`'s sampling field `name`."""
+        index, names = self.from_list.get(stage, (None, set()))
+        if index is not None and name in names:
+            return f"sampling_params_list[{index}].{name}"
+        if name == "max_tokens":
+            return self.fields.get("max_tokens", "max_tokens")
+        return name if name in _TOP_LEVEL else "sampling_params_list"
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo, job: Job) -> None:
+    if req.sampling_params_list is not None:
+        if len(req.sampling_params_list) != len(info.stages):
+            raise bad_request(f"sampling_params_list: one entry per stage ({len(info.stages)}: "
+                              f"{', '.join(info.stages)}), got {len(req.sampling_params_list)}",
+                              "sampling_params_list")
+        for i, (stage, entry) in enumerate(zip(info.stages, req.sampling_params_list)):
+            if entry:
+                job.sampling[stage] = dict(entry)
+                job.from_list[stage] = (i, set(entry))
+    top = {name: getattr(req, name) for name in _TOP_LEVEL if getattr(req, name) is not None}
+    if req.token_limit is not None:
+        top["max_tokens"] = req.token_limit
+    if top:
+        stage = info.text_stage or info.entry_stage
+        job.sampling[stage] = {**job.sampling.get(stage, {}), **top}
+        if stage in job.from_list:  # the top-level fields win: errors name them
+            job.from_list[stage][1].difference_update(top)
+
+
+def _media_count(req: ChatCompletionRequest) -> int:
+    return sum(p.type != "text" for m in req.messages for p in m.content or [])
+
+
+def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSettings, request_id: str) -> Job:
+    """Decode the media and build the Job (ApiError 400 / 413 naming the field). CPU work: run it off the
+    event loop."""
+    want = req.output_modalities
+    if "audio" in want and info.audio_stage is None:
+        raise bad_request(f"modalities: pipeline {info.model!r} has no audio output stage", "modalities")
+    if "text" in want and info.text_stage is None:
+        raise bad_request(f"modalities: pipeline {info.model!r} has no text output stage", "modalities")
+    n_media = _media_count(req)
+    if n_media > settings.max_media_items:
+        raise too_large(f"messages: {n_media} images/audio clips, at most {settings.max_media_items} per request "
+                        "(--max-media-items)", "messages")
+    fields = {"prompt": "messages", "speaker": "audio.voice", "max_tokens": (
+        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")}
+    messages: list[dict[str, Any]] = []
+    media: list[MultiModalInput] = []
+    counts = {"image": 0, "audio": 0}
+    for i, msg in enumerate(req.messages):
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(msg.content or []):
+            where = f"messages[{i}].content[{j}]"
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text})
+                continue
+            if part.type == "image_url":
+                _, data = parse_data_url(part.image_url.url, f"{where}.image_url.url", "image")
+                item = MultiModalInput("image", decode_image(data, f"{where}.image_url.url", settings.max_media_bytes))
+                at = f"{where}.image_url"
+            else:
+                if part.type == "input_audio":
+                    at = f"{where}.input_audio"
+                    data = b64decode(part.input_audio.data, f"{at}.data")
+                    wave, rate = decode_audio(data, f"{at}.data", settings.max_media_bytes)
+                else:
+                    at = f"{where}.audio_url"
+                    _, data = parse_data_url(part.audio_url.url, f"{at}.url", "audio")
+                    wave, rate = decode_audio(data, f"{at}.url", settings.max_media_bytes)
+                rate_out = settings.audio_input_rate
+                item = MultiModalInput("audio", resample(wave, rate, rate_out), sampling_rate=rate_out)
+            fields[f"multi_modal_data.{item.modality}[{counts[item.modality]}]"] = at
+            counts[item.modality] += 1
+            media.append(item)
+            parts.append({"type": item.modality})
+        content: Any = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+        messages.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
+    extra = {"speaker": req.audio.voice} if req.audio is not None and req.audio.voice else {}
+    prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra)
+    job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,
+              info.audio_stage if "audio" in want else None, info.text_stage or info.entry_stage,
+              req.stops, fields)
+    _sampling(req, info, job)
+    return job
+
+
+def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str) -> Job:
+    if info.text_stage is None:
+        raise bad_request(f"model: pipeline {info.model!r} has no text output stage; use /v1/chat/completions",
+                          "model")
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        p = p[0]
+    prompt = (StageInput("", prompt=p, cache_salt=req.cache_salt) if isinstance(p, str)
+              else StageInput("", prompt_token_ids=list(p), cache_salt=req.cache_salt))
+    fields = {"prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
+    job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, req.stops, fields)
+    _sampling(req, info, job)
+    return job
+
+
+def check_model(name: str, info: PipelineInfo) -> None:
+    if name != info.model:
+        raise ApiError(404, f"The model `{name}` does not exist (this server serves `{info.model}`).",
+                       param="model", code="model_not_found")

@@ -1,0 +1,122 @@
+"""A live `omni serve` for tests: the real CLI in a subprocess on 127.0.0.1, any free port; stopped
+(SIGTERM, then SIGKILL) by its process group when the test module is done."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.procs import stop_tree, tail, wait_until_up
+
+REPO = Path(__file__).resolve().parents[2]
+CHAIN = REPO / "stage_configs" / "tiny_chain.yaml"
+OMNI = REPO / "stage_configs" / "qwen2_5_omni_tiny.yaml"
+START_TIMEOUT_S = 240
+_LISTEN_RE = re.compile(r"omni serve: \S+ on (http://[\w.:\[\]]+)")
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def client(self, api_key: str = "unused", **kw: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.v1, api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def async_client(self, api_key: str = "unused", **kw: Any) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.v1, api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+        """Raw POST (bytes, or JSON-encoded): (status, headers, parsed JSON body or text)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        return _send(req)
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+        return _send(urllib.request.Request(self.url + path, headers=headers or {}))
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """/metrics parsed with prometheus_client's parser: (sample name, sorted labels) -> value."""
+        status, _, text = self.get("/metrics")
+        assert status == 200, text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def stage_gauges(self, name: str) -> dict[str, float]:
+        return {dict(labels)["stage"]: v for (n, labels), v in self.metrics().items() if n == name}
+
+
+def _send(req: urllib.request.Request) -> tuple[int, dict[str, str], Any]:
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, headers, raw = r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        status, headers, raw = e.code, dict(e.headers), e.read()
+    text = raw.decode("utf-8", errors="replace")
+    with contextlib.suppress(ValueError):
+        return status, headers, json.loads(text)
+    return status, headers, text
+
+
+@contextlib.contextmanager
+def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None, port: int = 0,
+               stop_grace_s: float = 20) -> Iterator[Server]:
+    """Start `omni serve CONFIG --port PORT ARGS...`; yields once /health answers 200. Stopped with SIGTERM
+    (the server closes its pipeline and whatever Ray it started), then SIGKILL past `stop_grace_s`."""
+    log = Path(tempfile.mkstemp(prefix="omni-serve-", suffix=".log")[1])
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [sys.executable, "-m", "omni.cli", "serve", str(config), "--port", str(port), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                start_new_session=True)
+    try:
+        def health() -> str | None:
+            m = _LISTEN_RE.search(tail(log, 100_000))
+            return f"{m.group(1)}/health" if m else None
+
+        url = wait_until_up(proc, log, health, "omni serve", START_TIMEOUT_S).removesuffix("/health")
+        yield Server(url, proc, log)
+    finally:
+        stop_tree(proc, grace_s=stop_grace_s, group=False)
+        log.unlink(missing_ok=True)
+
+
+def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until no stage runs, waits for or holds anything (KV usage 0); the KV usage per stage."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        kv = {dict(k[1])["stage"]: v for k, v in m.items() if k[0] == "omni_stage_kv_cache_usage_ratio"}
+        busy = [k for k, v in m.items() if k[0] in ("omni_stage_running_requests", "omni_stage_waiting_requests",
+                                                    "omni_pending_requests", "omni_pipeline_requests_in_flight")
+                and v]
+        if kv and not any(kv.values()) and not busy:
+            return kv
+        if time.monotonic() > deadline:
+            pytest.fail(f"the pipeline still holds work {timeout_s}s later: kv={kv} busy={busy}")
+        time.sleep(0.1)

@@ -1,0 +1,257 @@
+"""`omni serve` on the tiny chain (thinker -> talker), with the real `openai` client against a live server.
+
+One server for the module (the real CLI in a subprocess, local backend: the Ray-served app is tested
+in test_ray_serve.py). The thinker samples greedily (its config), so replies are deterministic.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import subprocess
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.serve.server_utils import CHAIN, omni_serve, wait_idle
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "tiny_chain"
+HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with omni_serve(CHAIN, "--backend", "local") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def png_data_url(h: int = 8, w: int = 8) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((h, w, 3), np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, _, body = server.get("/health")
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length" and full.usage.completion_tokens == 6
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 6
+    assert choice.message.audio is None  # a text pipeline
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 6  # the usage chunk comes last
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions(client):
+    full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5)
+    assert full.choices[0].text and full.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+    ids = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=3)
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 3
+
+
+def test_second_turn_hits_the_prefix_cache(client):
+    first = [{"role": "system", "content": "You are a travel agent who knows every town on the coast."},
+             {"role": "user", "content": "Plan a week of walking between the villages."}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=8)
+    turn2 = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And where should we stay?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8)
+    assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens >= 16  # at least the system + first user turn
+
+
+def test_cache_salt_keeps_tenants_apart(client):
+    msgs = [{"role": "user", "content": "A long shared question about the history of the harbour town."}]
+    client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    warm = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    salted = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                            extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # no hit on another tenant's blocks
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                           extra_body={"cache_salt": "tenant-b"})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_sampling_params_list_and_stop(client):
+    base = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6).choices[0].message.content
+    # per stage: the thinker's entry sets max_tokens 3 (the top-level field would win over it)
+    r = client.chat.completions.create(model=MODEL, messages=HELLO,
+                                       extra_body={"sampling_params_list": [{"max_tokens": 3}, None]})
+    assert r.usage.completion_tokens == 3
+    stop = base[len(base) // 2: len(base) // 2 + 2]
+    cut = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == base[: base.index(stop)]
+
+
+def test_sixteen_concurrent_clients(server):
+    async def one(c, i: int) -> tuple[str, int]:
+        text, usage = "", None
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Client {i} says hello"}], max_tokens=8,
+            stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return text, usage.completion_tokens
+
+    async def main() -> list[tuple[str, int]]:
+        async with server.async_client() as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert len(results) == 16 and all(text and n == 8 for text, n in results)
+    wait_idle(server)
+
+
+def test_disconnect_mid_stream_releases_every_stage(server, client):
+    before = server.metrics().get(("omni_requests_total", (("finish_reason", "abort"),)), 0.0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    assert server.stage_gauges("omni_stage_kv_cache_usage_ratio")["thinker"] > 0  # it holds blocks now
+    stream.close()  # the client goes away mid-stream
+    kv = wait_idle(server)
+    assert set(kv) == {"thinker", "talker"} and not any(kv.values())
+    after = server.metrics()[("omni_requests_total", (("finish_reason", "abort"),))]
+    assert after == before + 1
+    assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices[0].message.content
+
+
+GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+BAD_REQUESTS = [
+    # (what, body, status, param, code)
+    ("unknown field", {**GOOD, "logit_bias": {"1": 2}}, 400, "logit_bias", "unknown_parameter"),
+    ("unknown field in a message", {**GOOD, "messages": [{"role": "user", "content": "hi", "x": 1}]}, 400,
+     "messages[0].x", "unknown_parameter"),
+    ("not JSON", b"{model: nope", 400, None, "invalid_value"),
+    ("wrong model", {**GOOD, "model": "gpt-4o"}, 404, "model", "model_not_found"),
+    ("missing messages", {"model": MODEL}, 400, "messages", "missing_required_parameter"),
+    ("empty messages", {**GOOD, "messages": []}, 400, "messages", "invalid_value"),
+    ("bad role", {**GOOD, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    ("unknown part type", {**GOOD, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, 400,
+     "messages[0].content[0]", "invalid_value"),
+    ("temperature out of range", {**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("temperature as a string", {**GOOD, "temperature": "0.5"}, 400, "temperature", "invalid_value"),
+    ("max_tokens 0", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("n=2", {**GOOD, "n": 2}, 400, "n", "invalid_value"),
+    ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "invalid_value"),
+    ("audio out of a text pipeline", {**GOOD, "modalities": ["text", "audio"]}, 400, "modalities", None),
+    ("prompt longer than max_model_len", {**GOOD, "messages": [{"role": "user", "content": "word " * 300}]},
+     400, "messages", "context_length_exceeded"),
+    ("max_tokens past max_model_len", {**GOOD, "max_tokens": 1000}, 400, "max_tokens", "context_length_exceeded"),
+    ("an image for a text-only model", {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_url()}}, {"type": "text", "text": "hi"}]}]},
+     400, "messages[0].content[0].image_url", "invalid_value"),
+    ("undecodable image", {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+     400, "messages[0].content[0].image_url.url", None),
+    ("an http image URL", {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}}]}]},
+     400, "messages[0].content[0].image_url.url", None),
+    ("audio not base64", {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "!!!", "format": "wav"}}]}]},
+     400, "messages[0].content[0].input_audio.data", None),
+    ("audio not audio", {**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVEjunk").decode(),
+                                                "format": "wav"}}]}]},
+     400, "messages[0].content[0].input_audio.data", None),
+    ("sampling_params_list of the wrong length", {**GOOD, "sampling_params_list": [None]}, 400,
+     "sampling_params_list", None),
+    ("a bad field in sampling_params_list", {**GOOD, "sampling_params_list": [None, {"top_p": 0}]}, 400,
+     "sampling_params_list[1].top_p", "invalid_value"),
+    ("an unknown field in sampling_params_list", {**GOOD, "sampling_params_list": [{"beam_width": 2}, None]},
+     400, "sampling_params_list[0].beam_width", "invalid_value"),
+    ("a token id out of vocabulary", {"model": MODEL, "prompt": [10**9], "max_tokens": 2}, 400, "prompt",
+     "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,param,code", BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors(server, what, body, status, param, code):
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    got, _, err = server.post(path, body)
+    assert got == status, err
+    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["param"] == param, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    if code is not None:
+        assert err["error"]["code"] == code, err
+    got, _, ok = server.post("/v1/chat/completions", GOOD)  # the server keeps serving
+    assert got == 200 and ok["choices"][0]["message"]["content"], ok
+
+
+def test_errors_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=HELLO)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HELLO, top_p=1.5)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nowhere", cast_to=object)
+
+
+def test_metrics_parse_and_move(server, client):
+    m0 = server.metrics()
+    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+    server.post("/v1/chat/completions", {**GOOD, "model": "wrong"})
+    m1 = server.metrics()
+    ok = ("omni_http_requests_total", (("path", "/v1/chat/completions"), ("status", "200")))
+    nf = ("omni_http_requests_total", (("path", "/v1/chat/completions"), ("status", "404")))
+    assert m1[ok] == m0.get(ok, 0) + 1 and m1[nf] == m0.get(nf, 0) + 1
+    length = ("omni_requests_total", (("finish_reason", "length"),))
+    assert m1[length] == m0.get(length, 0) + 1
+    assert m1[("omni_generation_tokens_total", ())] == m0[("omni_generation_tokens_total", ())] + 4
+    ttft = ("omni_time_to_first_token_seconds_count", (("stage", "thinker"),))
+    assert m1[ttft] == m0[ttft] + 1
+    for name in ("omni_stage_kv_cache_usage_ratio", "omni_stage_prefix_cache_hit_rate",
+                 "omni_stage_running_requests", "omni_stage_waiting_requests", "omni_stage_tensor_cache_bytes",
+                 "omni_stage_preemptions_total"):
+        assert set(server.stage_gauges(name)) == {"thinker", "talker"}, name
+    assert server.stage_gauges("omni_stage_prefix_cache_queries_total")["thinker"] > 0
+
+
+def test_raw_sse_framing_with_curl(server):
+    body = json.dumps({**GOOD, "max_tokens": 3, "stream": True})
+    out = subprocess.run(["curl", "-sN", "--max-time", "60", "-H", "Content-Type: application/json",
+                          "-d", body, f"{server.v1}/chat/completions"], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    events = out.stdout.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", out.stdout[-300:]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") and "\n" not in e for e in events[:-2])
+    assert {p["object"] for p in payloads} == {"chat.completion.chunk"}
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"

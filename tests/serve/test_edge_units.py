@@ -1,0 +1,178 @@
+"""The server's edge without a server: audio and image decoding, resampling, stop strings, and how
+omni's errors and pydantic's become OpenAI errors naming the request's field."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from omni.serve.audio import decode_audio, encode_wav, pcm16_chunks, pcm16_to_float, resample, to_pcm16
+from omni.serve.errors import ApiError, from_omni_error
+from omni.serve.media import decode_image, parse_data_url
+from omni.serve.protocol import ChatCompletionRequest
+from omni.serve.run import StopMatcher
+from omni.serve.serving import parse
+
+MB = 2**20
+
+
+def tone(rate: int, seconds: float = 0.5, hz: float = 440.0) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+
+
+def audio_file(x: np.ndarray, rate: int, fmt: str, subtype: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------- audio
+@pytest.mark.parametrize("fmt,subtype,tol", [("WAV", "PCM_16", 1e-4), ("WAV", "PCM_24", 1e-6),
+                                             ("WAV", "FLOAT", 0.0), ("FLAC", None, 1e-4)])
+def test_decode_audio_formats(fmt, subtype, tol):
+    x = tone(22050)
+    got, rate = decode_audio(audio_file(x, 22050, fmt, subtype), "a", 64 * MB)
+    assert rate == 22050 and got.dtype == np.float32
+    np.testing.assert_allclose(got, x, atol=tol)
+
+
+def test_decode_audio_mixes_stereo_down_and_checks_sizes():
+    x = tone(16000)
+    stereo = np.stack([x, -x * 0.5], axis=1)
+    got, _ = decode_audio(audio_file(stereo, 16000, "WAV", "FLOAT"), "a", 64 * MB)
+    np.testing.assert_allclose(got, x * 0.25, atol=1e-6)
+    with pytest.raises(ApiError) as e:  # 8,000 frames x 2 channels x 4 bytes > 1,000 bytes: refused from the header
+        decode_audio(audio_file(stereo, 16000, "WAV"), "clip", 1000)
+    assert e.value.status == 413 and e.value.param == "clip"
+    with pytest.raises(ApiError) as e:
+        decode_audio(b"RIFF\x00\x00\x00\x00WAVEnothing", "clip", MB)
+    assert e.value.status == 400 and e.value.param == "clip"
+
+
+def test_resample_is_band_limited():
+    x = tone(44100, 1.0, hz=440)
+    y = resample(x, 44100, 16000)
+    assert y.size == 16000
+    ref = tone(16000, 1.0, hz=440)
+    np.testing.assert_allclose(y[200:-200], ref[200:-200], atol=2e-3)  # edges: the FFT's periodic wrap
+    up = resample(ref, 16000, 24000)
+    np.testing.assert_allclose(up[300:-300], tone(24000, 1.0)[300:-300], atol=2e-3)
+    assert resample(x, 16000, 16000) is not None and resample(x, 16000, 16000).size == x.size
+
+
+def test_pcm16_wav_and_chunks_agree():
+    x = np.linspace(-1.2, 1.2, 1001, dtype=np.float32)  # clipped at +-1
+    pcm = to_pcm16(x)
+    assert len(pcm) == 2002 and pcm16_to_float(pcm).max() == 1.0
+    assert b"".join(pcm16_chunks(x, 100)) == pcm and len(list(pcm16_chunks(x, 100))) == 11
+    samples, rate = sf.read(io.BytesIO(encode_wav(x, 24000)), dtype="int16")
+    assert rate == 24000 and samples.tobytes() == pcm
+
+
+# ----------------------------------------------------------------------- media
+def image_bytes(h: int, w: int, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), 200, np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+def test_decode_image_formats(fmt):
+    arr = decode_image(image_bytes(20, 30, fmt), "img", MB)
+    assert arr.shape == (20, 30, 3) and arr.dtype == np.uint8 and abs(int(arr.mean()) - 200) <= 3
+
+
+def test_image_size_is_checked_before_decoding():
+    big = image_bytes(2000, 2000, "PNG")  # compresses to a few kB, decodes to 12 MB
+    assert len(big) < 100_000
+    with pytest.raises(ApiError) as e:
+        decode_image(big, "img", 4 * MB)
+    assert e.value.status == 413
+    with pytest.raises(ApiError) as e:
+        decode_image(image_bytes(20, 30, "PNG")[:60], "img", MB)  # truncated
+    assert e.value.status == 400 and e.value.param == "img"
+
+
+@pytest.mark.parametrize("url,ok", [
+    ("data:image/png;base64," + base64.b64encode(b"abc").decode(), True),
+    ("data:;base64," + base64.b64encode(b"abc").decode(), True),
+    ("https://example.com/cat.png", False),
+    ("data:image/png," + "abc", False),  # not base64
+    ("data:audio/wav;base64,YWJj", False),  # not an image
+    ("data:image/png;base64,@@@", False),
+])
+def test_data_urls(url, ok):
+    if ok:
+        assert parse_data_url(url, "u", "image")[1] == b"abc"
+    else:
+        with pytest.raises(ApiError) as e:
+            parse_data_url(url, "u", "image")
+        assert e.value.status == 400 and e.value.param == "u"
+
+
+# ---------------------------------------------------------------- stop strings
+def test_stop_strings_across_deltas():
+    m = StopMatcher(["STOP", "end."])
+    out = [m.feed(t) for t in ["Hello ", "wor", "ld S", "TO", "P more"]]
+    assert "".join(out) == "Hello world " and m.stopped and m.feed("x") == ""
+    m = StopMatcher(["ab"])
+    assert m.feed("xa") == "x" and m.feed("c") == "a" and m.flush() == "c" and not m.stopped
+    m = StopMatcher(["zz"])
+    assert m.feed("abz") == "ab" and m.flush() == "z"
+    assert StopMatcher([]).feed("anything") == "anything"
+
+
+# ----------------------------------------------------------------------- errors
+FIELDS = {"prompt": "messages", "speaker": "audio.voice", "max_tokens": "max_completion_tokens",
+          "multi_modal_data.image[0]": "messages[0].content[1].image_url",
+          "multi_modal_data.audio[0]": "messages[1].content[0].input_audio"}
+
+
+@pytest.mark.parametrize("message,status,param", [
+    ("stage 'thinker' failed: invalid request: ValueError: prompt: 300 tokens + max_tokens 16 = 316 exceed "
+     "max_model_len 256 of stage 'thinker'; shorten the prompt or lower max_tokens", 400, "messages"),
+    ("stage 'thinker' failed: invalid request: ValueError: prompt: 20 tokens + max_tokens 500 = 520 exceed "
+     "max_model_len 256 of stage 'thinker'; shorten the prompt or lower max_tokens", 400, "max_completion_tokens"),
+    ("stage 'thinker' failed: invalid request: ValueError: multi_modal_data.audio[0]: 10 samples, at least 400 "
+     "are needed", 400, "messages[1].content[0].input_audio"),
+    ("stage 'thinker' failed: invalid request: ValueError: multi_modal_data: stage 'thinker' takes no image "
+     "inputs", 400, "messages[0].content[1].image_url"),
+    ("stage 'talker' failed: invalid request: ValueError: speaker: 'alloy' is not available", 400, "audio.voice"),
+    ("prompts[0]: prompt: messages[2].content: expected text or a list of content parts", 400, "messages[2].content"),
+    ("request 'x' timed out after 1s (runtime.request_timeout_s) waiting for stage(s) thinker", 504, None),
+    ("stage 'thinker' failed: forward pass failed: RuntimeError: boom", 500, None),
+    ("stage 'talker' failed: the stage's actor died", 500, None),
+])
+def test_omni_errors_name_the_request_field(message, status, param):
+    err = from_omni_error(message, FIELDS)
+    assert (err.status, err.param) == (status, param)
+    assert message in err.message
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x",
+                                                                                        "format": "aiff"}}]}]},
+     "messages[0].content[0].input_audio.format"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]}]},
+     "messages[0].content[0].extra"),
+    ({"messages": [{"role": "assistant", "audio": {"id": "audio-1"}}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "audio": {"format": "wav"}}, "audio"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
+])
+def test_request_errors_name_the_field(body, param):
+    import json
+
+    with pytest.raises(ApiError) as e:
+        parse(ChatCompletionRequest, json.dumps({"model": "m", **body}).encode())
+    assert e.value.status == 400 and e.value.param == param, e.value.body()

@@ -1,0 +1,98 @@
+"""`omni serve`'s limits on a live server: API key, body and media size, back-pressure, request timeout.
+
+The tiny chain with runtime.max_pending_requests 1 and runtime.request_timeout_s 1: a 200-token
+reply takes over a second on this machine's CPU (about 6 ms a token), so it times out; a streamed
+one holds the only slot while a second request arrives.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import openai
+import pytest
+import yaml
+
+from tests.serve.server_utils import CHAIN, omni_serve, wait_idle
+
+pytestmark = pytest.mark.timeout(300)
+KEY = "sk-test-" + "x" * 24
+MODEL = "tiny_chain"
+HELLO = [{"role": "user", "content": "Hello"}]
+LONG = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = yaml.safe_load(CHAIN.read_text())
+    cfg["runtime"].update(max_pending_requests=1, request_timeout_s=1.0)
+    path = tmp_path_factory.mktemp("limits") / "tiny_chain.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with omni_serve(path, "--backend", "local", "--max-body-mb", "0.05", "--max-media-items", "1",
+                    env={"OMNI_API_KEY": KEY}) as s:
+        yield s
+
+
+def wav_b64(seconds: float, rate: int = 16000) -> str:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.zeros(int(seconds * rate), "<i2").tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_api_key_required_on_v1_only(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(api_key="wrong").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    status, _, body = server.get("/v1/models")  # no Authorization header at all
+    assert status == 401 and body["error"]["type"] == "invalid_request_error"
+    assert server.get("/v1/models", {"Authorization": "Bearer " + KEY[:-1] + "y"})[0] == 401  # same length
+    assert server.get("/health")[0] == 200 and server.get("/metrics")[0] == 200  # probes stay open
+    r = server.client(api_key=KEY).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert r.choices[0].message.content
+
+
+def test_body_and_media_limits_are_413(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 60_000}]}
+    status, _, body = server.post("/v1/chat/completions", big, auth)
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    two_clips = [{"type": "input_audio", "input_audio": {"data": wav_b64(0.05), "format": "wav"}}] * 2
+    status, _, body = server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": two_clips}]}, auth)
+    assert status == 413 and body["error"]["param"] == "messages", body
+    assert server.client(api_key=KEY).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+
+
+def test_back_pressure_503_with_retry_after(server):
+    c = server.client(api_key=KEY)
+    stream = c.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **LONG)
+    next(iter(stream))  # admitted and running: the only slot is taken
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+    assert e.value.body["code"] == "overloaded"
+    stream.close()
+    wait_idle(server)
+    assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices[0].message.content
+
+
+def test_request_timeout_is_504(server):
+    c = server.client(api_key=KEY)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model=MODEL, messages=HELLO, **LONG)
+    assert e.value.status_code == 504 and e.value.body["code"] == "request_timeout"
+    assert "request_timeout_s" in e.value.body["message"]
+    # streamed: the status line is long gone, so the error comes as an event, then [DONE]
+    chunks = []
+    with pytest.raises(openai.APIError) as e:
+        for chunk in c.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **LONG):
+            chunks.append(chunk)
+    assert chunks and "timed out" in str(e.value)
+    wait_idle(server)
+    assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices[0].message.content

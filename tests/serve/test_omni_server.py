@@ -1,0 +1,148 @@
+"""`omni serve` on the tiny Qwen2.5-Omni (thinker -> talker -> token2wav): audio out, images and audio in,
+with the real `openai` client against a live server (streamed audio cut into 5 ms pcm16 chunks)."""
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+import wave
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.serve.server_utils import OMNI, REPO, omni_serve, wait_idle
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "qwen2_5_omni_tiny"
+HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"}}
+PCM_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "pcm16"}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with omni_serve(OMNI, "--backend", "local", "--audio-chunk-ms", "5") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getnchannels() == 1 and w.getsampwidth() == 2
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2"), w.getframerate()
+
+
+def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT)
+    msg = full.choices[0].message
+    assert msg.content and msg.audio.transcript == msg.content and msg.audio.id.startswith("audio-")
+    samples, rate = wav_samples(base64.b64decode(msg.audio.data))
+    assert rate == 24000 and samples.size > 0 and np.abs(samples).max() > 0
+
+    text, chunks = "", []
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **PCM_OUT):
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        if delta.audio is not None:
+            chunks.append(np.frombuffer(base64.b64decode(delta.audio.data), "<i2"))
+    assert text == msg.content
+    assert len(chunks) >= 2 and all(c.size <= 120 for c in chunks)  # 5 ms at 24 kHz
+    # Both replies come from the same streamed run (a non-streamed reply collects the same audio events),
+    # so the pcm16 chunks concatenate to exactly the WAV's samples, one-shot or codec-chunked token2wav alike.
+    np.testing.assert_array_equal(np.concatenate(chunks), samples)
+
+    pcm = client.chat.completions.create(model=MODEL, messages=HELLO, **PCM_OUT).choices[0].message.audio
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(pcm.data), "<i2"), samples)
+    wait_idle(server)
+
+
+def test_text_only_reply_skips_the_audio_stages(server, client):
+    r = client.chat.completions.create(model=MODEL, messages=HELLO)
+    assert r.choices[0].message.content and r.choices[0].message.audio is None
+    m = server.metrics()
+    assert m.get(("omni_time_to_first_token_seconds_count", (("stage", "thinker"),)), 0) >= 1
+    wait_idle(server)
+
+
+def test_vllm_omni_stream_format(client):
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
+                                            extra_body={"omni_stream_format": "vllm-omni"}, **PCM_OUT)
+    text, pcm = "", b""
+    for chunk in stream:
+        modality = chunk.model_extra["modality"]
+        content = chunk.choices[0].delta.content or ""
+        if modality == "audio":
+            pcm += base64.b64decode(content)
+        else:
+            assert modality == "text"
+            text += content
+    assert text and len(pcm) > 0
+    ref = client.chat.completions.create(model=MODEL, messages=HELLO, **PCM_OUT).choices[0].message
+    assert text == ref.content and pcm == base64.b64decode(ref.audio.data)
+
+
+def png_url(seed: int = 0) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def stereo_wav_b64(rate: int = 44100, seconds: float = 1.0) -> str:
+    t = np.arange(int(rate * seconds)) / rate
+    tone = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.stack([tone, tone], axis=1).tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_and_audio_inputs(client):
+    text_only = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe."}],
+                                               max_tokens=4)
+    r = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url()}},
+        {"type": "input_audio", "input_audio": {"data": stereo_wav_b64(), "format": "wav"}},
+        {"type": "text", "text": "Describe."}]}])
+    assert r.choices[0].message.content
+    # 56x84 image -> 6 tokens (2x3 merged patches); 1 s of audio at 16 kHz -> 25 tokens; + 2 x (bos, eos)
+    assert r.usage.prompt_tokens == text_only.usage.prompt_tokens + 6 + 25 + 4
+    again = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url(1)}}, {"type": "text", "text": "Describe."}]}])
+    assert again.usage.prompt_tokens == text_only.usage.prompt_tokens + 6 + 2
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "audio.voice"),
+    (dict(stop=["x"], **AUDIO_OUT), "stop"),
+    (dict(stream=True, **AUDIO_OUT), "audio.format"),
+    (dict(audio={"voice": "Chelsie", "format": "wav"}), "audio"),
+])
+def test_audio_option_errors(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, **kw)
+        list(r) if kw.get("stream") else None
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_chat_client_example(server, tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "chat_client.py"), "--base-url", server.v1,
+                          "--turn", "Hello, who are you?", "--turn", "Tell me more.", "--max-tokens", "8",
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for n in (1, 2):
+        samples, rate = wav_samples((tmp_path / f"turn-{n}.wav").read_bytes())
+        assert rate == 24000 and samples.size > 0
+    lines = [ln for ln in out.stdout.splitlines() if "cached_tokens=" in ln]
+    assert len(lines) == 2
+    cached = [int(ln.split("cached_tokens=")[1].split()[0]) for ln in lines]
+    assert cached[1] > 0, out.stdout  # turn 2 reuses the conversation so far
