@@ -3,9 +3,12 @@
 - `messages_for` + `render_chat`: chat messages (or text) -> the prompt text with one placeholder per
   image/audio; `expand_placeholders` then expands each placeholder token to the number of tokens its
   encoder produces (the thinker's `preprocess` tokenizes in between).
-- Images: Qwen2-VL patchification (resize to multiples of 28 within min/max pixels, CLIP
-  normalisation, temporal patch of 2, patches ordered by 2x2 merge groups), in numpy/torch: the
-  environment has neither PIL nor torchvision, which transformers' image processors require.
+- Images: with Pillow installed (it is pinned), transformers' own Qwen2-VL image processor (its
+  Pillow backend: the processor Qwen2_5OmniProcessor uses without torchvision), so pixel values equal
+  the reference processor's bit for bit. Without Pillow (or a transformers that lacks that backend), a
+  torch port of the same patchification (resize to multiples of 28 within min/max pixels, CLIP
+  normalisation, temporal patch of 2, patches ordered by 2x2 merge groups) whose bicubic resize may
+  differ from Pillow's by rounding.
 - Audio: transformers' WhisperFeatureExtractor (128 mel bins, padded to 30 s, valid frames kept).
 - Every input is content-hashed (xxhash of its bytes): the hash keys the encoder cache and the
   KV-block extra keys, so prompts that differ only in an image never share a block.
@@ -85,6 +88,27 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) 
     return rh, rw
 
 
+_IMAGE_PROCESSORS: dict[tuple, Any] = {}
+_IMAGE_KEYS = ("image_mean", "image_std", "patch_size", "temporal_patch_size", "merge_size", "min_pixels",
+               "max_pixels")
+
+
+def hf_image_processor(cfg: dict[str, Any]) -> Any | None:
+    """transformers' Qwen2-VL image processor (Pillow backend) for these settings, or None when
+    Pillow or that backend is missing. One instance per distinct setting (they are stateless)."""
+    key = tuple(json.dumps(cfg[k]) for k in _IMAGE_KEYS)
+    if key not in _IMAGE_PROCESSORS:
+        try:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+            from transformers.utils import is_vision_available
+        except ImportError:
+            proc = None
+        else:
+            proc = Qwen2VLImageProcessorPil(**{k: cfg[k] for k in _IMAGE_KEYS}) if is_vision_available() else None
+        _IMAGE_PROCESSORS[key] = proc
+    return _IMAGE_PROCESSORS[key]
+
+
 def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
                      where: str = "multi_modal_data.image") -> tuple[torch.Tensor, torch.Tensor]:
     """HxWxC (uint8 0..255 or float 0..1) -> (pixel_values [patches, C*T*P*P], grid_thw [3])."""
@@ -94,6 +118,13 @@ def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
     if arr.ndim == 2:
         arr = np.repeat(arr[..., None], 3, axis=-1)
     arr = arr[..., :3] if arr.shape[-1] != 1 else np.repeat(arr, 3, axis=-1)
+    proc = hf_image_processor(cfg)
+    if proc is not None:
+        # Integers are 0..255 (check_image); the processor wants uint8 for them and no rescale for 0..1 floats.
+        integer = np.issubdtype(arr.dtype, np.integer)
+        arr = np.ascontiguousarray(arr.astype(np.uint8) if integer else arr.astype(np.float32))
+        out = proc(images=[arr], do_rescale=integer, return_tensors="pt")
+        return out["pixel_values"].float().contiguous(), out["image_grid_thw"][0].long()
     x = torch.from_numpy(np.ascontiguousarray(arr)).float()
     if np.issubdtype(arr.dtype, np.integer):
         x = x / 255.0

@@ -1,6 +1,6 @@
 """`omni bench serve`: the OpenAI server vs AsyncOmni in-process, on the same multi-turn workload, one run.
 
-For each config (default: the SmolLM2 chain, and the tiny Qwen2.5-Omni with text + audio replies) and
+For each config (default: the SmolLM2 chain, and the small Qwen2.5-Omni with text + audio replies) and
 each concurrency C (default 1, 4, 16): C conversations of --turns turns run at once, each turn a
 streamed chat completion whose reply goes into the next turn (so turns 2+ hit the prefix cache).
 
@@ -46,7 +46,7 @@ TURNS = ["Where should I start, and why?", "What should I pack for the walking w
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", default=["stage_configs/smollm2_chain.yaml",
-                                                    "stage_configs/qwen2_5_omni_tiny.yaml"])
+                                                    "stage_configs/qwen2_5_omni_small.yaml"])
     p.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend (default: the config's)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--turns", type=int, default=3, help=f"turns per conversation (1..{len(TURNS)})")

@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 
 from omni import Omni  # noqa: E402
 from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
-from tests.pipeline.test_ray_job import free_ports, stop_cluster, tail  # noqa: E402
+from tests.procs import free_ports, stop_tree, tail  # noqa: E402
 from tests.pipeline.test_replicas import TINY, conversations  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -87,7 +87,7 @@ def cluster():
         with contextlib.suppress(Exception):
             ray.shutdown()
         for proc in reversed(procs):
-            stop_cluster(proc)
+            stop_tree(proc)
         shutil.rmtree(root, ignore_errors=True)
 
 
