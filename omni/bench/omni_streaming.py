@@ -4,9 +4,11 @@ The small random Qwen2.5-Omni (stage_configs/qwen2_5_omni_small.yaml: thinker ~>
 ~95 M parameters) on the Ray backend, with its streaming edges vs the same pipeline with plain
 edges, one run:
 
-- concurrency 1 and 4 (distinct prompts, submitted together): per request TTFP (submission -> the
-  first audio samples: the first token2wav delta when streaming, the finished waveform otherwise),
-  end to end, and RTF = end to end / seconds of audio;
+- concurrency 1 (--omni-repeats requests in a row) and 4 (distinct prompts, submitted together): per
+  request TTFP (submission -> the first audio samples: the first token2wav delta when streaming, the
+  finished waveform otherwise), end to end, and RTF = end to end / seconds of audio. Every reply has
+  --omni-audio-codes codec tokens (the talker's min_tokens = max_tokens; 250 = 5 s of audio): a
+  random checkpoint's replies end at random, and streaming gains with the length of the reply;
 - a multi-turn conversation (turn 1: a long message, an image and an audio clip; later turns resend
   the conversation) for each of streaming on/off x prefix caching on/off: TTFP per turn (`--plot`
   draws it).
@@ -31,10 +33,14 @@ def plain_edges() -> dict[str, Any]:
     return {"talker": {"inputs": ["thinker"]}, "token2wav": {"inputs": ["talker"]}}
 
 
-def _overrides(streaming: bool, caching: bool) -> dict[str, Any]:
+def _overrides(streaming: bool, caching: bool, audio_codes: int) -> dict[str, Any]:
     ov: dict[str, Any] = {} if streaming else plain_edges()
     for stage in ("thinker", "talker"):
         ov.setdefault(stage, {})["enable_prefix_caching"] = caching
+    if audio_codes:
+        # Every reply the same length (min_tokens = max_tokens masks the codec eos): a random checkpoint
+        # stops at random, and a TTFP ratio means little unless both modes make the same audio.
+        ov["talker"]["sampling"] = {"max_tokens": audio_codes, "min_tokens": audio_codes}
     return ov
 
 
@@ -97,14 +103,17 @@ def run_omni(args) -> dict[str, Any]:
     turns: dict[str, list[float]] = {}
     for streaming in (False, True):
         for caching in (True, False):
-            with Omni(args.omni_config, backend=args.backend, stage_overrides=_overrides(streaming, caching)) as o:
+            with Omni(args.omni_config, backend=args.backend,
+                      stage_overrides=_overrides(streaming, caching, args.omni_audio_codes)) as o:
                 _run(o, ["Warm up, please."])  # one-time costs out of the timing
                 if caching:  # distinct prompts: no prefix hits in the concurrency runs
                     conc[streaming] = {}
                     for c in args.concurrency:
-                        prompts = [f"Tell me a story about {_TOPICS[(i + c) % len(_TOPICS)]}, number {c}-{i}."
-                                   for i in range(c)]
-                        conc[streaming][c] = _run(o, prompts)
+                        # concurrency 1: --omni-repeats requests one after the other (one is too noisy)
+                        rounds = args.omni_repeats if c == 1 else 1
+                        conc[streaming][c] = [r for k in range(rounds) for r in _run(o, [
+                            f"Tell me a story about {_TOPICS[(i + c + k) % len(_TOPICS)]}, number {c}-{i}-{k}."
+                            for i in range(c)])]
                 key = f"{'streaming' if streaming else 'non_streaming'}_caching_{'on' if caching else 'off'}"
                 turns[key] = _conversation(o, tok, args)
                 print(f"omni {key}: TTFP per turn {[round(t, 2) for t in turns[key]]}", flush=True)
@@ -113,7 +122,7 @@ def run_omni(args) -> dict[str, Any]:
         return statistics.mean(r[key] for r in conc[streaming][c])
 
     result: dict[str, Any] = {"omni_config": args.omni_config, "omni_turns": args.omni_turns,
-                              "ttfp_per_turn": turns}
+                              "omni_audio_codes": args.omni_audio_codes, "ttfp_per_turn": turns}
     for c in args.concurrency:
         sfx = "" if c == 1 else f"_c{c}"
         result[f"omni_c{c}"] = {mode: {k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf")}

@@ -275,5 +275,11 @@ class ModelRunner:
         histories = None
         if any(p.repetition_penalty != 1.0 for p in params):
             histories = [st.request.all_token_ids for st in states]
-        tokens = self.sampler(logits, params, [st.generator for st in states], histories)
+        banned = None
+        if any(p.min_tokens for p in params):
+            # vLLM's min_tokens: until a request has that many tokens, neither its eos nor its stop
+            # tokens may be sampled (ignore_eos or not).
+            banned = [[*p.stop_token_ids, *(() if st.request.eos_token_id is None else (st.request.eos_token_id,))]
+                      if st.request.num_output_tokens < p.min_tokens else [] for st, p in zip(states, params)]
+        tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned)
         return {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}

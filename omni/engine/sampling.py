@@ -3,7 +3,7 @@
 The sampler follows Hugging Face `generate` semantics so that our engine's tokens can be compared
 against transformers' token for token:
 
-    logits -> repetition penalty -> greedy: argmax
+    logits -> banned tokens (min_tokens) -> repetition penalty -> greedy: argmax
                                   \\-> random: / temperature -> top-k -> top-p -> sample
 
 Random rows are sampled with an "exponential race" (argmax of probs / Exponential(1) noise), which is
@@ -42,9 +42,12 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         token_histories: Sequence[Sequence[int]] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """logits [N, V]; params/generators one per row; token_histories (prompt + output ids per row)
-        are needed only when some row has a repetition penalty. Returns int64 token ids [N]."""
+        are needed only when some row has a repetition penalty; banned (token ids per row that must not
+        be sampled: a request short of its min_tokens bans its eos and stop tokens). Returns int64
+        token ids [N]."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [num_rows, vocab_size], got shape {tuple(logits.shape)}")
         n = logits.shape[0]
@@ -57,6 +60,8 @@ class Sampler:
             return torch.empty(0, dtype=torch.long, device=logits.device)
         # Sampling math in fp32 (like HF, which upcasts scores); never modify the caller's tensor.
         logits = logits.float()
+        if banned is not None and any(banned):
+            logits = ban_tokens(logits, banned)
 
         penalties = [p.repetition_penalty for p in params]
         if any(p != 1.0 for p in penalties):
@@ -86,6 +91,17 @@ class Sampler:
         probs = scores.softmax(dim=-1)
         out[r_idx] = _exponential_race(probs, [generators[i] for i in rand_rows])
         return out
+
+
+def ban_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set the banned token ids of each row to -inf (returns a new tensor; ids past the vocabulary
+    are ignored: a stop token the model cannot produce needs no mask)."""
+    rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < logits.shape[1]]
+    cols = [t for ids in banned for t in ids if 0 <= t < logits.shape[1]]
+    out = logits.clone()
+    if rows:
+        out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -math.inf
+    return out
 
 
 def apply_repetition_penalty(

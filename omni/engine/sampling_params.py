@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni.strict import no_bool_for_number
 
@@ -20,6 +20,11 @@ _GREEDY_EPS = 1e-5
 
 # torch.Generator.manual_seed accepts exactly this range (negative seeds wrap modulo 2**64).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _check_min_le_max(min_tokens: int, max_tokens: int | None, prefix: str = "") -> None:
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"{prefix}min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
 
 
 class SamplingParams(BaseModel):
@@ -44,6 +49,11 @@ class SamplingParams(BaseModel):
         "do not depend on the rest of the batch. None uses the global RNG.",
     )
     max_tokens: int = Field(16, description="Maximum number of tokens to generate, >= 1.")
+    min_tokens: int = Field(
+        0,
+        description="Generate at least this many tokens before the end-of-sequence token or a stop token "
+        "may be sampled (vLLM's min_tokens: their logits are masked until then). 0 <= min_tokens <= max_tokens.",
+    )
     stop_token_ids: list[int] = Field(
         default_factory=list,
         description="Extra token ids (>= 0) that end generation; the stop token is kept in the output.",
@@ -93,6 +103,20 @@ class SamplingParams(BaseModel):
         if v < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {v}")
         return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _check_min_tokens(cls, v: int, info: ValidationInfo) -> int:
+        if v < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {v}")
+        _check_min_le_max(v, info.data.get("max_tokens"))  # max_tokens is validated first (field order)
+        return v
+
+    @model_validator(mode="after")
+    def _check_min_le_max_on_assignment(self) -> SamplingParams:
+        # Assigning max_tokens alone re-runs only this validator: the message still names the field.
+        _check_min_le_max(self.min_tokens, self.max_tokens, prefix="min_tokens: ")
+        return self
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -2,7 +2,7 @@
 
 Chat completions and completions as OpenAI documents them, plus the extensions vLLM / vLLM-Omni
 clients send in `extra_body`: `sampling_params_list` (one entry per stage, config order),
-`cache_salt`, `top_k`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`. A field this server does
+`cache_salt`, `top_k`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`. A field this server does
 not implement (tools, logprobs, n > 1, ...) is a 400 naming it, never silently ignored.
 """
 from __future__ import annotations
@@ -113,6 +113,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = Field(None, description="Streaming options (stream only).")
     user: str | None = Field(None, description="Accepted; not used.")
     ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence (the text stage).")
+    min_tokens: int | None = Field(None, ge=0, description="Tokens to generate before end-of-sequence or a stop "
+                                   "token may be sampled, <= max_tokens (the text stage).")
     repetition_penalty: float | None = Field(None, gt=0, description="HF repetition penalty (the text stage).")
     stop_token_ids: list[int] | None = Field(None, description="Extra token ids that end the text stage.")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(

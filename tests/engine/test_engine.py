@@ -212,3 +212,28 @@ def test_failed_forward_fails_its_requests_and_leaves_no_unwritten_cached_blocks
     assert again.token_ids == fresh.token_ids
     assert engine.stats().errors == 1
     assert_no_leak(engine)
+
+
+def test_min_tokens_matches_transformers_min_new_tokens(tiny_llama):
+    """vLLM's min_tokens = transformers' min_new_tokens: the eos and the stop tokens cannot be sampled
+    before that many tokens; afterwards they stop the request as usual. A stop token taken from the free
+    run makes the difference visible: without min_tokens it ends the request early."""
+    engine = make_engine(tiny_llama)
+    prompts = _prompts(engine.model.vocab_size, [7, 21, 40], seed=3)
+    eos = engine.model.eos_token_id
+    free = generate(engine, prompts, prefix="free", max_tokens=24)
+    stops = sorted({o.token_ids[2] for o in free} - {eos})
+    early = generate(engine, prompts, prefix="early", max_tokens=24, stop_token_ids=stops)
+    forced = generate(engine, prompts, prefix="min", max_tokens=24, stop_token_ids=stops, min_tokens=12)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for p, e, f in zip(prompts, early, forced):
+            ids = torch.tensor([p])
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=12,
+                                 do_sample=False, eos_token_id=[eos, *stops], pad_token_id=eos)[0, len(p):].tolist()
+            cut = next((i for i, t in enumerate(ref) if t in (eos, *stops)), len(ref) - 1)
+            assert f.token_ids == ref[: cut + 1]
+            assert len(f.token_ids) >= 12 and not set(f.token_ids[:11]) & {eos, *stops}
+            assert len(e.token_ids) <= 3  # the free run's third token is a stop token now
+    assert any(len(f.token_ids) > 12 for f in forced) or any(f.token_ids[-1] in stops for f in forced)
+    assert_no_leak(engine)

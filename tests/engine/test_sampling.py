@@ -5,7 +5,7 @@ import torch
 from pydantic import ValidationError
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from omni.engine.sampling import Sampler, apply_repetition_penalty, apply_top_k_top_p, make_generator
+from omni.engine.sampling import Sampler, apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator
 from omni.engine.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -261,6 +261,8 @@ def test_defaults_and_descriptions():
         ({"top_k": "many"}, r"top_k"),
         ({"stop_token_ids": 5}, r"stop_token_ids"),
         ({"temprature": 0.5}, r"temprature\n  Extra inputs are not permitted"),
+        ({"min_tokens": -1}, r"min_tokens must be an integer >= 0, got -1"),
+        ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must be <= max_tokens \(4\)"),
     ],
 )
 def test_validation_errors(kwargs, message):
@@ -282,3 +284,18 @@ def test_sampler_argument_errors():
     with pytest.raises(ValueError, match="2-D"):
         sampler(torch.zeros(10), [SamplingParams()], [None])
     assert sampler(torch.zeros(0, 10), [], []).shape == (0,)
+
+
+def test_banned_tokens_are_never_sampled_and_other_rows_untouched():
+    logits = _logits(3, 11, seed=4)
+    top = logits.argmax(dim=-1).tolist()
+    banned = [[top[0], 99], [], [top[2], (top[2] + 1) % 11]]  # 99: past the vocabulary, ignored
+    params = [SamplingParams(temperature=0)] * 3
+    out = sampler(logits, params, [None] * 3, banned=banned).tolist()
+    assert out[0] != top[0] and out[1] == top[1] and out[2] not in banned[2]
+    assert out[0] == ban_tokens(logits, banned)[0].argmax().item()
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    for _ in range(20):  # random rows too
+        drawn = sampler(logits, [SamplingParams(temperature=5.0, seed=1)] * 3, gens, banned=banned).tolist()
+        assert drawn[0] != top[0] and drawn[2] not in banned[2]
+    assert torch.isfinite(logits).all()  # the caller's logits are not modified

@@ -194,6 +194,8 @@ BAD_REQUESTS = [
      "sampling_params_list[1].top_p", "invalid_value"),
     ("an unknown field in sampling_params_list", {**GOOD, "sampling_params_list": [{"beam_width": 2}, None]},
      400, "sampling_params_list[0].beam_width", "invalid_value"),
+    ("min_tokens past max_tokens", {**GOOD, "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", "invalid_value"),
+    ("negative min_tokens", {**GOOD, "min_tokens": -1}, 400, "min_tokens", None),
     ("a token id out of vocabulary", {"model": MODEL, "prompt": [10**9], "max_tokens": 2}, 400, "prompt",
      "invalid_value"),
 ]
