@@ -38,6 +38,7 @@ import torch
 from omni.engine.stage_model import OneShotStageModel
 from omni.outputs import StageInput
 
+from .qwen2_5_omni_dit import dit_sample
 from .qwen2_5_omni_talker import load_speakers, speaker_params
 from .qwen2_5_omni_thinker import load_omni_part
 
@@ -128,8 +129,11 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            wav = self.token2wav(code, conditioning=cond, reference_mel=ref, **self.kwargs)
-        return wav.reshape(-1).float().cpu().numpy()
+            # transformers' draw in `dit.sample` (same shape, dtype, device and RNG state), then its
+            # sampler with the request's constants computed once (bitwise the same mel).
+            noise = torch.randn([1, len(codes) * self.repeats, self.mel_dim], dtype=ref.dtype, device=self.device)
+        mel = dit_sample(self.token2wav.code2wav_dit_model, cond, ref, code, noise, **self.kwargs)
+        return self.token2wav.code2wav_bigvgan_model(mel).reshape(-1).float().cpu().numpy()
 
     # -- GenerationStageEngine hooks ------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> tuple[list[int], str | None, int]:
@@ -219,33 +223,3 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         """The whole waveform of a finished stream: its pieces, concatenated."""
         audio = np.concatenate(state.pieces) if state.pieces else np.zeros(0, np.float32)
         return {"audio": audio.astype(np.float32), "sampling_rate": self.sampling_rate}
-
-
-def dit_sample(dit, conditioning: torch.Tensor, reference_mel: torch.Tensor, code: torch.Tensor,
-               noise: torch.Tensor, num_steps: int = 10, guidance_scale: float = 0.5,
-               sway_coefficient: float = -1.0) -> torch.Tensor:
-    """transformers' Qwen2_5OmniToken2WavDiTModel.sample with the initial noise given, not drawn
-    (a window of a longer request must start from that request's noise for its frames). Same
-    time grid (sway), classifier-free guidance and Runge-Kutta solver."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-    frames = code.shape[1] * dit.repeats
-    if noise.shape[1] != frames:
-        raise ValueError(f"noise has {noise.shape[1]} frames for {frames} mel frames")
-    cond = conditioning.unsqueeze(1).repeat(1, frames, 1)
-
-    def velocity(t, x):
-        if guidance_scale < 1e-5:
-            return dit(hidden_states=x, speaker_embedding=cond, condition_vector=reference_mel,
-                       quantized_code=code, time_step=t, drop_audio_conditioning=False, drop_code=False,
-                       apply_cfg=False)
-        out = dit(hidden_states=x, quantized_code=code, speaker_embedding=cond, condition_vector=reference_mel,
-                  time_step=t, apply_cfg=True)
-        guided, null = torch.chunk(out, 2, dim=0)
-        return guided + (guided - null) * guidance_scale
-
-    t = torch.linspace(0, 1, num_steps, device=code.device, dtype=cond.dtype)
-    if sway_coefficient is not None:
-        t = t + sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
-    trajectory = RungeKutta4ODESolver(function=velocity, initial_value=noise.to(cond.dtype)).integrate(t)
-    return trajectory[-1].permute(0, 2, 1)

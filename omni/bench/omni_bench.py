@@ -9,6 +9,7 @@ earlier replies, a new user message), as a chat client does. Per turn we time:
 
 and report the mean over turns 2+ (turn 1 cannot hit), caching on vs off:
     turn_latency_speedup = mean(latency off) / mean(latency on), likewise first_audio_speedup.
+`stage_s` splits each turn's time between thinker, talker and token2wav.
 The stages run in this process, one engine each, built from the stage config like the runtime does
 (edges plain: this benchmark is about the caches, `omni bench streaming` about streaming).
 
@@ -72,7 +73,7 @@ def _drain(engine, rid: str) -> Any:
                 return out
 
 
-def _turn(engines: dict[str, Any], rid: str, prompt: list[dict], mm: list) -> tuple[float, float, Any]:
+def _turn(engines: dict[str, Any], rid: str, prompt: list[dict], mm: list) -> dict[str, Any]:
     from omni.outputs import StageInput
     from omni.registry import resolve_input_processor
 
@@ -84,10 +85,14 @@ def _turn(engines: dict[str, Any], rid: str, prompt: list[dict], mm: list) -> tu
     t_talker = time.perf_counter()
     engines["talker"].add_request(thinker2talker({"thinker": thinker_out}, inp))
     talker_out = _drain(engines["talker"], rid)
-    first_audio = (t_talker - t0) + talker_out.metrics.get("ttft_s", 0.0)
+    t_wav = time.perf_counter()
     engines["token2wav"].add_request(talker2wav({"talker": talker_out}, inp))
     wav = _drain(engines["token2wav"], rid)
-    return time.perf_counter() - t0, first_audio, (thinker_out, talker_out, wav)
+    t_end = time.perf_counter()
+    return {"latency": t_end - t0, "first_audio": (t_talker - t0) + talker_out.metrics.get("ttft_s", 0.0),
+            # where the turn's time went (the stages run one after the other here)
+            "stage_s": {"thinker": t_talker - t0, "talker": t_wav - t_talker, "token2wav": t_end - t_wav},
+            "outputs": (thinker_out, talker_out, wav)}
 
 
 def _conversation(args, caching: bool) -> dict[str, Any]:
@@ -108,21 +113,23 @@ def _conversation(args, caching: bool) -> dict[str, Any]:
         doc = long_document(AutoTokenizer.from_pretrained(str(engines["thinker"].config.model_path)),
                             args.doc_tokens, args.seed) + "\n"
     messages: list[dict] = []
-    latency, first_audio, hits, outputs = [], [], [], []
+    latency, first_audio, stage_s, hits, outputs = [], [], [], [], []
     for turn in range(args.turns):
         text = (doc if turn == 0 else "") + _USER_TURNS[turn % len(_USER_TURNS)]
         content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
         messages.append({"role": "user", "content": content})
-        lat, fa, (t_out, k_out, w_out) = _turn(engines, f"turn{turn}", messages, mm)
-        latency.append(lat)
-        first_audio.append(fa)
+        res = _turn(engines, f"turn{turn}", messages, mm)
+        t_out, k_out, w_out = res["outputs"]
+        latency.append(res["latency"])
+        first_audio.append(res["first_audio"])
+        stage_s.append({k: round(v, 4) for k, v in res["stage_s"].items()})
         hits.append({"thinker": t_out.num_cached_tokens, "talker": k_out.num_cached_tokens})
         outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
         messages.append({"role": "assistant", "content": t_out.text or ""})
     keys = ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_hit_rate")
     stats = {name: {k: getattr(e.stats(), k) for k in keys} for name, e in engines.items()}
     encoder = getattr(engines["thinker"].model, "encoder_stats", None)
-    return {"turn_latency_s": latency, "first_audio_s": first_audio, "cached_tokens": hits,
+    return {"turn_latency_s": latency, "first_audio_s": first_audio, "stage_s": stage_s, "cached_tokens": hits,
             "stats": stats, "encoder": encoder() if encoder else None, "_outputs": outputs}
 
 
@@ -131,6 +138,8 @@ def _best_of(args, caching: bool) -> dict[str, Any]:
     best = runs[-1]
     for key in ("turn_latency_s", "first_audio_s"):
         best[key] = [min(r[key][t] for r in runs) for t in range(args.turns)]
+    # the breakdown of each turn's fastest run
+    best["stage_s"] = [min(runs, key=lambda r: r["turn_latency_s"][t])["stage_s"][t] for t in range(args.turns)]
     return best
 
 

@@ -20,5 +20,10 @@ def test_omni_bench_reports_speedups_and_hits(tiny_omni):
     on = res["caching_on"]
     assert on["cached_tokens"][1]["thinker"] > 0 and on["cached_tokens"][1]["talker"] > 0
     assert res["caching_off"]["cached_tokens"][1] == {"thinker": 0, "talker": 0}
+    for run in (on, res["caching_off"]):
+        for latency, stages in zip(run["turn_latency_s"], run["stage_s"]):
+            # the three stages run one after the other: their times add up to the turn's
+            assert set(stages) == {"thinker", "talker", "token2wav"} and min(stages.values()) > 0
+            assert sum(stages.values()) == pytest.approx(latency, abs=2e-3)
     with pytest.raises(ValueError, match="turns"):
         omni_bench.run(parser.parse_args(["--turns", "1"]))

@@ -1,0 +1,73 @@
+"""The DiT sampler with the request's constants hoisted gives bitwise transformers' own results."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stages.qwen2_5_omni_dit import DiTVelocity
+from stages.qwen2_5_omni_talker import speaker_params
+from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+
+
+@pytest.fixture(scope="module", params=["tiny", "small"])
+def stage(request, tiny_omni):
+    from stages.qwen2_5_omni_checkpoint import small_omni_checkpoint
+
+    path = tiny_omni if request.param == "tiny" else small_omni_checkpoint()
+    return Qwen2_5OmniToken2WavStage.load(path, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _speaker(stage, name):
+    spk = speaker_params(stage.speakers, name)
+    return spk["cond"].float().expand(1, -1), spk["ref_mel"].float().expand(1, -1, -1)
+
+
+@pytest.mark.parametrize("guidance_scale", [0.5, 0.0])
+def test_velocity_equals_the_dit_forward(stage, guidance_scale):
+    """One ODE evaluation, guided and plain, equals transformers' DiT forward exactly."""
+    dit = stage.token2wav.code2wav_dit_model
+    cond, ref = _speaker(stage, None)
+    gen = torch.Generator().manual_seed(1)
+    code = torch.randint(0, stage.num_codes, (1, 37), generator=gen)  # not a multiple of the DiT block
+    frames = code.shape[1] * dit.repeats
+    x = torch.randn(1, frames, dit.mel_dim, generator=gen)
+    speaker = cond.unsqueeze(1).repeat(1, frames, 1)
+    velocity = DiTVelocity(dit, cond, ref, code, guidance_scale)
+    with torch.inference_mode():
+        for t in (torch.tensor(0.0), torch.tensor(0.37), torch.tensor(1.0)):
+            got = velocity(t, x)
+            if guidance_scale:
+                out = dit(hidden_states=x, quantized_code=code, speaker_embedding=speaker, condition_vector=ref,
+                          time_step=t, apply_cfg=True)
+                guided, null = torch.chunk(out, 2, dim=0)
+                want = guided + (guided - null) * guidance_scale
+            else:
+                want = dit(hidden_states=x, speaker_embedding=speaker, condition_vector=ref, quantized_code=code,
+                           time_step=t, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_codes,seed,speaker", [(1, 0, None), (12, 0, None), (40, 7, "Ethan")])
+def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker):
+    """The stage's waveform is bitwise transformers' Qwen2_5OmniToken2WavModel.forward under the same seed."""
+    if speaker not in (None, *stage.speakers):
+        speaker = None
+    codes = np.random.default_rng(num_codes).integers(0, stage.num_codes, num_codes).tolist()
+    got = stage.generate(codes, speaker, seed)
+    cond, ref = _speaker(stage, speaker)
+    with torch.inference_mode(), torch.random.fork_rng():
+        torch.manual_seed(seed)
+        want = stage.token2wav(torch.tensor([codes]), conditioning=cond, reference_mel=ref, **stage.kwargs)
+    want = want.reshape(-1).float().numpy()
+    assert got.dtype == np.float32 and got.shape == want.shape and got.size > 0
+    np.testing.assert_array_equal(got, want)
+
+
+def test_noise_of_the_wrong_length_is_refused(stage):
+    from stages.qwen2_5_omni_dit import dit_sample
+
+    dit = stage.token2wav.code2wav_dit_model
+    cond, ref = _speaker(stage, None)
+    with pytest.raises(ValueError, match="noise has 3 frames"):
+        dit_sample(dit, cond, ref, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dit.mel_dim))
