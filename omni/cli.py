@@ -4,8 +4,8 @@
                     [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json]
     omni validate CONFIG [--stage-overrides JSON] [--json]
     omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
-    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, streaming, routing,
-                                     serve)
+    omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, token2wav,
+                                     streaming, routing, serve)
 
 Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
 usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
@@ -37,6 +37,7 @@ BENCHES = {
     "tensor-cache": "tensor_cache",
     "pipeline": "pipeline",
     "omni": "omni_bench",
+    "token2wav": "token2wav",
     "streaming": "streaming",
     "routing": "routing",
     "serve": "serve",

@@ -51,10 +51,22 @@ def build_engine(stage: StageConfig) -> Engine:
         dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
 
 
+def start_error(stage: str, e: BaseException) -> StageStartError:
+    """`e` as a StageStartError naming `stage` once (an engine's own errors already say
+    "stage NAME: ..."; the prefix is not repeated)."""
+    if isinstance(e, StageStartError):
+        return e
+    msg = str(e)
+    for prefix in (f"stage {stage!r}: ", f"stage {stage}: "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+            break
+    return StageStartError(f"stage {stage!r} failed to start: {type(e).__name__}: {msg}", stage=stage)
+
+
 def make_engine(stage: StageConfig, engine_factory: EngineFactory | None = None) -> Engine:
     """Build the engine of `stage`; any failure is a StageStartError naming the stage."""
     try:
         return (engine_factory or build_engine)(stage)
     except Exception as e:
-        raise StageStartError(f"stage {stage.name!r} failed to start: {type(e).__name__}: {e}",
-                              stage=stage.name) from e
+        raise start_error(stage.name, e) from e

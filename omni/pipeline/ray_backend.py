@@ -55,7 +55,7 @@ from omni import registry
 from omni.config import PipelineConfig, RuntimeConfig, StageConfig
 from omni.errors import ConfigError, StageStartError
 from omni.outputs import StageInput, StageOutput, error_output
-from omni.pipeline.engine_factory import EngineFactory, make_engine
+from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
 from omni.pipeline.graph import StageGraph
 from omni.outputs import StageDelta
 from omni.pipeline import temp_reaper
@@ -125,8 +125,7 @@ class StageActor:
         except StageStartError as e:
             self._start_error = e
         except Exception as e:  # noqa: BLE001 - e.g. the input processor does not resolve
-            self._start_error = StageStartError(f"stage {stage.name!r} failed to start: {type(e).__name__}: {e}",
-                                                stage=stage.name)
+            self._start_error = start_error(stage.name, e)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}")
         # The reply slot of each submit() call in flight (the worker holds the request itself).
         self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}

@@ -73,3 +73,18 @@ def test_a_failure_to_build_names_the_stage(tmp_path):
     with pytest.raises(StageStartError, match="stage 'lost' failed to start: ValueError: model path '.*nowhere' "
                                               "does not exist"):
         make_engine(load_config(data).stages[0])
+
+
+@pytest.mark.parametrize("inner", ["stage 'lost': dtype must be one of ['float32'], got 'fp8'",
+                                   "stage lost: dtype must be one of ['float32'], got 'fp8'"])
+def test_a_start_error_names_the_stage_once(tmp_path, inner):
+    """An engine error that already says which stage is not prefixed with the stage again."""
+    data = {"stages": [{"name": "lost", "model_path": str(tmp_path), "final_output": "text"}]}
+
+    def factory(stage):
+        raise ValueError(inner)
+
+    with pytest.raises(StageStartError) as ei:
+        make_engine(load_config(data).stages[0], factory)
+    assert str(ei.value) == "stage 'lost' failed to start: ValueError: dtype must be one of ['float32'], got 'fp8'"
+    assert ei.value.stage == "lost"

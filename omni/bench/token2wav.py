@@ -1,0 +1,78 @@
+"""`omni bench token2wav`: Qwen2.5-Omni's token2wav stage vs transformers' own, side by side.
+
+For each reply length (codec tokens; 50 per second of audio) the same codes, speaker and noise seed
+go through transformers' `Qwen2_5OmniToken2WavModel.forward` (DiT sampler + BigVGAN) and through our
+stage's `generate` (the same DiT with the request's constants computed once per request instead of
+at each of the 36 ODE evaluations), alternating, best of --repeats. Reports per length: seconds
+each, `speedup` (transformers / ours), `rtf` (ours: seconds per second of audio), and whether the
+two waveforms are bitwise equal.
+
+    omni bench token2wav [--model builtin:small-qwen2_5-omni] [--codes 32 250] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin:small-qwen2_5-omni", help="Qwen2.5-Omni checkpoint")
+    p.add_argument("--codes", type=int, nargs="+", default=[32, 250], help="reply lengths in codec tokens")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: what a stage actor with num_cpus: 1 gets)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _timed(fn) -> tuple[float, Any]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from omni.registry import resolve_model_path
+    from stages.qwen2_5_omni_talker import speaker_params
+    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+
+    for name in ("codes", "threads", "repeats"):
+        values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
+        if any(v < 1 for v in values):
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    torch.set_num_threads(args.threads)
+    stage = Qwen2_5OmniToken2WavStage.load(resolve_model_path(args.model), dtype=torch.float32,
+                                           device=torch.device("cpu"))
+    if max(args.codes) > stage.max_codes:
+        raise ValueError(f"--codes: at most {stage.max_codes} codec tokens, got {max(args.codes)}")
+    spk = speaker_params(stage.speakers, None)
+    cond, ref = spk["cond"].float().expand(1, -1), spk["ref_mel"].float().expand(1, -1, -1)
+
+    def transformers_wav(codes: list[int]) -> np.ndarray:
+        with torch.inference_mode(), torch.random.fork_rng():
+            torch.manual_seed(args.seed)
+            wav = stage.token2wav(torch.tensor([codes]), conditioning=cond, reference_mel=ref, **stage.kwargs)
+        return wav.reshape(-1).float().numpy()
+
+    rows = []
+    for n in args.codes:
+        codes = np.random.default_rng(args.seed + n).integers(0, stage.num_codes, n).tolist()
+        transformers_wav(codes), stage.generate(codes, None, args.seed)  # warm-up: allocator, kernels
+        t_hf, t_ours = float("inf"), float("inf")
+        for _ in range(args.repeats):  # alternating: both see the same machine state
+            t, hf = _timed(lambda: transformers_wav(codes))
+            t_hf = min(t_hf, t)
+            t, ours = _timed(lambda: stage.generate(codes, None, args.seed))
+            t_ours = min(t_ours, t)
+        audio_s = len(ours) / stage.sampling_rate
+        rows.append({"codes": n, "audio_s": audio_s, "transformers_s": t_hf, "ours_s": t_ours,
+                     "speedup": t_hf / t_ours, "rtf": t_ours / audio_s, "bitwise_equal": bool(np.array_equal(hf, ours))})
+        print(f"token2wav {n} codes ({audio_s:.2f} s of audio): transformers {t_hf:.3f} s, ours {t_ours:.3f} s "
+              f"= {t_hf / t_ours:.2f}x, bitwise equal: {rows[-1]['bitwise_equal']}", flush=True)
+    return {"benchmark": "token2wav", "model": args.model, "threads": args.threads, "lengths": rows,
+            "speedup": {str(r["codes"]): r["speedup"] for r in rows},
+            "bitwise_equal": all(r["bitwise_equal"] for r in rows)}
