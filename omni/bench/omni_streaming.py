@@ -125,7 +125,8 @@ def run_omni(args) -> dict[str, Any]:
                               "omni_audio_codes": args.omni_audio_codes, "ttfp_per_turn": turns}
     for c in args.concurrency:
         sfx = "" if c == 1 else f"_c{c}"
-        result[f"omni_c{c}"] = {mode: {k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf")}
+        result[f"omni_c{c}"] = {mode: {**{k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf")},
+                                       "ttfp_s_each": [r["ttfp_s"] for r in conc[s][c]]}
                                 for mode, s in (("non_streaming", False), ("streaming", True))}
         result[f"ttfp_speedup{sfx}"] = mean(False, c, "ttfp_s") / mean(True, c, "ttfp_s")
         result[f"rtf_streaming{sfx}"] = mean(True, c, "rtf")

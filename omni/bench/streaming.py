@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--omni-doc-tokens", type=int, default=1000, help="tokens of the first message's document")
     p.add_argument("--omni-audio-codes", type=int, default=250,
                    help="codec tokens of every omni reply (50 per second of audio; 0: as the model stops)")
-    p.add_argument("--omni-repeats", type=int, default=3, help="omni requests timed at concurrency 1")
+    p.add_argument("--omni-repeats", type=int, default=5,
+                   help="omni requests timed at concurrency 1 (two cores shared by three stages: TTFP varies ~1.5x)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw TTFP per turn (omni) into this PNG file")
 
 

@@ -38,6 +38,7 @@ def test_streaming_bench_on_the_omni_pipeline(tmp_path):
         entry = res["omni_c1"][mode]
         assert entry["audio_s"] == pytest.approx(seconds), mode
         assert 0 < entry["ttfp_s"] <= entry["e2e_s"]
+        assert len(entry["ttfp_s_each"]) == 2 and entry["ttfp_s"] == pytest.approx(sum(entry["ttfp_s_each"]) / 2)
     # ... and that length is the one asked for (the config's own talker max_tokens is longer)
     talker = next(st for st in cfg["stages"] if st["name"] == "talker")
     assert talker["sampling"]["max_tokens"] > codes
