@@ -119,13 +119,17 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
             raise ValueError(f"prompt_token_ids: {len(codes)} codec tokens, at most {self.max_codes} allowed")
         return codes
 
+    def speaker_inputs(self, speaker: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speaker's conditioning vector [1, D] and reference mel [1, frames, mel], as token2wav takes them."""
+        spk = speaker_params(self.speakers, speaker)
+        return (spk["cond"].to(self.device).float().expand(1, -1),
+                spk["ref_mel"].to(self.device).float().expand(1, -1, -1))
+
     @torch.inference_mode()
     def generate(self, codes: list[int], speaker: str | None = None, seed: int = 0) -> np.ndarray:
         """Codec tokens -> float32 waveform [num_samples]."""
-        spk = speaker_params(self.speakers, speaker)
         code = torch.tensor([codes], dtype=torch.long, device=self.device)
-        cond = spk["cond"].to(self.device).float().expand(1, -1)
-        ref = spk["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        cond, ref = self.speaker_inputs(speaker)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
@@ -211,10 +215,8 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         return {"audio": piece, "sampling_rate": self.sampling_rate}, state.finished
 
     def _window_audio(self, state: _WavStream, lo: int, hi: int) -> np.ndarray:
-        spk = speaker_params(self.speakers, state.speaker)
         code = torch.tensor([state.codes[lo:hi]], dtype=torch.long, device=self.device)
-        cond = spk["cond"].to(self.device).float().expand(1, -1)
-        ref = spk["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        cond, ref = self.speaker_inputs(state.speaker)
         noise = state.noise[:, lo * self.repeats : hi * self.repeats]
         mel = dit_sample(self.token2wav.code2wav_dit_model, cond, ref, code, noise, **self.kwargs)
         return self.token2wav.code2wav_bigvgan_model(mel).reshape(-1).float().cpu().numpy()

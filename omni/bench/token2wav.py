@@ -36,21 +36,19 @@ def _timed(fn) -> tuple[float, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from omni.registry import resolve_model_path
-    from stages.qwen2_5_omni_talker import speaker_params
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from omni.registry import resolve_model_path, resolve_stage_model
 
     for name in ("codes", "threads", "repeats"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
         if any(v < 1 for v in values):
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
-    stage = Qwen2_5OmniToken2WavStage.load(resolve_model_path(args.model), dtype=torch.float32,
-                                           device=torch.device("cpu"))
+    # The stage class through the registry (omni never imports the model code itself).
+    stage = resolve_stage_model("qwen2_5_omni_token2wav").load(resolve_model_path(args.model), dtype=torch.float32,
+                                                               device=torch.device("cpu"))
     if max(args.codes) > stage.max_codes:
         raise ValueError(f"--codes: at most {stage.max_codes} codec tokens, got {max(args.codes)}")
-    spk = speaker_params(stage.speakers, None)
-    cond, ref = spk["cond"].float().expand(1, -1), spk["ref_mel"].float().expand(1, -1, -1)
+    cond, ref = stage.speaker_inputs(None)
 
     def transformers_wav(codes: list[int]) -> np.ndarray:
         with torch.inference_mode(), torch.random.fork_rng():
