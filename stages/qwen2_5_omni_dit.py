@@ -10,8 +10,9 @@ parts that depend only on the request, not on the ODE time or state:
 
 `DiTVelocity` computes them once per request and then runs, per evaluation, exactly the tensor ops
 transformers runs on the same inputs (same order, same shapes), so the mel is bitwise the one
-`dit.sample` gives (tested: `torch.equal`, one-shot and windowed). On the small checkpoint this
-removes about a quarter of token2wav's time (the speaker encoder is most of it).
+`dit.sample` gives (tested: the velocity with `torch.equal` against the DiT's forward, the one-shot
+waveform with `array_equal` against transformers' token2wav). On the small checkpoint token2wav runs
+1.4-1.5x faster (`omni bench token2wav`; the speaker encoder is most of the saving).
 
 What it relies on from transformers' DiT (checked by the equality tests on every run): the input
 embedding concatenates [state, speaker-encoder output, code embedding, speaker vector] before
