@@ -155,11 +155,18 @@ def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str,
 
     sr = cfg["audio_sampling_rate"]
     # one Whisper window (n_fft) at least
-    wave = check_audio(wave, sampling_rate, sr, 400, where).astype(np.float32)
+    wave = check_audio(wave, sampling_rate, sr, 400, where)
     fe = _FEATURE_EXTRACTORS.get(cfg["num_mel_bins"])
     if fe is None:
         fe = _FEATURE_EXTRACTORS[cfg["num_mel_bins"]] = WhisperFeatureExtractor(
             feature_size=cfg["num_mel_bins"], sampling_rate=sr, return_attention_mask=True)
+    # The encoder sees one window (30 s): the extractor would silently drop the rest, so longer audio is
+    # refused, by its length alone, before any copy or mel frame of it is made.
+    if wave.shape[0] > fe.n_samples:
+        raise ValueError(f"{where}: {wave.shape[0] / sr:g} s of audio ({wave.shape[0]} samples at {sr} Hz), longer "
+                         f"than the {fe.n_samples / sr:g} s ({fe.n_samples} samples) the audio encoder takes; "
+                         "send it as several clips")
+    wave = wave.astype(np.float32)
     out = fe(wave, sampling_rate=sr, padding="max_length", return_attention_mask=True, return_tensors="np")
     n = int(out["attention_mask"][0].sum())
     return torch.from_numpy(out["input_features"][0, :, :n].copy())
