@@ -123,7 +123,8 @@ def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
         # Integers are 0..255 (check_image); the processor wants uint8 for them and no rescale for 0..1 floats.
         integer = np.issubdtype(arr.dtype, np.integer)
         arr = np.ascontiguousarray(arr.astype(np.uint8) if integer else arr.astype(np.float32))
-        out = proc(images=[arr], do_rescale=integer, return_tensors="pt")
+        # HxWxC, said so: left to guess, transformers reads a tiny image (1x1x3, 3xWx3) as channels-first
+        out = proc(images=[arr], do_rescale=integer, input_data_format="channels_last", return_tensors="pt")
         return out["pixel_values"].float().contiguous(), out["image_grid_thw"][0].long()
     x = torch.from_numpy(np.ascontiguousarray(arr)).float()
     if np.issubdtype(arr.dtype, np.integer):
@@ -172,8 +173,28 @@ def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str,
     return torch.from_numpy(out["input_features"][0, :, :n].copy())
 
 
+WHISPER_HOP = 160  # samples per mel frame of WhisperFeatureExtractor (its hop_length)
+
+
 def audio_num_tokens(num_frames: int) -> int:
     return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def mm_num_tokens(inp: MultiModalInput, cfg: dict[str, Any]) -> int:
+    """The placeholder tokens `inp` will take (what `preprocess_mm` makes of it), from its shape alone: a
+    prompt whose media alone overflow the model is refused before any pixel value or mel frame is made.
+    0 for an input that is not an image / audio array: `preprocess_mm` names what is wrong with it."""
+    try:
+        shape = np.shape(inp.data)
+    except ValueError:  # ragged nested lists
+        return 0
+    if inp.modality == "image" and len(shape) in (2, 3) and min(shape[:2]) >= 1:
+        ps, m = cfg["patch_size"], cfg["merge_size"]
+        h, w = smart_resize(shape[0], shape[1], ps * m, cfg["min_pixels"], cfg["max_pixels"])
+        return (h // ps) * (w // ps) // m**2
+    if inp.modality == "audio" and len(shape) == 1 and shape[0] > 0:
+        return audio_num_tokens(-(-shape[0] // WHISPER_HOP))  # valid mel frames: one per hop started
+    return 0
 
 
 def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi_modal_data") -> MMItem:

@@ -171,8 +171,9 @@ class _Stream(EventSourceResponse):
     async def _body(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
         run, reason = self._run, "abort"
         try:
-            async with contextlib.aclosing(events) as evs:
-                async for ev in until_stopped(evs, self._omni_state.drain.stopping):
+            async with contextlib.aclosing(events) as evs, \
+                    contextlib.aclosing(until_stopped(evs, self._omni_state.drain.stopping)) as items:
+                async for ev in items:
                     yield _sse(ev)
             reason = run.finish_reason or "stop"
         except ShuttingDown:
