@@ -123,7 +123,8 @@ def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
         # Integers are 0..255 (check_image); the processor wants uint8 for them and no rescale for 0..1 floats.
         integer = np.issubdtype(arr.dtype, np.integer)
         arr = np.ascontiguousarray(arr.astype(np.uint8) if integer else arr.astype(np.float32))
-        out = proc(images=[arr], do_rescale=integer, return_tensors="pt")
+        # HxWxC, said so: left to guess, transformers reads a tiny image (1x1x3, 3xWx3) as channels-first
+        out = proc(images=[arr], do_rescale=integer, input_data_format="channels_last", return_tensors="pt")
         return out["pixel_values"].float().contiguous(), out["image_grid_thw"][0].long()
     x = torch.from_numpy(np.ascontiguousarray(arr)).float()
     if np.issubdtype(arr.dtype, np.integer):
@@ -155,18 +156,45 @@ def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str,
 
     sr = cfg["audio_sampling_rate"]
     # one Whisper window (n_fft) at least
-    wave = check_audio(wave, sampling_rate, sr, 400, where).astype(np.float32)
+    wave = check_audio(wave, sampling_rate, sr, 400, where)
     fe = _FEATURE_EXTRACTORS.get(cfg["num_mel_bins"])
     if fe is None:
         fe = _FEATURE_EXTRACTORS[cfg["num_mel_bins"]] = WhisperFeatureExtractor(
             feature_size=cfg["num_mel_bins"], sampling_rate=sr, return_attention_mask=True)
+    # The encoder sees one window (30 s): the extractor would silently drop the rest, so longer audio is
+    # refused, by its length alone, before any copy or mel frame of it is made.
+    if wave.shape[0] > fe.n_samples:
+        raise ValueError(f"{where}: {wave.shape[0] / sr:g} s of audio ({wave.shape[0]} samples at {sr} Hz), longer "
+                         f"than the {fe.n_samples / sr:g} s ({fe.n_samples} samples) the audio encoder takes; "
+                         "send it as several clips")
+    wave = wave.astype(np.float32)
     out = fe(wave, sampling_rate=sr, padding="max_length", return_attention_mask=True, return_tensors="np")
     n = int(out["attention_mask"][0].sum())
     return torch.from_numpy(out["input_features"][0, :, :n].copy())
 
 
+WHISPER_HOP = 160  # samples per mel frame of WhisperFeatureExtractor (its hop_length)
+
+
 def audio_num_tokens(num_frames: int) -> int:
     return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def mm_num_tokens(inp: MultiModalInput, cfg: dict[str, Any]) -> int:
+    """The placeholder tokens `inp` will take (what `preprocess_mm` makes of it), from its shape alone: a
+    prompt whose media alone overflow the model is refused before any pixel value or mel frame is made.
+    0 for an input that is not an image / audio array: `preprocess_mm` names what is wrong with it."""
+    try:
+        shape = np.shape(inp.data)
+    except ValueError:  # ragged nested lists
+        return 0
+    if inp.modality == "image" and len(shape) in (2, 3) and min(shape[:2]) >= 1:
+        ps, m = cfg["patch_size"], cfg["merge_size"]
+        h, w = smart_resize(shape[0], shape[1], ps * m, cfg["min_pixels"], cfg["max_pixels"])
+        return (h // ps) * (w // ps) // m**2
+    if inp.modality == "audio" and len(shape) == 1 and shape[0] > 0:
+        return audio_num_tokens(-(-shape[0] // WHISPER_HOP))  # valid mel frames: one per hop started
+    return 0
 
 
 def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi_modal_data") -> MMItem:

@@ -29,7 +29,7 @@ from omni.outputs import StageInput
 
 from .media import media_names
 from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, load_preprocess_config, messages_for,
-                                  preprocess_mm, render_chat)
+                                  mm_num_tokens, preprocess_mm, render_chat)
 
 THINKER_EOS = 151645  # <|im_end|>
 
@@ -127,8 +127,14 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
 
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
-        items = [preprocess_mm(m, self.preprocess_cfg, where)
-                 for m, where in zip(inp.mm_inputs, media_names(inp.mm_inputs))]
+        names = media_names(inp.mm_inputs)
+        media_tokens = 0
+        for m, where in zip(inp.mm_inputs, names):  # before any pixel value is made: they are the big part
+            media_tokens += mm_num_tokens(m, self.preprocess_cfg)
+            if media_tokens > self.max_model_len:
+                raise ValueError(f"{where}: the prompt's media take {media_tokens} placeholder tokens up to this "
+                                 f"one, more than the model's {self.max_model_len} positions")
+        items = [preprocess_mm(m, self.preprocess_cfg, where) for m, where in zip(inp.mm_inputs, names)]
         if inp.prompt_token_ids is not None:
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:

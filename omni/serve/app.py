@@ -8,9 +8,10 @@
     GET  /health                200 while the pipeline serves
     GET  /metrics               Prometheus text
 
-The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment).
+The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment),
+after `await app.state.omni.drain.drain(grace_s)` lets the requests in flight finish (shutdown.py).
 Every error is OpenAI-shaped (errors.py), a 404 or 405 of an unknown route included; an unexpected
-exception is a 500 that names its type, never a traceback.
+exception is a 500 that names its type, never a traceback (edge.py, where it is also counted).
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omni.async_api import AsyncOmni
 from omni.serve import responses as R
 from omni.serve.edge import EdgeMiddleware
-from omni.serve.errors import ApiError, internal
+from omni.serve.errors import ApiError
 from omni.serve.metrics import CONTENT_TYPE
 from omni.serve.serving import ServerState, chat_completions, completions
 from omni.serve.settings import ServeSettings
+from omni.serve.shutdown import shutting_down
 from omni.serve.translate import PipelineInfo
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     app = FastAPI(title="omni", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state
     app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       metrics=state.metrics)
+                       metrics=state.metrics, drain=state.drain)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -56,11 +58,6 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
         message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
                    else str(exc.detail))
         return _error(ApiError(exc.status_code, message, code=code))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error(internal(f"the server failed on this request ({type(exc).__name__}); see its log"))
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
@@ -78,6 +75,8 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     async def _health() -> JSONResponse:
         if omni.closed:
             return _error(ApiError(503, "the pipeline is closed", type="server_error", code="shutting_down"))
+        if state.drain.draining:
+            return _error(shutting_down("it answers the requests in flight and takes no new ones"))
         return JSONResponse({"status": "ok", "model": state.info.model, "pending_requests": state.pending})
 
     @app.get("/metrics")

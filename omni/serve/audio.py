@@ -1,6 +1,6 @@
 """Audio at the server's edge: decoding what users send, encoding what the pipeline makes.
 
-    decode_audio(bytes)            WAV / FLAC / OGG / MP3 (libsndfile via soundfile) -> mono float32 + rate
+    decode_audio(bytes, rate_out)  WAV / FLAC / OGG / MP3 (libsndfile via soundfile) -> mono float32 at rate_out
     resample(x, src, dst)          band-limited (FFT) resampling to the rate the model expects
     to_pcm16(x) / pcm16_to_float   OpenAI's pcm16: 16-bit little-endian mono
     encode_wav(x, rate)            a 16-bit PCM WAV file (the standard library's `wave`)
@@ -20,9 +20,13 @@ import numpy as np
 from omni.serve.errors import bad_request, too_large
 
 
-def decode_audio(data: bytes, where: str, max_decoded_bytes: int) -> tuple[np.ndarray, int]:
-    """An audio file -> (mono float32 waveform, sampling rate). The decoded size is checked from the
-    header before any sample is decoded (413 past `max_decoded_bytes`, counted as float32)."""
+def decode_audio(data: bytes, where: str, max_decoded_bytes: int, rate_out: int | None = None
+                 ) -> tuple[np.ndarray, int]:
+    """An audio file -> (mono float32 waveform, sampling rate), resampled to `rate_out` when given.
+
+    Every size that follows from the header is checked before anything is allocated (413 past
+    `max_decoded_bytes`, counted as float32): the decoded samples, and the resampled waveform, whose
+    length the header's rate sets (a header claiming 1 Hz asks 16000 samples at 16 kHz per frame)."""
     import soundfile as sf
 
     try:
@@ -35,6 +39,12 @@ def decode_audio(data: bytes, where: str, max_decoded_bytes: int) -> tuple[np.nd
     if decoded > max_decoded_bytes:
         raise too_large(f"{where}: {info.frames} frames x {info.channels} channels decode to {decoded} bytes, "
                         f"more than the server's limit of {max_decoded_bytes} (--max-media-mb)", where)
+    if rate_out is not None:
+        n_out = resampled_length(int(info.frames), int(info.samplerate), rate_out)
+        if n_out * 4 > max_decoded_bytes:
+            raise too_large(f"{where}: {info.frames} frames at {info.samplerate} Hz resample to {n_out} samples "
+                            f"at {rate_out} Hz ({n_out * 4} bytes, {info.frames / info.samplerate:.6g} s), more "
+                            f"than the server's limit of {max_decoded_bytes} (--max-media-mb)", where)
     try:
         samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # noqa: BLE001
@@ -44,7 +54,18 @@ def decode_audio(data: bytes, where: str, max_decoded_bytes: int) -> tuple[np.nd
         raise bad_request(f"{where}: the audio holds no samples", where)
     if not np.isfinite(mono).all():
         raise bad_request(f"{where}: the audio holds NaN or infinite samples", where)
-    return np.ascontiguousarray(mono, dtype=np.float32), int(rate)
+    mono = np.ascontiguousarray(mono, dtype=np.float32)
+    if rate_out is None:
+        return mono, int(rate)
+    if resampled_length(mono.size, int(rate), rate_out) * 4 > max_decoded_bytes:  # the header under-told
+        raise too_large(f"{where}: {mono.size} samples at {rate} Hz resample past the server's limit of "
+                        f"{max_decoded_bytes} bytes (--max-media-mb)", where)
+    return resample(mono, int(rate), rate_out), rate_out
+
+
+def resampled_length(n: int, src: int, dst: int) -> int:
+    """Samples of `n` samples at `src` Hz once resampled to `dst` Hz (what `resample` returns)."""
+    return n if src == dst or n == 0 else max(1, round(n * dst / src))
 
 
 def resample(x: np.ndarray, src: int, dst: int) -> np.ndarray:
@@ -52,7 +73,7 @@ def resample(x: np.ndarray, src: int, dst: int) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     if src == dst or x.size == 0:
         return x
-    n_out = max(1, round(x.size * dst / src))
+    n_out = resampled_length(x.size, src, dst)
     spec = np.fft.rfft(x.astype(np.float64))
     out = np.zeros(n_out // 2 + 1, dtype=np.complex128)
     k = min(spec.size, out.size)

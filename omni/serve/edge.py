@@ -1,23 +1,34 @@
-"""The server's edge, as one ASGI middleware: API key, body size, and the HTTP status count.
+"""The server's edge, as one ASGI middleware: API key, content type, body size, shutdown, the HTTP
+status count, and the last word on unexpected errors.
 
 - `/v1/*` requires `Authorization: Bearer <key>` when an API key is set (constant-time comparison;
   401 otherwise). /health and /metrics stay open (probes and scrapers), as in vLLM.
+- The POST endpoints take `Content-Type: application/json` only (415 otherwise, a missing one too, as
+  vLLM): a browser sends text/plain or a form to any origin without a CORS preflight, JSON it does not.
 - A body larger than `max_body_bytes` is refused with 413 before the app sees it: by its
   Content-Length when it has one, else while it is read (chunked uploads are counted too).
-- Every answer is counted by path and status (`omni_http_requests_total`).
+- While the server drains (shutdown.py), new `/v1/*` requests are answered 503 `shutting_down`.
+- An exception nothing else handled is a 500 that names its type (logged here, never a traceback to
+  the client); one raised after the response started (a stream) ends the connection.
+- Every answer is counted once by path and the status the client got (`omni_http_requests_total`),
+  whether the app, this edge or the 500 above sent it; 499 when none was sent (the client left).
 """
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omni.serve.errors import ApiError, too_large
+from omni.serve.errors import ApiError, internal, too_large
 from omni.serve.metrics import ServerMetrics
+from omni.serve.shutdown import Drain, shutting_down
 
+logger = logging.getLogger(__name__)
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+JSON_POSTS = ("/v1/chat/completions", "/v1/completions")
 
 
 async def send_error(send: Send, err: ApiError) -> None:
@@ -29,11 +40,13 @@ async def send_error(send: Send, err: ApiError) -> None:
 
 
 class EdgeMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
+                 drain: Drain):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,9 +59,17 @@ class EdgeMiddleware:
                 status.append(message["status"])
             await send(message)
 
+        self.drain.enter()
         try:
             await self._handle(scope, receive, counted_send)
+        except Exception as e:
+            if status:  # the status line is gone (a stream): it stands, and the connection ends
+                raise
+            logger.exception("unexpected error on %s %s", scope.get("method"), scope["path"])
+            await send_error(counted_send, internal(f"the server failed on this request ({type(e).__name__}); "
+                                                    "see its log"))
         finally:
+            self.drain.leave()
             path = scope["path"] if scope["path"] in PATHS else "other"
             code = str(status[0]) if status else "499"  # nothing sent: the client left first
             self.metrics.http.labels(path=path, status=code).inc()
@@ -59,6 +80,16 @@ class EdgeMiddleware:
             await send_error(send, ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer "
                                             "<key>`.", param=None, code="invalid_api_key"))
             return
+        if self.drain.draining and scope["path"].startswith("/v1/"):
+            await send_error(send, shutting_down("it answers the requests in flight and takes no new ones"))
+            return
+        if scope["method"] == "POST" and scope["path"] in JSON_POSTS:
+            ctype = headers.get("content-type", b"").decode("latin-1")
+            if ctype.split(";", 1)[0].strip().lower() != "application/json":
+                got = f"got {ctype!r}" if ctype else "no Content-Type was sent"
+                await send_error(send, ApiError(415, f"Unsupported Media Type: only 'application/json' is allowed "
+                                                f"({got})", code="unsupported_media_type"))
+                return
         limit = self.max_body_bytes
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:

@@ -3,7 +3,8 @@
 The server fetches nothing: an `image_url` must be a `data:` URL (an http(s) URL is refused, so a
 request cannot make the server reach into its network). Sizes are checked before decoding: an
 image's header gives its pixel count, which is refused past the limit before any pixel is decoded
-(a decompression bomb never expands).
+(a decompression bomb never expands): 413 naming the content part. Whatever else the decoder
+raises on a user's bytes is a 400 naming the content part, never a 500.
 """
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ def decode_image(data: bytes, where: str, max_decoded_bytes: int) -> np.ndarray:
 
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
-    except (UnidentifiedImageError, OSError, ValueError):
+    except Image.DecompressionBombError as e:  # Pillow's own ceiling, met before ours when a header lies big
+        raise too_large(f"{where}: the image is too large to decode ({e}); this server decodes at most "
+                        f"{max_decoded_bytes} bytes of RGB per image (--max-media-mb)", where) from None
+    except MemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - a parser fed hostile bytes raises OSError, SyntaxError, struct.error, ...
         raise bad_request(f"{where}: not a readable image ({', '.join(IMAGE_FORMATS)})", where) from None
     if img.format not in IMAGE_FORMATS:
         raise bad_request(f"{where}: image format {img.format} is not accepted (use {', '.join(IMAGE_FORMATS)})",
@@ -64,5 +70,7 @@ def decode_image(data: bytes, where: str, max_decoded_bytes: int) -> np.ndarray:
     try:
         rgb = img.convert("RGB")  # decodes; truncated or corrupt data fails here
         return np.asarray(rgb, dtype=np.uint8).copy()
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise bad_request(f"{where}: the image could not be decoded: {e}", where) from None
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - as above: any decoder failure is the bytes' fault
+        raise bad_request(f"{where}: the image could not be decoded: {type(e).__name__}: {e}", where) from None

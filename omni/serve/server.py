@@ -4,16 +4,25 @@
                [--stage-overrides JSON] [--api-key KEY] [--backend ray|local] [--ray-serve] ...
 
 The pipeline starts first (models load; a bad config exits 2 before anything listens), then the
-server prints one line `omni serve: NAME on http://HOST:PORT` and serves until Ctrl-C / SIGTERM,
-which finish the requests in flight (up to a grace period) and close the pipeline.
+server prints one line `omni serve: NAME on http://HOST:PORT` and serves until Ctrl-C / SIGTERM.
+The first signal drains the app (shutdown.py: new requests 503, those in flight run on for
+--shutdown-grace-s, then each one left is ended with an error and streams with [DONE]); then uvicorn
+stops and the pipeline closes. Exit 0 when everything in flight finished within the grace period,
+else 143 (SIGTERM) / 130 (Ctrl-C). A second signal ends what is in flight at once.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import socket
+import sys
+from types import FrameType
 from typing import Any
 
-GRACEFUL_SHUTDOWN_S = 10
+# uvicorn's own graceful wait, once the drain is over: only the last bytes of responses already
+# ended are left to send by then.
+UVICORN_SHUTDOWN_S = 5
 _FLAGS = {"max_body_bytes": "--max-body-mb", "max_media_bytes": "--max-media-mb"}  # settings field -> option
 
 
@@ -29,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-media-items", type=int, help="images + audio clips per request (default 8)")
     p.add_argument("--max-media-mb", type=float, help="largest decoded image or audio clip in MiB (default 64)")
     p.add_argument("--audio-chunk-ms", type=float, help="streamed pcm16 chunk length (default 100 ms)")
+    p.add_argument("--shutdown-grace-s", type=float, help="on SIGTERM / Ctrl-C, how long requests in flight may "
+                   "finish before they are ended with an error (default 10)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's")
 
 
@@ -39,7 +50,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return ServeSettings.from_env(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
         max_body_bytes=mb(args.max_body_mb), max_media_items=args.max_media_items,
-        max_media_bytes=mb(args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms, log_level=args.log_level)
+        max_media_bytes=mb(args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms,
+        shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -50,9 +62,56 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_uvicorn(config: Any, settings: Any, backend: str | None) -> None:
-    """Start the pipeline, then serve until interrupted; the pipeline is closed on the way out."""
+def _server_class() -> type:
     import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose exit signals (SIGINT, SIGTERM: uvicorn installs `handle_exit` for both)
+        start the app's drain; uvicorn is told to exit only once the drain is over. The signal is not
+        handed on to uvicorn, which would raise it again once it stopped (the exit status is ours)."""
+
+        def __init__(self, config: Any, drain: Any, grace_s: float):
+            super().__init__(config)
+            self.drain, self.grace_s = drain, grace_s
+            self.signal: int | None = None
+            self.clean = True
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._task: asyncio.Task | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self._loop is None:  # not serving yet: nothing to drain
+                self.should_exit = True
+                return
+            # A Python signal handler runs between two bytecodes of the loop's thread: schedule, do not act.
+            self._loop.call_soon_threadsafe(self._on_signal, sig)
+
+        def _on_signal(self, sig: int) -> None:
+            if self.signal is not None:  # a second signal: end what is in flight now
+                self.drain.stop_now()
+                return
+            self.signal = sig
+            name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+            print(f"omni serve: {name}: draining (new requests get 503; requests in flight have "
+                  f"{self.grace_s:g} s to finish)", file=sys.stderr, flush=True)
+            self._task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            self.clean = await self.drain.drain(self.grace_s)
+            self.should_exit = True
+
+    return DrainingServer
+
+
+def serve_uvicorn(config: Any, settings: Any, backend: str | None) -> int:
+    """Start the pipeline, then serve until a signal and its drain; the pipeline is closed on the way out.
+    Returns the exit status: 0 after a clean drain (or no signal), 128 + the signal when the grace period
+    ran out."""
+    import uvicorn
+    from sse_starlette.sse import AppStatus
 
     from omni.async_api import AsyncOmni
     from omni.serve.app import create_app
@@ -66,14 +125,22 @@ def serve_uvicorn(config: Any, settings: Any, backend: str | None) -> None:
         raise
     try:
         app = create_app(omni, settings)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level, lifespan="off",
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        # The drain ends omni's streams itself; sse-starlette must not cut them when uvicorn is told to exit.
+        AppStatus.disable_automatic_graceful_drain()
+        server = _server_class()(uvicorn.Config(app, log_level=settings.log_level, lifespan="off",
+                                                timeout_graceful_shutdown=UVICORN_SHUTDOWN_S),
+                                 app.state.omni.drain, settings.shutdown_grace_s)
         shown = f"[{host}]" if ":" in host else host
         print(f"omni serve: {config.name} on http://{shown}:{port} (backend {omni.config.runtime.backend})",
               flush=True)
         server.run(sockets=[sock])
     finally:
         omni.shutdown()
+    if server.signal is None or server.clean:
+        return 0
+    print(f"omni serve: the grace period ({settings.shutdown_grace_s:g} s) ran out: the requests still in "
+          "flight were ended with an error", file=sys.stderr, flush=True)
+    return 128 + server.signal
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
         run(config, settings, args.backend)
     else:
         try:
-            serve_uvicorn(config, settings, args.backend)
+            return serve_uvicorn(config, settings, args.backend)
         except OSError as e:  # the address is taken, or not ours to bind
             return _error(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", 1)
     return 0

@@ -5,7 +5,9 @@
     Run.start (400 when the pipeline refuses it, 504 on timeout) -> reply
 
 A client that disconnects aborts its request on every stage: while it waits for a non-streamed reply
-(a watcher on the connection cancels the run), or mid-stream (the SSE response is cancelled).
+(a watcher on the connection cancels the run), or mid-stream (the SSE response is cancelled). When a
+shutdown's grace period runs out (shutdown.py), a waiting request is answered 503 and a stream ends
+with an error event and [DONE]; their runs are aborted the same way.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from omni.serve.metrics import ServerMetrics
 from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
 from omni.serve.run import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
+from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
 from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_job
 
 logger = logging.getLogger(__name__)
@@ -45,7 +48,7 @@ class ClientGone(Exception):
 
 @dataclass
 class ServerState:
-    """What the endpoints share: the pipeline, the settings, the metrics, the admission count."""
+    """What the endpoints share: the pipeline, the settings, the metrics, the admission count, the drain."""
 
     omni: AsyncOmni
     settings: ServeSettings
@@ -53,6 +56,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     pending: int = 0
+    drain: Drain = field(default_factory=Drain)
 
     @property
     def max_pending(self) -> int:
@@ -81,26 +85,32 @@ def parse(model: type[M], body: bytes) -> M:
         raise from_validation_error(e, PART_TAGS) from None
 
 
-async def race(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelled (ClientGone) if the client disconnects first."""
+async def race(request: Request, work: Awaitable[T], stopping: asyncio.Event | None = None) -> T:
+    """Await `work`, cancelled if the client disconnects first (ClientGone) or `stopping` is set first
+    (503 `shutting_down`: the shutdown's grace period ran out)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    watcher = asyncio.ensure_future(disconnected())
+    watchers = {asyncio.ensure_future(disconnected())}
+    if stopping is not None:
+        watchers.add(asyncio.ensure_future(stopping.wait()))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # this handler was cancelled (a proxy that saw the client go)
         task.cancel()
         raise
     finally:
-        watcher.cancel()
+        for w in watchers:
+            w.cancel()
     if not task.done():
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
+        if stopping is not None and stopping.is_set():
+            raise shutting_down("its grace period ran out before this reply was complete")
         raise ClientGone
     return task.result()
 
@@ -119,11 +129,12 @@ async def _serve(state: ServerState, request: Request, req: ChatCompletionReques
     reason = "error"
     try:
         run = await asyncio.to_thread(run_for)
+        stopping = state.drain.stopping
         if not req.stream:
-            response = await race(request, reply(run))
+            response = await race(request, reply(run), stopping)
             reason = run.finish_reason or "stop"
             return response
-        await race(request, run.start())
+        await race(request, run.start(), stopping)
         handed_over = True  # the stream releases the admission when it ends
         return _Stream(state, run, stream(run))
     except ClientGone:
@@ -138,7 +149,7 @@ async def _serve(state: ServerState, request: Request, req: ChatCompletionReques
 
 class _Stream(EventSourceResponse):
     """The SSE reply of one run: a failure midway is an error event (the status line is long gone), then
-    [DONE]. However the response ends (done, a disconnect, a body that never started because the client
+    [DONE]; so is the end of a shutdown's grace period (`shutting_down`). However the response ends (done, a disconnect, a body that never started because the client
     was gone already), the run is left (aborted where it still runs) and the admission released, once."""
 
     def __init__(self, state: ServerState, run: Run, events: AsyncIterator[dict[str, Any]]):
@@ -160,10 +171,14 @@ class _Stream(EventSourceResponse):
     async def _body(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
         run, reason = self._run, "abort"
         try:
-            async with contextlib.aclosing(events) as evs:
-                async for ev in evs:
+            async with contextlib.aclosing(events) as evs, \
+                    contextlib.aclosing(until_stopped(evs, self._omni_state.drain.stopping)) as items:
+                async for ev in items:
                     yield _sse(ev)
             reason = run.finish_reason or "stop"
+        except ShuttingDown:
+            reason = "error"
+            yield _sse(shutting_down("its grace period ran out before this stream was complete").body())
         except ApiError as e:
             reason = "error"
             yield _sse(e.body())

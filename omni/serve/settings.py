@@ -30,6 +30,8 @@ class ServeSettings(BaseModel):
     default_audio_rate: int = Field(24000, ge=1, description="Rate of pipeline audio that does not say its own "
                                     "(its passthrough sampling_rate).")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 503 (runtime.max_pending_requests reached).")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM / Ctrl-C: how long requests in flight "
+                                    "may run on (new ones get 503) before each is ended with an error.")
     log_level: str = Field("info", description="uvicorn's log level.")
 
     @classmethod

@@ -16,7 +16,7 @@ from typing import Any
 
 from omni.config import PipelineConfig
 from omni.outputs import MultiModalInput, StageInput
-from omni.serve.audio import decode_audio, resample
+from omni.serve.audio import decode_audio
 from omni.serve.errors import ApiError, bad_request, too_large
 from omni.serve.media import b64decode, decode_image, parse_data_url
 from omni.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -122,16 +122,16 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
                 item = MultiModalInput("image", decode_image(data, f"{where}.image_url.url", settings.max_media_bytes))
                 at = f"{where}.image_url"
             else:
+                rate_out = settings.audio_input_rate  # resampled to it; its size bounded before allocating
                 if part.type == "input_audio":
                     at = f"{where}.input_audio"
                     data = b64decode(part.input_audio.data, f"{at}.data")
-                    wave, rate = decode_audio(data, f"{at}.data", settings.max_media_bytes)
+                    wave, _ = decode_audio(data, f"{at}.data", settings.max_media_bytes, rate_out)
                 else:
                     at = f"{where}.audio_url"
                     _, data = parse_data_url(part.audio_url.url, f"{at}.url", "audio")
-                    wave, rate = decode_audio(data, f"{at}.url", settings.max_media_bytes)
-                rate_out = settings.audio_input_rate
-                item = MultiModalInput("audio", resample(wave, rate, rate_out), sampling_rate=rate_out)
+                    wave, _ = decode_audio(data, f"{at}.url", settings.max_media_bytes, rate_out)
+                item = MultiModalInput("audio", wave, sampling_rate=rate_out)
             fields[f"multi_modal_data.{item.modality}[{counts[item.modality]}]"] = at
             counts[item.modality] += 1
             media.append(item)
