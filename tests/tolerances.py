@@ -82,3 +82,43 @@ def assert_rows_close(got, ref, atol: float, what: str = "rows") -> None:
     worst = np.unravel_index(int(diff.argmax()), diff.shape)
     assert diff.max() <= atol, (f"{what}: max |diff| {diff.max():.3g} at {tuple(int(i) for i in worst)} "
                                 f"> atol {atol:.3g} ({int((diff > atol).sum())} of {diff.size} elements)")
+
+
+def attention_atol(batch: dict, scale: float, *, compute=torch.float32, scores=None, probs=None,
+                   out=None) -> float:
+    """Bound for paged attention, softmax(scale * q.k) @ v per query, computed by two implementations.
+
+    batch: make_batch's tensors (query, key_cache, value_cache, seq_lens); compute: the dtype sums are
+    accumulated in; probs: the dtype probabilities are rounded to before P @ V (GPU low-precision
+    kernels), if any; scores: the dtype scores are rounded to (a low-precision math path), if any;
+    out: the dtype the output is stored in, if not `compute`.
+    - scores: head_dim-term dot products, within 2*gamma(D)*scale*sum|q_i k_i| of each other; sum|q_i k_i|
+      is the largest over the (query, key) pairs of the batch.
+    - every score off by at most delta moves each probability by a factor within exp(+-2*delta); the
+      output is a convex combination of V rows, so it moves by at most expm1(2*delta) * max|v|.
+    - the softmax denominator and P @ V are sums over up to max(seq_lens) terms of weight <= 1 times
+      |v|: 2*gamma(T) * max|v| each; exp itself: a few ulps (4u) per side.
+    - rounding probabilities to `probs`: u(probs) * max|v|; storing to `out`: one ulp, 2u(out) * max|v|
+      (round to nearest or truncation).
+    """
+    d = batch["query"].shape[-1]
+    q = batch["query"].double().abs().reshape(-1, d)
+    k = batch["key_cache"].double().abs().reshape(-1, d)
+    v_max = float(batch["value_cache"].double().abs().max()) if batch["value_cache"].numel() else 0.0
+    dot = float((q @ k.T).max()) if q.numel() and k.numel() else 0.0
+    length = max([int(s) for s in batch["seq_lens"]] + [1])
+    return attention_bound(d, length, dot, v_max, scale, compute=compute, scores=scores, probs=probs, out=out)
+
+
+def attention_bound(head_dim: int, length: int, dot: float, v_max: float, scale: float, *,
+                    compute=torch.float32, scores=None, probs=None, out=None) -> float:
+    """attention_atol from its numbers: dot bounds sum|q_i k_i| over (query, key) pairs, v_max |v|."""
+    delta = reorder_atol(head_dim, scale * dot, dtype=compute)
+    if scores is not None:
+        delta += unit_roundoff(scores) * scale * dot
+    rel = float(np.expm1(2 * delta)) + 2 * reorder_atol(length, 1.0, dtype=compute) + 8 * unit_roundoff(compute)
+    if probs is not None:
+        rel += unit_roundoff(probs)
+    if out is not None:
+        rel += 2 * unit_roundoff(out)
+    return rel * v_max
