@@ -123,7 +123,12 @@ def test_abort_from_another_thread():
     data = chain_config()
     data["stages"][0]["model_kwargs"] = {"step_delay_s": 0.01}
     with Omni(data, engine_factory=fake_factory) as o:
-        threading.Timer(0.1, o.abort, args=("victim",)).start()
+        def abort_once_submitted():  # retried until the driver knows the request: no guessed delay
+            deadline = time.monotonic() + 60
+            while not o.abort("victim") and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        threading.Thread(target=abort_once_submitted).start()
         outs = o.generate([{"prompt": "__hang__", "request_id": "victim"}, "fine"], use_tqdm=False)
         assert outs[0].error == "request 'victim' was aborted"
         assert outs[1].error is None
