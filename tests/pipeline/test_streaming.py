@@ -182,8 +182,8 @@ def test_cancelled_async_streams_release_every_stage():
             with pytest.raises(asyncio.CancelledError):
                 await slow
             deadline = time.monotonic() + 60  # aborts land asynchronously: returns as soon as they have
-            while time.monotonic() < deadline and any(
-                    s["kv_usage"] or s["running"] or s["waiting_for_chunks"] for s in (await o.stats())["stages"].values()):
+            while time.monotonic() < deadline and any(s["kv_usage"] or s["running"] or s["waiting_for_chunks"]
+                                                      for s in (await o.stats())["stages"].values()):
                 await asyncio.sleep(0.05)
             for s in (await o.stats())["stages"].values():
                 assert s["kv_usage"] == 0.0 and s["running"] == 0 and s["waiting_for_chunks"] == 0
