@@ -27,11 +27,14 @@ from tests.engine_utils import assert_no_leak
 REPO = Path(__file__).resolve().parents[1]
 CHAIN = REPO / "stage_configs" / "tiny_chain.yaml"
 OMNI = REPO / "stage_configs" / "qwen2_5_omni_tiny.yaml"
-# Bounds on the time to fail (2 cores shared with other jobs: tight, not flaky).
-EDGE_S = 1.0  # checked before anything runs
-LOAD_S = 2.0  # refused by the first stage before it loads its model
-ADMIT_S = 3.0  # refused by a loaded stage at admission
-START_S = 20.0  # a config refused once an earlier stage has loaded its model
+# Bounds on the time to fail. They only tell "refused" from "waited for a timeout" (the messages
+# already name the field, which a timeout's would not), so they sit far from both: orders of magnitude
+# above the expected time on any machine, well below the timeouts of tiny_chain.yaml (request 120 s,
+# stage start 300 s). A hand-tight bound (it was 1-3 s) failed on a loaded 2-core machine.
+EDGE_S = 30.0  # checked before anything runs (expected: milliseconds)
+LOAD_S = 30.0  # refused by the first stage before it loads its model (expected: well under 1 s)
+ADMIT_S = 30.0  # refused by a loaded stage at admission (expected: one step, milliseconds)
+START_S = 100.0  # a config refused once an earlier stage has loaded its model (expected: a few s)
 GOOD = SamplingParams(temperature=0, max_tokens=3)
 
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -60,9 +59,8 @@ def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engi
     cfg.write_text(yaml.safe_dump(chain_config()))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('"fine"\n\n' + line + "\n")  # the bad one is on line 3
-    t0 = time.monotonic()
+    # Refused before anything starts: `no_engines` fails the test if a stage is built (no clock needed).
     assert cli.main(["run", str(cfg), "--prompts-file", str(prompts)]) == 2
-    assert time.monotonic() - t0 < 2.0
     err = one_line_error(capsys)
     assert f"--prompts-file {prompts}:3: " in err and expected in err, err
 
@@ -78,9 +76,8 @@ def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engi
 def test_config_errors_exit_2_before_anything_starts(tmp_path, capsys, no_engines, command, stage, expected):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump({"runtime": {"backend": "local"}, "stages": [{**stage, "final_output": "text"}]}))
-    t0 = time.monotonic()
+    # Before anything starts: `no_engines` fails the test if a stage is built (no clock needed).
     assert cli.main([command, str(cfg), *(["--prompt", "hi"] if command == "run" else [])]) == 2
-    assert time.monotonic() - t0 < 2.0
     assert expected in one_line_error(capsys)
 
 
@@ -155,23 +152,25 @@ def test_signals_exit_quietly(tmp_path, capsys, monkeypatch, sig, code, message)
     import omni.pipeline.engine_factory as engine_factory
     from tests.pipeline.test_fake_engine import fake_factory
 
-    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), sig))
+    def factory(stage):
+        engine = fake_factory(stage)
+        if stage.name == "thinker":
+            step = engine.step
 
-    def factory(stage):  # the CLI's handlers are in place once engines are built
-        if stage.name == "talker":
-            timer.start()
-        return fake_factory(stage)
+            def signalling_step():  # the signal comes while the request runs: not after a guessed delay
+                if engine.steps == 0:
+                    os.kill(os.getpid(), sig)
+                return step()
+
+            engine.step = signalling_step
+        return engine
 
     monkeypatch.setattr(engine_factory, "build_engine", factory)
     cfg = tmp_path / "chain.yaml"
     cfg.write_text(yaml.safe_dump(chain_config(request_timeout_s=60)))
     previous = signal.getsignal(signal.SIGTERM)
-    t0 = time.monotonic()
-    try:
-        assert cli.main(["run", str(cfg), "--prompt", "__hang__", "--json"]) == code
-    finally:
-        timer.cancel()  # never signal this process once the CLI's handlers are gone
-    assert time.monotonic() - t0 < 10
+    # __hang__ never finishes; an ignored signal would end in the 60 s request timeout's message instead.
+    assert cli.main(["run", str(cfg), "--prompt", "__hang__", "--json"]) == code
     err = capsys.readouterr().err
     assert err.strip() == message, err
     assert signal.getsignal(signal.SIGTERM) is previous  # restored
@@ -181,7 +180,8 @@ def test_signals_exit_quietly(tmp_path, capsys, monkeypatch, sig, code, message)
 @pytest.mark.ray
 def test_sigterm_on_ray_closes_the_pipeline_quietly():
     """Ray's blocking calls only let a KeyboardInterrupt through: SIGTERM must take that way out."""
-    rc, err, took = run_and_signal(signal.SIGTERM, "ray")
+    rc, err, _ = run_and_signal(signal.SIGTERM, "ray")
     assert rc == 143, err[-2000:]
     assert "Traceback" not in err and err.rstrip().endswith("omni: terminated (SIGTERM)"), err[-2000:]
-    assert took < 30
+    # A pipeline that does not close is caught by run_and_signal's communicate(timeout=60), ~10x the
+    # few seconds a Ray shutdown takes; the time it took is not compared to a machine-dependent figure.

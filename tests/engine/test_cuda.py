@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kernels.store_kv import interpreting
+from stages.checkpoints import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, generate, make_engine
+from tests.tolerances import assert_rows_close, decoder_atol
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
                                 reason="needs a CUDA GPU with real Triton kernels (TRITON_INTERPRET=0)")
@@ -36,7 +38,9 @@ def test_cuda_graph_decode_matches_eager(tiny_llama, dtype):
     for eager, graph in zip(results[False], results[True]):
         if dtype == "float32":
             assert eager.token_ids == graph.token_ids
-            np.testing.assert_allclose(eager.hidden_states, graph.hidden_states, atol=1e-4, rtol=1e-4)
+            # A replayed graph runs the padded batch's kernels: reordered fp32 sums only.
+            atol = decoder_atol(eager.hidden_states, layers=TINY_ARCHS["llama"], widest_sum=128)
+            assert_rows_close(graph.hidden_states, eager.hidden_states, atol, eager.request_id)
         else:  # bf16: a different batch shape may flip a near-tie; most tokens agree
             same = sum(a == b for a, b in zip(eager.token_ids, graph.token_ids))
             assert same >= len(eager.token_ids) // 2
@@ -58,4 +62,5 @@ def test_rows_cross_to_host_and_caching_on_off_equal(tiny_llama):
         assert stats["rows_staged_bytes"] > 0
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
-        np.testing.assert_allclose(a.hidden_states, b.hidden_states, atol=1e-4, rtol=1e-4)
+        atol = decoder_atol(b.hidden_states, layers=TINY_ARCHS["llama"], widest_sum=128)
+        assert_rows_close(a.hidden_states, b.hidden_states, atol, a.request_id)  # cached vs recomputed rows

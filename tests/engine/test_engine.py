@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from omni.engine.sampling_params import SamplingParams
 from omni.outputs import StageInput
+from stages.checkpoints import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
+from tests.tolerances import assert_rows_close, decoder_atol
 
 
 def _prompts(vocab: int, lengths, seed=0):
@@ -50,7 +52,10 @@ def test_greedy_matches_transformers_generate(arch, request):
         for p, o in zip(prompts, ours):
             ref_h = model.get_decoder()(torch.tensor([p])).last_hidden_state[0]
             got = torch.from_numpy(o.hidden_states[: len(p)])
-            torch.testing.assert_close(got, ref_h, atol=1e-4, rtol=1e-4)
+            # Our paged attention and batching vs transformers' dense forward: the same sums, ordered
+            # differently; longest sum: the 128-wide intermediate (prompts <= 64 positions).
+            atol = decoder_atol(ref_h.numpy(), layers=TINY_ARCHS[arch], widest_sum=128)
+            assert_rows_close(got.numpy(), ref_h.numpy(), atol, f"prompt of {len(p)}: hidden states")
             # Rows for every computed token: prompt + generated, minus the last sampled one.
             assert o.hidden_states.shape[0] == len(p) + len(o.token_ids) - 1
     assert_no_leak(engine)
@@ -107,13 +112,13 @@ def test_caching_on_off_identical(tiny_llama, shared_prefix_prompts, scenario):
         sequential = False
     on_engine, on = _run_scenario(tiny_llama, shared_prefix_prompts, sequential, caching=True, **kw)
     off_engine, off = _run_scenario(tiny_llama, shared_prefix_prompts, sequential, caching=False, **kw)
-    # fp32 either way; on a GPU the cached and uncached runs tile their matmuls
-    # and attention differently, which reassociates sums (seen: 1.1e-5).
-    tol = 1e-4 if on_engine.model.device.type == "cuda" else 1e-5
+    # fp32 either way; cached and uncached runs compute different row counts per step, so the
+    # kernels block their sums differently (CPU or GPU): the bound for the 4-layer tiny llama whose
+    # longest sum is 128 terms (intermediate 128; at most 45 + 14 + 12 positions attended).
     for a, b in zip(on, off):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.from_numpy(a.hidden_states), torch.from_numpy(b.hidden_states),
-                                   atol=tol, rtol=tol)
+        atol = decoder_atol(b.hidden_states, layers=TINY_ARCHS["llama"], widest_sum=128)
+        assert_rows_close(a.hidden_states, b.hidden_states, atol, f"{a.request_id}: hidden states")
     if scenario == "prefix_hit":
         # Every later request reuses the 45-token prefix: 11 blocks of 4.
         assert [o.num_cached_tokens for o in on[1:]] == [44, 44, 44]

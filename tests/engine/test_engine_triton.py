@@ -2,10 +2,11 @@
 produces the same greedy tokens as with the torch reference."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from stages.checkpoints import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, generate, make_engine
+from tests.tolerances import assert_rows_close, decoder_atol
 
 
 @pytest.mark.slow
@@ -23,4 +24,6 @@ def test_triton_backend_matches_torch_reference(tiny_llama):
         results[backend] = first + again
     for a, b in zip(results["torch"], results["triton"]):
         assert a.token_ids == b.token_ids
-        np.testing.assert_allclose(a.hidden_states, b.hidden_states, atol=1e-4, rtol=1e-4)
+        # Triton vs torch attention inside the 4-layer tiny llama: reordered fp32 sums only.
+        atol = decoder_atol(b.hidden_states, layers=TINY_ARCHS["llama"], widest_sum=128)
+        assert_rows_close(a.hidden_states, b.hidden_states, atol, f"{a.request_id}: hidden states")

@@ -14,6 +14,7 @@ from kernels import dispatch
 from kernels.store_kv import interpreting
 from omni.engine.input_batch import InputBatch
 from tests.kernels.test_reference import make_batch
+from tests.tolerances import attention_atol
 
 # Real Triton kernels need CUDA tensors; under the interpreter everything stays on the CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
@@ -53,7 +54,9 @@ def test_padding_sequences_change_nothing(backend):
 
     plain_out, plain_k, plain_v = run(3, 3)
     pad_out, pad_k, pad_v = run(3, 8)
-    torch.testing.assert_close(pad_out, plain_out, rtol=1e-5, atol=1e-5)
+    # The padded call batches the real sequences with five more (the torch backend groups them into
+    # padded SDPA calls by length), so its sums may be blocked differently: the attention bound.
+    torch.testing.assert_close(pad_out, plain_out, rtol=0, atol=attention_atol(ref, d**-0.5))
     assert torch.equal(pad_k, plain_k) and torch.equal(pad_v, plain_v), "padding wrote into the KV cache"
 
 

@@ -1,10 +1,9 @@
 """omni.engine.memory: cache sizes estimated before allocation, and refused when they cannot fit."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from omni.engine import engine as engine_module
 from omni.engine import memory
 from omni.engine.memory import AvailableMemory, StageGeometry, check_stage_memory, estimate
 from omni.errors import ConfigError
@@ -85,11 +84,11 @@ def test_a_billion_blocks_fail_fast_before_loading(tiny_qwen2, monkeypatch):
         raise AssertionError("the model must not load")
 
     monkeypatch.setattr(CausalLMStage, "load", never)
-    t0 = time.monotonic()
+    # Fast by construction, not by the clock: neither the model nor the block pool may be built.
+    monkeypatch.setattr(engine_module, "KVCacheManager", never)
     with pytest.raises(ConfigError, match=r"stage 'big': cache.num_blocks: 1,000,000,000 blocks of 4 tokens: "
                                           r"they need .* of host memory"):
         make_engine(tiny_qwen2, num_blocks=10**9, name="big")
-    assert time.monotonic() - t0 < 1.0
 
 
 def test_checkpoint_geometry_counts_before_loading(tiny_qwen2, monkeypatch):

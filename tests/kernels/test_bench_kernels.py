@@ -11,6 +11,7 @@ import torch
 
 from kernels.store_kv import interpreting
 from omni.bench import kernels as bench
+from tests.tolerances import attention_bound
 
 
 def _args(*argv):
@@ -55,7 +56,10 @@ def test_measure_logic_on_cpu_interpreter():
                  "--num-kv-heads", "1", "--head-dim", "16", "--block-size", "8", "--dtype", "fp32")
     res = bench.measure(args, device="cpu", bench=_wall_ms, gpu_name="NVIDIA H100 80GB HBM3", copy_bytes=1 << 16)
     json.dumps(res)
-    assert res["decode"]["max_abs_err_vs_sdpa"] < 1e-4 and res["prefill"]["max_abs_err_vs_sdpa"] < 1e-4
+    # fp32 Triton vs SDPA on the bench's seeded randn inputs: head_dim 16, at most 40 keys; with
+    # |q|, |k|, |v| <= 6 (P(|N(0,1)| > 6) ~ 2e-9 per draw), sum|q_i k_i| <= 16 * 36.
+    atol = attention_bound(16, 40, 16 * 36.0, 6.0, 16**-0.5)
+    assert res["decode"]["max_abs_err_vs_sdpa"] <= atol and res["prefill"]["max_abs_err_vs_sdpa"] <= atol
     assert res["decode"]["kv_bytes"] == 2 * 2 * 40 * 1 * 16 * 4
     assert res["decode_bandwidth_fraction"] > 0 and res["prefill_time_vs_sdpa"] > 0
     assert res["peak_bandwidth_gbps"] == 3350.0

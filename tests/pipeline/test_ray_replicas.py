@@ -126,7 +126,7 @@ def test_killing_a_replica_mid_run_loses_no_request(cluster):
         results: dict = {}
         t = threading.Thread(target=lambda: results.update(outs=o.generate(prompts, use_tqdm=False)))
         t.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a condition wait: ends once both replicas run requests
         while time.monotonic() < deadline:
             running = [r.get("running", 0) for r in o.stats()["stages"]["thinker"]["replicas"]]
             if all(running):

@@ -2,7 +2,6 @@
 finished and aborted ids are reused; what cannot fit is refused at once, upstream and downstream."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from omni import Omni, SamplingParams
@@ -41,12 +40,12 @@ def test_what_cannot_fit_is_refused_at_once_upstream_and_downstream():
     sampling = {"thinker": {"max_tokens": 4, "ignore_eos": True}}
     with Omni(CONFIG, stage_overrides=overrides, backend="local") as o:
         assert o.stats()["stages"]["thinker"]["max_model_len"] == 32
-        t0 = time.monotonic()
         outs = o.generate([{"prompt_token_ids": list(range(100, 140))},  # issue 11, item 2: 40 + 4 > 32
                            {"prompt_token_ids": list(range(100, 112))},  # thinker fine; talker 15 + 8 > 20
                            {"prompt_token_ids": [5, 6, 7]}],             # innocent: fits everywhere
                           sampling, use_tqdm=False)
-        assert time.monotonic() - t0 < 30  # refused, not timed out (request_timeout_s is 120)
+        # Refused, not timed out: the errors below name the limit (a timeout would name
+        # runtime.request_timeout_s), whatever this machine's speed.
         assert outs[0].error == (
             "stage 'thinker' failed: invalid request: ValueError: prompt: 40 tokens + max_tokens 4 = 44 exceed "
             "max_model_len 32 of stage 'thinker' (lowered from 256: the KV cache holds 8 blocks of 4 tokens); "

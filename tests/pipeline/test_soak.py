@@ -127,10 +127,10 @@ def run_wave(o: Omni, rng: random.Random, tasks: list[tuple[list[dict], int]], a
     return results
 
 
+@pytest.mark.timeout(600)  # instead of a 240 s wall-clock assertion: ~10x the minute it takes on 2 cores
 def test_soak_ray(ray_cluster):
     ray = ray_cluster
     rng = random.Random(11)
-    t_start = time.monotonic()
     with Omni(CONFIG, backend="ray") as o:
         final = set(o.graph.final_stages)
         # ---- wave 1: fresh ids; the thinker's actor is killed (and restarted: max_restarts 1) midway
@@ -166,9 +166,11 @@ def test_soak_ray(ray_cluster):
             assert err is None or ("was aborted" in err and rid in abort2), (rid, err)
 
         # ---- every request accounted for, nothing left anywhere
+        # How many random-time aborts land before their request finishes depends on the machine's
+        # speed, so no lower bound on it; the count must agree exactly with the driver's books.
         n_aborted = sum("was aborted" in (err or "") for _, err in res1 + res2)
-        assert n_aborted >= ABORTS // 3, n_aborted  # random points: some land after the request finished
         req = o.stats()["requests"]
+        assert req["aborted"] == n_aborted, (req, n_aborted)
         assert req["total"] == WAVE1 + WAVE2 and req["in_flight"] == 0 and req["timed_out"] == 0, req
         assert req["finished"] + req["failed"] + req["aborted"] == req["total"], req
         deadline = time.monotonic() + 30  # aborts reach the actors asynchronously
@@ -192,4 +194,3 @@ def test_soak_ray(ray_cluster):
         for name, actor in o._backend.actors.items():
             free, total, states = ray.get(actor.__ray_call__.remote(integrity), timeout=30)
             assert free == total and states == 0, (name, free, total, states)
-    assert time.monotonic() - t_start < 240

@@ -26,9 +26,10 @@ def test_dir_is_removed_when_the_driver_is_killed():
         time.sleep(1.5)
         assert os.path.isdir(path)  # the driver lives: the dir stays
         os.kill(driver.pid, signal.SIGKILL)
-        # not reaped yet: a zombie counts as dead
-        assert wait_gone(path, 10)
-        watcher.wait(10)
+        # not reaped yet: a zombie counts as dead. The watcher polls every 0.5 s: 60 s (120 polls)
+        # only fails a watcher that never reaps.
+        assert wait_gone(path, 60)
+        watcher.wait(60)
     finally:
         driver.kill()
         driver.wait()

@@ -45,6 +45,7 @@ def test_tiny_pipeline_on_ray(tiny_omni):
     with Omni(TINY, stage_overrides=overrides) as o:
         outs = o.generate([{"prompt": "Hi", "multi_modal_data": {"audio": audio(1)}},
                            {"prompt": "Look", "multi_modal_data": {"image": image(1)}}], use_tqdm=False)
+    assert len(outs) == 2
     for out in outs:
         assert out.error is None
         assert len(out.outputs["thinker"].token_ids) == 3

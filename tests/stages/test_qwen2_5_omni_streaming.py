@@ -3,7 +3,6 @@
 without streaming edges."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 from omni import Omni, StageDelta
 from omni.outputs import StageInput
+from tests.tolerances import SUMS_PER_DECODER_LAYER, reorder_atol
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "qwen2_5_omni_tiny.yaml")
 STREAMED = {
@@ -19,9 +19,15 @@ STREAMED = {
                   "model_kwargs": {"first_chunk_codes": 5, "chunk_codes": 8}},
 }
 PROMPTS = ["Hello there, tell me about the sea.", "What is the capital of France?"]
-# Chunked vs one-shot waveform: measured 139 dB SNR and |diff| < 5e-10 on this checkpoint (windows with
-# one DiT block of context on each side); the bound leaves room for float reassociation only.
-MIN_SNR_DB = 100.0
+# Chunked vs one-shot waveform: windows with one DiT block of context on each side compute the same
+# math on other shapes, so only the blocking of fp32 sums differs (measured: 139 dB SNR). The chain:
+# 36 DiT evaluations (10 Runge-Kutta steps) of 2 layers (SUMS_PER_DECODER_LAYER each, plus the input
+# and output projections), then BigVGAN's ~16 convolutions; the longest sum is a 32-channel, kernel-8
+# convolution (256 terms). WAVE_REL bounds |diff| relative to the waveform's largest sample, so the
+# SNR is at least -20 log10(WAVE_REL), ~33 dB: still above a window without look-ahead (19 dB) or
+# without left context (24 dB), the bugs this comparison is there to catch.
+WAVE_REL = reorder_atol(256, 1.0, depth=36 * (2 * SUMS_PER_DECODER_LAYER + 2) + 16)
+MIN_SNR_DB = -20 * float(np.log10(WAVE_REL))
 
 
 def snr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -73,7 +79,7 @@ def test_streamed_pipeline_matches_the_one_shot_pipeline(one_shot):
             np.testing.assert_array_equal(np.concatenate(audio[rid]), wav)
             assert wav.shape == ref_wav.shape
             assert snr_db(ref_wav, wav) >= MIN_SNR_DB
-            assert np.abs(ref_wav - wav).max() < 1e-6
+            assert np.abs(ref_wav - wav).max() <= WAVE_REL * np.abs(ref_wav).max()
             thinker_text = "".join(d.text for d in deltas[(rid, "thinker")])
             assert thinker_text == finals[(rid, "thinker")].text
         assert_clean(o)
@@ -101,7 +107,9 @@ def test_streaming_caching_on_off_identical_and_turn_two_hits():
             assert_clean(o)
     for on, off in zip(results[True], results[False]):
         assert on["thinker"].token_ids == off["thinker"].token_ids
-        np.testing.assert_allclose(on["token2wav"].audio, off["token2wav"].audio, atol=1e-6)
+        # The talker's codes follow greedily from equal thinker tokens; token2wav gets them in the
+        # same chunks with the same seed either way, so its waveform is bitwise the same.
+        np.testing.assert_array_equal(on["token2wav"].audio, off["token2wav"].audio)
     assert results[True][1]["thinker"].num_cached_tokens > 0
 
 
@@ -127,9 +135,9 @@ def test_a_lost_codec_chunk_fails_naming_the_edge():
     cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"stream_chunk_timeout_s": 1.0})})
     with Omni(cfg, backend="local") as o:
         o._backend.workers["token2wav"].push_chunk = lambda *a: None
-        t0 = time.monotonic()
         [out] = o.generate(["Hello"], use_tqdm=False)
-        assert time.monotonic() - t0 < 20
+        # The message names the chunk timeout (not runtime.request_timeout_s, 300 s here): which one
+        # fired is asserted, not how fast this machine got there.
         assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error, out.error
 
 
