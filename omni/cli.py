@@ -20,6 +20,7 @@ import json
 import signal
 import sys
 import threading
+import wave
 from pathlib import Path
 from typing import Any
 
