@@ -1,7 +1,8 @@
 """The commands the docs show, collected from the docs themselves (so that one added later is found):
 
-- README.md: every line of a fenced block without a language (or sh / bash / shell / console), and
-  every inline code span that starts with a program (`omni ...`, `python ...`, `ray ...`, `make ...`);
+- README.md: every line of a fenced block without a language (or sh / bash / shell / console), every
+  `python` block (a snippet, whole), and every inline code span that starts with a program (`omni ...`,
+  `python ...`, `ray ...`, `make ...`);
 - stage_configs/*.yaml: the header comment's indented usage lines and its inline code spans;
 - examples/*: the module docstring (Python) or the header comment (shell): indented usage lines and
   inline code spans.
@@ -32,10 +33,13 @@ class Doc:
     text: str
     where: str
     env: tuple[tuple[str, str], ...] = field(default=())
+    lang: str = "sh"  # or "python": a README snippet, run as it is
+
 
     @property
     def id(self) -> str:
-        short = self.text if len(self.text) <= 70 else self.text[:67] + "..."
+        text = " ".join(self.text.split())
+        short = text if len(text) <= 70 else text[:67] + "..."
         return f"{self.where} {short}"
 
 
@@ -152,6 +156,8 @@ def from_readme(path: Path = REPO / "README.md") -> list[Doc]:
         if lang in SHELL_LANGS:
             out += [_doc(cmd, f"{path.name}:{n}") for n, cmd in _join(body, indent_continues=True)
                     if program(cmd) is not None]
+        elif lang == "python":
+            out.append(Doc("\n".join(line for _, line in body), f"{path.name}:{start + 1}", lang="python"))
     # prose: inline spans (a span may wrap onto the next line)
     text = "\n".join(line for _, line in prose)
     numbers = [n for n, _ in prose]

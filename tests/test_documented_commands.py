@@ -248,6 +248,12 @@ def plan_build_app(doc: Doc) -> Plan:
     return Plan("run", f"build_app({args})", run=lambda *a: run_build_app(args), key=("build_app", *sorted(args)))
 
 
+def plan_snippet(doc: Doc) -> Plan:
+    server = "127.0.0.1:8000" in doc.text
+    return Plan("run", "a README snippet", run=run_snippet, key=("snippet", doc.text),
+                marks=(pytest.mark.subprocess,) if server else ())
+
+
 # ---- small sizes for the examples
 def _multi_turn_small(args: list[str], tmp: Path) -> list[str]:
     """The SmolLM2 chain (the script's default) -> the tiny chain with room for the example's first
@@ -352,7 +358,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni bench routing$", covered("tests/pipeline/test_replicas.py::test_bench_routing_reports_the_issue_keys")),
     (r"^omni bench serve$", covered("tests/serve/test_bench_serve.py::test_bench_serve_reports_both_modes")),
     # run here
-    (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "2"],
+    (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "1"],
                                             _bench_json_has("omni_tokens_per_s", "hf_generate_tokens_per_s"))),
     (r"^omni bench prefix$", plan_bench(["--model", "builtin:tiny-qwen2", "--doc-tokens", "64", "--num-questions", "2",
                                          "--miss-requests", "2"], _bench_json_has("ttft_cached_ms", "ttft_uncached_ms"))),
@@ -364,6 +370,10 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni serve \S+\.yaml", plan_serve),
     (r"^curl .*http://127\.0\.0\.1:8000/", plan_curl),
     (r"^serve run omni\.serve\.ray_serve:build_app ", plan_build_app),
+    # README's Python snippets, run as they are (a server's address replaced by the test server's)
+    (r"(?s)^from omni import .*\bOmni\(\"stage_configs/tiny_chain\.yaml\", backend=\"local\"\)", plan_snippet),
+    (r"(?s)^async with AsyncOmni\(\"stage_configs/tiny_chain\.yaml\", backend=\"local\"\)", plan_snippet),
+    (r"(?s)^import openai\n.*base_url=\"http://127\.0\.0\.1:8000/v1\"", plan_snippet),
     (r"^python examples/multi_turn\.py\b", plan_example("examples/multi_turn.py", _multi_turn_small, _multi_turn_check)),
     (r"^python examples/offline_pipeline\.py\b",
      plan_example("examples/offline_pipeline.py", _offline_small, _offline_check)),
@@ -374,7 +384,9 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
 
 def normalized(doc: Doc) -> list[str]:
     """What the rules match: the command without its environment, one per `a | b` alternative, the
-    venv's programs by their names, `python -m omni.cli` as `omni`."""
+    venv's programs by their names, `python -m omni.cli` as `omni` (a Python snippet as it is)."""
+    if doc.lang == "python":
+        return [doc.text]
     _, rest = split_env(doc.text)
     rest = re.sub(r"^(\S*/)?\.venv/bin/", "", rest)
     rest = re.sub(r"^python -m omni\.cli ", "omni ", rest)
@@ -382,7 +394,7 @@ def normalized(doc: Doc) -> list[str]:
 
 
 def expand() -> list[tuple[Doc, str]]:
-    return [(Doc(text, d.where, d.env), text) for d in DOCS for text in normalized(d)]
+    return [(Doc(text, d.where, d.env, d.lang), text) for d in DOCS for text in normalized(d)]
 
 
 def plan_for(doc: Doc) -> Plan | None:
@@ -467,6 +479,8 @@ _REPO_PATH = re.compile(r"^(?:\w+=)?((?:stage_configs|examples|omni|stages|kerne
 def test_documented_omni_commands_parse_and_name_existing_paths(tmp_path):
     bad = []
     for doc, _ in expand():
+        if doc.lang != "sh":
+            continue
         plan = plan_for(doc) or Plan("no rule")  # a command without a rule is still parsed
         for variant in ("full", "base"):
             words = _placeholders(words_of(doc, variant), tmp_path)
@@ -540,9 +554,9 @@ def run_omni_run(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
     if "--stream" in argv:
         text_stage = next(n for n, k in finals.items() if k == "text")
         assert f"{text_stage}: " in (cap.err if "--json" in argv else cap.out)
-        # audio that streams (an audio stage fed by a streaming edge) is appended to a WAV as it comes
+        # audio goes to a WAV as it comes (in chunks behind a streaming edge, else whole)
         for name, kind in finals.items():
-            if kind == "audio" and any(isinstance(i, dict) and i.get("stream") for i in stages[name]["inputs"]):
+            if kind == "audio":
                 wav = (out_dir or tmp) / f"0000_{name}.stream.wav"
                 params, frames = _read_wav(wav)
                 assert (params.nchannels, params.sampwidth) == (1, 2) and params.nframes > 0
@@ -626,6 +640,29 @@ def run_build_app(args: dict[str, str]) -> None:
     assert isinstance(build_app(args), Application)
 
 
+def run_snippet(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
+    """A README Python snippet, from the repository root, with omni's public names at hand (the README
+    introduces them in its first snippet). Top-level `async with` / `await` run inside a coroutine, as
+    the README says they are meant to. A model named in the snippet is served by the test server."""
+    import asyncio
+
+    import omni
+
+    monkeypatch.chdir(REPO)
+    code = doc.text
+    if "127.0.0.1:8000" in code:
+        model = re.search(r'model="(\w+)"', code).group(1)
+        server = request.getfixturevalue("servers").get(f"stage_configs/{model}.yaml")
+        code = code.replace("http://127.0.0.1:8000", server.url)
+    namespace: dict[str, Any] = {name: getattr(omni, name) for name in omni.__all__}
+    if re.search(r"^(async |await )", code, re.M):
+        exec("async def __snippet__():\n" + "\n".join("    " + ln for ln in code.splitlines()), namespace)
+        asyncio.run(namespace["__snippet__"]())
+    else:
+        exec(compile(code, doc.where, "exec"), namespace)
+    assert capsys.readouterr().out.strip(), "the snippet printed nothing"
+
+
 # ---- the server and its clients
 @dataclass
 class Served:
@@ -682,7 +719,7 @@ def run_serve(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
     name = yaml.safe_load((REPO / config).read_text())["name"]
     server = request.getfixturevalue("servers").get(config)
     # README: "the server prints `omni serve: NAME on http://HOST:PORT`"; the model name is the pipeline's
-    assert server.line == f"omni serve: {name} on {server.url}", server.line
+    assert re.fullmatch(rf"omni serve: {name} on {re.escape(server.url)}( \(.*\))?", server.line), server.line
     assert _get(server.url + "/health")[0] == 200
     assert [m["id"] for m in _get(server.url + "/v1/models")[1]["data"]] == [name]
 
