@@ -1,7 +1,7 @@
 """The `omni` command.
 
     omni run CONFIG [--prompt P ...] [--prompts-file F] [--output-dir D]
-                    [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json]
+                    [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json] [--stream]
     omni validate CONFIG [--stage-overrides JSON] [--json]
     omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
     omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, token2wav,

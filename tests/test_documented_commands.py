@@ -257,8 +257,9 @@ def plan_snippet(doc: Doc) -> Plan:
 # ---- small sizes for the examples
 def _multi_turn_small(args: list[str], tmp: Path) -> list[str]:
     """The SmolLM2 chain (the script's default) -> the tiny chain with room for the example's first
-    message (~450 tokens: tiny_chain.yaml's max_model_len 256 is what the suite's limit tests rely on)."""
-    args = list(args)
+    message (~450 tokens: tiny_chain.yaml's max_model_len 256 is what the suite's limit tests rely on).
+    Always with `--compare` (the same conversation again, caching off): one run covers both forms."""
+    args = [a for a in args if a != "--compare"] + ["--compare"]
     if "--config" not in args or args[args.index("--config") + 1].endswith("smollm2_chain.yaml"):
         if "--config" in args:
             i = args.index("--config")
@@ -293,10 +294,9 @@ def _bench_json_has(*keys: str) -> Callable[[dict[str, Any]], None]:
 
 
 def _multi_turn_check(out: str, args: list[str]) -> None:
-    assert out.count("[turn 3] thinker:") == (2 if "--compare" in args else 1), out[-3000:]
+    assert out.count("[turn 3] thinker:") == 2, out[-3000:]  # caching on, then off
     assert "Summary (prefix caching on):" in out
-    if "--compare" in args:
-        assert "TTFT per turn (ms): caching on / off" in out
+    assert "TTFT per turn (ms): caching on / off" in out
     # turn 2 resends turn 1: the thinker finds it in its prefix cache
     hit = re.search(r"\[turn 2\] thinker:.*?\n\s+thinker: prompt\s+(\d+) tokens,\s+(\d+) from the prefix cache", out, re.S)
     assert hit and int(hit.group(2)) > 0, out[-3000:]
@@ -500,6 +500,29 @@ def test_documented_omni_commands_parse_and_name_existing_paths(tmp_path):
             except _ParseError as e:
                 bad.append(f"{doc.where}: {doc.text}: {e}")
     assert not bad, "documented commands that omni would refuse:\n  " + "\n  ".join(sorted(set(bad)))
+
+
+def test_the_machinery_catches_what_it_is_for(tmp_path):
+    """A command in a fenced block or an inline span is found; one no rule knows has no plan; a flag omni
+    does not have is refused (the three ways a doc goes wrong without anyone running it)."""
+    from tests.documented import from_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text("Run `omni frobnicate x` or\n\n```\nomni validate stage_configs/tiny_chain.yaml  # ok\n"
+                      "omni run stage_configs/tiny_chain.yaml \\\n    --prompt 'a b'\n```\n")
+    docs = from_readme(readme)
+    assert [(d.where, d.text) for d in docs] == [
+        ("README.md:4", "omni validate stage_configs/tiny_chain.yaml"),
+        ("README.md:5", "omni run stage_configs/tiny_chain.yaml --prompt 'a b'"),
+        ("README.md:1", "omni frobnicate x")]
+    assert [plan_for(d).kind if plan_for(d) else None for d in docs] == ["run", "run", None]
+    with pytest.raises(_ParseError, match="ambiguous option: --omni"):
+        _parse(["bench", "streaming", "--omni"])
+    with pytest.raises(_ParseError, match="unrecognized arguments: --fast"):
+        _parse(["run", "stage_configs/tiny_chain.yaml", "--fast"])
+    assert variants("omni serve C [--port 8000] [--api-key KEY | $K] [--backend ray|local]") == {
+        "full": ["omni", "serve", "C", "--port", "8000", "--api-key", "KEY", "--backend", "ray"],
+        "base": ["omni", "serve", "C"]}
 
 
 # ------------------------------------------------------------------ running them
