@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
-import contextlib
 import importlib
-import io
 import json
 import os
 import re
@@ -214,8 +212,8 @@ def plan_validate(doc: Doc) -> Plan:
 
 def plan_serve(doc: Doc) -> Plan:
     argv = omni_argv(words_of(doc, "base"))  # its options are parse-checked; the server runs as it starts
-    config, overrides = _substitute(argv[1])
-    return Plan("run", f"omni serve {config} --backend local", run=run_serve, key=("serve", config),
+    config, _ = _substitute(argv[1])  # the server gets the substitute's overrides when it starts
+    return Plan("run", f"omni serve {config} --backend local", run=run_serve, key=("serve", argv[1]),
                 marks=(pytest.mark.subprocess,))
 
 
@@ -701,10 +699,11 @@ def servers():
     started: dict[str, Served] = {}
 
     class Lazy(dict):
-        def get(self, config: str) -> Served:  # type: ignore[override]
-            if config not in started:
-                started[config] = _start_server(config)
-            return started[config]
+        def get(self, documented: str) -> Served:  # type: ignore[override]
+            """The server of a documented config (a substitute's: the tiny one with its overrides)."""
+            if documented not in started:
+                started[documented] = _start_server(*_substitute(documented))
+            return started[documented]
 
     try:
         yield Lazy()
@@ -713,14 +712,15 @@ def servers():
             stop_tree(s.proc, grace_s=20, group=False)
 
 
-def _start_server(config: str) -> Served:
+def _start_server(config: str, overrides: dict[str, Any]) -> Served:
     port = free_ports(1)[0]
     log = Path(tempfile.mkstemp(prefix="omni-serve-doc-", suffix=".log")[1])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    extra = ["--stage-overrides", json.dumps(overrides)] if overrides else []
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "omni.cli", "serve", str(REPO / config), "--port", str(port),
-                                 "--backend", "local"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
+                                 "--backend", "local", *extra], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=env, start_new_session=True)
     deadline = time.monotonic() + SERVE_START_TIMEOUT_S
     while True:
         m = re.search(r"^omni serve: .*$", tail(log, 100_000), re.M)
@@ -738,9 +738,9 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def run_serve(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
-    config = plan_for(doc).key[1]
-    name = yaml.safe_load((REPO / config).read_text())["name"]
-    server = request.getfixturevalue("servers").get(config)
+    documented = plan_for(doc).key[1]
+    name = yaml.safe_load((REPO / _substitute(documented)[0]).read_text())["name"]
+    server = request.getfixturevalue("servers").get(documented)
     # README: "the server prints `omni serve: NAME on http://HOST:PORT`"; the model name is the pipeline's
     assert re.fullmatch(rf"omni serve: {name} on {re.escape(server.url)}( \(.*\))?", server.line), server.line
     assert _get(server.url + "/health")[0] == 200
