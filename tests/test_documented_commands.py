@@ -2,7 +2,7 @@
 comments, the examples' usage lines. tests/documented.py collects them from the docs; RULES below say
 how each one runs here (first match wins):
 
-    run      here, on the tiny configs: in this process (`omni.cli.main`, the example's own main) with
+    run      here, on the tiny configs: in this process (`omni.cli.main`, the example run as __main__) with
              tiny configs and small sizes substituted for large ones; `omni serve` as a subprocess (its
              stdout line is the documented behaviour); asserting the documented output
     covered  by an existing test, named by node id (asserted to exist, so the mapping cannot rot)
@@ -179,14 +179,9 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _set_flag(argv: list[str], flag: str, value: str | None, *, keep: bool = True) -> list[str]:
-    """argv with `flag value` (keep: only when the documented command does not set it itself)."""
-    if flag in argv:
-        if keep:
-            return argv
-        i = argv.index(flag)
-        return argv[:i] + ([flag] + ([value] if value is not None else [])) + argv[i + 1 + (value is not None):]
-    return argv + [flag] + ([value] if value is not None else [])
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """argv with `flag value`, unless the documented command sets that flag itself."""
+    return argv if flag in argv else argv + [flag, value]
 
 
 def plan_omni_run(doc: Doc) -> Plan:
@@ -221,7 +216,7 @@ def plan_bench(small: list[str], check: Callable[[dict[str, Any]], None]) -> Cal
     def plan(doc: Doc) -> Plan:
         argv = omni_argv(words_of(doc)) + small
         return Plan("run", "omni " + " ".join(argv), run=lambda *a: run_bench(argv, check, *a),
-                    key=("omni", *argv), marks=(pytest.mark.slow,))
+                    key=("omni", *argv), marks=(pytest.mark.slow, pytest.mark.timeout(600)))
     return plan
 
 
