@@ -1,8 +1,8 @@
-"""A multi-turn chat through a two-stage pipeline, with per-stage prefix caching.
+"""A multi-turn chat through a multi-stage pipeline, with per-stage prefix caching.
 
     python examples/multi_turn.py                      # SmolLM2-135M chain on embedded Ray (`make demo`)
     python examples/multi_turn.py --compare            # run again with prefix caching off, side by side
-    python examples/multi_turn.py --config stage_configs/tiny_chain.yaml --backend local
+    python examples/multi_turn.py --config stage_configs/qwen2_5_omni_tiny.yaml --backend local
 
 Every turn resends the whole conversation. The thinker finds the previous turns'
 blocks in its prefix cache and only computes the new tokens; the talker, fed the
@@ -54,6 +54,10 @@ def per_turn_hit_rate(before: dict[str, Any], after: dict[str, Any]) -> float | 
     return h / q if q else None
 
 
+def _count(n: int | None) -> str:
+    return "   -" if n is None else f"{n:>4}"
+
+
 def converse(omni: Omni, label: str) -> list[dict[str, Any]]:
     # Warm up every stage (first-forward overheads) on an unrelated prompt, so turn 1 is a fair baseline.
     omni.generate([{"prompt": [{"role": "user", "content": "Hi"}]}], use_tqdm=False)
@@ -78,8 +82,9 @@ def converse(omni: Omni, label: str) -> list[dict[str, Any]]:
                    "prompt_tokens": len(out.prompt_token_ids) if out else None,
                    "cached_tokens": out.num_cached_tokens if out else None, "hit_rate": rate}
             rows.append(row)
-            print(f"  {stage:>8}: prompt {row['prompt_tokens']:>4} tokens, "
-                  f"{row['cached_tokens']:>4} from the prefix cache (hit rate "
+            # a stage without a token prompt (token2wav: codec codes in, a waveform out) has no counts
+            print(f"  {stage:>8}: prompt {_count(row['prompt_tokens'])} tokens, "
+                  f"{_count(row['cached_tokens'])} from the prefix cache (hit rate "
                   f"{'-' if rate is None else f'{rate:.0%}'}), TTFT "
                   f"{'-' if ttft is None else f'{ttft * 1000:.1f} ms'}")
         messages.append({"role": "assistant", "content": reply})

@@ -1,7 +1,7 @@
 """The `omni` command.
 
     omni run CONFIG [--prompt P ...] [--prompts-file F] [--output-dir D]
-                    [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json]
+                    [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json] [--stream]
     omni validate CONFIG [--stage-overrides JSON] [--json]
     omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
     omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, token2wav,
@@ -20,6 +20,7 @@ import json
 import signal
 import sys
 import threading
+import wave
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print the results as one JSON object")
     run.add_argument("--stream", action="store_true",
                      help="print each stage's text as it is generated (stderr when --json) and write audio "
-                          "to a WAV file as its chunks arrive (in --output-dir, default the current directory)")
+                          "to a WAV file as its chunks arrive, or once when it comes whole (in --output-dir, default the "
+                          "current directory)")
 
     val = sub.add_parser("validate", help="validate a pipeline config and print its graph")
     _config_args(val)
@@ -234,6 +236,19 @@ def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any, audio
     return [results[r] for r in order]
 
 
+def _append_audio(wavs: dict[tuple[str, str], Any], key: tuple[str, str], path: Path, audio: Any,
+                  rate: int | None) -> None:
+    if key not in wavs:  # opened on the first chunk; the header is completed on close
+        path.parent.mkdir(parents=True, exist_ok=True)
+        w = wave.open(str(path), "wb")
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(int(rate or _DEFAULT_SAMPLE_RATE))
+        wavs[key] = w
+    pcm = (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767).astype("<i2")
+    wavs[key].writeframes(pcm.tobytes())
+
+
 def _on_stream_event(ev: Any, prompts: list[Any], order: list[str], results: dict[str, Any],
                      current: tuple[str, str] | None, wavs: dict[tuple[str, str], Any], out: Any,
                      audio_dir: Path) -> tuple[str, str] | None:
@@ -250,18 +265,15 @@ def _on_stream_event(ev: Any, prompts: list[Any], order: list[str], results: dic
             results[rid].error = ev.error
         else:
             results[rid].outputs[ev.stage] = ev
+            if ev.audio is not None and len(ev.audio) and (rid, ev.stage) not in wavs:
+                # audio that came whole, not in chunks (a stage behind a plain edge, a reply shorter than
+                # one chunk): the same file, written once
+                rate = ev.passthrough.get("sampling_rate", _DEFAULT_SAMPLE_RATE)
+                _append_audio(wavs, (rid, ev.stage), audio_dir / f"{i:04d}_{ev.stage}.stream.wav", ev.audio, rate)
         return current
     if ev.audio is not None and len(ev.audio):
-        key = (rid, ev.stage)
-        if key not in wavs:  # opened on the first chunk; the header is completed on close
-            audio_dir.mkdir(parents=True, exist_ok=True)
-            w = wave.open(str(audio_dir / f"{i:04d}_{ev.stage}.stream.wav"), "wb")
-            w.setnchannels(1)
-            w.setsampwidth(2)
-            w.setframerate(int(ev.sampling_rate or _DEFAULT_SAMPLE_RATE))
-            wavs[key] = w
-        pcm = (np.clip(np.asarray(ev.audio, dtype=np.float32), -1.0, 1.0) * 32767).astype("<i2")
-        wavs[key].writeframes(pcm.tobytes())
+        _append_audio(wavs, (rid, ev.stage), audio_dir / f"{i:04d}_{ev.stage}.stream.wav", ev.audio,
+                      ev.sampling_rate)
     if not ev.text:
         return current
     if len(prompts) == 1:

@@ -59,6 +59,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # Listening from here on: a client that connects as soon as the address line is printed waits in the
+    # backlog until uvicorn accepts, instead of being refused in between.
+    sock.listen(2048)
     return sock
 
 
