@@ -57,14 +57,14 @@ class Omni:
                 raise ConfigError(f"backend: must be 'ray' or 'local', got {backend!r}")
             config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"backend": backend})})
         self.config = config
-        self.graph = StageGraph(config.stages)
+        self.graph = StageGraph.of(config)  # built by load_config, handed on to the backend and orchestrator
         if config.runtime.backend == "local":
             from omni.pipeline.local import LocalBackend
 
             self._backend: Any = LocalBackend(config, self.graph, engine_factory)
         else:
             try:
-                from omni.pipeline.ray_backend import RayBackend
+                from omni.pipeline.ray.client import RayBackend
             except ModuleNotFoundError as e:
                 if e.name != "ray":
                     raise

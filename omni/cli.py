@@ -131,7 +131,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(dumps(cfg.model_dump(mode="json")))
         return 0
-    graph = StageGraph(cfg.stages)
+    graph = StageGraph.of(cfg)
     rt = cfg.runtime
     print(f"pipeline {cfg.name!r}: {len(graph)} stage(s), backend={rt.backend}"
           + (f", ray_address={rt.ray_address}" if rt.ray_address else ""))

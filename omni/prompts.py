@@ -115,7 +115,7 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat
                     stage: str) -> list[int]:
     """A text prompt's token ids as a stage computes them: plain text with the tokenizer's special tokens,
     chat messages (or text under `use_chat_template`) through the chat template with the generation prompt.
-    The stage's engine and the driver's router (omni/pipeline/route_keys.py) both call this, so that the
+    The stage's engine and the driver's router (omni/pipeline/routing/keys.py) both call this, so that the
     block hashes the router computes are the ones the stage caches."""
     if isinstance(prompt, list):
         messages = text_only_messages(prompt, stage)

@@ -9,20 +9,23 @@ earlier replies, a new user message), as a chat client does. Per turn we time:
 
 and report the mean over turns 2+ (turn 1 cannot hit), caching on vs off:
     turn_latency_speedup = mean(latency off) / mean(latency on), likewise first_audio_speedup.
-`stage_s` splits each turn's time between thinker, talker and token2wav.
-The stages run in this process, one engine each, built from the stage config like the runtime does
-(edges plain: this benchmark is about the caches, `omni bench streaming` about streaming).
+`stage_s` splits each turn's time between thinker, talker and token2wav (from the submission to the
+thinker's output, then to the talker's, then to the waveform).
+The YAML pipeline runs through `Omni`, as a user runs it, on the local backend by default (every stage
+in this process, as the numbers in README were taken; --backend ray for one actor per stage), with plain
+edges (this benchmark is about the caches, `omni bench streaming` about streaming) and the talker's
+tokens returned too (final_output: tokens), for its cache hits and the outputs check.
 
 The default is the small random Qwen2.5-Omni (~95 M parameters) and a first message carrying a
 ~1,000-token document next to the image and the audio clip, so that from turn 2 on each stage
 re-reads over 1,000 tokens of conversation: the prefill that prefix caching saves.
 
     omni bench omni [--config stage_configs/qwen2_5_omni_small.yaml] [--turns 4] [--doc-tokens 1000]
+                    [--backend local|ray]
 """
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import numpy as np
@@ -38,6 +41,8 @@ _USER_TURNS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="stage_configs/qwen2_5_omni_small.yaml", help="Qwen2.5-Omni stage config")
+    parser.add_argument("--backend", choices=["local", "ray"], default="local",
+                        help="the pipeline's backend (default: local, every stage in this process)")
     parser.add_argument("--doc-tokens", type=int, default=1000,
                         help="tokens of the document in the first message (0: none)")
     parser.add_argument("--turns", type=int, default=4, help="conversation turns (>= 2)")
@@ -45,92 +50,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--talker-max-tokens", type=int, default=32)
     parser.add_argument("--no-media", action="store_true", help="text-only conversation (no image/audio in turn 1)")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="run each conversation this often on fresh engines; per turn, the fastest run counts")
+                        help="run each conversation this often on fresh pipelines; per turn, the fastest run counts")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _engines(config: str, caching: bool, thinker_max: int, talker_max: int) -> dict[str, Any]:
+_STAGES = ["thinker", "talker", "token2wav"]
+
+
+def _pipeline(args, caching: bool) -> Any:
+    from omni import Omni
     from omni.config import load_config
-    from omni.pipeline.engine_factory import build_engine
 
-    overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": thinker_max}},
-                 "talker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": talker_max},
-                            "inputs": ["thinker"]},
+    overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.thinker_max_tokens}},
+                 "talker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.talker_max_tokens},
+                            "inputs": ["thinker"], "final_output": "tokens"},
                  "token2wav": {"inputs": ["talker"]}}
-    cfg = load_config(config, stage_overrides=overrides)
+    cfg = load_config(args.config, stage_overrides=overrides)
     names = [s.name for s in cfg.stages]
-    if names != ["thinker", "talker", "token2wav"]:
+    if names != _STAGES:
         raise ValueError(f"--config: expected stages thinker, talker, token2wav; got {names}")
-    return {s.name: build_engine(s) for s in cfg.stages}
+    return Omni(cfg, backend=args.backend)
 
 
-def _drain(engine, rid: str) -> Any:
-    while True:
-        for out in engine.step().finished:
-            if out.request_id == rid:
-                if out.error:
-                    raise RuntimeError(f"stage {engine.name}: {out.error}")
-                return out
+def _turn(omni: Any, rid: str, prompt: list[dict], mm: dict[str, Any]) -> dict[str, Any]:
+    from .workloads import stream_timed
 
-
-def _turn(engines: dict[str, Any], rid: str, prompt: list[dict], mm: list) -> dict[str, Any]:
-    from omni.outputs import StageInput
-    from omni.registry import resolve_input_processor
-
-    thinker2talker, talker2wav = resolve_input_processor("thinker2talker"), resolve_input_processor("talker2wav")
-    inp = StageInput(rid, prompt=prompt, mm_inputs=mm)
-    t0 = time.perf_counter()
-    engines["thinker"].add_request(inp)
-    thinker_out = _drain(engines["thinker"], rid)
-    t_talker = time.perf_counter()
-    engines["talker"].add_request(thinker2talker({"thinker": thinker_out}, inp))
-    talker_out = _drain(engines["talker"], rid)
-    t_wav = time.perf_counter()
-    engines["token2wav"].add_request(talker2wav({"talker": talker_out}, inp))
-    wav = _drain(engines["token2wav"], rid)
-    t_end = time.perf_counter()
-    return {"latency": t_end - t0, "first_audio": (t_talker - t0) + talker_out.metrics.get("ttft_s", 0.0),
-            # where the turn's time went (the stages run one after the other here)
-            "stage_s": {"thinker": t_talker - t0, "talker": t_wav - t_talker, "token2wav": t_end - t_wav},
-            "outputs": (thinker_out, talker_out, wav)}
+    [r] = stream_timed(omni, [{"prompt": prompt, "multi_modal_data": mm, "request_id": rid}])
+    if r.error:
+        raise RuntimeError(f"stage {r.error_stage}: {r.error}")
+    t_talker, t_wav, t_end = (r.output_s[s] for s in _STAGES)
+    return {"latency": t_end,
+            # the talker's first codec token: what a streaming vocoder needs to start playing
+            "first_audio": r.first_token_s["talker"],
+            # where the turn's time went (plain edges: the stages run one after the other)
+            "stage_s": {"thinker": t_talker, "talker": t_wav - t_talker, "token2wav": t_end - t_wav},
+            "outputs": tuple(r.outputs[s] for s in _STAGES)}
 
 
 def _conversation(args, caching: bool) -> dict[str, Any]:
-    from omni.outputs import MultiModalInput
+    from omni.registry import resolve_model_path
 
-    engines = _engines(args.config, caching, args.thinker_max_tokens, args.talker_max_tokens)
-    rng = np.random.default_rng(args.seed)
-    mm = [] if args.no_media else [
-        MultiModalInput("image", rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)),
-        MultiModalInput("audio", (0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)]
-    first = [{"type": m.modality} for m in mm]
-    doc = ""
-    if args.doc_tokens:
-        from transformers import AutoTokenizer
+    from .workloads import Conversation
 
-        from .workloads import long_document
+    omni = _pipeline(args, caching)
+    try:
+        rng = np.random.default_rng(args.seed)
+        mm = {} if args.no_media else {
+            "image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
+            "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+        first = [{"type": modality} for modality in mm]
+        doc = ""
+        if args.doc_tokens:
+            from transformers import AutoTokenizer
 
-        doc = long_document(AutoTokenizer.from_pretrained(str(engines["thinker"].config.model_path)),
-                            args.doc_tokens, args.seed) + "\n"
-    messages: list[dict] = []
-    latency, first_audio, stage_s, hits, outputs = [], [], [], [], []
-    for turn in range(args.turns):
-        text = (doc if turn == 0 else "") + _USER_TURNS[turn % len(_USER_TURNS)]
-        content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
-        messages.append({"role": "user", "content": content})
-        res = _turn(engines, f"turn{turn}", messages, mm)
-        t_out, k_out, w_out = res["outputs"]
-        latency.append(res["latency"])
-        first_audio.append(res["first_audio"])
-        stage_s.append({k: round(v, 4) for k, v in res["stage_s"].items()})
-        hits.append({"thinker": t_out.num_cached_tokens, "talker": k_out.num_cached_tokens})
-        outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
-        messages.append({"role": "assistant", "content": t_out.text or ""})
+            from .workloads import long_document
+
+            path = resolve_model_path(omni.config.stage("thinker").model_path)
+            doc = long_document(AutoTokenizer.from_pretrained(str(path)), args.doc_tokens, args.seed) + "\n"
+        conv = Conversation(messages=[])
+        latency, first_audio, stage_s, hits, outputs = [], [], [], [], []
+        for turn in range(args.turns):
+            text = (doc if turn == 0 else "") + _USER_TURNS[turn % len(_USER_TURNS)]
+            content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
+            res = _turn(omni, f"turn{turn}", conv.ask(content), mm)
+            t_out, k_out, w_out = res["outputs"]
+            latency.append(res["latency"])
+            first_audio.append(res["first_audio"])
+            stage_s.append({k: round(v, 4) for k, v in res["stage_s"].items()})
+            hits.append({"thinker": t_out.num_cached_tokens, "talker": k_out.num_cached_tokens})
+            outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
+            conv.answer(t_out.text or "")
+        stages = omni.stats()["stages"]
+    finally:
+        omni.close()
     keys = ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_hit_rate")
-    stats = {name: {k: getattr(e.stats(), k) for k in keys} for name, e in engines.items()}
-    encoder = getattr(engines["thinker"].model, "encoder_stats", None)
+    stats = {name: {k: stages[name].get(k) for k in keys} for name in _STAGES}
+    encoder_keys = ("encoder_runs", "encoder_cache_hits", "encoder_cache_entries")  # the thinker model's counters
+    encoder = {k: stages["thinker"][k] for k in encoder_keys} if "encoder_runs" in stages["thinker"] else None
     return {"turn_latency_s": latency, "first_audio_s": first_audio, "stage_s": stage_s, "cached_tokens": hits,
-            "stats": stats, "encoder": encoder() if encoder else None, "_outputs": outputs}
+            "stats": stats, "encoder": encoder, "_outputs": outputs}
 
 
 def _best_of(args, caching: bool) -> dict[str, Any]:

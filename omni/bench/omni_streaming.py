@@ -20,7 +20,6 @@ same with _c4, and ttfp_per_turn.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import numpy as np
@@ -45,48 +44,38 @@ def _overrides(streaming: bool, caching: bool, audio_codes: int) -> dict[str, An
 
 
 def _run(omni, prompts: list[Any]) -> list[dict[str, float]]:
-    """Submit all prompts at once; per request: ttfp, e2e, audio seconds."""
-    from omni.outputs import StageDelta
+    """Submit all prompts at once; per request: ttfp (the first audio samples: a token2wav delta when
+    streaming, the finished waveform otherwise), e2e, audio seconds."""
+    from .workloads import stream_timed
 
-    t0 = time.perf_counter()
-    rec: dict[str, dict[str, float]] = {}
-    for ev in omni.stream(prompts):
-        r = rec.setdefault(ev.request_id, {})
-        now = time.perf_counter() - t0
-        if isinstance(ev, StageDelta):
-            if ev.audio is not None and len(ev.audio) and "ttfp_s" not in r:
-                r["ttfp_s"] = now
-            continue
-        if ev.error:
-            raise RuntimeError(f"request {ev.request_id} failed at stage {ev.stage}: {ev.error}")
-        if ev.stage == "token2wav":
-            r.setdefault("ttfp_s", now)
-            r["e2e_s"] = now
-            r["audio_s"] = len(ev.audio) / int(ev.passthrough.get("sampling_rate", 24000))
-    out = [rec[k] for k in sorted(rec, key=int)]
-    for r in out:
-        r["rtf"] = r["e2e_s"] / max(r["audio_s"], 1e-9)
+    out = []
+    for r in stream_timed(omni, prompts):
+        if r.error:
+            raise RuntimeError(f"request {r.request_id} failed at stage {r.error_stage}: {r.error}")
+        wav, e2e = r.outputs["token2wav"], r.output_s["token2wav"]
+        audio_s = len(wav.audio) / int(wav.passthrough.get("sampling_rate", 24000))
+        out.append({"ttfp_s": e2e if r.first_audio_s is None else r.first_audio_s, "e2e_s": e2e, "audio_s": audio_s,
+                    "rtf": e2e / max(audio_s, 1e-9)})
     return out
 
 
 def _conversation(omni, tokenizer, args) -> list[float]:
     """TTFP per turn of one conversation (turn 1 carries a long document, an image and audio)."""
-    from .workloads import long_document
+    from .workloads import Conversation, long_document
 
     rng = np.random.default_rng(args.seed)
     mm = {"image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
           "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
     doc = long_document(tokenizer, args.omni_doc_tokens, args.seed)
-    messages: list[dict[str, Any]] = []
+    conv = Conversation(messages=[])
     ttfp = []
     for turn in range(args.omni_turns):
         text = f"{doc}\nPlease describe the picture and the sound, then the table." if turn == 0 else \
             f"Thank you. Tell me more, part {turn}."
         content: Any = [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": text}] if turn == 0 else text
-        messages.append({"role": "user", "content": content})
-        [r] = _run(omni, [{"prompt": list(messages), "multi_modal_data": mm}])
+        [r] = _run(omni, [{"prompt": conv.ask(content), "multi_modal_data": mm}])
         ttfp.append(r["ttfp_s"])
-        messages.append({"role": "assistant", "content": f"Reply {turn}."})
+        conv.answer(f"Reply {turn}.")
     return ttfp
 
 

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .workloads import Conversation, random_ids
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGET_RATIO = 1.15
 
@@ -60,11 +62,6 @@ def _config_path(path: str) -> str:
     if not p.exists() and not p.is_absolute() and (ROOT / p).exists():
         p = ROOT / p
     return str(p)
-
-
-def _random_ids(rng: random.Random, n: int) -> list[int]:
-    # Ids every real vocabulary has; the tokens themselves do not matter for timing.
-    return [rng.randrange(100, 1000) for _ in range(n)]
 
 
 def _sampling(cfg: Any, max_tokens: int | None) -> dict[str, Any] | None:
@@ -121,9 +118,9 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
     sampling = _sampling(cfg, args.max_tokens)
     lo, hi = args.prompt_tokens
     rng = random.Random(args.seed)
-    workloads = [[{"prompt_token_ids": _random_ids(rng, rng.randint(lo, hi))} for _ in range(args.num_requests)]
+    workloads = [[{"prompt_token_ids": random_ids(rng, rng.randint(lo, hi))} for _ in range(args.num_requests)]
                  for _ in range(args.repeats)]
-    warmup = [{"prompt_token_ids": _random_ids(rng, rng.randint(lo, hi))} for _ in range(args.num_requests)]
+    warmup = [{"prompt_token_ids": random_ids(rng, rng.randint(lo, hi))} for _ in range(args.num_requests)]
 
     print(f"backends: {args.num_requests} concurrent requests x {args.repeats} repeats, prompts {lo}-{hi} "
           f"tokens, max_tokens {_stage_max_tokens(cfg, args.max_tokens)}")
@@ -195,9 +192,10 @@ def _stage_ttfts(omni: Any, out: Any, before: dict[str, Any], after: dict[str, A
 
 def _conversation(omni: Any, sampling: Any, rng: random.Random, args: argparse.Namespace,
                   budget: int) -> list[dict[str, Any]]:
-    prompt = _random_ids(rng, args.system_tokens)
+    conv = Conversation(ids=random_ids(rng, args.system_tokens))
     turns = []
     for turn in range(args.turns):
+        prompt = conv.prompt
         before = omni.stats()["stages"]
         [out] = omni.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
         after = omni.stats()["stages"]
@@ -208,10 +206,11 @@ def _conversation(omni: Any, sampling: Any, rng: random.Random, args: argparse.N
                       "cached": {s: so.num_cached_tokens for s, so in out.outputs.items()},
                       "prompt_tokens": len(prompt), "tokens": _tokens([out])[0]})
         reply = entry.token_ids if entry is not None else []
-        nxt = prompt + reply + _random_ids(rng, args.turn_tokens)
-        if len(nxt) > budget:
+        question = random_ids(rng, args.turn_tokens)
+        if len(prompt) + len(reply) + len(question) > budget:
             break
-        prompt = nxt
+        conv.answer(reply)
+        conv.ask(question)
     return turns
 
 
@@ -237,7 +236,7 @@ def bench_ttft(args: argparse.Namespace, cfg: Any, base_overrides: dict[str, Any
         for key, ov in settings.items():
             overrides = _merge(_backend_overrides(args, cfg, base_overrides, args.ttft_backend), ov)
             omnis[key] = Omni(cfg, stage_overrides=overrides, backend=args.ttft_backend)
-            warm = [{"prompt_token_ids": _random_ids(random.Random(-1), args.system_tokens)}]
+            warm = [{"prompt_token_ids": random_ids(random.Random(-1), args.system_tokens)}]
             _check(omnis[key].generate(warm, sampling, use_tqdm=False), f"warm-up (caching {key})")
         for c in range(args.conversations):
             order = ("on", "off") if c % 2 == 0 else ("off", "on")

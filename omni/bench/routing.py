@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .workloads import Conversation, random_ids, stream_timed
+
 ROOT = Path(__file__).resolve().parents[2]
 SETUPS = ("affinity", "round_robin", "single")
 
@@ -49,16 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 1000) for _ in range(n)]
-
-
 def _workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[int]]]]:
     """Each conversation's first prompt, and its questions for turns 2+."""
     rng = random.Random(args.seed)
-    system = _ids(rng, args.system_tokens)
-    first = [system + _ids(rng, args.context_tokens) + _ids(rng, args.turn_tokens) for _ in range(args.conversations)]
-    questions = [[_ids(rng, args.turn_tokens) for _ in range(args.turns - 1)] for _ in range(args.conversations)]
+    system = random_ids(rng, args.system_tokens)
+    first = [system + random_ids(rng, args.context_tokens) + random_ids(rng, args.turn_tokens)
+             for _ in range(args.conversations)]
+    questions = [[random_ids(rng, args.turn_tokens) for _ in range(args.turns - 1)] for _ in range(args.conversations)]
     return first, questions
 
 
@@ -75,28 +74,22 @@ def _cache_counts(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 def _client(omni: Any, c: int, setup: str, prompt: list[int], questions: list[list[int]], sampling: Any,
             entry: str, delay: float, out: list[dict[str, Any]]) -> None:
-    from omni.outputs import StageDelta, StageOutput
-
     time.sleep(delay)
+    conv = Conversation(ids=prompt)
     for turn in range(len(questions) + 1):
-        t0 = time.perf_counter()
-        first, outputs, error = None, {}, None
-        for ev in omni.stream([{"prompt_token_ids": prompt, "request_id": f"{setup}-c{c}-t{turn}"}], sampling):
-            if first is None and isinstance(ev, StageDelta) and ev.stage == entry and ev.token_ids:
-                first = time.perf_counter()
-            elif isinstance(ev, StageOutput):
-                if ev.error:
-                    error = ev.error
-                outputs[ev.stage] = ev
+        prompt = conv.prompt
+        [r] = stream_timed(omni, [{"prompt_token_ids": prompt, "request_id": f"{setup}-c{c}-t{turn}"}], sampling)
+        first, outputs, error = r.first_token_s.get(entry), r.outputs, r.error
         if error or entry not in outputs or first is None:
             raise RuntimeError(f"{setup}: conversation {c} turn {turn + 1} failed: {error or 'no output'}")
-        out.append({"conversation": c, "turn": turn + 1, "ttft_s": first - t0, "e2e_s": time.perf_counter() - t0,
+        out.append({"conversation": c, "turn": turn + 1, "ttft_s": first, "e2e_s": max(r.output_s.values()),
                     "prompt_tokens": len(prompt),
                     "cached": {s: o.num_cached_tokens for s, o in outputs.items()},
                     "engine_ttft_s": {s: o.metrics.get("ttft_s") for s, o in outputs.items()},
                     "tokens": {s: list(o.token_ids) for s, o in outputs.items()}})
         if turn < len(questions):
-            prompt = prompt + list(outputs[entry].token_ids) + questions[turn]
+            conv.answer(outputs[entry].token_ids)
+            conv.ask(questions[turn])
 
 
 def run_setup(args: argparse.Namespace, cfg: Any, setup: str) -> dict[str, Any]:
@@ -112,7 +105,7 @@ def run_setup(args: argparse.Namespace, cfg: Any, setup: str) -> dict[str, Any]:
     with Omni(cfg, stage_overrides=_overrides(args, stages, setup), backend=args.backend) as o:
         up_s = time.perf_counter() - t_start
         rng = random.Random(-1)  # warm-up: every replica runs a request unrelated to the workload
-        warm = [{"prompt_token_ids": _ids(rng, 64)} for _ in range(1 if setup == "single" else args.replicas)]
+        warm = [{"prompt_token_ids": random_ids(rng, 64)} for _ in range(1 if setup == "single" else args.replicas)]
         for w in o.generate(warm, {s: {"max_tokens": 2} for s in stages}, use_tqdm=False):
             if w.error:
                 raise RuntimeError(f"{setup}: warm-up failed: {w.error}")

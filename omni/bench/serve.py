@@ -36,6 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .workloads import Conversation
+
 NOTES = ("I am planning a slow trip along the coast: three nights in the old harbour town, a day on the ferry "
          "to the islands, then a week walking between the hill villages, staying in small guest houses and "
          "eating wherever the fishermen eat. I would like quiet places, good bread and long walks.")
@@ -122,12 +124,11 @@ async def _workload(turn, concurrency: int, turns: int, offset: int) -> tuple[li
     recs: list[dict[str, float]] = []
 
     async def conversation(i: int) -> None:
-        messages = _conversation(offset + i)
+        conv = Conversation(messages=_conversation(offset + i))
         for t in range(turns):
-            messages.append({"role": "user", "content": TURNS[t]})
-            reply, rec = await turn(messages)
+            reply, rec = await turn(conv.ask(TURNS[t]))
             recs.append(rec)
-            messages.append({"role": "assistant", "content": reply})
+            conv.answer(reply)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(conversation(i) for i in range(concurrency)))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 
@@ -69,24 +68,16 @@ def _overrides(args, stream: bool) -> dict[str, Any]:
 
 def _run_batch(omni, prompts: list[str]) -> list[dict[str, Any]]:
     """Submit all prompts at once; per request: first talker token, end, thinker tokens."""
-    from omni.outputs import StageDelta
+    from .workloads import stream_timed
 
-    t0 = time.perf_counter()
-    rec: dict[str, dict[str, Any]] = {}
-    for ev in omni.stream(prompts):
-        r = rec.setdefault(ev.request_id, {})
-        now = time.perf_counter() - t0
-        if isinstance(ev, StageDelta):
-            if ev.stage == "talker" and ev.token_ids and "first_token_s" not in r:
-                r["first_token_s"] = now
-            continue
-        if ev.error:
-            raise RuntimeError(f"request {ev.request_id} failed: {ev.error}")
-        if ev.stage == "thinker":
-            r["thinker_tokens"] = list(ev.token_ids)
-        else:
-            r["e2e_s"] = now
-    return [rec[k] for k in sorted(rec, key=int)]
+    out = []
+    for r in stream_timed(omni, prompts):
+        if r.error:
+            raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+        out.append({"first_token_s": r.first_token_s.get("talker"),
+                    "e2e_s": max((t for s, t in r.output_s.items() if s != "thinker"), default=None),
+                    "thinker_tokens": list(r.outputs["thinker"].token_ids)})
+    return out
 
 
 def _mode(args, stream: bool, batches: dict[int, list[str]]) -> tuple[dict[str, Any], dict[int, list]]:

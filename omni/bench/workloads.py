@@ -1,9 +1,18 @@
-"""Workloads shared by the `omni bench` engine benchmarks (seeded, reproducible)."""
+"""Workloads shared by the `omni bench` benchmarks (seeded, reproducible), and the two loops every
+pipeline benchmark runs the same way:
+
+    random_ids()       token ids for prompts whose content does not matter (pipeline, routing)
+    Conversation       a multi-turn conversation as a chat client holds it: every turn resends the
+                       conversation so far (pipeline, routing, serve, omni, streaming's omni part)
+    stream_timed()     streams prompts through Omni and times what the client sees per request: each
+                       stage's first token, the first audio, each final output (routing, streaming, omni)
+"""
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 NAMES = ["John Doe", "Jane Smith", "Alice Johnson", "Bob Brown", "Carol White", "Dave Green",
          "Emma Black", "Frank Blue", "Grace Yellow", "Henry Violet", "Irene Orange", "Jack Indigo",
@@ -52,3 +61,83 @@ class Timer:
 
     def __exit__(self, *exc):
         self.elapsed = time.perf_counter() - self.t0
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    """`n` token ids every real vocabulary has; the tokens themselves do not matter for timing."""
+    return [rng.randrange(100, 1000) for _ in range(n)]
+
+
+class Conversation:
+    """A multi-turn conversation, as a chat client resends it every turn.
+
+    Token ids (`Conversation(ids=...)`): each turn's prompt is the previous prompt + the reply's token ids
+    + the next question's ids. Chat messages (`Conversation(messages=...)`): the user's turns and the
+    assistant's replies as {"role", "content"} entries."""
+
+    def __init__(self, *, ids: list[int] | None = None, messages: list[dict[str, Any]] | None = None):
+        if (ids is None) == (messages is None):
+            raise ValueError("Conversation: give either ids or messages")
+        self.ids = None if ids is None else list(ids)
+        self.messages = None if messages is None else list(messages)
+
+    @property
+    def prompt(self) -> Any:
+        """What the next turn sends: the conversation so far (a copy)."""
+        return list(self.ids) if self.ids is not None else list(self.messages)
+
+    def ask(self, question: Any) -> Any:
+        """The user's next turn (token ids, or message content); returns the prompt to send."""
+        if self.ids is not None:
+            self.ids += list(question)
+        else:
+            self.messages.append({"role": "user", "content": question})
+        return self.prompt
+
+    def answer(self, reply: Any) -> None:
+        """The reply to the last turn (its token ids, or its text)."""
+        if self.ids is not None:
+            self.ids += list(reply)
+        else:
+            self.messages.append({"role": "assistant", "content": reply})
+
+
+@dataclass(slots=True)
+class TimedRequest:
+    """One streamed request as its client saw it; times in seconds from the submission."""
+
+    request_id: str
+    first_token_s: dict[str, float] = field(default_factory=dict)  # stage -> its first delta with tokens
+    first_audio_s: float | None = None  # the first delta carrying audio samples
+    output_s: dict[str, float] = field(default_factory=dict)  # final stage -> its output
+    outputs: dict[str, Any] = field(default_factory=dict)  # final stage -> its StageOutput
+    error: str | None = None  # the first error (a failed request ends with one)
+    error_stage: str | None = None
+
+
+def _id_order(request_id: str) -> tuple[int, Any]:
+    return (0, int(request_id)) if request_id.isdigit() else (1, request_id)
+
+
+def stream_timed(omni: Any, prompts: list[Any], sampling: Any = None) -> list[TimedRequest]:
+    """Submit `prompts` at once through `omni.stream` and time every request (in request id order)."""
+    from omni.outputs import StageDelta
+
+    t0 = time.perf_counter()
+    recs: dict[str, TimedRequest] = {}
+    for ev in omni.stream(prompts, sampling):
+        now = time.perf_counter() - t0
+        r = recs.get(ev.request_id)
+        if r is None:
+            r = recs[ev.request_id] = TimedRequest(ev.request_id)
+        if isinstance(ev, StageDelta):
+            if ev.token_ids and ev.stage not in r.first_token_s:
+                r.first_token_s[ev.stage] = now
+            if ev.audio is not None and len(ev.audio) and r.first_audio_s is None:
+                r.first_audio_s = now
+            continue
+        if ev.error and r.error is None:
+            r.error, r.error_stage = ev.error, ev.stage
+        r.outputs[ev.stage] = ev
+        r.output_s[ev.stage] = now
+    return [recs[k] for k in sorted(recs, key=_id_order)]

@@ -25,7 +25,7 @@ from omni import registry
 from omni.errors import ConfigError
 
 if TYPE_CHECKING:
-    from omni.config import InputEdge, StageConfig
+    from omni.config import InputEdge, PipelineConfig, StageConfig
 
 
 def _edge_name(edge: "str | InputEdge") -> str:
@@ -34,6 +34,19 @@ def _edge_name(edge: "str | InputEdge") -> str:
 
 class StageGraph:
     """Validated DAG over stage configs. Raises ConfigError naming the offending stage."""
+
+    @classmethod
+    def of(cls, config: "PipelineConfig") -> "StageGraph":
+        """The graph of `config`: built once (load_config builds it) and kept with the config, so that the
+        API, the CLI and the backends share one. Built here for a config made otherwise (PipelineConfig(...))
+        or whose stages were replaced since."""
+        graph = config._graph
+        if not isinstance(graph, cls) or not graph._built_from(config.stages):
+            graph = config._graph = cls(config.stages)
+        return graph
+
+    def _built_from(self, stages: Sequence["StageConfig"]) -> bool:
+        return len(stages) == len(self.stages) and all(self.stages.get(s.name) is s for s in stages)
 
     def __init__(self, stages: Sequence["StageConfig"]):
         if not stages:

@@ -7,13 +7,11 @@ import time
 from typing import Any
 
 from omni.config import PipelineConfig
-from omni.outputs import StageInput
+from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
-from omni.pipeline.orchestrator import StageEvent
 from omni.pipeline.replica_stats import merge_replica_stats
 from omni.pipeline.stage_worker import StageWorker
-from omni.pipeline.streaming import StreamTarget
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +24,8 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, config: PipelineConfig, graph: StageGraph | None = None,
-                 engine_factory: EngineFactory | None = None):
-        self.graph = graph or StageGraph(config.stages)
+    def __init__(self, config: PipelineConfig, graph: StageGraph, engine_factory: EngineFactory | None = None):
+        self.graph = graph
         self.replicas: dict[str, list[StageWorker]] = {}
         self._lock = threading.Lock()  # one thread steps the engines at a time
         try:
@@ -47,11 +44,9 @@ class LocalBackend:
     def workers(self) -> dict[str, StageWorker]:
         return {name: ws[0] for name, ws in self.replicas.items() if ws}
 
-    def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None, sampling: Any,
-               keep_hidden: bool, *, replica: int = 0, stream_to: tuple[StreamTarget, ...] = (),
-               stream_from: str | None = None, stream_out: bool = False) -> None:
-        self.replicas[stage][replica].submit(request, upstream, sampling, keep_hidden, stream_to=stream_to,
-                                             stream_from=stream_from, stream_out=stream_out)
+    def submit(self, sub: Submission) -> None:
+        # In-process the upstream handles are the StageOutputs themselves: the worker takes it as is.
+        self.replicas[sub.stage][sub.replica].submit(sub)
 
     def abort(self, stage: str, request_id: str, replica: int = 0) -> None:
         # Applied at once, so that the engine forgets the id before it can be reused.

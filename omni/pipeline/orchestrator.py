@@ -21,22 +21,14 @@ Request ids are unique among the requests in flight: checked here (and by each
 stage's scheduler); a finished or aborted id may be reused.
 
 Replicas: a stage may run as several replicas (`replicas: N`); every submission picks
-one through the stage's router (routing.py, router.py), and a streaming consumer's
+one through the stage's router (routing/), and a streaming consumer's
 replica is picked together with its producer's, which then pushes its chunks to that
 replica. A replica that dies with requests in flight reports them `replica_lost`: each is
 sent once more to another replica (router.on_replica_failure: retry) or fails with the
 replica's error; a request is answered once either way (events from a replica it moved
 away from are dropped).
 
-A backend implements:
-
-    submit(stage, request, upstream: dict[str, handle] | None, sampling, keep_hidden, *, replica=0,
-           stream_to=(StreamTarget...), stream_from=None | stage, stream_out=False) -> None
-    poll(timeout_s) -> list[StageEvent]     # stages that finished a request (or streamed a delta)
-    abort(stage, request_id, replica=0) -> None
-    stats() -> dict[str, dict]              # per stage (replicas merged, each listed under "replicas")
-    close() -> None
-    replica_states(stage) -> list[str]      # optional: "up" | "restarting" | "dead" per replica
+The backend seam (the Backend protocol, Submission, StageEvent) is backend.py.
 """
 from __future__ import annotations
 
@@ -45,38 +37,15 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput, error_output
+from omni.pipeline.backend import Backend, StageEvent, Submission
 from omni.pipeline.graph import StageGraph
-from omni.pipeline.routing import Lineage, PipelineRouting
+from omni.pipeline.routing.table import Lineage, PipelineRouting
 from omni.pipeline.streaming import StreamTarget, merge_chunks
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StageEvent:
-    """A stage finished (or failed) a request, or reported a delta of a streamed one."""
-
-    stage: str
-    request_id: str
-    summary: StageOutput | None  # error set when the stage failed the request; None for a delta
-    handle: Any = None  # what downstream stages get (backend-specific)
-    delta: StageDelta | None = None
-    replica: int = 0  # which replica of the stage
-    # The replica died or became unreachable with the request in flight: it may be retried elsewhere.
-    replica_lost: bool = False
-
-
-class Backend(Protocol):
-    def submit(self, stage: str, request: StageInput, upstream: dict[str, Any] | None,
-               sampling: Any, keep_hidden: bool, *, replica: int = 0, stream_to: tuple[StreamTarget, ...] = (),
-               stream_from: str | None = None, stream_out: bool = False) -> None: ...
-    def poll(self, timeout_s: float) -> list[StageEvent]: ...
-    def abort(self, stage: str, request_id: str, replica: int = 0) -> None: ...
-    def stats(self) -> dict[str, dict[str, Any]]: ...
-    def close(self) -> None: ...
 
 
 # ------------------------------------------------------------ orchestrator
@@ -148,9 +117,9 @@ class Orchestrator:
         st.submitted.add(stage)
         self._stage_counts[stage]["submitted"] += 1
         try:
-            self.backend.submit(stage, st.request, upstream, st.sampling.get(stage), st.keep_hidden,
-                                replica=replica, stream_to=targets, stream_from=g.streams_from(stage),
-                                stream_out=st.stream)
+            self.backend.submit(Submission(
+                stage, st.request, upstream, sampling=st.sampling.get(stage), keep_hidden=st.keep_hidden,
+                replica=replica, stream_to=targets, stream_from=g.streams_from(stage), stream_out=st.stream))
         except Exception as e:  # noqa: BLE001 - e.g. the backend lost its connection
             logger.exception("submitting request %s to stage %s failed", st.request.request_id, stage)
             st.finished.add(stage)

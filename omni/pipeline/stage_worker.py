@@ -4,13 +4,13 @@ The local backend runs one worker per stage in-process; the Ray backend runs one
 each stage actor. The worker is where an edge's input processor runs: on the
 downstream side, on the upstream outputs it was handed.
 
-    submit()/abort()/push_chunk()
+    submit(Submission)/abort()/push_chunk()
                       only queue (thread-safe: the Ray actor calls them from its event loop)
     tick()            applies the queue to the engine, runs one engine step -> TickResult:
                       the requests that finished [(full output, summary for the driver)], the
                       chunks due on streaming edges, and the caller's deltas
 
-Streaming edges (streaming.py): a request submitted with `stream_from` waits here (not in the
+Streaming edges (streaming.py): a submission with `stream_from` waits here (not in the
 engine) for its first chunk, then grows chunk by chunk; one submitted with `stream_to` yields
 chunks for its consumers as it runs.
 
@@ -32,6 +32,7 @@ from omni.config import StageConfig
 from omni.engine.interface import Engine
 from omni.errors import OmniError
 from omni.outputs import CacheReport, StageDelta, StageInput, StageOutput, error_output
+from omni.pipeline.backend import Submission
 from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,20 @@ def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> 
 
 
 # ------------------------------------------------------------------ worker
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """A chunk of a streamed input, `seq`-th from its upstream stage."""
+
+    request_id: str
+    seq: int
+    chunk: StageDelta
+
+
 @dataclass(slots=True)
 class TickResult:
     finished: list[tuple[StageOutput, StageOutput]] = field(default_factory=list)  # (full, summary)
@@ -99,7 +114,7 @@ class StageWorker:
         self.engine = engine
         self.emit_hidden_states = emit_hidden_states
         self.processor = registry.resolve_input_processor(stage.input_processor) if stage.input_processor else None
-        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._inbox: deque[Submission | _Abort | _Chunk] = deque()
         self._in_flight: dict[str, bool] = {}  # request id -> the caller wants its rows back
         self._ready: list[tuple[StageOutput, StageOutput]] = []
         self.chunk_timeout_s = chunk_timeout_s
@@ -110,19 +125,15 @@ class StageWorker:
         self._stream_out: set[str] = set()  # the caller wants deltas
         self._rows_sent: dict[str, int] = {}  # rows already attached to a caller's deltas
 
-    def submit(self, request: StageInput, upstream: dict[str, StageOutput] | None, sampling: Any,
-               keep_hidden: bool, *, stream_to: tuple[StreamTarget, ...] = (), stream_from: str | None = None,
-               stream_out: bool = False) -> None:
-        """Queue a request. `stream_to`: consumers fed chunk by chunk while it runs; `stream_from`: its
-        input arrives in chunks from that stage (push_chunk); `stream_out`: report deltas to the caller."""
-        self._inbox.append(("add", request, upstream, sampling, keep_hidden, tuple(stream_to), stream_from,
-                            stream_out))
+    def submit(self, sub: Submission) -> None:
+        """Queue a request; its `upstream` holds the upstream stages' StageOutputs themselves."""
+        self._inbox.append(sub)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.append(("abort", request_id))
+        self._inbox.append(_Abort(request_id))
 
     def push_chunk(self, request_id: str, seq: int, chunk: StageDelta) -> None:
-        self._inbox.append(("chunk", request_id, seq, chunk))
+        self._inbox.append(_Chunk(request_id, seq, chunk))
 
     def has_work(self) -> bool:
         return (bool(self._inbox) or bool(self._ready) or self.engine.has_unfinished()
@@ -142,39 +153,38 @@ class StageWorker:
         touched: set[str] = set()
         while self._inbox:
             item = self._inbox.popleft()
-            if item[0] == "abort":
+            if isinstance(item, _Abort):
                 # No output: whoever aborts has already finished the request on its side.
-                rid = item[1]
+                rid = item.request_id
                 self._incoming.pop(rid, None)
                 self._drop_streams(rid)
                 if self._in_flight.pop(rid, None) is not None:
                     self.engine.abort(rid)
                 continue
-            if item[0] == "chunk":
-                inc = self._incoming.get(item[1])
+            if isinstance(item, _Chunk):
+                inc = self._incoming.get(item.request_id)
                 if inc is not None:  # else: aborted or failed meanwhile
-                    inc.receive(item[2], item[3])
-                    touched.add(item[1])
+                    inc.receive(item.seq, item.chunk)
+                    touched.add(item.request_id)
                 continue
-            _, request, upstream, sampling, keep_hidden, stream_to, stream_from, stream_out = item
-            rid = request.request_id
-            if stream_out:
+            sub = item
+            rid = sub.request_id
+            if sub.stream_out:
                 self._stream_out.add(rid)
-            if stream_to:
-                self._outgoing[rid] = Outgoing(self.name, rid, list(stream_to))
-            if stream_from is not None:
-                self._incoming[rid] = Incoming(stream_from, request, sampling, keep_hidden, stream_out,
-                                               self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s)
-                self._in_flight[rid] = keep_hidden
+            if sub.stream_to:
+                self._outgoing[rid] = Outgoing(self.name, rid, list(sub.stream_to))
+            if sub.stream_from is not None:
+                self._incoming[rid] = Incoming(sub, self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s)
+                self._in_flight[rid] = sub.keep_hidden
                 continue
             try:
-                inp = build_stage_input(self.processor, request, upstream, sampling)
+                inp = build_stage_input(self.processor, sub.request, sub.upstream, sub.sampling)
             except Exception as e:  # noqa: BLE001 - a bad request must not take the stage down
                 logger.exception("stage %s: input processor failed for %s", self.name, rid)
                 self._fail(rid, f"input processor {self.stage.input_processor or 'passthrough_tokens'!r} "
                                 f"failed: {type(e).__name__}: {e}")
                 continue
-            self._admit(rid, inp, keep_hidden)
+            self._admit(rid, inp, sub.keep_hidden)
         for rid in touched:
             self._apply_chunks(rid)
 
@@ -199,7 +209,7 @@ class StageWorker:
             return
         name = self.stage.input_processor or "passthrough_tokens"
         try:
-            part = self._chunk_fn(chunk, inc.request, inc.state)
+            part = self._chunk_fn(chunk, inc.sub.request, inc.state)
         except Exception as e:  # noqa: BLE001
             logger.exception("stage %s: input processor failed on a chunk of %s", self.name, rid)
             self._stream_failed(rid, inc, f"input processor {name!r} failed on a chunk from stage "
@@ -213,11 +223,11 @@ class StageWorker:
         if chunk.finished:
             del self._incoming[rid]
         if not inc.started:
-            inp = build_stage_input(None, part, None, inc.sampling)
+            inp = build_stage_input(None, part, None, inc.sub.sampling)
             inp.input_complete = chunk.finished
             inc.started = True
             del self._in_flight[rid]
-            self._admit(rid, inp, inc.keep_hidden)
+            self._admit(rid, inp, inc.sub.keep_hidden)
             return
         if part is None:
             part = StageInput(rid)

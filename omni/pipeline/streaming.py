@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from omni.outputs import StageDelta, StageInput, StageOutput
+from omni.outputs import StageDelta, StageOutput
+
+if TYPE_CHECKING:  # backend.py imports StreamTarget from here
+    from omni.pipeline.backend import Submission
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +121,7 @@ def merge_chunks(a: StageDelta, b: StageDelta) -> StageDelta:
 class Incoming:
     """One downstream request fed over a streaming edge, until its last chunk is applied."""
 
-    upstream: str
-    request: StageInput
-    sampling: Any
-    keep_hidden: bool
-    stream_out: bool
+    sub: "Submission"  # its stream_from names the upstream stage
     timeout_s: float
     deadline: float
     state: dict[str, Any] = field(default_factory=dict)  # the processor's, across chunks
@@ -130,6 +129,11 @@ class Incoming:
     waiting: dict[int, StageDelta] = field(default_factory=dict)  # arrived early (seq > next_seq)
     ready: StageDelta | None = None  # in order, merged, not yet applied
     started: bool = False  # admitted into the engine
+
+    @property
+    def upstream(self) -> str:
+        assert self.sub.stream_from is not None
+        return self.sub.stream_from
 
     def receive(self, seq: int, chunk: StageDelta) -> None:
         if seq < self.next_seq:

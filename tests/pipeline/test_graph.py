@@ -97,3 +97,24 @@ def test_an_edge_reading_hidden_states_needs_an_upstream_that_emits_them():
     with pytest.raises(ConfigError, match="stage 'talker': input_processor: 'hidden_to_embeds' reads the hidden "
                                           "states of stage 'thinker', whose model 'fake_nar' emits none"):
         load_config(data)
+
+
+def test_the_graph_is_built_once_where_the_config_is_loaded():
+    from omni import Omni
+    from omni.config import PipelineConfig
+    from tests.pipeline.test_fake_engine import fake_factory
+
+    cfg = load_config(chain_config())
+    graph = StageGraph.of(cfg)
+    assert StageGraph.of(cfg) is graph  # load_config built it; it is handed on, not rebuilt
+    with Omni(cfg, backend="local", engine_factory=fake_factory) as o:  # a runtime change keeps the stages
+        assert o.graph is graph and o._backend.graph is graph and o._orch.graph is graph
+    # Another config's stages get their own graph; the graph is not part of the data.
+    other = cfg.model_copy(update={"stages": [st.model_copy() for st in cfg.stages]})
+    assert StageGraph.of(other) is not graph and StageGraph.of(other).order == graph.order
+    assert other == cfg == load_config(chain_config())
+    # A config made without load_config is checked when its graph is first asked for.
+    data = chain_config()
+    data["stages"][1]["inputs"] = ["nope"]
+    with pytest.raises(ConfigError, match="stage 'talker': inputs: unknown stage 'nope'"):
+        StageGraph.of(PipelineConfig.model_validate(data))

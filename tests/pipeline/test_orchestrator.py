@@ -339,10 +339,10 @@ def test_backend_submit_failure_fails_only_that_request(chain, monkeypatch):
     worker = chain._backend.workers["talker"]
     original = worker.submit
 
-    def flaky(request, *args, **kwargs):
-        if request.prompt == "boom":
+    def flaky(sub):
+        if sub.request.prompt == "boom":
             raise ConnectionError("lost the stage")
-        return original(request, *args, **kwargs)
+        return original(sub)
 
     monkeypatch.setattr(worker, "submit", flaky)
     outs = chain.generate(["boom", "fine"], use_tqdm=False)

@@ -9,10 +9,11 @@ import pytest
 
 from omni.config import load_config
 from omni.outputs import CacheReport, StageInput, StageOutput, error_output
+from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.graph import StageGraph
-from omni.pipeline.orchestrator import Orchestrator, StageEvent
-from omni.pipeline.route_keys import text_hashes, token_hashes
-from omni.pipeline.router import Router, RouterSettings
+from omni.pipeline.orchestrator import Orchestrator
+from omni.pipeline.routing.keys import text_hashes, token_hashes
+from omni.pipeline.routing.policy import Router, RouterSettings
 from tests.pipeline.test_fake_engine import stage
 
 
@@ -147,9 +148,8 @@ class ScriptedBackend:
     events: list[StageEvent] = field(default_factory=list)
     states: dict[str, list[str]] = field(default_factory=dict)
 
-    def submit(self, stage, request, upstream, sampling, keep_hidden, *, replica=0, stream_to=(), stream_from=None,
-               stream_out=False):
-        self.submits.append(Sub(stage, replica, request.request_id, upstream, tuple(stream_to)))
+    def submit(self, sub: Submission):
+        self.submits.append(Sub(sub.stage, sub.replica, sub.request_id, sub.upstream, sub.stream_to))
 
     def poll(self, timeout_s):
         out, self.events = self.events, []

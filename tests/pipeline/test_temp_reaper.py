@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 import time
 
-from omni.pipeline import temp_reaper
+from omni.pipeline.ray import temp_reaper
 
 
 def wait_gone(path: str, timeout_s: float) -> bool:

@@ -2,7 +2,7 @@
 
     add_request      Lineage: the entry stage's token ids (given, or tokenized in the driver) or the
                      prompt's text
-    submit to S      place(): keys of S from the lineage (route_keys.py) -> S's Router -> a replica;
+    submit to S      place(): keys of S from the lineage (keys.py) -> S's Router -> a replica;
                      the request counts as load there and its prefix as cached there
     S finished R     finished(): the entry stage's real token ids (+ its output) extend the lineage;
                      the hit R obtained vs the one predicted, and R's whole sequence, go into the
@@ -20,8 +20,8 @@ from typing import Any
 
 from omni.outputs import CacheReport, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
-from omni.pipeline.route_keys import DriverTokenizer, RouteKeys, prompt_text, text_hashes, token_hashes
-from omni.pipeline.router import DEFAULT_CAPACITY, Decision, Router, RouterSettings
+from omni.pipeline.routing.keys import DriverTokenizer, RouteKeys, prompt_text, text_hashes, token_hashes
+from omni.pipeline.routing.policy import DEFAULT_CAPACITY, Decision, Router, RouterSettings
 
 
 @dataclass(slots=True)

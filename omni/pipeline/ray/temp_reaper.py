@@ -1,6 +1,6 @@
 """Removes an embedded Ray's temp dir when the driver that made it dies without cleaning up.
 
-`RayBackend.close()` removes the dir itself, and so do Ctrl-C and SIGTERM on the way out.
+`RayBackend.close()` (cluster.release) removes the dir itself, and so do Ctrl-C and SIGTERM on the way out.
 A driver killed with SIGKILL runs no code at all, so a tiny watcher process starts with the
 dir: in its own session (a Ctrl-C to the driver's process group leaves it alone), with the
 stdlib only (`python -I`), it polls the driver's pid and, once the driver is gone and Ray's

@@ -1,0 +1,107 @@
+"""This driver's hold on Ray: connecting to a cluster or starting an embedded one, and letting go.
+
+    init_ray()      RAY_ADDRESS / runtime.ray_address: connect (a cluster, or the one of the Ray job we
+                    run in); otherwise an embedded local Ray in a temp dir of its own, watched by
+                    temp_reaper.py so that it outlives no driver (not even one killed with SIGKILL)
+    release()       kill the stage actors, then shut the embedded Ray down (and remove its temp dir), or,
+                    on a cluster we do not own, wait_dead(): until the actors are really gone
+    schedulable()   what the cluster can give, in the words of a stage's `resources`
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from omni.config import RuntimeConfig, StageConfig
+from omni.pipeline.ray import temp_reaper
+
+logger = logging.getLogger(__name__)
+
+# Getting a ready summary or a stats answer is quick; this only bounds a hung node.
+GET_TIMEOUT_S = 30.0
+
+
+def init_ray(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, str | None, Any]:
+    """Connect to / start Ray. Returns (we initialized it, temp dir to remove on close, its watcher)."""
+    if ray.is_initialized():
+        return False, None, None
+    # ray.init makes SIGTERM exit the driver its own way: keep the application's handler
+    # (the CLI's quiet exit, a server's graceful shutdown).
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    address = runtime.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:  # a cluster, or the cluster of the Ray job we run in
+        ray.init(address=address, namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+        temp_dir, watcher = None, None
+    else:
+        # Embedded local Ray. Ray 2.60 turns token auth on by default; a private
+        # throwaway cluster does not need it.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
+        watcher = temp_reaper.watch(temp_dir)  # removes it if this driver is SIGKILLed
+        # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
+        num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus * s.replicas for s in stages)))
+        ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
+                 namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+    if sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
+    return True, temp_dir, watcher
+
+
+def schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """The resources a stage can ask for (no node ids, no memory byte counts)."""
+    return {k: round(v, 3) for k, v in sorted(resources.items())
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+
+def _actor_name(pipeline: str, stage: StageConfig, replica: int, tag: str) -> str:
+    """`omni.PIPELINE.STAGE.TAG`; with replicas `omni.PIPELINE.STAGE.REPLICA.TAG`."""
+    return f"omni.{pipeline}.{stage.name}.{tag}" if stage.replicas == 1 else f"omni.{pipeline}.{stage.name}.{replica}.{tag}"
+
+
+
+def wait_dead(actors: list[Any], timeout_s: float) -> None:
+    """Probe each killed actor until calls to it fail (the kill has landed)."""
+    deadline = time.monotonic() + timeout_s
+    for actor in actors:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                ray.get(actor.ready.remote(), timeout=min(left, GET_TIMEOUT_S))
+            except GetTimeoutError:
+                continue  # busy in a step; the kill still lands, the deadline bounds us
+            except RayActorError:
+                break  # the kill has landed
+            except RayTaskError:
+                pass  # alive, its ready() raising its start error: the kill has not landed yet
+            time.sleep(0.05)
+        else:
+            logger.warning("stage actor still alive %.0fs after ray.kill", timeout_s)
+
+
+def release(actors: list[Any], owns_ray: bool, temp_dir: str | None, watcher: Any, timeout_s: float) -> None:
+    """Kill the stage actors and let go of Ray: what init_ray() started goes, a cluster stays."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
+    elif ray.is_initialized():
+        # ray.kill only asks the GCS; on a cluster we do not own, wait until
+        # the actors are really gone so their CPUs/GPUs are free when close()
+        # returns (a pipeline reopened right after must be able to place).
+        wait_dead(actors, timeout_s)
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    temp_reaper.stop(watcher)
