@@ -108,7 +108,7 @@ def _error(msg: str, code: int = 2) -> int:
 def _load_checked(config: str, overrides: str | None) -> tuple[Any, str | None]:
     """Load and validate the config, and check its paths where the stages run (raises ConfigError).
     Returns (config, the Ray cluster whose nodes hold the paths, when they were not checked here)."""
-    from omni.config import load_config
+    from omni.config_loader import load_config
     from omni.preflight import check_paths, remote_cluster
 
     cfg = load_config(config, overrides)
@@ -302,7 +302,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except OmniError as e:
         return _error(str(e), 1)
 
-    results = [{"request_id": o.request_id, "prompt": o.prompt, "error": o.error,
+    results = [{"request_id": o.request_id, "prompt": o.prompt, "error": None if o.error is None else str(o.error),
                 "outputs": {s: _stage_record(so) for s, so in o.outputs.items()}} for o in outputs]
     if args.output_dir:
         _write_outputs(args.output_dir, results, outputs)

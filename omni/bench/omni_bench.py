@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engines(config: str, caching: bool, thinker_max: int, talker_max: int) -> dict[str, Any]:
-    from omni.config import load_config
+    from omni.config_loader import load_config
     from omni.pipeline.engine_factory import build_engine
 
     overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": thinker_max}},

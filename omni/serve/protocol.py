@@ -11,6 +11,14 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from omni.errors import FIELD_ERROR
+
+
+def field_error(field: str, text: str) -> PydanticCustomError:
+    """A model validator's error naming its field as data (errors.from_validation_error reads it)."""
+    return PydanticCustomError(FIELD_ERROR, "{field}: {text}", {"field": field, "text": text})
 
 
 class _Strict(BaseModel):
@@ -78,11 +86,11 @@ class ChatMessage(_Strict):
     def _has_content(self) -> "ChatMessage":
         if self.content is None:
             if self.audio is not None:
-                raise ValueError("content: this server keeps no audio by id; send the reply's transcript as "
-                                 "the assistant message's content")
-            raise ValueError("content: required (text or a list of content parts)")
+                raise field_error("content", "this server keeps no audio by id; send the reply's transcript as "
+                                  "the assistant message's content")
+            raise field_error("content", "required (text or a list of content parts)")
         if self.role != "user" and any(p.type != "text" for p in self.content):
-            raise ValueError(f"content: images and audio go in user messages, not in a {self.role} message")
+            raise field_error("content", f"images and audio go in user messages, not in a {self.role} message")
         return self
 
 
@@ -149,7 +157,7 @@ class _Common(_Strict):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_Common":
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise field_error("stream_options", "only allowed when stream is true")
         return self
 
     @property
@@ -174,9 +182,9 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _audio_needs_audio_modality(self) -> "ChatCompletionRequest":
         if self.audio is not None and "audio" not in self.output_modalities:
-            raise ValueError('audio: set modalities to ["text", "audio"] to get audio')
+            raise field_error("audio", 'set modalities to ["text", "audio"] to get audio')
         if self.stream and self.audio is not None and self.audio.format != "pcm16":
-            raise ValueError("audio.format: streamed audio is pcm16 (set audio.format to pcm16)")
+            raise field_error("audio.format", "streamed audio is pcm16 (set audio.format to pcm16)")
         return self
 
     @property

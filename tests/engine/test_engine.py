@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from omni.engine.sampling_params import SamplingParams
+from omni.sampling_params import SamplingParams
 from omni.outputs import StageInput
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omni.config import load_config
+from omni.config_loader import load_config
 from omni.outputs import CacheReport, StageInput, StageOutput, error_output
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator, StageEvent

@@ -31,7 +31,7 @@ def streaming(chunk_tokens=3, caching=True):
 
 
 def with_runtime(overrides, **runtime):
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     cfg = load_config(CONFIG, overrides)
     return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update=runtime)})
@@ -225,7 +225,7 @@ def test_upstream_failure_mid_stream_fails_the_request_naming_the_edge():
     ({"talker": {"inputs": [{"stage": "nope", "stream": True}]}}, "unknown stage 'nope'"),
 ])
 def test_bad_streaming_edges_are_config_errors(change, match):
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIG, stage_overrides=change)

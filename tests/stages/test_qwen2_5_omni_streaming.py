@@ -121,7 +121,7 @@ def test_abort_mid_audio_releases_all_three_stages():
 
 
 def test_a_lost_codec_chunk_fails_naming_the_edge():
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     cfg = load_config(CONFIG, STREAMED)
     cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"stream_chunk_timeout_s": 1.0})})
