@@ -115,7 +115,9 @@ def request_param(field: str | None, stage: str | None, fields: Mapping[str, str
         return None
     if field.startswith("sampling_params."):
         name = field.removeprefix("sampling_params.")
-        return sampling_param(stage, name) if sampling_param is not None and stage is not None else name
+        if sampling_param is not None and stage is not None:
+            return sampling_param(stage, name)
+        return fields.get(name, name)
     if field.startswith("prompt.messages[") and fields.get("prompt") == "messages":
         return field.removeprefix("prompt.")  # chat messages are the request's own
     for key in sorted(fields, key=len, reverse=True):  # the field itself, or what it is part of
