@@ -144,7 +144,7 @@ def test_stream_yields_final_outputs_as_stages_finish(chain):
         by_req.setdefault(ev.request_id, []).append(ev)
     ok, bad = by_req["0"], by_req["1"]
     assert [e.stage for e in ok] == ["thinker", "talker"]  # thinker's text before talker's tokens
-    assert len(bad) == 1 and bad[0].stage == "thinker" and "fake stage error" in bad[0].error
+    assert len(bad) == 1 and bad[0].stage == "thinker" and "fake stage error" in bad[0].error.message
 
 
 def test_stream_close_aborts_the_rest():
