@@ -96,13 +96,15 @@ def from_validation_error(err: ValidationError, tags: frozenset[str] = frozenset
     if e["type"] == "missing":
         return bad_request(f"{param}: required field is missing", param, "missing_required_parameter")
     msg = e["msg"].removeprefix("Value error, ")
+    code = "invalid_value"
     if e["type"] == FIELD_ERROR:  # a model validator naming its field (as data: protocol.field_error)
         field = e["ctx"]["field"]
         param = f"{param}.{field}" if param else field
         msg = e["ctx"]["text"]
+        code = e["ctx"].get("code", code)
     shown = repr(e.get("input"))
     got = f" (got {shown[:60]})" if not isinstance(e.get("input"), (dict, list)) else ""
-    return bad_request(f"{param}: {msg}{got}" if param else msg, param, "invalid_value")
+    return bad_request(f"{param}: {msg}{got}" if param else msg, param, code)
 
 
 # ---------------------------------------------------------------- omni's own

@@ -202,3 +202,76 @@ def test_request_errors_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
         parse(ChatCompletionRequest, json.dumps({"model": "m", **body}).encode())
     assert e.value.status == 400 and e.value.param == param, e.value.body()
+
+
+# ------------------------------------------------- OpenAI fields omni does not implement (issue 23, class 5)
+def _openai_fields(module) -> set[str]:
+    import typing
+
+    return set(typing.get_type_hints(module.CompletionCreateParamsBase)) | {"stream"}
+
+
+def test_every_openai_request_field_is_known():
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+
+    from omni.serve.protocol import CompletionRequest
+
+    assert _openai_fields(chat) <= set(ChatCompletionRequest.model_fields)
+    assert _openai_fields(completion) <= set(CompletionRequest.model_fields)
+
+
+CHAT_MIN = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("extra", [
+    {"logprobs": False}, {"logprobs": None}, {"tool_choice": None}, {"tool_choice": "none"},
+    {"response_format": {"type": "text"}}, {"response_format": None}, {"tools": None}, {"tools": []},
+    {"n": None}, {"n": 1}, {"stream": None}, {"frequency_penalty": 0}, {"presence_penalty": 0.0},
+    {"logit_bias": None}, {"logit_bias": {}}, {"top_logprobs": 0}, {"parallel_tool_calls": True},
+    {"store": False}, {"service_tier": "auto"}, {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"},
+    {"safety_identifier": "u"}, {"user": None}, {"stop": None}, {"seed": None},
+])
+def test_null_or_default_openai_fields_are_accepted(extra):
+    import json
+
+    parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
+
+
+@pytest.mark.parametrize("extra,param,code", [
+    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"logit_bias": {"1": 2}}, "logit_bias", "unsupported_parameter"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+    ({"frequency_penalty": False}, "frequency_penalty", "unsupported_parameter"),  # not JSON's 0
+    ({"store": True}, "store", "unsupported_parameter"),
+    ({"n": 2}, "n", "invalid_value"),
+    ({"logprob": True}, "logprob", "unknown_parameter"),
+])
+def test_openai_fields_asking_for_a_missing_feature_are_refused_by_name(extra, param, code):
+    import json
+
+    with pytest.raises(ApiError) as e:
+        parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.body()
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"logprobs": None}, None), ({"echo": False}, None), ({"best_of": 1}, None), ({"suffix": None}, None),
+    ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+])
+def test_completion_only_openai_fields(extra, param):
+    import json
+
+    from omni.serve.protocol import CompletionRequest
+
+    body = json.dumps({"model": "m", "prompt": "x", **extra}).encode()
+    if param is None:
+        parse(CompletionRequest, body)
+        return
+    with pytest.raises(ApiError) as e:
+        parse(CompletionRequest, body)
+    assert (e.value.param, e.value.code) == (param, "unsupported_parameter")
