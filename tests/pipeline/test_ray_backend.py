@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni, SamplingParams
-from omni.errors import ConfigError, StageStartError
+from omni.errors import ConfigError, RequestAbortedError, RequestTimeoutError, StageError, StageStartError
 from omni.outputs import StageOutput
 from tests.pipeline.test_fake_engine import (chain_config, diamond_config, embeds_ids,
                                              expected_tokens, fake_factory, text_ids)
@@ -144,11 +144,12 @@ def test_timeout_and_abort_on_ray():
         t0 = time.monotonic()
         outs = o.generate(["__hang__", "fine"], use_tqdm=False)
         assert time.monotonic() - t0 < 10
-        assert "timed out after 2s (runtime.request_timeout_s) waiting for stage(s) thinker" in outs[0].error
+        assert isinstance(outs[0].error, RequestTimeoutError) and outs[0].error.limit == 2
+        assert "timed out after 2s (runtime.request_timeout_s) waiting for stage(s) thinker" in outs[0].error.message
         assert outs[1].error is None
         threading.Timer(0.2, o.abort, args=("victim",)).start()
         [aborted] = o.generate([{"prompt": "__hang__", "request_id": "victim"}], use_tqdm=False)
-        assert aborted.error == "request 'victim' was aborted"
+        assert aborted.error == RequestAbortedError("request 'victim' was aborted", request_id="victim")
         deadline = time.monotonic() + 5
         while o.stats()["stages"]["thinker"]["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -167,7 +168,7 @@ def test_finished_and_aborted_ids_are_reused_on_ray(chain):
 
     threading.Thread(target=abort_once_running).start()
     [aborted] = chain.stream([{"prompt": "__hang__", "request_id": "gone"}])
-    assert aborted.error == "request 'gone' was aborted"
+    assert aborted.error == RequestAbortedError("request 'gone' was aborted", request_id="gone")
     [reused] = chain.generate([{"prompt": "z", "request_id": "gone"}], use_tqdm=False)
     assert reused.error is None and reused.outputs["talker"].token_ids
 
@@ -182,7 +183,8 @@ def test_killed_stage_fails_in_flight_requests_and_restarts():
         outs = o.generate(["in flight 1", "in flight 2", "__crash__"], use_tqdm=False)
         assert time.monotonic() - t0 < 60  # detected, not timed out
         for out in outs:
-            assert out.error.startswith("stage 'thinker' failed: the stage's Ray actor died"), out.error
+            assert isinstance(out.error, StageError) and out.error.stage == "thinker", repr(out.error)
+            assert out.error.message.startswith("stage 'thinker' failed: the stage's Ray actor died"), out.error
         # the restarted actor serves the next request
         [nxt] = o.generate(["after the crash"], use_tqdm=False)
         assert nxt.error is None
@@ -206,7 +208,8 @@ def test_ray_kill_of_a_downstream_stage_mid_request():
         t.join(30)
         assert not t.is_alive()
         for out in results["outs"]:
-            assert out.error.startswith("stage 'talker' failed: the stage's Ray actor died"), out.error
+            assert isinstance(out.error, StageError) and out.error.stage == "talker", repr(out.error)
+            assert out.error.message.startswith("stage 'talker' failed: the stage's Ray actor died"), out.error
             assert out.outputs["thinker"].token_ids  # the thinker's part is still reported
         [nxt] = o.generate(["c"], SamplingParams(max_tokens=2), use_tqdm=False)
         assert nxt.error is None
@@ -217,12 +220,12 @@ def test_dead_stage_without_restarts_fails_fast_and_clearly():
     data["stages"][0]["max_restarts"] = 0
     with Omni(data, engine_factory=fake_factory) as o:
         [crashed] = o.generate(["__crash__"], use_tqdm=False)
-        assert "stage 'thinker' failed: the stage's Ray actor died" in crashed.error
+        assert "stage 'thinker' failed: the stage's Ray actor died" in crashed.error.message
         t0 = time.monotonic()
         [later] = o.generate(["hello"], use_tqdm=False)
         assert time.monotonic() - t0 < 10
         assert "stage 'thinker' failed: the stage's Ray actor is dead and will not restart (max_restarts=0)" \
-            in later.error
+            in later.error.message
         assert "error" in o.stats()["stages"]["thinker"]
 
 

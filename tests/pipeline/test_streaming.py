@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from omni import AsyncOmni, Omni, SamplingParams, StageDelta
-from omni.errors import ConfigError
+from omni.errors import ConfigError, StageError
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -190,7 +190,8 @@ def test_a_chunk_that_never_comes_fails_naming_the_edge():
         t0 = time.monotonic()
         [out] = o.generate(["Hello there"], GREEDY, use_tqdm=False)
         assert time.monotonic() - t0 < 10
-        assert "the first chunk on the streaming edge thinker -> talker did not arrive within 1s" in out.error
+        assert isinstance(out.error, StageError) and out.error.stage == "talker", repr(out.error)
+        assert "the first chunk on the streaming edge thinker -> talker did not arrive within 1s" in out.error.message
         assert out.outputs["thinker"].token_ids  # the thinker's part is kept
         del talker.push_chunk
         [ok] = o.generate(["Hello again"], GREEDY, use_tqdm=False)
@@ -212,7 +213,7 @@ def test_upstream_failure_mid_stream_fails_the_request_naming_the_edge():
         thinker.step = failing_step
         [out] = o.generate(["Hello there, tell me something"], SamplingParams(temperature=0.0, max_tokens=12),
                            use_tqdm=False)
-        assert "stage 'thinker' failed" in out.error and "thinker -> talker" in out.error, out.error
+        assert "stage 'thinker' failed" in out.error.message and "thinker -> talker" in out.error.message, out.error
         thinker.step = real_step
         assert_clean(o)
 
@@ -255,7 +256,8 @@ def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference
         t.join(120)
         assert not t.is_alive()
         err = results["out"][0].error
-        assert "stage 'thinker' failed" in err and "thinker -> talker" in err, err
+        assert isinstance(err, StageError) and err.stage == "thinker", repr(err)
+        assert "stage 'thinker' failed" in err.message and "thinker -> talker" in err.message, err
         # The abort reaches the talker's actor asynchronously: its blocks are free within moments.
         deadline = time.monotonic() + 10
         while (stats := o.stats()["stages"]["talker"])["kv_usage"] and time.monotonic() < deadline:

@@ -130,7 +130,7 @@ def test_a_lost_codec_chunk_fails_naming_the_edge():
         t0 = time.monotonic()
         [out] = o.generate(["Hello"], use_tqdm=False)
         assert time.monotonic() - t0 < 20
-        assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error, out.error
+        assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error.message, out.error
 
 
 def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
