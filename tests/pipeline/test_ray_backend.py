@@ -68,7 +68,8 @@ def test_ray_and_local_give_identical_outputs(chain):
     got = summary(chain.generate(prompts, use_tqdm=False))
     # ids restart per Omni instance; compare everything else
     assert [g[1:] for g in got] == [e[1:] for e in expected]
-    assert got[2][1] == "stage 'thinker' failed: fake stage error"
+    # The error crossed from the actor as itself: the same typed error as on the local backend.
+    assert got[2][1] == StageError("stage 'thinker' failed: fake stage error", stage="thinker", request_id="2")
 
 
 def test_ray_and_local_identical_on_a_dag():
@@ -168,7 +169,7 @@ def test_finished_and_aborted_ids_are_reused_on_ray(chain):
 
     threading.Thread(target=abort_once_running).start()
     [aborted] = chain.stream([{"prompt": "__hang__", "request_id": "gone"}])
-    assert aborted.error == RequestAbortedError("request 'gone' was aborted", request_id="gone")
+    assert aborted.error == RequestAbortedError("request 'gone' was aborted", stage="thinker", request_id="gone")
     [reused] = chain.generate([{"prompt": "z", "request_id": "gone"}], use_tqdm=False)
     assert reused.error is None and reused.outputs["talker"].token_ids
 
