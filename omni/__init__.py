@@ -18,12 +18,12 @@ _EXPORTS = {
     "Omni": "omni.api",
     "AsyncOmni": "omni.async_api",
     "StageDelta": "omni.outputs",
-    "SamplingParams": "omni.engine.sampling_params",
+    "SamplingParams": "omni.sampling_params",
     "StageInput": "omni.outputs",
     "StageOutput": "omni.outputs",
     "RequestOutput": "omni.outputs",
     "MultiModalInput": "omni.outputs",
-    "load_config": "omni.config",
+    "load_config": "omni.config_loader",
     "PipelineConfig": "omni.config",
     "StageConfig": "omni.config",
     "OmniError": "omni.errors",
@@ -31,22 +31,29 @@ _EXPORTS = {
     "StageError": "omni.errors",
     "StageStartError": "omni.errors",
     "BackendClosedError": "omni.errors",
+    "RequestError": "omni.errors",
+    "ContextLengthError": "omni.errors",
+    "RequestTimeoutError": "omni.errors",
+    "RequestAbortedError": "omni.errors",
 }
 
 __all__ = [
     "AsyncOmni", "StageDelta", "BackendClosedError", "ConfigError", "MultiModalInput", "Omni", "OmniError", "PipelineConfig",
     "RequestOutput", "SamplingParams", "StageConfig", "StageError", "StageInput", "StageOutput",
-    "StageStartError", "load_config",
+    "StageStartError", "load_config", "RequestError", "ContextLengthError", "RequestTimeoutError",
+    "RequestAbortedError",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from omni.api import Omni
     from omni.async_api import AsyncOmni
-    from omni.config import PipelineConfig, StageConfig, load_config
-    from omni.engine.sampling_params import SamplingParams
-    from omni.errors import BackendClosedError, ConfigError, OmniError, StageError, StageStartError
+    from omni.config import PipelineConfig, StageConfig
+    from omni.config_loader import load_config
+    from omni.errors import (BackendClosedError, ConfigError, ContextLengthError, OmniError, RequestAbortedError,
+                             RequestError, RequestTimeoutError, StageError, StageStartError)
     from omni.outputs import MultiModalInput, RequestOutput, StageDelta, StageInput, StageOutput
+    from omni.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

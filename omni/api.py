@@ -24,9 +24,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from omni.config import PipelineConfig, load_config
-from omni.engine.sampling_params import SamplingParams, resolve_sampling_params
-from omni.errors import BackendClosedError, ConfigError, OmniError
+from omni.config import PipelineConfig
+from omni.config_loader import load_config
+from omni.sampling_params import SamplingParams, resolve_sampling_params
+from omni.errors import BackendClosedError, ConfigError, OmniError, RequestError
 from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
@@ -211,8 +212,9 @@ class Omni:
         names = [s.name for s in self.config.stages]
         if isinstance(sp, (list, tuple)):
             if len(sp) != len(names):
-                raise ValueError(f"sampling_params: a list needs one entry per stage ({len(names)}: "
-                                 f"{', '.join(names)}), got {len(sp)}")
+                raise RequestError(f"sampling_params: a list needs one entry per stage ({len(names)}: "
+                                   f"{', '.join(names)}), got {len(sp)}", field="sampling_params",
+                                   limit=len(names), actual=len(sp))
             return {n: self._stage_params(n, v) for n, v in zip(names, sp) if v is not None}
         if isinstance(sp, Mapping):
             if sp and all(k in self.graph.stages for k in sp):
@@ -221,24 +223,33 @@ class Omni:
                 return {n: self._stage_params(n, dict(sp)) for n in stages}
             bad = [k for k in sp if k not in self.graph.stages and k not in SamplingParams.model_fields]
             if bad:
-                raise ValueError(f"sampling_params: {bad[0]!r} is neither a stage ({', '.join(names)}) nor a "
-                                 f"sampling field ({', '.join(SamplingParams.model_fields)})")
-            raise ValueError(
+                raise RequestError(f"sampling_params: {bad[0]!r} is neither a stage ({', '.join(names)}) nor a "
+                                   f"sampling field ({', '.join(SamplingParams.model_fields)})",
+                                   field=f"sampling_params.{bad[0]}", code="unknown_parameter")
+            raise RequestError(
                 f"sampling_params: mixes stage names ({', '.join(k for k in sp if k in self.graph.stages)}) "
                 f"and sampling fields ({', '.join(k for k in sp if k not in self.graph.stages)}); give either "
-                "{stage: params, ...} or {field: value, ...}, e.g. {'thinker': {'temperature': 0}}")
-        raise ValueError(f"sampling_params: expected a SamplingParams, a list or a dict, got {type(sp).__name__}")
+                "{stage: params, ...} or {field: value, ...}, e.g. {'thinker': {'temperature': 0}}",
+                field="sampling_params")
+        raise RequestError(f"sampling_params: expected a SamplingParams, a list or a dict, got {type(sp).__name__}",
+                           field="sampling_params")
 
     def _stage_params(self, stage: str, v: Any) -> SamplingParams:
         if not isinstance(v, (SamplingParams, Mapping)):
-            raise ValueError(f"sampling_params for stage {stage!r}: expected a SamplingParams or a dict, "
-                             f"got {type(v).__name__}")
+            raise RequestError(f"sampling_params for stage {stage!r}: expected a SamplingParams or a dict, "
+                               f"got {type(v).__name__}", stage=stage, field="sampling_params")
         try:
             return resolve_sampling_params(v, self.graph.stages[stage].sampling)
         except ValidationError as e:
+            errors = e.errors()
             msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}"
-                             for x in e.errors())
-            raise ValueError(f"sampling_params for stage {stage!r}: {msgs}") from None
+                             for x in errors)
+            # The first field at fault (a model validator has no loc: its message names the field).
+            first = errors[0]
+            name = ".".join(map(str, first["loc"])) or first.get("ctx", {}).get("field", "")
+            code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
+            raise RequestError(f"sampling_params for stage {stage!r}: {msgs}", stage=stage,
+                               field=f"sampling_params.{name}", code=code) from None
 
 
 def _as_list(prompts: Any) -> list[Any]:
@@ -246,6 +257,8 @@ def _as_list(prompts: Any) -> list[Any]:
         return [prompts]
     if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
         if prompts and all(isinstance(t, int) for t in prompts):
-            raise ValueError("prompts: a list of ints is ambiguous; pass {'prompt_token_ids': [...]}")
+            raise RequestError("prompts: a list of ints is ambiguous; pass {'prompt_token_ids': [...]}",
+                               field="prompts")
         return list(prompts)
-    raise ValueError(f"prompts: expected a str, a dict, a StageInput or a list of those, got {type(prompts).__name__}")
+    raise RequestError(f"prompts: expected a str, a dict, a StageInput or a list of those, got {type(prompts).__name__}",
+                       field="prompts")

@@ -25,7 +25,7 @@ from typing import Any
 
 from omni.api import Omni
 from omni.config import PipelineConfig
-from omni.errors import BackendClosedError
+from omni.errors import BackendClosedError, RequestAbortedError, RequestError
 from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ class AsyncOmni:
         self._thread.join(timeout=30)
         for rid, w in waiters.items():
             self._orch.abort(rid)
-            out = self._orch.pop_result(rid) or RequestOutput(rid, error="the pipeline was closed")
+            out = self._orch.pop_result(rid) or RequestOutput(rid, error=RequestAbortedError(
+                "the pipeline was closed", request_id=rid, code="shutting_down"))
             self._deliver(w, [], out)
         self._omni.close()
 
@@ -138,12 +139,12 @@ class AsyncOmni:
         if self._closed:
             raise BackendClosedError("this AsyncOmni pipeline is closed")
         if isinstance(prompt, (list, tuple)):
-            raise ValueError("prompt: AsyncOmni takes one prompt per call (a str, a dict or a StageInput); "
-                             "run several calls concurrently for a batch")
+            raise RequestError("prompt: AsyncOmni takes one prompt per call (a str, a dict or a StageInput); "
+                               "run several calls concurrently for a batch", field="prompt")
         inp = self._omni._to_input(0, prompt)
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
-                raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+                raise RequestError(f"request_id: expected a non-empty str, got {request_id!r}", field="request_id")
             inp = dataclasses.replace(inp, request_id=request_id)
         sampling = self._omni._per_stage_sampling(sampling_params)
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue(), stream)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from omni.commands import error, load_checked
 from omni.serve.server import add_arguments as serve_options
 from omni.serve.server import main as serve_main
 
@@ -95,29 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(serve)
     serve_options(serve)
 
+    # The bench's own options follow its name (`omni bench kv --help` is the kv bench's help), so this
+    # parser takes only -h/--help itself: `omni bench --help` lists the benchmarks (cmd_bench).
     bench = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES), add_help=False)
+    bench.add_argument("-h", "--help", action="store_true", dest="bench_help", help="list the benchmarks")
     bench.add_argument("name", nargs="?", help=", ".join(BENCHES))
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
-
-
-def _error(msg: str, code: int = 2) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return code
-
-
-# ------------------------------------------------------------------- validate
-def _load_checked(config: str, overrides: str | None) -> tuple[Any, str | None]:
-    """Load and validate the config, and check its paths where the stages run (raises ConfigError).
-    Returns (config, the Ray cluster whose nodes hold the paths, when they were not checked here)."""
-    from omni.config import load_config
-    from omni.preflight import check_paths, remote_cluster
-
-    cfg = load_config(config, overrides)
-    cluster = remote_cluster(cfg)
-    if cluster is None:
-        check_paths(cfg)
-    return cfg, cluster
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -125,9 +110,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from omni.pipeline.graph import StageGraph
 
     try:
-        cfg, cluster = _load_checked(args.config, args.stage_overrides)
+        cfg, cluster = load_checked(args.config, args.stage_overrides)
     except ConfigError as e:
-        return _error(str(e))
+        return error(str(e))
     if args.json:
         print(dumps(cfg.model_dump(mode="json")))
         return 0
@@ -293,11 +278,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         prompts = _read_prompts(args)
-        cfg, _ = _load_checked(args.config, args.stage_overrides)
+        cfg, _ = load_checked(args.config, args.stage_overrides)
         if args.max_tokens is not None and args.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     except (ConfigError, ValueError) as e:
-        return _error(str(e))
+        return error(str(e))
     sampling = None
     if args.max_tokens is not None:
         sampling = {s.name: {"max_tokens": args.max_tokens} for s in cfg.stages}
@@ -310,11 +295,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 outputs = omni.generate(prompts, sampling, use_tqdm=not args.json)
             stats = omni.stats()
     except ConfigError as e:
-        return _error(str(e))
+        return error(str(e))
     except OmniError as e:
-        return _error(str(e), 1)
+        return error(str(e), 1)
 
-    results = [{"request_id": o.request_id, "prompt": o.prompt, "error": o.error,
+    results = [{"request_id": o.request_id, "prompt": o.prompt, "error": None if o.error is None else str(o.error),
                 "outputs": {s: _stage_record(so) for s, so in o.outputs.items()}} for o in outputs]
     if args.output_dir:
         _write_outputs(args.output_dir, results, outputs)
@@ -346,18 +331,34 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- bench
+def bench_summary(name: str) -> str:
+    """The first line of a benchmark module's docstring, read from its source (nothing is imported: the
+    list must not wait for torch)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"omni.bench.{BENCHES[name]}")
+    if spec is None or spec.origin is None:
+        return "(not available)"
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
+    line = doc.strip().splitlines()[0] if doc.strip() else ""
+    return line.split(": ", 1)[1] if line.startswith("`omni bench") and ": " in line else line
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if not args.name or args.name in ("-h", "--help"):
-        print("usage: omni bench NAME [ARGS ...]\nbenchmarks: " + ", ".join(BENCHES))
-        return 0 if args.name else 2
+    if args.bench_help or not args.name:
+        width = max(map(len, BENCHES))
+        print("usage: omni bench NAME [ARGS ...]   (omni bench NAME --help: that benchmark's options)\n\n"
+              "benchmarks:\n" + "\n".join(f"  {n:<{width}}  {bench_summary(n)}" for n in BENCHES))
+        return 0 if args.bench_help else 2
     if args.name not in BENCHES:
-        return _error(f"unknown benchmark {args.name!r} (choose from: {', '.join(BENCHES)})")
+        return error(f"unknown benchmark {args.name!r} (choose from: {', '.join(BENCHES)})")
     module_name = f"omni.bench.{BENCHES[args.name]}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name == module_name:
-            return _error(f"benchmark {args.name!r} is not available ({module_name} not found)")
+            return error(f"benchmark {args.name!r} is not available ({module_name} not found)")
         raise
     parser = argparse.ArgumentParser(prog=f"omni bench {args.name}", description=module.__doc__)
     module.add_arguments(parser)

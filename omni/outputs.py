@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from omni.errors import OmniError, RequestAbortedError, as_omni_error
+
 
 @dataclass(slots=True)
 class MultiModalInput:
@@ -73,7 +75,7 @@ class StageOutput:
     text: str | None = None
     finished: bool = True
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
+    error: OmniError | None = None  # typed (stage, field, code, numbers): it pickles across Ray as itself
     # Rows for every computed token of the sequence (prompt + generated, the
     # last sampled token excluded: it was never fed through the model):
     # cached rows + fresh rows, in order.
@@ -115,9 +117,15 @@ class StageDelta:
     sampling_rate: int | None = None
 
 
-def error_output(stage: str, request_id: str, error: str, reason: str = "error") -> StageOutput:
-    """The terminal output of a request that failed (reason "error") or was aborted ("abort") at `stage`."""
-    return StageOutput(request_id, stage, finished=True, finish_reason=reason, error=error)
+def error_output(stage: str, request_id: str, error: OmniError | str, reason: str = "error") -> StageOutput:
+    """The terminal output of a request that failed (reason "error") or was aborted ("abort") at `stage`.
+    A text is the stage's own account of what broke: a StageError (a RequestAbortedError for an abort)."""
+    if isinstance(error, str) and reason == "abort":
+        error = RequestAbortedError(error, stage=stage, request_id=request_id)
+    err = as_omni_error(error, stage, request_id)
+    if err.stage is None:
+        err = err.replace(stage=stage)
+    return StageOutput(request_id, stage, finished=True, finish_reason=reason, error=err)
 
 
 @dataclass(slots=True)
@@ -128,7 +136,7 @@ class RequestOutput:
     prompt: Any = None
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     finished: bool = True
-    error: str | None = None
+    error: OmniError | None = None  # why it failed: a RequestError (the caller's), a StageError, a timeout, ...
 
     def _first(self) -> StageOutput | None:
         return next(iter(self.outputs.values()), None)

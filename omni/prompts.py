@@ -9,8 +9,9 @@
      "cache_salt": str, "request_id": str}
     StageInput(...)                                 taken as is (its chat messages are checked)
 
-Every error is a ValueError "WHERE: FIELD: what is wrong", WHERE being `prompts[i]` in the
-Python API and `--prompts-file FILE:LINE` in the CLI. Checks that need a stage (vocabulary,
+Every error is a RequestError (a ValueError) whose `field` is the path inside the prompt
+(`prompt.messages[1].content`, `multi_modal_data.image[0]`) and whose message reads "WHERE: FIELD:
+what is wrong", WHERE being `prompts[i]` in the Python API and `--prompts-file FILE:LINE` in the CLI. Checks that need a stage (vocabulary,
 max_model_len, what a model accepts, media content) happen in the stage, at admission.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from omni.errors import RequestError
 from omni.outputs import MultiModalInput, StageInput
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id")
@@ -28,84 +30,94 @@ MODALITIES = ("image", "audio")
 PART_TYPES = ("text", *MODALITIES)
 
 
+def _bad(where: str, field: str | None, text: str) -> RequestError:
+    """"WHERE: FIELD: text", the field kept as data."""
+    return RequestError(": ".join(x for x in (where, field, text) if x), field=field)
+
+
 def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
-    """One user prompt -> StageInput (a new id from `new_id` when it has none). Raises ValueError."""
+    """One user prompt -> StageInput (a new id from `new_id` when it has none). Raises RequestError."""
     if isinstance(p, StageInput):
         if isinstance(p.prompt, list):
-            check_messages(p.prompt, f"{where}: prompt")
+            check_messages(p.prompt, where)
         return p if p.request_id else dataclasses.replace(p, request_id=new_id())
     if isinstance(p, str):
         return StageInput(new_id(), prompt=p)
     if not isinstance(p, Mapping):
-        raise ValueError(f"{where}: expected a str, a dict or a StageInput, got {type(p).__name__}")
+        raise _bad(where, None, f"expected a str, a dict or a StageInput, got {type(p).__name__}")
     unknown = [k for k in p if k not in PROMPT_KEYS]
     if unknown:
         hint = (" (chat messages go under 'prompt': {'prompt': [{'role': ..., 'content': ...}, ...]})"
                 if {"role", "content"} & set(p) else "")
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(PROMPT_KEYS)}){hint}")
+        raise RequestError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(PROMPT_KEYS)}){hint}",
+                           field=str(unknown[0]), code="unknown_parameter")
     if p.get("prompt") is None and p.get("prompt_token_ids") is None and p.get("prompt_embeds") is None:
-        raise ValueError(f"{where}: needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'")
+        raise RequestError(f"{where}: needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'", field="prompt",
+                           code="missing_required_parameter")
     prompt = p.get("prompt")
     if isinstance(prompt, list):
-        check_messages(prompt, f"{where}: prompt")
+        check_messages(prompt, where)
     elif prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"{where}: prompt: expected text or a list of chat messages, got {type(prompt).__name__}")
+        raise _bad(where, "prompt", f"expected text or a list of chat messages, got {type(prompt).__name__}")
     ids = p.get("prompt_token_ids")
     if ids is not None:
         if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"{where}: prompt_token_ids: expected a list of ints")
+            raise _bad(where, "prompt_token_ids", "expected a list of ints")
         ids = [int(t) for t in ids]
     embeds = p.get("prompt_embeds")
     if embeds is not None:
         try:
             embeds = np.asarray(embeds, dtype=np.float32)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: prompt_embeds: expected a [num_tokens, hidden] array of numbers") from None
+            raise _bad(where, "prompt_embeds", "expected a [num_tokens, hidden] array of numbers") from None
         if embeds.ndim != 2:
-            raise ValueError(f"{where}: prompt_embeds: expected shape [num_tokens, hidden], got {embeds.shape}")
+            raise _bad(where, "prompt_embeds", f"expected shape [num_tokens, hidden], got {embeds.shape}")
     for key in ("request_id", "cache_salt"):
         if p.get(key) is not None and not isinstance(p[key], str):
-            raise ValueError(f"{where}: {key}: expected a str, got {type(p[key]).__name__}")
+            raise _bad(where, key, f"expected a str, got {type(p[key]).__name__}")
     return StageInput(p.get("request_id") or new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
-                      mm_inputs=mm_inputs(p.get("multi_modal_data"), f"{where}: multi_modal_data"),
+                      mm_inputs=mm_inputs(p.get("multi_modal_data"), where),
                       cache_salt=p.get("cache_salt"))
 
 
-def check_messages(messages: Any, where: str) -> None:
-    """Chat messages: a non-empty list of {"role": str, "content": str | [part, ...]}."""
+def check_messages(messages: Any, where: str = "") -> None:
+    """Chat messages: a non-empty list of {"role": str, "content": str | [part, ...]} (RequestError naming
+    `prompt.messages[j]...`; `where` prefixes the message, e.g. `prompts[0]`)."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: expected a non-empty list of chat messages")
+        raise _bad(where, "prompt", "expected a non-empty list of chat messages")
     for j, msg in enumerate(messages):
-        at = f"{where}: messages[{j}]"
+        at = f"prompt.messages[{j}]"
         if not isinstance(msg, Mapping):
-            raise ValueError(f"{at}: expected a dict with 'role' and 'content', got {type(msg).__name__}")
+            raise _bad(where, at, f"expected a dict with 'role' and 'content', got {type(msg).__name__}")
         if not isinstance(msg.get("role"), str) or not msg["role"]:
-            raise ValueError(f"{at}.role: expected a non-empty str (system, user, assistant, ...), "
-                             f"got {msg.get('role')!r}")
+            raise _bad(where, f"{at}.role",
+                       f"expected a non-empty str (system, user, assistant, ...), got {msg.get('role')!r}")
         content = msg.get("content")
         if isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise ValueError(f"{at}.content: expected text or a list of content parts, got {type(content).__name__}")
+            raise _bad(where, f"{at}.content",
+                       f"expected text or a list of content parts, got {type(content).__name__}")
         for k, part in enumerate(content):
             kind = part.get("type", "text") if isinstance(part, Mapping) else None
             if kind not in PART_TYPES:
-                raise ValueError(f"{at}.content[{k}]: expected a dict with 'type' in {PART_TYPES}, got {part!r:.80}")
+                raise _bad(where, f"{at}.content[{k}]", f"expected a dict with 'type' in {PART_TYPES}, got {part!r:.80}")
             if kind == "text" and not isinstance(part.get("text"), str):
-                raise ValueError(f"{at}.content[{k}].text: expected a str, got {type(part.get('text')).__name__}")
+                raise _bad(where, f"{at}.content[{k}].text", f"expected a str, got {type(part.get('text')).__name__}")
 
 
 def text_only_messages(messages: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
     """Messages for a text-only chat template: text parts joined, media parts refused."""
-    check_messages(messages, "prompt")
+    check_messages(messages)
     out = []
     for j, msg in enumerate(messages):
         content = msg.get("content")
         if isinstance(content, list):
             media = [p.get("type") for p in content if p.get("type", "text") != "text"]
             if media:
-                raise ValueError(f"prompt: messages[{j}].content: stage {stage!r} takes text only, got {media[0]!r}")
+                raise RequestError(f"prompt.messages[{j}].content: stage {stage!r} takes text only, got {media[0]!r}",
+                                   field=f"prompt.messages[{j}].content", stage=stage)
             msg = {**msg, "content": "".join(p["text"] for p in content)}
         out.append(msg)
     return out
@@ -126,8 +138,8 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
-        raise ValueError(f"prompt: the chat template of stage {stage!r} cannot render these messages: "
-                         f"{type(e).__name__}: {e}") from None
+        raise RequestError(f"prompt: the chat template of stage {stage!r} cannot render these messages: "
+                           f"{type(e).__name__}: {e}", field="prompt", stage=stage) from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
@@ -139,27 +151,28 @@ def mm_inputs(data: Any, where: str) -> list[MultiModalInput]:
     Structure only (modality, array of numbers, rate); the stage checks the content."""
     if data is None:
         return []
+    field = "multi_modal_data"
     if not isinstance(data, Mapping):
-        raise ValueError(f"{where}: expected a dict like {{'image': array}}, got {type(data).__name__}")
+        raise _bad(where, field, f"expected a dict like {{'image': array}}, got {type(data).__name__}")
     out = []
     for modality, items in data.items():
         if modality not in MODALITIES:
-            raise ValueError(f"{where}: unknown modality {modality!r} (allowed: {', '.join(MODALITIES)})")
+            raise _bad(where, field, f"unknown modality {modality!r} (allowed: {', '.join(MODALITIES)})")
         for k, item in enumerate(items if isinstance(items, list) else [items]):
-            at, rate = f"{where}.{modality}[{k}]", None
+            at, rate = f"{field}.{modality}[{k}]", None
             if isinstance(item, tuple):
                 if modality != "audio" or len(item) != 2:
                     what = "(waveform, sampling_rate)" if modality == "audio" else "an array"
-                    raise ValueError(f"{at}: expected {what}, got a tuple of {len(item)}")
+                    raise _bad(where, at, f"expected {what}, got a tuple of {len(item)}")
                 item, rate = item
                 if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
-                    raise ValueError(f"{at}: sampling_rate: expected an int > 0 (Hz), got {rate!r}")
+                    raise _bad(where, f"{at}.sampling_rate", f"expected an int > 0 (Hz), got {rate!r}")
                 rate = int(rate)
             try:
                 arr = np.asarray(item)
             except ValueError:  # ragged nested lists
                 arr = np.asarray(None)
             if not np.issubdtype(arr.dtype, np.number):
-                raise ValueError(f"{at}: expected an array of numbers, got {type(item).__name__} ({arr.dtype})")
+                raise _bad(where, at, f"expected an array of numbers, got {type(item).__name__} ({arr.dtype})")
             out.append(MultiModalInput(modality, arr, sampling_rate=rate))
     return out

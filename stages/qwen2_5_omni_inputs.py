@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
+from omni.errors import RequestError
 from omni.outputs import MultiModalInput
 from omni.prompts import check_messages
 
@@ -114,7 +115,7 @@ def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
     """HxWxC (uint8 0..255 or float 0..1) -> (pixel_values [patches, C*T*P*P], grid_thw [3])."""
     arr = check_image(image, where)
     if max(arr.shape[:2]) / min(arr.shape[:2]) > 200:
-        raise ValueError(f"{where}: aspect ratio must be < 200, got {arr.shape[0]}x{arr.shape[1]}")
+        raise RequestError(f"{where}: aspect ratio must be < 200, got {arr.shape[0]}x{arr.shape[1]}", field=where)
     if arr.ndim == 2:
         arr = np.repeat(arr[..., None], 3, axis=-1)
     arr = arr[..., :3] if arr.shape[-1] != 1 else np.repeat(arr, 3, axis=-1)
@@ -205,7 +206,7 @@ def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi
     if inp.modality == "audio":
         feats = preprocess_audio(inp.data, inp.sampling_rate, cfg, where)
         return MMItem("audio", mm_hash(inp), audio_num_tokens(feats.shape[1]), feats)
-    raise ValueError(f"{where}: modality must be 'image' or 'audio', got {inp.modality!r}")
+    raise RequestError(f"{where}: modality must be 'image' or 'audio', got {inp.modality!r}", field=where)
 
 
 def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
@@ -226,7 +227,8 @@ def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
                 elif kind == "text":
                     text += item.get("text", "")
                 else:
-                    raise ValueError(f"prompt: content part type must be text, image or audio, got {kind!r}")
+                    raise RequestError(f"prompt: content part type must be text, image or audio, got {kind!r}",
+                                       field="prompt")
             content = text
         parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
@@ -236,7 +238,7 @@ def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
 def messages_for(prompt: str | list[dict[str, Any]], mm_inputs: list[MultiModalInput]) -> list[dict[str, Any]]:
     """A text prompt becomes one user message; media without a placeholder go first in the last user turn."""
     if not isinstance(prompt, str):
-        check_messages(prompt, "prompt")
+        check_messages(prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     text = json.dumps([m.get("content") for m in messages], default=str)
     have = text.count(IMAGE_TOKEN) + text.count(AUDIO_TOKEN) + text.count('"type": "image"') \
@@ -244,7 +246,8 @@ def messages_for(prompt: str | list[dict[str, Any]], mm_inputs: list[MultiModalI
     if mm_inputs and have == 0:
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         if not users:
-            raise ValueError("multi_modal_data: the messages have no user turn to attach the media to")
+            raise RequestError("multi_modal_data: the messages have no user turn to attach the media to",
+                               field="multi_modal_data")
         user = users[-1]
         c = messages[user].get("content", "")
         media = [{"type": m.modality} for m in mm_inputs]
@@ -266,7 +269,8 @@ def expand_placeholders(ids: list[int], items: list[MMItem], image_id: int, audi
             k = used[t]
             if k >= len(queues[t]):
                 kind = "image" if t == image_id else "audio"
-                raise ValueError(f"prompt: more {kind} placeholders than {kind} mm_inputs ({len(queues[t])})")
+                raise RequestError(f"prompt: more {kind} placeholders than {kind} mm_inputs ({len(queues[t])})",
+                                   field="prompt")
             item = queues[t][k]
             item.offset = len(out)
             out.extend([t] * item.num_tokens)
@@ -275,7 +279,8 @@ def expand_placeholders(ids: list[int], items: list[MMItem], image_id: int, audi
             out.append(t)
     for t, kind in ((image_id, "image"), (audio_id, "audio")):
         if used[t] != len(queues[t]):
-            raise ValueError(f"prompt: {len(queues[t])} {kind} mm_inputs but {used[t]} {kind} placeholders")
+            raise RequestError(f"prompt: {len(queues[t])} {kind} mm_inputs but {used[t]} {kind} placeholders",
+                               field="prompt")
     return out
 
 

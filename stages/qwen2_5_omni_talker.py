@@ -40,6 +40,7 @@ from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.output_head import use_column_major_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
+from omni.errors import RequestError
 from omni.outputs import StageInput
 
 from .qwen2_5_omni_inputs import fill_mrope_positions
@@ -58,7 +59,7 @@ def load_speakers(model_path: Path) -> dict[str, dict[str, Any]]:
 def speaker_params(speakers: dict[str, dict[str, Any]], name: str | None) -> dict[str, Any]:
     name = name or DEFAULT_SPEAKER
     if name not in speakers:
-        raise ValueError(f"speaker: {name!r} is not available; choose one of {sorted(speakers)}")
+        raise RequestError(f"speaker: {name!r} is not available; choose one of {sorted(speakers)}", field="speaker")
     return speakers[name]
 
 

@@ -25,6 +25,7 @@ from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.output_head import use_column_major_head
 from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
+from omni.errors import RequestError
 from omni.outputs import StageInput
 
 from .media import media_names
@@ -141,7 +142,8 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
             text = render_chat(messages_for(inp.prompt, inp.mm_inputs), self.preprocess_cfg["system_prompt"])
             ids = list(self.tokenizer(text)["input_ids"])
         else:
-            raise ValueError("prompt: the thinker needs `prompt` (text or chat messages) or `prompt_token_ids`")
+            raise RequestError("prompt: the thinker needs `prompt` (text or chat messages) or `prompt_token_ids`",
+                               field="prompt")
         ids = expand_placeholders(ids, items, self.image_token_id, self.audio_token_id)
         positions, delta = self.rope_index(ids, items)
         feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items), key=lambda f: f.offset)

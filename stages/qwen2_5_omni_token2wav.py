@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from omni.engine.stage_model import OneShotStageModel
+from omni.errors import RequestError
 from omni.outputs import StageInput
 
 from .qwen2_5_omni_dit import dit_sample
@@ -111,12 +112,14 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def codes_of(self, inp: StageInput) -> list[int]:
         codes = [int(t) for t in (inp.prompt_token_ids or [])]
         if not codes:
-            raise ValueError("prompt_token_ids: token2wav needs at least one codec token")
+            raise RequestError("prompt_token_ids: token2wav needs at least one codec token", field="prompt_token_ids")
         bad = [c for c in codes if not 0 <= c < self.num_codes]
         if bad:
-            raise ValueError(f"prompt_token_ids: codec token {bad[0]} is out of range (0..{self.num_codes - 1})")
+            raise RequestError(f"prompt_token_ids: codec token {bad[0]} is out of range (0..{self.num_codes - 1})",
+                               field="prompt_token_ids", limit=self.num_codes, actual=bad[0])
         if len(codes) > self.max_codes:
-            raise ValueError(f"prompt_token_ids: {len(codes)} codec tokens, at most {self.max_codes} allowed")
+            raise RequestError(f"prompt_token_ids: {len(codes)} codec tokens, at most {self.max_codes} allowed",
+                               field="prompt_token_ids")
         return codes
 
     def speaker_inputs(self, speaker: str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,18 +168,20 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def _check_codes(self, codes: list[int], have: int) -> list[int]:
         bad = [c for c in codes if not 0 <= c < self.num_codes]
         if bad:
-            raise ValueError(f"prompt_token_ids: codec token {bad[0]} is out of range (0..{self.num_codes - 1})")
+            raise RequestError(f"prompt_token_ids: codec token {bad[0]} is out of range (0..{self.num_codes - 1})",
+                               field="prompt_token_ids", limit=self.num_codes, actual=bad[0])
         if have + len(codes) > self.max_codes:
-            raise ValueError(f"prompt_token_ids: {have + len(codes)} codec tokens, at most {self.max_codes} allowed")
+            raise RequestError(f"prompt_token_ids: {have + len(codes)} codec tokens, at most {self.max_codes} allowed",
+                               field="prompt_token_ids")
         return codes
 
     def extend_stream(self, state: _WavStream, inp: StageInput, last: bool) -> None:
         if state.complete:
-            raise ValueError("prompt_token_ids: this request's codes are complete")
+            raise RequestError("prompt_token_ids: this request's codes are complete", field="prompt_token_ids")
         state.codes += self._check_codes([int(t) for t in (inp.prompt_token_ids or [])], len(state.codes))
         state.complete = last
         if last and not state.codes:
-            raise ValueError("prompt_token_ids: token2wav needs at least one codec token")
+            raise RequestError("prompt_token_ids: token2wav needs at least one codec token", field="prompt_token_ids")
 
     def _next_end(self, state: _WavStream) -> int | None:
         """End (exclusive) of the next chunk of codes, or None while it cannot be made yet."""

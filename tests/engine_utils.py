@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from omni.engine.engine import StageEngine, StageEngineConfig
-from omni.engine.sampling_params import SamplingParams
+from omni.sampling_params import SamplingParams
 from omni.engine.scheduler import SchedulerSettings
 from omni.outputs import StageInput, StageOutput
 from stages.causal_lm import CausalLMStage

@@ -4,9 +4,9 @@ Every row asserts the error type, that the message names the field, a bound on t
 fail, and that a good request on a shared, already loaded pipeline afterwards succeeds with no
 KV block in use (`check_integrity()` holds, every block is free, no request state is left).
 
-A bad request either raises at the edge (`generate` raises the ValueError before anything is
-queued) or fails alone in its stage at admission (its `RequestOutput.error` reports the
-ValueError; a good request in the same batch is unaffected).
+A bad request either raises at the edge (`generate` raises a RequestError, a ValueError, before
+anything is queued) or fails alone in its stage at admission (its `RequestOutput.error` is the
+typed RequestError, naming the stage and the field; a good request in the same batch is unaffected).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from omni import Omni, SamplingParams
-from omni.errors import ConfigError, StageStartError
+from omni.errors import ConfigError, RequestError, StageStartError
 from omni.outputs import StageOutput
 from tests.engine_utils import assert_no_leak
 
@@ -181,30 +181,30 @@ REQUEST_ROWS = [
     RequestRow("nothing", {"cache_salt": "s"}, ("prompts[0]: needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'",)),
     RequestRow("prompt_int", {"prompt": 5}, ("prompts[0]: prompt: expected text",)),
     RequestRow("messages_empty", {"prompt": []}, ("prompts[0]: prompt: expected a non-empty list of chat messages",)),
-    RequestRow("message_not_dict", {"prompt": ["hi"]}, ("prompts[0]: prompt: messages[0]: expected a dict",)),
-    RequestRow("message_no_role", {"prompt": [{"content": "hi"}]}, ("prompt: messages[0].role",)),
-    RequestRow("message_no_content", {"prompt": [{"role": "user"}]}, ("prompt: messages[0].content",)),
+    RequestRow("message_not_dict", {"prompt": ["hi"]}, ("prompts[0]: prompt.messages[0]: expected a dict",)),
+    RequestRow("message_no_role", {"prompt": [{"content": "hi"}]}, ("prompt.messages[0].role",)),
+    RequestRow("message_no_content", {"prompt": [{"role": "user"}]}, ("prompt.messages[0].content",)),
     RequestRow("message_content_int", {"prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": 3}]},
-               ("prompt: messages[1].content: expected text or a list of content parts, got int",)),
+               ("prompt.messages[1].content: expected text or a list of content parts, got int",)),
     RequestRow("content_part_unknown", {"prompt": [{"role": "user", "content": [{"type": "video"}]}]},
-               ("prompt: messages[0].content[0]: expected a dict with 'type' in",)),
+               ("prompt.messages[0].content[0]: expected a dict with 'type' in",)),
     RequestRow("content_part_text_int", {"prompt": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-               ("prompt: messages[0].content[0].text: expected a str",)),
+               ("prompt.messages[0].content[0].text: expected a str",)),
     RequestRow("ids_not_list", {"prompt_token_ids": "12"}, ("prompts[0]: prompt_token_ids: expected a list of ints",)),
     RequestRow("ids_floats", {"prompt_token_ids": [1.5]}, ("prompt_token_ids: expected a list of ints",)),
     RequestRow("ids_bools", {"prompt_token_ids": [True]}, ("prompt_token_ids: expected a list of ints",)),
-    RequestRow("ids_negative", {"prompt_token_ids": [5, -1]}, ("ValueError: prompt_token_ids: token id -1",), False),
-    RequestRow("ids_out_of_vocab", {"prompt_token_ids": [10**9]}, ("ValueError: prompt_token_ids: token id 1000000000",
+    RequestRow("ids_negative", {"prompt_token_ids": [5, -1]}, ("prompt_token_ids: token id -1",), False),
+    RequestRow("ids_out_of_vocab", {"prompt_token_ids": [10**9]}, ("prompt_token_ids: token id 1000000000",
                                                                    "out of vocabulary"), False),
-    RequestRow("ids_empty", {"prompt_token_ids": []}, ("ValueError: prompt: the prompt is empty",), False),
-    RequestRow("text_empty", {"prompt": ""}, ("ValueError: prompt: the prompt is empty",), False),
-    RequestRow("too_long", {"prompt_token_ids": [5] * 300}, ("ValueError: prompt: 300 tokens + max_tokens 3",
+    RequestRow("ids_empty", {"prompt_token_ids": []}, ("prompt: the prompt is empty",), False),
+    RequestRow("text_empty", {"prompt": ""}, ("prompt: the prompt is empty",), False),
+    RequestRow("too_long", {"prompt_token_ids": [5] * 300}, ("prompt: 300 tokens + max_tokens 3",
                                                               "exceed max_model_len 256 of stage 'thinker'"), False),
     RequestRow("embeds_1d", {"prompt_embeds": [0.1, 0.2]}, ("prompts[0]: prompt_embeds: expected shape",)),
     RequestRow("embeds_strings", {"prompt_embeds": [["a"]]}, ("prompts[0]: prompt_embeds: expected a [num_tokens",)),
-    RequestRow("embeds_width", {"prompt_embeds": embeds(3, width=7)}, ("ValueError: prompt_embeds: expected shape (3, 64)",),
+    RequestRow("embeds_width", {"prompt_embeds": embeds(3, width=7)}, ("prompt_embeds: expected shape (3, 64)",),
                False),
-    RequestRow("embeds_nan", {"prompt_embeds": NAN_EMBEDS}, ("ValueError: prompt_embeds: contains NaN",), False),
+    RequestRow("embeds_nan", {"prompt_embeds": NAN_EMBEDS}, ("prompt_embeds: contains NaN",), False),
     RequestRow("request_id_int", {"prompt": "hi", "request_id": 5}, ("prompts[0]: request_id: expected a str",)),
     RequestRow("cache_salt_int", {"prompt": "hi", "cache_salt": 5}, ("prompts[0]: cache_salt: expected a str",)),
     RequestRow("duplicate_running_id", [{"prompt": "a", "request_id": "dup"}, {"prompt": "b", "request_id": "dup"}],
@@ -213,9 +213,9 @@ REQUEST_ROWS = [
     RequestRow("mm_video", {"prompt": "hi", "multi_modal_data": {"video": IMAGE}},
                ("prompts[0]: multi_modal_data: unknown modality 'video'",)),
     RequestRow("image_to_text_stage", {"prompt": "hi", "multi_modal_data": {"image": IMAGE}},
-               ("ValueError: multi_modal_data: stage 'thinker' takes no image inputs",), False),
+               ("multi_modal_data: stage 'thinker' takes no image inputs",), False),
     RequestRow("image_part_to_text_stage", {"prompt": [{"role": "user", "content": [{"type": "image"}]}]},
-               ("ValueError: prompt: messages[0].content: stage 'thinker' takes text only",), False),
+               ("prompt.messages[0].content: stage 'thinker' takes text only",), False),
     RequestRow("sampling_mixed", "hi", ("sampling_params: mixes stage names (thinker)", "sampling fields (temperature)"),
                sampling={"thinker": {"max_tokens": 2}, "temperature": 0}),
     RequestRow("sampling_unknown", "hi", ("sampling_params: 'nope' is neither a stage",), sampling={"nope": 1}),
@@ -232,7 +232,7 @@ REQUEST_ROWS = [
 ]
 
 
-def fail_alone(o: Omni, bad: dict[str, Any], good: Any, sampling: Any) -> tuple[str, float]:
+def fail_alone(o: Omni, bad: dict[str, Any], good: Any, sampling: Any) -> tuple[Any, float]:
     """Stream `bad` (with `good` in the same batch unless None): (bad's error, seconds until it came)."""
     prompts = [{**bad, "request_id": "bad"}]
     if good is not None:
@@ -249,18 +249,21 @@ def fail_alone(o: Omni, bad: dict[str, Any], good: Any, sampling: Any) -> tuple[
     if good is not None:  # served as if the bad one were not there
         assert all(ev.error is None for ev in events["good"]), [ev.error for ev in events["good"]]
         assert sorted(ev.stage for ev in events["good"]) == sorted(o.graph.final_stages)
-    return failed.error or "", took
+    return failed.error, took
 
 
 def check_request_row(o: Omni, row: RequestRow, good: Any, good_sampling: Any = GOOD, in_batch: bool = True) -> None:
     if row.raises:
         t0 = time.monotonic()
-        with pytest.raises(ValueError) as ei:
+        with pytest.raises(RequestError) as ei:
             o.generate(row.prompt, good_sampling if row.sampling is None else row.sampling, use_tqdm=False)
-        msg, took = str(ei.value), time.monotonic() - t0
+        err, took = ei.value, time.monotonic() - t0
     else:  # fails alone in its stage, at admission (with a good request in the same batch: it is served)
-        msg, took = fail_alone(o, row.prompt, good if in_batch else None, good_sampling)
-        assert "invalid request: ValueError: " in msg, msg
+        err, took = fail_alone(o, row.prompt, good if in_batch else None, good_sampling)
+        # Typed: the caller's fault, the stage that refused it and the field at fault (not just words).
+        assert isinstance(err, RequestError), repr(err)
+        assert err.stage in o.graph.stages and err.field is not None and err.request_id == "bad", repr(err)
+    msg = str(err)
     assert all(n in msg for n in row.names), msg
     assert took < (EDGE_S if row.raises else ADMIT_S), f"took {took:.1f}s"
     assert_serves_and_holds_nothing(o, good, good_sampling)
@@ -296,7 +299,7 @@ def with_media(**media: Any) -> dict[str, Any]:
 
 MEDIA_ROWS = [
     RequestRow("image_0x0", with_media(image=img(0, 0, 3)),
-               ("ValueError: multi_modal_data.image[0]: the image is empty (0x0 pixels)",), False),
+               ("multi_modal_data.image[0]: the image is empty (0x0 pixels)",), False),
     RequestRow("image_0_wide", with_media(image=img(0, 5)), ("multi_modal_data.image[0]: the image is empty",), False),
     RequestRow("image_1d", with_media(image=img(28)), ("multi_modal_data.image[0]: expected an HxW or HxWxC",), False),
     RequestRow("image_5_channels", with_media(image=img(28, 28, 5)), ("multi_modal_data.image[0]: expected an HxW",
@@ -318,9 +321,9 @@ MEDIA_ROWS = [
     RequestRow("audio_3_tuple", with_media(audio=(wave(), 16000, "extra")),
                ("prompts[0]: multi_modal_data.audio[0]: expected (waveform, sampling_rate), got a tuple of 3",)),
     RequestRow("audio_rate_str", with_media(audio=(wave(), "16k")),
-               ("multi_modal_data.audio[0]: sampling_rate: expected an int > 0",)),
+               ("multi_modal_data.audio[0].sampling_rate: expected an int > 0",)),
     RequestRow("audio_rate_wrong", with_media(audio=(wave(), 8000)),
-               ("ValueError: multi_modal_data.audio[0]: sampling_rate must be 16000 Hz, got 8000",), False),
+               ("multi_modal_data.audio[0]: sampling_rate must be 16000 Hz, got 8000",), False),
     RequestRow("audio_2d", with_media(audio=np.zeros((2, 16000), dtype=np.float32)),
                ("multi_modal_data.audio[0]: expected a mono 1-D waveform",), False),
     RequestRow("audio_nan", with_media(audio=wave(value=np.nan)), ("multi_modal_data.audio[0]: holds NaN or inf",), False),
@@ -329,14 +332,14 @@ MEDIA_ROWS = [
     RequestRow("audio_empty", with_media(audio=wave(0)), ("multi_modal_data.audio[0]: 0 samples",), False),
     RequestRow("placeholders", {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
                                 "multi_modal_data": {"image": img(28, 28, 3)}},
-               ("ValueError: prompt: more image placeholders than image mm_inputs",), False),
+               ("prompt: more image placeholders than image mm_inputs",), False),
     RequestRow("media_without_user_turn", {"prompt": [{"role": "system", "content": "be brief"}],
                                            "multi_modal_data": {"image": img(28, 28, 3)}},
                ("multi_modal_data: the messages have no user turn",), False),
     RequestRow("message_no_role_omni", {"prompt": [{"content": [{"type": "image"}]}],
                                         "multi_modal_data": {"image": img(28, 28, 3)}},
-               ("prompts[0]: prompt: messages[0].role",)),
-    RequestRow("thinker_ids_out_of_vocab", {"prompt_token_ids": [10**9]}, ("ValueError: prompt_token_ids: token id",),
+               ("prompts[0]: prompt.messages[0].role",)),
+    RequestRow("thinker_ids_out_of_vocab", {"prompt_token_ids": [10**9]}, ("prompt_token_ids: token id",),
                False),
 ]
 
@@ -346,3 +349,15 @@ def test_bad_media(row: RequestRow, omni):
     # The media rows share the chain rows' same-batch check (the same admission path); a whole
     # Qwen2.5-Omni request (thinker, talker, token2wav) afterwards proves the pipeline serves.
     check_request_row(omni, row, with_media(image=img(28, 28, 3), audio=(wave(), 16000)), OMNI_GOOD, in_batch=False)
+
+
+def test_out_of_vocabulary_stop_token_ids_are_refused_with_the_numbers(chain):
+    """Issue 23, class 6: every token id in a request is checked against the stage's vocabulary."""
+    vocab = stage_engines(chain)["thinker"].model.vocab_size
+    [out] = chain.generate(["Hello"], {"thinker": {"stop_token_ids": [1, vocab], "max_tokens": 3}}, use_tqdm=False)
+    err = out.error
+    assert isinstance(err, RequestError), repr(err)
+    assert (err.stage, err.field, err.code, err.limit, err.actual) == (
+        "thinker", "sampling_params.stop_token_ids", "invalid_value", vocab, vocab)
+    assert f"token id {vocab} is out of vocabulary" in err.message
+    assert_serves_and_holds_nothing(chain, "Hello")

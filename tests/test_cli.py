@@ -153,7 +153,25 @@ def test_bench_errors(monkeypatch, capsys):
     assert cli.main(["bench", "ghost"]) == 2
     assert "benchmark 'ghost' is not available" in capsys.readouterr().err
     assert cli.main(["bench"]) == 2
-    assert "benchmarks: kv, kernels" in capsys.readouterr().out
+    assert "benchmarks:\n  kv " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_lists_every_benchmark_with_one_line(flag, capsys):
+    assert cli.main(["bench", flag]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.split("benchmarks:\n", 1)[1].strip().splitlines()]
+    assert listed == list(cli.BENCHES)
+    assert "  kv            micro-benchmarks of the prefix-cached KV cache manager." in out
+    assert "(not available)" not in out
+
+
+@pytest.mark.parametrize("argv", [[], ["run"], ["validate"], ["serve"], ["bench", "kv"]])
+def test_help_works_everywhere(argv, capsys):
+    with pytest.raises(SystemExit) as e:  # argparse's help exits 0
+        cli.main([*argv, "--help"])
+    assert e.value.code == 0
+    assert "usage: omni" in capsys.readouterr().out
 
 
 def test_json_encoder_handles_numpy():

@@ -48,7 +48,7 @@ def one_line_error(capsys) -> str:
     ("[1, 2]", "expected a JSON string or object, got list"),
     ("{}", "needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'"),
     ('{"prompt_token_ids": "12"}', "prompt_token_ids: expected a list of ints"),
-    ('{"prompt": [{"role": "user"}]}', "prompt: messages[0].content: expected text or a list of content parts"),
+    ('{"prompt": [{"role": "user"}]}', "prompt.messages[0].content: expected text or a list of content parts"),
     ('{"prompt": [{"role": "user", "content": [{"type": "video"}]}]}', "messages[0].content[0]: expected a dict"),
     ('{"prompt": "x", "multi_modal_data": {"audio": [[[0.1], 16000, 1]]}}', "multi_modal_data.audio[0]"),
     ('{"prompt": "x", "request_id": 7}', "request_id: expected a str, got int"),

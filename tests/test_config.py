@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from omni.config import PipelineConfig, load_config, parse_stage_overrides
-from omni.engine.sampling_params import SamplingParams
+from omni.config import PipelineConfig
+from omni.config_loader import load_config, parse_stage_overrides
+from omni.sampling_params import SamplingParams
 from omni.errors import ConfigError, OmniError
 from tests.pipeline.test_fake_engine import chain_config, diamond_config, stage
 

@@ -59,7 +59,7 @@ _STAGES = ["thinker", "talker", "token2wav"]
 
 def _pipeline(args, caching: bool) -> Any:
     from omni import Omni
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.thinker_max_tokens}},
                  "talker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.talker_max_tokens},

@@ -83,7 +83,7 @@ def run_omni(args) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from omni import Omni
-    from omni.config import load_config
+    from omni.config_loader import load_config
     from omni.registry import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(load_config(args.omni_config).stage("thinker")

@@ -278,7 +278,7 @@ def bench_ttft(args: argparse.Namespace, cfg: Any, base_overrides: dict[str, Any
 
 # ---------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config import load_config, parse_stage_overrides
+    from omni.config_loader import load_config, parse_stage_overrides
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the embedded Ray needs no token auth
     for name in ("num_requests", "repeats", "conversations", "system_tokens", "turn_tokens"):

@@ -35,7 +35,7 @@ def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: st
 
 def run_one(engine, rid: str, ids: list[int], max_tokens: int):
     """Submit one request and run it to completion; returns its StageOutput."""
-    from omni.engine.sampling_params import SamplingParams
+    from omni.sampling_params import SamplingParams
     from omni.outputs import StageInput
 
     engine.add_request(StageInput(rid, prompt_token_ids=ids,
@@ -65,7 +65,7 @@ def qa_workload(path, args):
 
 
 def run(args) -> dict:
-    from omni.engine.sampling_params import SamplingParams
+    from omni.sampling_params import SamplingParams
     from omni.outputs import StageInput
     from omni.registry import resolve_model_path
 

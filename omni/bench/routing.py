@@ -160,7 +160,7 @@ def run_setup(args: argparse.Namespace, cfg: Any, setup: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the embedded Ray needs no token auth
     for name in ("replicas", "conversations", "system_tokens", "context_tokens", "turn_tokens", "reply_tokens",

@@ -208,7 +208,7 @@ def _healthy(url: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     if not 1 <= args.turns <= len(TURNS):
         raise ValueError(f"--turns must be in 1..{len(TURNS)}, got {args.turns}")

@@ -110,7 +110,7 @@ def run(args) -> dict[str, Any]:
 
 
 def run_chain(args) -> dict[str, Any]:
-    from omni.config import load_config
+    from omni.config_loader import load_config
     from omni.registry import resolve_model_path
 
     cfg = load_config(args.config)

@@ -31,7 +31,7 @@ def _sync(device: str) -> None:
 
 def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict]:
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.sampling_params import SamplingParams
+    from omni.sampling_params import SamplingParams
     from omni.engine.scheduler import SchedulerSettings
     from omni.registry import resolve_stage_model
     from omni.outputs import StageInput

@@ -1,7 +1,8 @@
 """StageEngine: one autoregressive stage, in one process. No Ray, no pipeline import here.
 
-    add_request()  admission (the prompt + max_tokens must fit max_model_len), then the
-                   Request joins the scheduler, the runner and the model
+    add_request()  admission (request_checks.py: token ids, prompt + max_tokens within
+                   max_model_len, embeddings), then the Request joins the scheduler, the runner
+                   and the model
     step()         schedule -> forward -> tensor-cache write + rows -> scheduler update
                    -> release what finished -> EngineStepOutput
     abort()        the scheduler finishes the request and it is released at once, so its
@@ -26,8 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni.errors import RequestError, StageError
 from omni.outputs import StageInput, StageOutput
-from omni.prompts import tokenize_prompt
+from omni.sampling_params import SamplingParams, resolve_sampling_params
 
 from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
@@ -36,8 +38,8 @@ from .memory import check_before_load, check_loaded
 from .model_runner import ModelRunner, RunnerRequestState
 from .output_rows import FinishedRows, OutputRows, RowsRequest
 from .request import Request, RequestStatus
+from .request_checks import RequestChecker
 from .sampling import make_generator
-from .sampling_params import SamplingParams, resolve_sampling_params
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
 from .streams import RequestStreams, block_digests
@@ -107,13 +109,13 @@ class StageEngine:
         num_blocks = self._num_blocks(config, model, max_len)
         capacity = num_blocks * config.block_size
         # A sequence the cache cannot hold would wait forever (and block the queue behind it).
-        self._max_len_note = ""
+        self.checks = RequestChecker(self.name, model.vocab_size, self.tokenizer, config.use_chat_template)
         if max_len > capacity:
             logger.warning("stage %s: the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len "
                            "%d; max_model_len is lowered to %d (raise cache.num_blocks or cache.memory_budget_mb "
                            "to keep it)", self.name, capacity, num_blocks, config.block_size, max_len, capacity)
-            self._max_len_note = (f" (lowered from {max_len}: the KV cache holds {num_blocks} blocks of "
-                                  f"{config.block_size} tokens)")
+            self.checks.max_len_note = (f" (lowered from {max_len}: the KV cache holds {num_blocks} blocks of "
+                                        f"{config.block_size} tokens)")
             max_len = capacity
         check_loaded(config, model, num_blocks)  # before the KV cache, block pool and tensor cache exist
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
@@ -121,6 +123,7 @@ class StageEngine:
             self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
         except ValueError as e:
             raise ValueError(f"stage {self.name}: scheduler: {e}") from None
+        self.checks.max_model_len = self.scheduler.max_model_len
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, config.attention_backend,
             max_num_tokens=config.scheduler.max_num_batched_tokens, max_num_seqs=config.scheduler.max_num_seqs,
@@ -166,38 +169,22 @@ class StageEngine:
         return by_budget
 
     # ------------------------------------------------------------- requests
-    def _tokenize(self, inp: StageInput) -> list[int]:
-        if inp.prompt_token_ids is not None:
-            return [int(t) for t in inp.prompt_token_ids]
-        if inp.prompt is None:
-            if inp.prompt_embeds is not None:
-                # Embeddings-only prompt: placeholder ids; the embeddings digest
-                # in the block hashes keeps such prompts apart in the cache.
-                return [0] * int(np.asarray(inp.prompt_embeds).shape[0])
-            raise ValueError("prompt: a request needs `prompt`, `prompt_token_ids` or `prompt_embeds`")
-        if self.tokenizer is None:
-            raise ValueError(f"prompt: stage {self.name} has no tokenizer; send prompt_token_ids instead")
-        return tokenize_prompt(self.tokenizer, inp.prompt, self.config.use_chat_template, self.name)
-
     def add_request(self, inp: StageInput) -> None:
-        """Queue one request; raises ValueError naming the bad field (the stage keeps serving)."""
+        """Queue one request; raises RequestError naming the bad field (the stage keeps serving)."""
         rid = inp.request_id
         params = resolve_sampling_params(inp.sampling_params, self.config.default_sampling)
+        self.checks.sampling(params)
         prepared = self.model.preprocess(inp)
         if prepared is None and inp.mm_inputs:  # the stage model would silently drop them
             kinds = sorted({m.modality for m in inp.mm_inputs})
-            raise ValueError(f"multi_modal_data: stage {self.name!r} takes no {'/'.join(kinds)} inputs "
-                             "(a text-only model)")
-        token_ids = prepared.token_ids if prepared is not None else self._tokenize(inp)
+            raise RequestError(f"multi_modal_data: stage {self.name!r} takes no {'/'.join(kinds)} inputs "
+                               "(a text-only model)", stage=self.name, field="multi_modal_data")
+        token_ids = (self.checks.token_ids(prepared.token_ids, "prompt_token_ids") if prepared is not None
+                     else self.checks.prompt_ids(inp))
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
-        if not token_ids:
-            raise ValueError("prompt: the prompt is empty (0 tokens)")
-        vocab = self.model.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (allowed 0..{vocab - 1})")
+        self.checks.not_empty(token_ids)
         n = len(token_ids)
-        self._check_fits(n, params.max_tokens)
+        self.checks.fits(n, params.max_tokens)
         embeds, digests, rows = None, None, None
         if prompt_embeds is not None:
             embeds, digests, rows = self._prompt_embeds(prompt_embeds, n)
@@ -227,21 +214,8 @@ class StageEngine:
             self._release_finished()
             raise
 
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        """Admission: what cannot fit is refused now, never left waiting for room that cannot come."""
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt} tokens + max_tokens {max_tokens} = {num_prompt + max_tokens} exceed "
-                f"max_model_len {self.max_model_len} of stage {self.name!r}{self._max_len_note}; "
-                "shorten the prompt or lower max_tokens")
-
     def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes], np.ndarray]:
-        arr = np.ascontiguousarray(np.asarray(value, dtype=np.float32))
-        width = self.model.prompt_embed_size or self.model.hidden_size
-        if arr.ndim != 2 or arr.shape != (num_tokens, width):
-            raise ValueError(f"prompt_embeds: expected shape ({num_tokens}, {width}), got {arr.shape}")
-        if not np.isfinite(arr).all():
-            raise ValueError("prompt_embeds: contains NaN or infinite values")
+        arr = self.checks.prompt_embeds(value, num_tokens, self.model.prompt_embed_size or self.model.hidden_size)
         # One digest per block of rows: the block hashes chain them, so equal
         # leading embeddings still share blocks across turns.
         digests = block_digests(arr, self.config.block_size)
@@ -257,12 +231,8 @@ class StageEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None or req.input_complete or request_id not in self.streams:
             raise ValueError(f"request_id: {request_id!r} is not a request of stage {self.name!r} waiting for input")
-        token_ids = [int(t) for t in token_ids]
-        vocab = self.model.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (allowed 0..{vocab - 1})")
-        self._check_fits(req.num_prompt_tokens + len(token_ids), req.sampling_params.max_tokens)
+        token_ids = self.checks.token_ids(token_ids, "prompt_token_ids")
+        self.checks.fits(req.num_prompt_tokens + len(token_ids), req.sampling_params.max_tokens)
         state = self.runner.states[request_id]
         if (prompt_embeds is None) != (state.prompt_embeds is None) and token_ids:
             raise ValueError("prompt_embeds: a prompt that started as embeddings grows by embeddings, and a "
@@ -327,7 +297,8 @@ class StageEngine:
             result = self.runner.execute(sched)
         except Exception as exc:  # a failing batch fails its requests, not the stage
             logger.exception("stage %s: forward pass failed", self.name)
-            error = f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}"
+            error = StageError(f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}",
+                               stage=self.name)
             failed = self.scheduler.finish_requests([s.req_id for s in sched.scheduled], RequestStatus.FINISHED_ERROR)
             for req in failed:
                 self._num_errors += 1

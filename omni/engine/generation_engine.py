@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni.errors import StageError
 from omni.outputs import StageDelta, StageInput, StageOutput
+from omni.sampling_params import SamplingParams, resolve_sampling_params
 
 from .interface import EngineStepOutput, StageStats
 from .loading import load_stage_model
-from .sampling_params import SamplingParams, resolve_sampling_params
 from .stage_model import OneShotStageModel
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ class GenerationStageEngine:
                 logger.exception("stage %s: request %s failed", self.name, rid)
                 self._num_errors += 1
                 res.finish_reason = "error"
-                res.error = f"stage {self.name}: generation failed: {type(exc).__name__}: {exc}"
+                res.error = StageError(f"stage {self.name}: generation failed: {type(exc).__name__}: {exc}",
+                                       stage=self.name, request_id=rid)
                 continue
             audio = produced.pop("audio", None)
             res.audio = None if audio is None else np.asarray(audio, dtype=np.float32)
@@ -171,7 +173,9 @@ class GenerationStageEngine:
                 self._num_errors += 1
                 out.finished.append(StageOutput(rid, self.name, prompt_token_ids=job.tokens, finished=True,
                                                 finish_reason="error",
-                                                error=f"stage {self.name}: generation failed: {type(exc).__name__}: {exc}"))
+                                                error=StageError(f"stage {self.name}: generation failed: "
+                                                                 f"{type(exc).__name__}: {exc}", stage=self.name,
+                                                                 request_id=rid)))
                 continue
             now = time.monotonic()
             if job.first_output is None:

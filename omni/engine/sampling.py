@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampling_params import SamplingParams
+from omni.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:

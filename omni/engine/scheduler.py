@@ -20,6 +20,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from omni.errors import RequestError
+from omni.sampling_params import check_prefill_fits
+
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
 
@@ -31,13 +34,6 @@ class SchedulerSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-
-
-def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int, enable_chunked_prefill: bool) -> None:
-    """Without chunked prefill a whole prompt runs in one step: the step budget must hold the longest."""
-    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
-                         f"({max_model_len}) when enable_chunked_prefill is false")
 
 
 @dataclass(slots=True)
@@ -79,7 +75,8 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use on this stage")
+            raise RequestError(f"request_id {request.request_id!r} is already in use on this stage",
+                               field="request_id", code="duplicate_request_id", request_id=request.request_id)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)

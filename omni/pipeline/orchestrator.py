@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni.errors import OmniError, RequestAbortedError, RequestError, RequestTimeoutError, StageError, as_omni_error
 from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import Backend, StageEvent, Submission
 from omni.pipeline.graph import StageGraph
@@ -91,7 +92,8 @@ class Orchestrator:
         rid = request.request_id
         with self._lock:
             if rid in self._reqs or rid in self._results:
-                raise ValueError(f"request_id {rid!r} is already in use")
+                raise RequestError(f"request_id {rid!r} is already in use", field="request_id",
+                                   code="duplicate_request_id", request_id=rid)
             timeout_s = timeout_s or self.request_timeout_s
             st = _Req(request, dict(sampling or {}), return_hidden_states, timeout_s,
                       time.monotonic() + timeout_s, stream, self.routing.lineage(request))
@@ -123,8 +125,8 @@ class Orchestrator:
         except Exception as e:  # noqa: BLE001 - e.g. the backend lost its connection
             logger.exception("submitting request %s to stage %s failed", st.request.request_id, stage)
             st.finished.add(stage)
-            self._fail(st.request.request_id, st, stage,
-                       f"stage {stage!r} failed: could not submit the request: {type(e).__name__}: {e}")
+            self._fail(st.request.request_id, st, stage, StageError(
+                f"stage {stage!r} failed: could not submit the request: {type(e).__name__}: {e}", stage=stage))
             return False
         if self._retryable(stage):
             st.inputs[stage] = upstream  # kept until the stage finishes: a retry needs them again
@@ -166,7 +168,8 @@ class Orchestrator:
         elif not others:
             why = "no other replica is left"
         if why is not None:
-            ev.summary.error = f"{ev.summary.error} (not retried: {why})"
+            err = as_omni_error(ev.summary.error or "the replica was lost", stage)
+            ev.summary.error = err.replace(f"{err.message} (not retried: {why})")
             return False
         logger.warning("stage %s replica %d lost request %s; retrying it on another replica: %s",
                        stage, ev.replica, rid, ev.summary.error)
@@ -185,15 +188,19 @@ class Orchestrator:
             st = self._reqs.get(request_id)
             if st is None:
                 return False
-            self._fail(request_id, st, None, f"request {request_id!r} was aborted", kind="abort")
+            self._fail(request_id, st, None, RequestAbortedError(f"request {request_id!r} was aborted",
+                                                                 request_id=request_id), kind="abort")
             return True
 
-    def _fail(self, rid: str, st: _Req, stage: str | None, error: str, kind: str = "error") -> None:
+    def _fail(self, rid: str, st: _Req, stage: str | None, error: OmniError, kind: str = "error") -> None:
         """Finish `rid` with `error` (kind: error | abort | timeout) and abort it where it still runs."""
         if stage is not None and kind == "error":
             cut = [d for d, _ in self.graph.streams_to(stage) if d in st.submitted and d not in st.finished]
             if cut:  # say which streaming edges lost their producer mid-stream
-                error += "; its streaming edge(s) " + ", ".join(f"{stage} -> {d}" for d in cut) + " were cut off"
+                error = error.replace(error.message + "; its streaming edge(s) "
+                                      + ", ".join(f"{stage} -> {d}" for d in cut) + " were cut off")
+        if error.request_id is None:
+            error = error.replace(request_id=rid)
         for s in st.submitted - st.finished:
             if s != stage:
                 self.backend.abort(s, rid, replica=self.routing.replica_of(st.lineage, s))
@@ -246,8 +253,10 @@ class Orchestrator:
         counts["completed"] += 1
         if out.error is not None or out.finish_reason == "abort":
             counts["errors"] += 1
-            err = out.error or "aborted by the stage"
-            self._fail(ev.request_id, st, ev.stage, f"stage {ev.stage!r} failed: {err}")
+            # The stage's typed error as it came (its stage, field, code and numbers), the message saying where.
+            err = as_omni_error(out.error or RequestAbortedError("aborted by the stage"), ev.stage)
+            self._fail(ev.request_id, st, ev.stage,
+                       err.replace(f"stage {ev.stage!r} failed: {err.message}", stage=err.stage or ev.stage))
             return
         if self.graph.is_final(ev.stage):
             st.outputs[ev.stage] = out
@@ -286,10 +295,10 @@ class Orchestrator:
         for rid, st in list(self._reqs.items()):
             if now >= st.deadline:
                 pending = sorted(st.submitted - st.finished, key=self.graph.order.index)
-                self._fail(rid, st, None,
-                           f"request {rid!r} timed out after {st.timeout_s:g}s "
-                           f"(runtime.request_timeout_s) waiting for stage(s) {', '.join(pending) or '-'}",
-                           kind="timeout")
+                self._fail(rid, st, None, RequestTimeoutError(
+                    f"request {rid!r} timed out after {st.timeout_s:g}s "
+                    f"(runtime.request_timeout_s) waiting for stage(s) {', '.join(pending) or '-'}",
+                    stage=pending[0] if pending else None, limit=st.timeout_s), kind="timeout")
 
     # -------------------------------------------------------------- results
     def has_unfinished(self) -> bool:

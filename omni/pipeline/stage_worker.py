@@ -30,7 +30,7 @@ from typing import Any
 from omni import registry
 from omni.config import StageConfig
 from omni.engine.interface import Engine
-from omni.errors import OmniError
+from omni.errors import OmniError, RequestError, StageError
 from omni.outputs import CacheReport, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import Submission
 from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
@@ -77,6 +77,17 @@ def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> 
     if keep_hidden or final_output == "hidden" or (out.hidden_states is None and not out.mm_outputs):
         return out
     return dataclasses.replace(out, hidden_states=None, mm_outputs={})
+
+
+def _admission_error(e: Exception, stage: str, rid: str) -> OmniError:
+    """Why a stage refused a request, typed: the RequestError it raised (stage and request id filled in);
+    another ValueError (a stage model's own check) is the request's fault too, with no field known;
+    anything else is the stage's (a StageError)."""
+    if isinstance(e, OmniError):
+        return e.replace(stage=e.stage or stage, request_id=e.request_id or rid)
+    if isinstance(e, ValueError):  # pydantic's ValidationError of bad sampling fields is one too
+        return RequestError(f"invalid request: {type(e).__name__}: {e}", stage=stage, request_id=rid)
+    return StageError(f"could not admit the request: {type(e).__name__}: {e}", stage=stage, request_id=rid)
 
 
 # ------------------------------------------------------------------ worker
@@ -146,7 +157,8 @@ class StageWorker:
     def _done(self, out: StageOutput, keep_hidden: bool) -> None:
         self._ready.append((out, summarize(out, self.stage.final_output, keep_hidden)))
 
-    def _fail(self, rid: str, error: str) -> None:
+    def _fail(self, rid: str, error: OmniError | str) -> None:
+        """Fail `rid` here with a typed error (a text is this stage's account of what broke: a StageError)."""
         self._done(error_output(self.name, rid, error), False)
 
     def drain(self) -> None:
@@ -194,9 +206,9 @@ class StageWorker:
         inp.stream = rid in self._stream_out or out is not None
         try:
             self.engine.add_request(inp)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a refused request fails alone
             self._drop_streams(rid)
-            self._fail(rid, f"invalid request: {type(e).__name__}: {e}")
+            self._fail(rid, _admission_error(e, self.name, rid))
             return False
         self._in_flight[rid] = keep_hidden
         return True
@@ -237,7 +249,7 @@ class StageWorker:
         except Exception as e:  # noqa: BLE001
             self._stream_failed(rid, inc, f"a chunk from stage {inc.upstream!r} was refused: {type(e).__name__}: {e}")
 
-    def _stream_failed(self, rid: str, inc: Incoming, error: str) -> None:
+    def _stream_failed(self, rid: str, inc: Incoming, error: OmniError | str) -> None:
         self._incoming.pop(rid, None)
         if inc.started:
             self.engine.abort(rid)

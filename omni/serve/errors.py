@@ -2,31 +2,37 @@
 
 Every error the server answers is `{"error": {"message", "type", "param", "code"}}` with `param`
 naming the request field at fault (`messages[0].content[1].image_url.url`, `temperature`,
-`sampling_params_list[1].max_tokens`). Omni reports a bad request as a ValueError naming its own
-field (`prompts[0]: prompt: ...`, `sampling_params for stage 'talker': max_tokens: ...`) or, once it
-reached a stage, as the request's error (`stage 'thinker' failed: invalid request: ValueError:
-prompt: ...`); `from_omni_error` maps both back onto the request's fields. What is not the user's
-fault (a stage crashed, a forward pass failed) is a 500 that says so, never a traceback.
+`sampling_params_list[1].max_tokens`). Omni's errors are typed (omni/errors.py): their class picks the
+HTTP status through `_STATUS`, their `code` is the body's code, and their `field` (omni's path inside
+one prompt: `prompt.messages[1].content`, `multi_modal_data.image[0]`, `sampling_params.max_tokens`
+with its stage) becomes the request's field through the Job's table. No message is ever parsed:
+messages stay human. What is not the user's fault (a stage crashed, a forward pass failed) is a 500
+that says so, never a traceback.
 """
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
-INVALID = "invalid_request_error"
+from omni.errors import (FIELD_ERROR, BackendClosedError, OmniError, RequestAbortedError, RequestError, RequestTimeoutError,
+                         StageError)
 
-# "stage 'thinker' failed: invalid request: ValueError: prompt: 300 tokens ..." (stage_worker admission)
-_ADMISSION_RE = re.compile(r"^stage '(?P<stage>[^']+)' failed: invalid request: \w+: (?P<rest>.*)$", re.S)
-# "prompts[0]: prompt: messages[1].content: ..." (omni.prompts at the edge)
-_EDGE_RE = re.compile(r"^prompts\[\d+\]: (?P<rest>.*)$", re.S)
-# "sampling_params for stage 'talker': max_tokens: ..." (Omni._stage_params)
-_SAMPLING_RE = re.compile(r"^sampling_params for stage '(?P<stage>[^']+)': (?P<field>[\w.]+): ", re.S)
-# "prompt: 20 tokens + max_tokens 500 = 520 exceed max_model_len 256 of stage 'thinker'" (engine admission)
-_TOO_LONG_RE = re.compile(r"(?P<prompt>\d+) tokens \+ max_tokens \d+ = \d+ exceed max_model_len (?P<limit>\d+)")
-_FIELD_RE = re.compile(r"^(?P<field>[A-Za-z_][\w.]*(\[\d+\])*(\.[A-Za-z_]\w*(\[\d+\])*)*)\s*:")
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+
+# An omni error's class (the most specific one in its MRO) -> HTTP status and OpenAI error type.
+_STATUS: dict[type[OmniError], tuple[int, str]] = {
+    RequestError: (400, INVALID),
+    RequestTimeoutError: (504, "timeout_error"),
+    RequestAbortedError: (500, SERVER),
+    BackendClosedError: (503, SERVER),
+    StageError: (500, SERVER),
+    OmniError: (500, SERVER),
+}
+# Codes whose status is not their class's: a request aborted because the pipeline closes.
+_CODE_STATUS: dict[str, tuple[int, str]] = {"shutting_down": (503, SERVER)}
 
 
 class ApiError(Exception):
@@ -90,55 +96,47 @@ def from_validation_error(err: ValidationError, tags: frozenset[str] = frozenset
     if e["type"] == "missing":
         return bad_request(f"{param}: required field is missing", param, "missing_required_parameter")
     msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] == "value_error" and (field := _field_of(msg)):  # a model validator naming its field
+    code = "invalid_value"
+    if e["type"] == FIELD_ERROR:  # a model validator naming its field (as data: protocol.field_error)
+        field = e["ctx"]["field"]
         param = f"{param}.{field}" if param else field
-        msg = msg[len(field) + 1:].lstrip()
+        msg = e["ctx"]["text"]
+        code = e["ctx"].get("code", code)
     shown = repr(e.get("input"))
     got = f" (got {shown[:60]})" if not isinstance(e.get("input"), (dict, list)) else ""
-    return bad_request(f"{param}: {msg}{got}" if param else msg, param, "invalid_value")
+    return bad_request(f"{param}: {msg}{got}" if param else msg, param, code)
 
 
 # ---------------------------------------------------------------- omni's own
-def _field_of(text: str) -> str | None:
-    m = _FIELD_RE.match(text)
-    return m.group("field") if m else None
+def request_param(field: str | None, stage: str | None, fields: Mapping[str, str],
+                  sampling_param: Callable[[str, str], str] | None = None) -> str | None:
+    """Omni's field path -> the request's field. `fields`: omni's names -> the request's (`prompt` ->
+    `messages`, `multi_modal_data.image[0]` -> `messages[0].content[1].image_url`, `speaker` ->
+    `audio.voice`); `sampling_param(stage, name)`: the request field that set a stage's sampling field."""
+    if field is None:
+        return None
+    if field.startswith("sampling_params."):
+        name = field.removeprefix("sampling_params.")
+        if sampling_param is not None and stage is not None:
+            return sampling_param(stage, name)
+        return fields.get(name, name)
+    if field.startswith("prompt.messages[") and fields.get("prompt") == "messages":
+        return field.removeprefix("prompt.")  # chat messages are the request's own
+    for key in sorted(fields, key=len, reverse=True):  # the field itself, or what it is part of
+        if field == key or field.startswith((key + ".", key + "[")):
+            return fields[key]
+    under = [v for k, v in fields.items() if k.startswith((field + ".", field + "["))]
+    if under:  # all of the media, say: the first of them
+        return under[0]
+    return fields.get("prompt")
 
 
-def from_omni_error(message: str, fields: Mapping[str, str], sampling_param: Any = None) -> ApiError:
-    """An omni error (a ValueError's text at submission, or a failed request's error) as an ApiError.
-
-    `fields`: omni's names -> the request's (`prompt` -> `messages`, `multi_modal_data.image[0]` ->
-    `messages[0].content[1].image_url`, `speaker` -> `audio.voice`); `sampling_param(stage, field)`:
-    the request field that set a stage's sampling field."""
-    if "timed out after" in message and "request_timeout_s" in message:
-        return ApiError(504, message, type="timeout_error", code="request_timeout")
-    if m := _SAMPLING_RE.match(message):
-        param = sampling_param(m.group("stage"), m.group("field")) if sampling_param else m.group("field")
-        return bad_request(message, param, "invalid_value")
-    rest = None
-    if m := _EDGE_RE.match(message):
-        rest = m.group("rest")
-    elif m := _ADMISSION_RE.match(message):
-        rest = m.group("rest")
-    if rest is None:
-        return internal(f"the pipeline failed this request: {message}")
-    field = _field_of(rest)
-    param = None
-    if field is not None:
-        head = field.split(".")[0].split("[")[0]
-        if head == "prompt":  # "prompt: messages[1].content: ..." names a message; else the whole prompt
-            sub = _field_of(rest.removeprefix("prompt: "))
-            param = sub if sub is not None and sub.startswith("messages[") else fields.get("prompt")
-        elif field.startswith("multi_modal_data"):  # one item, or all of them: the first then
-            base = re.match(r"multi_modal_data\.\w+\[\d+\]", field)
-            media = [v for k, v in fields.items() if k.startswith("multi_modal_data.")]
-            param = fields.get(base.group(0)) if base else (media[0] if media else None)
-            param = param or fields.get("prompt")
-        else:
-            param = fields.get(field) or fields.get(head) or fields.get("prompt")
-    code = "invalid_value"
-    if m := _TOO_LONG_RE.search(rest):
-        code = "context_length_exceeded"
-        if int(m.group("prompt")) < int(m.group("limit")):  # the prompt fits: max_tokens is what is too large
-            param = fields.get("max_tokens", param)
-    return bad_request(message, param, code)
+def from_omni_error(err: OmniError, fields: Mapping[str, str],
+                    sampling_param: Callable[[str, str], str] | None = None) -> ApiError:
+    """A typed omni error (raised at submission, or a failed request's error) as an ApiError, by table."""
+    status, kind = _CODE_STATUS.get(err.code) or next(
+        _STATUS[c] for c in type(err).__mro__ if c in _STATUS)
+    param = request_param(err.field, err.stage, fields, sampling_param) if status == 400 else None
+    message = err.message if status < 500 or isinstance(err, RequestTimeoutError) else (
+        f"the pipeline failed this request: {err.message}")
+    return ApiError(status, message, type=kind, param=param, code=err.code)

@@ -2,15 +2,82 @@
 
 Chat completions and completions as OpenAI documents them, plus the extensions vLLM / vLLM-Omni
 clients send in `extra_body`: `sampling_params_list` (one entry per stage, config order),
-`cache_salt`, `top_k`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`. A field this server does
-not implement (tools, logprobs, n > 1, ...) is a 400 naming it, never silently ignored.
+`cache_salt`, `top_k`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`.
+
+Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
+completion_create_params.py). A field this server does not implement (tools, logprobs, logit_bias, n > 1,
+...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
+`"tool_choice": null`, `"response_format": {"type": "text"}`), as clients that serialise their unset
+fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
+ignored. A field OpenAI does not have is a 400 too (`unknown_parameter`).
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from omni.errors import FIELD_ERROR
+
+
+def field_error(field: str, text: str, code: str = "invalid_value") -> PydanticCustomError:
+    """A model validator's error naming its field (and code) as data (errors.from_validation_error reads it)."""
+    return PydanticCustomError(FIELD_ERROR, "{field}: {text}", {"field": field, "text": text, "code": code})
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """JSON equality without Python's bool/int mixing (`false` is not 0) and with 0 == 0.0."""
+    if isinstance(value, bool) or isinstance(accepted, bool):
+        return value is accepted
+    return value == accepted and type(value) in (type(accepted), int, float)
+
+
+# OpenAI fields this server does not implement -> the values that ask for nothing (null first, then the
+# default). Anything else is refused naming the field.
+_SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+}
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **_SHARED_UNSUPPORTED,
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # "auto" with no tools picks none
+    "parallel_tool_calls": (None, True, False),  # no tools: nothing runs in parallel either way
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "moderation": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "prompt_cache_options": (None,),
+    "prompt_cache_retention": (None,),
+}
+_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **_SHARED_UNSUPPORTED,
+    "logprobs": (None,),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+def _check_unsupported(req: BaseModel, table: dict[str, tuple[Any, ...]]) -> None:
+    for name, accepted in table.items():
+        value = getattr(req, name)
+        if not any(_same(value, a) for a in accepted):
+            shown = ", ".join("null" if a is None else json.dumps(a) for a in accepted)
+            raise field_error(name, f"this server does not implement it: send it absent or as {shown} "
+                              f"(got {json.dumps(value)[:60]})", "unsupported_parameter")
 
 
 class _Strict(BaseModel):
@@ -78,11 +145,11 @@ class ChatMessage(_Strict):
     def _has_content(self) -> "ChatMessage":
         if self.content is None:
             if self.audio is not None:
-                raise ValueError("content: this server keeps no audio by id; send the reply's transcript as "
-                                 "the assistant message's content")
-            raise ValueError("content: required (text or a list of content parts)")
+                raise field_error("content", "this server keeps no audio by id; send the reply's transcript as "
+                                  "the assistant message's content")
+            raise field_error("content", "required (text or a list of content parts)")
         if self.role != "user" and any(p.type != "text" for p in self.content):
-            raise ValueError(f"content: images and audio go in user messages, not in a {self.role} message")
+            raise field_error("content", f"images and audio go in user messages, not in a {self.role} message")
         return self
 
 
@@ -108,10 +175,13 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=-1, description="Top-k sampling; 0 or -1: off (the text stage).")
     seed: int | None = Field(None, description="Per-request seed (the text stage).")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the text (not included).")
-    n: int = Field(1, description="Number of choices; only 1 is supported.")
-    stream: bool = Field(False, description="Reply as server-sent events.")
+    n: int | None = Field(None, description="Number of choices; only 1 is supported.")
+    stream: bool | None = Field(None, description="Reply as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (stream only).")
     user: str | None = Field(None, description="Accepted; not used.")
+    frequency_penalty: Any = Field(None, description="Not implemented: null or 0.")
+    presence_penalty: Any = Field(None, description="Not implemented: null or 0.")
+    logit_bias: Any = Field(None, description="Not implemented: null or {}.")
     ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence (the text stage).")
     min_tokens: int | None = Field(None, ge=0, description="Tokens to generate before end-of-sequence or a stop "
                                    "token may be sampled, <= max_tokens (the text stage).")
@@ -133,8 +203,8 @@ class _Common(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one(cls, v: int) -> int:
-        if v != 1:
+    def _one(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
             raise ValueError("only n=1 is supported")
         return v
 
@@ -149,7 +219,7 @@ class _Common(_Strict):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_Common":
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise field_error("stream_options", "only allowed when stream is true")
         return self
 
     @property
@@ -167,16 +237,43 @@ class ChatCompletionRequest(_Common):
     modalities: list[Literal["text", "audio"]] | None = Field(
         None, min_length=1, description='What to reply with: ["text"] (default) or ["text", "audio"].')
     audio: AudioOutput | None = Field(None, description="Audio reply options (with modalities audio).")
+    # OpenAI's fields this server does not implement (see _CHAT_UNSUPPORTED for what each accepts) and
+    # ones it takes as hints with no effect here (metadata, prompt_cache_key, safety_identifier).
+    logprobs: Any = Field(None, description="Not implemented: null or false.")
+    top_logprobs: Any = Field(None, description="Not implemented: null or 0.")
+    tools: Any = Field(None, description="Not implemented: null or [].")
+    tool_choice: Any = Field(None, description='Not implemented: null, "none" or "auto".')
+    parallel_tool_calls: Any = Field(None, description="Accepted: there are no tools.")
+    functions: Any = Field(None, description="Not implemented: null or [].")
+    function_call: Any = Field(None, description='Not implemented: null, "none" or "auto".')
+    response_format: Any = Field(None, description='Not implemented: null or {"type": "text"}.')
+    prediction: Any = Field(None, description="Not implemented: null.")
+    reasoning_effort: Any = Field(None, description="Not implemented: null.")
+    verbosity: Any = Field(None, description="Not implemented: null.")
+    web_search_options: Any = Field(None, description="Not implemented: null.")
+    moderation: Any = Field(None, description="Not implemented: null.")
+    service_tier: Any = Field(None, description='Not implemented: null, "auto" or "default".')
+    store: Any = Field(None, description="Not implemented: null or false.")
+    prompt_cache_options: Any = Field(None, description="Not implemented: null.")
+    prompt_cache_retention: Any = Field(None, description="Not implemented: null.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted; not used (nothing is stored).")
+    prompt_cache_key: str | None = Field(None, description="Accepted; the prefix cache needs no key.")
+    safety_identifier: str | None = Field(None, description="Accepted; not used.")
     omni_stream_format: Literal["openai", "vllm-omni"] = Field(
         "openai", description="Streaming audio: openai sends it in delta.audio.data; vllm-omni sends each "
         "chunk with a top-level modality ('text' or 'audio') and the audio's base64 in delta.content.")
 
     @model_validator(mode="after")
+    def _unsupported(self) -> "ChatCompletionRequest":
+        _check_unsupported(self, _CHAT_UNSUPPORTED)
+        return self
+
+    @model_validator(mode="after")
     def _audio_needs_audio_modality(self) -> "ChatCompletionRequest":
         if self.audio is not None and "audio" not in self.output_modalities:
-            raise ValueError('audio: set modalities to ["text", "audio"] to get audio')
+            raise field_error("audio", 'set modalities to ["text", "audio"] to get audio')
         if self.stream and self.audio is not None and self.audio.format != "pcm16":
-            raise ValueError("audio.format: streamed audio is pcm16 (set audio.format to pcm16)")
+            raise field_error("audio.format", "streamed audio is pcm16 (set audio.format to pcm16)")
         return self
 
     @property
@@ -190,6 +287,15 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(description="The prompt: text, or token ids.")
+    logprobs: Any = Field(None, description="Not implemented: null.")
+    best_of: Any = Field(None, description="Not implemented: null or 1.")
+    echo: Any = Field(None, description="Not implemented: null or false.")
+    suffix: Any = Field(None, description='Not implemented: null or "".')
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        _check_unsupported(self, _COMPLETION_UNSUPPORTED)
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -25,9 +25,9 @@ import anyio
 import numpy as np
 
 from omni.async_api import AsyncOmni
-from omni.errors import BackendClosedError
+from omni.errors import BackendClosedError, OmniError
 from omni.outputs import StageDelta, StageOutput
-from omni.serve.errors import ApiError, from_omni_error, internal
+from omni.serve.errors import ApiError, bad_request, from_omni_error, internal
 from omni.serve.translate import Job
 
 
@@ -103,8 +103,8 @@ class Run:
     def complete(self) -> bool:
         return self._stop.stopped or self._wanted <= self._done
 
-    def _error(self, message: str) -> ApiError:
-        return from_omni_error(message, self.job.fields, self.job.sampling_param)
+    def _error(self, err: OmniError) -> ApiError:
+        return from_omni_error(err, self.job.fields, self.job.sampling_param)
 
     async def start(self) -> None:
         """Submit the request and wait for its first item: raises ApiError when it is refused (a bad field
@@ -112,11 +112,13 @@ class Run:
         try:
             self._agen = self.omni.stream(self.job.prompt, self.job.sampling or None, request_id=self.job.request_id)
             self._first = await self._agen.__anext__()
-        except ValueError as e:
-            raise self._error(str(e)) from None
         except BackendClosedError as e:
             raise ApiError(503, f"the pipeline is shutting down: {e}", type="server_error",
                            code="shutting_down") from None
+        except OmniError as e:  # refused at the edge (a RequestError naming its field)
+            raise self._error(e) from None
+        except ValueError as e:  # not one of omni's own: the request's fault, no field known
+            raise bad_request(str(e)) from None
         except StopAsyncIteration:
             raise internal("the pipeline ended the request without any output") from None
         if isinstance(self._first, StageOutput) and self._first.error is not None:

@@ -150,18 +150,18 @@ def main(args: argparse.Namespace) -> int:
     """`omni serve`; exit status as the rest of the CLI (2: bad config or options)."""
     from pydantic import ValidationError
 
-    from omni.cli import _error, _load_checked
+    from omni.commands import error, load_checked
     from omni.errors import ConfigError
 
     try:
-        config, _ = _load_checked(args.config, args.stage_overrides)
+        config, _ = load_checked(args.config, args.stage_overrides)
         settings = settings_from_args(args)
     except ConfigError as e:
-        return _error(str(e))
+        return error(str(e))
     except ValidationError as e:
         err = e.errors()[0]
         flag = _FLAGS.get(str(err["loc"][0]), "--" + str(err["loc"][0]).replace("_", "-"))
-        return _error(f"{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
+        return error(f"{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
     if args.ray_serve:
         from omni.serve.ray_serve import run
 
@@ -170,5 +170,5 @@ def main(args: argparse.Namespace) -> int:
         try:
             return serve_uvicorn(config, settings, args.backend)
         except OSError as e:  # the address is taken, or not ours to bind
-            return _error(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", 1)
+            return error(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", 1)
     return 0

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from omni.engine.sampling_params import SamplingParams
+from omni.errors import StageError
+from omni.sampling_params import SamplingParams
 from omni.outputs import StageInput
 from stages.checkpoints import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
@@ -209,7 +210,8 @@ def test_failed_forward_fails_its_requests_and_leaves_no_unwritten_cached_blocks
     engine.add_request(StageInput("bad", prompt_token_ids=prompt,
                                   sampling_params=SamplingParams(temperature=0, max_tokens=4)))
     out = engine.step().finished[0]
-    assert out.finish_reason == "error" and "injected failure" in out.error
+    assert out.finish_reason == "error" and isinstance(out.error, StageError) and out.error.stage == engine.name
+    assert "injected failure" in out.error.message
     assert_no_leak(engine)
     again = generate_one(engine, "again", prompt, max_tokens=4)
     assert again.num_cached_tokens == 0  # nothing unwritten was served

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from omni.engine.sampling import Sampler, apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator
-from omni.engine.sampling_params import SamplingParams
+from omni.sampling_params import SamplingParams
 
 sampler = Sampler()
 

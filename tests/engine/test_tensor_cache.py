@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni.engine.forward_context import get_forward_context
-from omni.engine.sampling_params import SamplingParams
+from omni.sampling_params import SamplingParams
 from omni.engine.tensor_cache import StageTensorCache
 from omni.outputs import StageInput
 from stages.causal_lm import CausalLMStage

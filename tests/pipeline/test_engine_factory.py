@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni.config import SchedulerConfig, load_config
+from omni.config import SchedulerConfig
+from omni.config_loader import load_config
 from omni.engine.engine import StageEngine
 from omni.engine.generation_engine import GenerationStageEngine
 from omni.engine.scheduler import SchedulerSettings

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from omni.engine.interface import EngineStepOutput, StageStats
-from omni.engine.sampling_params import resolve_sampling_params
+from omni.sampling_params import resolve_sampling_params
 from omni.outputs import StageInput, StageOutput
 from omni.registry import register_input_processor, register_stage_model
 
@@ -195,7 +195,7 @@ def diamond_config(**runtime: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the fake itself
 def test_fake_engine_follows_the_contract():
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     cfg = load_config(chain_config())
     eng = fake_factory(cfg.stages[0])

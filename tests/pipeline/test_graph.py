@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from omni.config import load_config
+from omni.config_loader import load_config
 from omni.errors import ConfigError
 from omni.pipeline.graph import StageGraph
 from tests.pipeline.test_fake_engine import chain_config, diamond_config

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from omni import Omni, RequestOutput, SamplingParams, StageOutput
-from omni.errors import BackendClosedError, ConfigError, StageStartError
+from omni.errors import (BackendClosedError, ConfigError, RequestAbortedError, RequestError, RequestTimeoutError,
+                         StageError, StageStartError)
 from omni.outputs import StageInput
 from omni.pipeline.stage_worker import build_stage_input, passthrough_tokens, summarize
 from tests.pipeline.test_fake_engine import (HIDDEN, chain_config, diamond_config, expected_tokens,
@@ -74,13 +75,14 @@ def test_default_fan_in_concatenates_in_inputs_order():
     assert out.outputs["d"].prompt_token_ids == expected_tokens("b", a, 2) + expected_tokens("c", a, 3)
 
 
-@pytest.mark.parametrize("bad,msg", [
-    ("__error__", "stage 'thinker' failed: fake stage error"),
-    ("__bad__", "stage 'thinker' failed: invalid request: ValueError: prompt: contains __bad__"),
+@pytest.mark.parametrize("bad,error", [
+    ("__error__", StageError("stage 'thinker' failed: fake stage error", stage="thinker", request_id="1")),
+    ("__bad__", RequestError("stage 'thinker' failed: invalid request: ValueError: prompt: contains __bad__",
+                             stage="thinker", request_id="1")),
 ])
-def test_error_in_one_request_does_not_affect_others(chain, bad, msg):
+def test_error_in_one_request_does_not_affect_others(chain, bad, error):
     outs = chain.generate(["ok 1", bad, "ok 2"], use_tqdm=False)
-    assert [o.error for o in outs] == [None, msg, None]
+    assert [o.error for o in outs] == [None, error, None]  # typed: the class, stage, code and request id
     assert outs[1].outputs == {} and outs[1].finished
     assert outs[2].outputs["talker"].token_ids  # the stage kept serving
     assert chain.stats()["requests"]["failed"] == 1
@@ -88,7 +90,8 @@ def test_error_in_one_request_does_not_affect_others(chain, bad, msg):
 
 def test_engine_step_exception_fails_in_flight_requests_only(chain):
     outs = chain.generate(["__step_raise__"], use_tqdm=False)
-    assert "stage 'thinker' failed: engine step failed: RuntimeError: boom" == outs[0].error
+    assert outs[0].error == StageError("stage 'thinker' failed: engine step failed: RuntimeError: boom",
+                                       stage="thinker", request_id="0")
     assert chain.generate(["fine"], use_tqdm=False)[0].error is None
 
 
@@ -97,8 +100,9 @@ def test_error_in_downstream_stage_names_it_and_keeps_upstream_output():
     data["stages"][1]["input_processor"] = "tests.pipeline.test_orchestrator:exploding_processor"
     with Omni(data, engine_factory=fake_factory) as o:
         [out] = o.generate("hi", use_tqdm=False)
-    assert out.error.startswith("stage 'talker' failed: input processor")
-    assert "KeyError" in out.error
+    assert isinstance(out.error, StageError) and out.error.stage == "talker"
+    assert out.error.message.startswith("stage 'talker' failed: input processor")
+    assert "KeyError" in out.error.message
     assert out.outputs["thinker"].token_ids  # what did finish is still reported
 
 
@@ -112,8 +116,9 @@ def test_timeout_fails_the_request_clearly():
         outs = o.generate(["__hang__", "fast"], use_tqdm=False)  # __hang__ never finishes, by construction
         # It cannot time out before its 1 s; 60 s (60x) only catches a timeout that never fires.
         assert 1.0 <= time.monotonic() - t0 < 60
-        assert outs[0].error == ("request '0' timed out after 1s (runtime.request_timeout_s) "
-                                 "waiting for stage(s) thinker")
+        assert outs[0].error == RequestTimeoutError(
+            "request '0' timed out after 1s (runtime.request_timeout_s) waiting for stage(s) thinker",
+            stage="thinker", limit=1.0, request_id="0")
         assert outs[1].error is None
         st = o.stats()
         assert st["requests"]["timed_out"] == 1 and st["stages"]["thinker"]["running"] == 0  # aborted there
@@ -130,7 +135,7 @@ def test_abort_from_another_thread():
 
         threading.Thread(target=abort_once_submitted).start()
         outs = o.generate([{"prompt": "__hang__", "request_id": "victim"}, "fine"], use_tqdm=False)
-        assert outs[0].error == "request 'victim' was aborted"
+        assert outs[0].error == RequestAbortedError("request 'victim' was aborted", request_id="victim")
         assert outs[1].error is None
         assert o.abort("victim") is False  # no longer running
         st = o.stats()
@@ -145,7 +150,7 @@ def test_stream_yields_final_outputs_as_stages_finish(chain):
         by_req.setdefault(ev.request_id, []).append(ev)
     ok, bad = by_req["0"], by_req["1"]
     assert [e.stage for e in ok] == ["thinker", "talker"]  # thinker's text before talker's tokens
-    assert len(bad) == 1 and bad[0].stage == "thinker" and "fake stage error" in bad[0].error
+    assert len(bad) == 1 and bad[0].stage == "thinker" and "fake stage error" in bad[0].error.message
 
 
 def test_stream_close_aborts_the_rest():
@@ -346,6 +351,7 @@ def test_backend_submit_failure_fails_only_that_request(chain, monkeypatch):
 
     monkeypatch.setattr(worker, "submit", flaky)
     outs = chain.generate(["boom", "fine"], use_tqdm=False)
-    assert outs[0].error == "stage 'talker' failed: could not submit the request: ConnectionError: lost the stage"
+    assert outs[0].error == StageError("stage 'talker' failed: could not submit the request: ConnectionError: "
+                                       "lost the stage", stage="talker", request_id="0")
     assert outs[0].outputs["thinker"].token_ids  # the thinker's part is kept
     assert outs[1].error is None

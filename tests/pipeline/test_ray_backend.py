@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni, SamplingParams
-from omni.errors import ConfigError, StageStartError
+from omni.errors import ConfigError, RequestAbortedError, RequestTimeoutError, StageError, StageStartError
 from omni.outputs import StageOutput
 from tests.pipeline.test_fake_engine import (chain_config, diamond_config, embeds_ids,
                                              expected_tokens, fake_factory, text_ids)
@@ -68,7 +68,8 @@ def test_ray_and_local_give_identical_outputs(chain):
     got = summary(chain.generate(prompts, use_tqdm=False))
     # ids restart per Omni instance; compare everything else
     assert [g[1:] for g in got] == [e[1:] for e in expected]
-    assert got[2][1] == "stage 'thinker' failed: fake stage error"
+    # The error crossed from the actor as itself: the same typed error as on the local backend.
+    assert got[2][1] == StageError("stage 'thinker' failed: fake stage error", stage="thinker", request_id="2")
 
 
 def test_ray_and_local_identical_on_a_dag():
@@ -144,7 +145,8 @@ def test_timeout_and_abort_on_ray():
         [hung] = o.generate(["__hang__"], use_tqdm=False)  # never finishes, by construction
         # It cannot time out before its 2 s; 60 s (30x) only catches a timeout that never fires.
         assert 2.0 <= time.monotonic() - t0 < 60
-        assert "timed out after 2s (runtime.request_timeout_s) waiting for stage(s) thinker" in hung.error
+        assert isinstance(hung.error, RequestTimeoutError) and hung.error.limit == 2
+        assert "timed out after 2s (runtime.request_timeout_s) waiting for stage(s) thinker" in hung.error.message
         # The stage serves the next request (after, not beside, the hung one: a request racing the
         # 2 s timeout would pass or fail with the machine's speed).
         [fine] = o.generate(["fine"], use_tqdm=False)
@@ -157,7 +159,7 @@ def test_timeout_and_abort_on_ray():
 
         threading.Thread(target=abort_once_submitted).start()
         [aborted] = o.generate([{"prompt": "__hang__", "request_id": "victim"}], use_tqdm=False)
-        assert aborted.error == "request 'victim' was aborted"
+        assert aborted.error == RequestAbortedError("request 'victim' was aborted", request_id="victim")
         deadline = time.monotonic() + 60  # aborts reach the actor asynchronously; returns when they have
         while o.stats()["stages"]["thinker"]["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -176,7 +178,7 @@ def test_finished_and_aborted_ids_are_reused_on_ray(chain):
 
     threading.Thread(target=abort_once_running).start()
     [aborted] = chain.stream([{"prompt": "__hang__", "request_id": "gone"}])
-    assert aborted.error == "request 'gone' was aborted"
+    assert aborted.error == RequestAbortedError("request 'gone' was aborted", stage="thinker", request_id="gone")
     [reused] = chain.generate([{"prompt": "z", "request_id": "gone"}], use_tqdm=False)
     assert reused.error is None and reused.outputs["talker"].token_ids
 
@@ -190,7 +192,8 @@ def test_killed_stage_fails_in_flight_requests_and_restarts():
         # The two others never finish on their own: in flight when the crash comes, on any machine.
         outs = o.generate(["__hang__ 1", "__hang__ 2", "__crash__"], use_tqdm=False)
         for out in outs:  # detected (the message), not timed out (that would name request_timeout_s)
-            assert out.error.startswith("stage 'thinker' failed: the stage's Ray actor died"), out.error
+            assert isinstance(out.error, StageError) and out.error.stage == "thinker", repr(out.error)
+            assert out.error.message.startswith("stage 'thinker' failed: the stage's Ray actor died"), out.error
         # the restarted actor serves the next request
         [nxt] = o.generate(["after the crash"], use_tqdm=False)
         assert nxt.error is None
@@ -216,7 +219,8 @@ def test_ray_kill_of_a_downstream_stage_mid_request():
         t.join(30)
         assert not t.is_alive()
         for out in results["outs"]:
-            assert out.error.startswith("stage 'talker' failed: the stage's Ray actor died"), out.error
+            assert isinstance(out.error, StageError) and out.error.stage == "talker", repr(out.error)
+            assert out.error.message.startswith("stage 'talker' failed: the stage's Ray actor died"), out.error
             assert out.outputs["thinker"].token_ids  # the thinker's part is still reported
         [nxt] = o.generate(["c"], SamplingParams(max_tokens=2), use_tqdm=False)
         assert nxt.error is None
@@ -227,11 +231,11 @@ def test_dead_stage_without_restarts_fails_fast_and_clearly():
     data["stages"][0]["max_restarts"] = 0
     with Omni(data, engine_factory=fake_factory) as o:
         [crashed] = o.generate(["__crash__"], use_tqdm=False)
-        assert "stage 'thinker' failed: the stage's Ray actor died" in crashed.error
+        assert "stage 'thinker' failed: the stage's Ray actor died" in crashed.error.message
         [later] = o.generate(["hello"], use_tqdm=False)
         # Fails fast: the message says the actor is dead (a wait would end naming request_timeout_s).
         assert "stage 'thinker' failed: the stage's Ray actor is dead and will not restart (max_restarts=0)" \
-            in later.error
+            in later.error.message
         assert "error" in o.stats()["stages"]["thinker"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni import Omni, SamplingParams
+from omni.errors import ContextLengthError
 from tests.engine_utils import assert_no_leak
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")
@@ -44,15 +45,17 @@ def test_what_cannot_fit_is_refused_at_once_upstream_and_downstream():
                            {"prompt_token_ids": list(range(100, 112))},  # thinker fine; talker 15 + 8 > 20
                            {"prompt_token_ids": [5, 6, 7]}],             # innocent: fits everywhere
                           sampling, use_tqdm=False)
-        # Refused, not timed out: the errors below name the limit (a timeout would name
-        # runtime.request_timeout_s), whatever this machine's speed.
-        assert outs[0].error == (
-            "stage 'thinker' failed: invalid request: ValueError: prompt: 40 tokens + max_tokens 4 = 44 exceed "
-            "max_model_len 32 of stage 'thinker' (lowered from 256: the KV cache holds 8 blocks of 4 tokens); "
-            "shorten the prompt or lower max_tokens")
-        assert outs[1].error == (
-            "stage 'talker' failed: invalid request: ValueError: prompt: 15 tokens + max_tokens 8 = 23 exceed "
-            "max_model_len 20 of stage 'talker'; shorten the prompt or lower max_tokens")
+        # Refused, not timed out: the errors below are typed context-length errors naming the limit
+        # (a timeout would be a RequestTimeoutError), whatever this machine's speed.
+        # Typed: the stage, the field at fault, the limit and what was asked for (messages stay human).
+        err = outs[0].error
+        assert isinstance(err, ContextLengthError)
+        assert (err.stage, err.field, err.code, err.limit, err.actual) == (
+            "thinker", "prompt", "context_length_exceeded", 32, 44)
+        assert "(lowered from 256: the KV cache holds 8 blocks of 4 tokens)" in err.message
+        err = outs[1].error
+        assert isinstance(err, ContextLengthError)
+        assert (err.stage, err.field, err.limit, err.actual) == ("talker", "sampling_params.max_tokens", 20, 23)
         assert len(outs[1].outputs["thinker"].token_ids) == 4  # what the thinker did is still reported
         assert outs[2].error is None and len(outs[2].outputs["talker"].token_ids) == 8
         for engine in _engines(o).values():

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from omni.config import load_config
+from omni.config_loader import load_config
+from omni.errors import StageError
 from omni.outputs import CacheReport, StageInput, StageOutput, error_output
 from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.graph import StageGraph
@@ -295,8 +296,8 @@ def test_a_second_loss_or_the_fail_policy_fails_clearly():
                                 replica=rep, replica_lost=True))
     orch.step()
     out = orch.pop_result("r")
-    assert out.error == (f"stage 'thinker' failed: replica {rep}: the actor died "
-                         "(not retried: router.on_replica_failure is 'fail')")
+    assert out.error == StageError(f"stage 'thinker' failed: replica {rep}: the actor died "
+                                   "(not retried: router.on_replica_failure is 'fail')", stage="thinker", request_id="r")
 
     orch, be = chain()
     orch.add_request(StageInput("r", prompt_token_ids=[1] * 12))
@@ -306,7 +307,8 @@ def test_a_second_loss_or_the_fail_policy_fails_clearly():
         be.events.append(StageEvent("thinker", "r", error_output("thinker", "r", "died"), replica=rep,
                                     replica_lost=True))
         orch.step()
-    assert orch.pop_result("r").error == "stage 'thinker' failed: died (not retried: it was retried once already)"
+    assert orch.pop_result("r").error == StageError(
+        "stage 'thinker' failed: died (not retried: it was retried once already)", stage="thinker", request_id="r")
 
 
 def test_dead_replicas_are_never_chosen_while_another_serves():

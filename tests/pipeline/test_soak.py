@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from omni import Omni
+from omni.errors import OmniError
 from omni.outputs import StageOutput
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -85,7 +86,9 @@ def check_terminal(evs: list, final_stages: set[str]) -> str | None:
     if errors:
         assert evs[-1] is errors[0], [(type(e).__name__, e.stage) for e in evs]
         assert len({e.stage for e in outs[:-1]}) == len(outs) - 1  # no stage's output twice before it
-        return errors[0].error
+        err = errors[0].error
+        assert isinstance(err, OmniError), repr(err)  # typed; the soak sorts failures by their human message
+        return err.message
     assert sorted(e.stage for e in outs) == sorted(final_stages), [e.stage for e in outs]
     return None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from omni import AsyncOmni, Omni, SamplingParams, StageDelta
-from omni.errors import ConfigError
+from omni.errors import ConfigError, StageError
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -31,7 +31,7 @@ def streaming(chunk_tokens=3, caching=True):
 
 
 def with_runtime(overrides, **runtime):
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     cfg = load_config(CONFIG, overrides)
     return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update=runtime)})
@@ -204,7 +204,8 @@ def test_a_chunk_that_never_comes_fails_naming_the_edge():
         # Not before its 1 s (a bound the clock cannot break); the message names the chunk timeout,
         # not request_timeout_s (120 s in tiny_chain.yaml).
         assert time.monotonic() - t0 >= 1.0
-        assert "the first chunk on the streaming edge thinker -> talker did not arrive within 1s" in out.error
+        assert isinstance(out.error, StageError) and out.error.stage == "talker", repr(out.error)
+        assert "the first chunk on the streaming edge thinker -> talker did not arrive within 1s" in out.error.message
         assert out.outputs["thinker"].token_ids  # the thinker's part is kept
         del talker.push_chunk
         # The recovery request must not race the 1 s deadline itself: on a loaded machine one thinker
@@ -229,7 +230,7 @@ def test_upstream_failure_mid_stream_fails_the_request_naming_the_edge():
         thinker.step = failing_step
         [out] = o.generate(["Hello there, tell me something"], SamplingParams(temperature=0.0, max_tokens=12),
                            use_tqdm=False)
-        assert "stage 'thinker' failed" in out.error and "thinker -> talker" in out.error, out.error
+        assert "stage 'thinker' failed" in out.error.message and "thinker -> talker" in out.error.message, out.error
         thinker.step = real_step
         assert_clean(o)
 
@@ -242,7 +243,7 @@ def test_upstream_failure_mid_stream_fails_the_request_naming_the_edge():
     ({"talker": {"inputs": [{"stage": "nope", "stream": True}]}}, "unknown stage 'nope'"),
 ])
 def test_bad_streaming_edges_are_config_errors(change, match):
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIG, stage_overrides=change)
@@ -273,7 +274,8 @@ def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference
         t.join(120)
         assert not t.is_alive()
         err = results["out"][0].error
-        assert "stage 'thinker' failed" in err and "thinker -> talker" in err, err
+        assert isinstance(err, StageError) and err.stage == "thinker", repr(err)
+        assert "stage 'thinker' failed" in err.message and "thinker -> talker" in err.message, err
         # The abort reaches the talker's actor asynchronously: a condition wait, returns once it has.
         deadline = time.monotonic() + 60
         while (stats := o.stats()["stages"]["talker"])["kv_usage"] and time.monotonic() < deadline:

@@ -152,7 +152,8 @@ def test_disconnect_mid_stream_releases_every_stage(server, client):
 GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
 BAD_REQUESTS = [
     # (what, body, status, param, code)
-    ("unknown field", {**GOOD, "logit_bias": {"1": 2}}, 400, "logit_bias", "unknown_parameter"),
+    ("unknown field", {**GOOD, "logit_bias_x": {"1": 2}}, 400, "logit_bias_x", "unknown_parameter"),
+    ("an OpenAI feature omni lacks", {**GOOD, "logit_bias": {"1": 2}}, 400, "logit_bias", "unsupported_parameter"),
     ("unknown field in a message", {**GOOD, "messages": [{"role": "user", "content": "hi", "x": 1}]}, 400,
      "messages[0].x", "unknown_parameter"),
     ("not JSON", b"{model: nope", 400, None, "invalid_value"),
@@ -193,11 +194,16 @@ BAD_REQUESTS = [
     ("a bad field in sampling_params_list", {**GOOD, "sampling_params_list": [None, {"top_p": 0}]}, 400,
      "sampling_params_list[1].top_p", "invalid_value"),
     ("an unknown field in sampling_params_list", {**GOOD, "sampling_params_list": [{"beam_width": 2}, None]},
-     400, "sampling_params_list[0].beam_width", "invalid_value"),
+     400, "sampling_params_list[0].beam_width", "unknown_parameter"),
     ("min_tokens past max_tokens", {**GOOD, "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", "invalid_value"),
     ("negative min_tokens", {**GOOD, "min_tokens": -1}, 400, "min_tokens", None),
     ("a token id out of vocabulary", {"model": MODEL, "prompt": [10**9], "max_tokens": 2}, 400, "prompt",
      "invalid_value"),
+    ("a stop token id out of vocabulary", {**GOOD, "stop_token_ids": [10**6]}, 400, "stop_token_ids",
+     "invalid_value"),
+    ("a stop token id out of vocabulary in sampling_params_list",
+     {**GOOD, "sampling_params_list": [{"stop_token_ids": [10**6]}, None]}, 400,
+     "sampling_params_list[0].stop_token_ids", "invalid_value"),
 ]
 
 
@@ -213,6 +219,22 @@ def test_bad_requests_get_openai_errors(server, what, body, status, param, code)
         assert err["error"]["code"] == code, err
     got, _, ok = server.post("/v1/chat/completions", GOOD)  # the server keeps serving
     assert got == 200 and ok["choices"][0]["message"]["content"], ok
+
+
+def test_openai_fields_at_their_defaults_are_accepted(server):
+    body = {**GOOD, "logprobs": False, "tool_choice": None, "response_format": {"type": "text"}, "n": None,
+            "stream": None, "tools": None, "frequency_penalty": 0, "logit_bias": None}
+    got, _, ok = server.post("/v1/chat/completions", body)
+    assert got == 200 and ok["choices"][0]["message"]["content"], ok
+    got, _, ok = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "logprobs": None,
+                                                  "echo": False, "best_of": None})
+    assert got == 200 and ok["choices"][0]["text"] is not None, ok
+
+
+def test_out_of_vocabulary_errors_carry_the_numbers(server):
+    got, _, err = server.post("/v1/chat/completions", {**GOOD, "stop_token_ids": [5, 151937]})
+    assert got == 400 and err["error"]["param"] == "stop_token_ids", err
+    assert "151937" in err["error"]["message"] and "vocabulary" in err["error"]["message"]
 
 
 def test_errors_through_the_openai_client(client):

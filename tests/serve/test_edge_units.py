@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import base64
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 from PIL import Image
 
+from omni.errors import (ContextLengthError, RequestAbortedError, RequestError, RequestTimeoutError,
+                         StageError)
 from omni.serve.audio import decode_audio, encode_wav, pcm16_chunks, pcm16_to_float, resample, to_pcm16
 from omni.serve.errors import ApiError, from_omni_error
 from omni.serve.media import decode_image, parse_data_url
@@ -133,26 +136,49 @@ FIELDS = {"prompt": "messages", "speaker": "audio.voice", "max_tokens": "max_com
           "multi_modal_data.audio[0]": "messages[1].content[0].input_audio"}
 
 
-@pytest.mark.parametrize("message,status,param", [
-    ("stage 'thinker' failed: invalid request: ValueError: prompt: 300 tokens + max_tokens 16 = 316 exceed "
-     "max_model_len 256 of stage 'thinker'; shorten the prompt or lower max_tokens", 400, "messages"),
-    ("stage 'thinker' failed: invalid request: ValueError: prompt: 20 tokens + max_tokens 500 = 520 exceed "
-     "max_model_len 256 of stage 'thinker'; shorten the prompt or lower max_tokens", 400, "max_completion_tokens"),
-    ("stage 'thinker' failed: invalid request: ValueError: multi_modal_data.audio[0]: 10 samples, at least 400 "
-     "are needed", 400, "messages[1].content[0].input_audio"),
-    ("stage 'thinker' failed: invalid request: ValueError: multi_modal_data: stage 'thinker' takes no image "
-     "inputs", 400, "messages[0].content[1].image_url"),
-    ("stage 'talker' failed: invalid request: ValueError: speaker: 'alloy' is not available", 400, "audio.voice"),
-    ("prompts[0]: prompt: messages[2].content: expected text or a list of content parts", 400, "messages[2].content"),
-    ("request 'x' timed out after 1s (runtime.request_timeout_s) waiting for stage(s) thinker", 504, None),
-    ("stage 'thinker' failed: forward pass failed: RuntimeError: boom", 500, None),
-    ("stage 'talker' failed: the stage's actor died", 500, None),
+@pytest.mark.parametrize("err,status,param,code", [
+    (ContextLengthError("prompt: 300 tokens + max_tokens 16 = 316 exceed max_model_len 256", stage="thinker",
+                        field="prompt", limit=256, actual=316), 400, "messages", "context_length_exceeded"),
+    (ContextLengthError("prompt: 20 tokens + max_tokens 500 = 520 exceed max_model_len 256", stage="thinker",
+                        field="sampling_params.max_tokens", limit=256, actual=520), 400, "max_completion_tokens",
+     "context_length_exceeded"),
+    (RequestError("multi_modal_data.audio[0]: 10 samples, at least 400 are needed", stage="thinker",
+                  field="multi_modal_data.audio[0]"), 400, "messages[1].content[0].input_audio", "invalid_value"),
+    (RequestError("multi_modal_data: stage 'thinker' takes no image inputs", stage="thinker",
+                  field="multi_modal_data"), 400, "messages[0].content[1].image_url", "invalid_value"),
+    (RequestError("speaker: 'alloy' is not available", stage="talker", field="speaker"), 400, "audio.voice",
+     "invalid_value"),
+    (RequestError("prompts[0]: prompt.messages[2].content: expected text", field="prompt.messages[2].content"),
+     400, "messages[2].content", "invalid_value"),
+    (RequestError("sampling_params.stop_token_ids: token id 9 is out of vocabulary", stage="thinker",
+                  field="sampling_params.stop_token_ids", limit=9, actual=9), 400, "stop_token_ids", "invalid_value"),
+    (RequestError("request_id 'x' is already in use", field="request_id", code="duplicate_request_id"), 400,
+     "messages", "duplicate_request_id"),
+    (RequestTimeoutError("request 'x' timed out after 1s", limit=1.0), 504, None, "request_timeout"),
+    (StageError("stage 'thinker' failed: forward pass failed: RuntimeError: boom", stage="thinker"), 500, None,
+     "stage_failed"),
+    (RequestAbortedError("the pipeline was closed", code="shutting_down"), 503, None, "shutting_down"),
 ])
-def test_omni_errors_name_the_request_field(message, status, param):
-    err = from_omni_error(message, FIELDS)
-    assert (err.status, err.param) == (status, param)
-    assert message in err.message
-    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+def test_omni_errors_map_by_type_and_code(err, status, param, code):
+    """The table maps an error's type and code to the status, its field to the request's: no message is read."""
+    api = from_omni_error(err, FIELDS, lambda stage, name: FIELDS.get(name, name))
+    assert (api.status, api.param, api.code) == (status, param, code)
+    assert err.message in api.message
+    assert set(api.body()["error"]) == {"message", "type", "param", "code"}
+    renamed = err.replace("something else entirely")  # the wording does not matter
+    assert from_omni_error(renamed, FIELDS, lambda stage, name: FIELDS.get(name, name)).param == param
+
+
+def test_sampling_fields_name_the_request_field_that_set_them():
+    err = RequestError("top_p: bad", stage="talker", field="sampling_params.top_p")
+    assert from_omni_error(err, FIELDS, lambda stage, name: f"sampling_params_list[1].{name}").param == \
+        "sampling_params_list[1].top_p"
+
+
+def test_the_server_parses_no_messages():
+    import omni.serve.errors as errors_module
+
+    assert "import re" not in Path(errors_module.__file__).read_text()
 
 
 @pytest.mark.parametrize("body,param", [
@@ -176,3 +202,76 @@ def test_request_errors_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
         parse(ChatCompletionRequest, json.dumps({"model": "m", **body}).encode())
     assert e.value.status == 400 and e.value.param == param, e.value.body()
+
+
+# ------------------------------------------------- OpenAI fields omni does not implement (issue 23, class 5)
+def _openai_fields(module) -> set[str]:
+    import typing
+
+    return set(typing.get_type_hints(module.CompletionCreateParamsBase)) | {"stream"}
+
+
+def test_every_openai_request_field_is_known():
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+
+    from omni.serve.protocol import CompletionRequest
+
+    assert _openai_fields(chat) <= set(ChatCompletionRequest.model_fields)
+    assert _openai_fields(completion) <= set(CompletionRequest.model_fields)
+
+
+CHAT_MIN = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("extra", [
+    {"logprobs": False}, {"logprobs": None}, {"tool_choice": None}, {"tool_choice": "none"},
+    {"response_format": {"type": "text"}}, {"response_format": None}, {"tools": None}, {"tools": []},
+    {"n": None}, {"n": 1}, {"stream": None}, {"frequency_penalty": 0}, {"presence_penalty": 0.0},
+    {"logit_bias": None}, {"logit_bias": {}}, {"top_logprobs": 0}, {"parallel_tool_calls": True},
+    {"store": False}, {"service_tier": "auto"}, {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"},
+    {"safety_identifier": "u"}, {"user": None}, {"stop": None}, {"seed": None},
+])
+def test_null_or_default_openai_fields_are_accepted(extra):
+    import json
+
+    parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
+
+
+@pytest.mark.parametrize("extra,param,code", [
+    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"logit_bias": {"1": 2}}, "logit_bias", "unsupported_parameter"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+    ({"frequency_penalty": False}, "frequency_penalty", "unsupported_parameter"),  # not JSON's 0
+    ({"store": True}, "store", "unsupported_parameter"),
+    ({"n": 2}, "n", "invalid_value"),
+    ({"logprob": True}, "logprob", "unknown_parameter"),
+])
+def test_openai_fields_asking_for_a_missing_feature_are_refused_by_name(extra, param, code):
+    import json
+
+    with pytest.raises(ApiError) as e:
+        parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.body()
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"logprobs": None}, None), ({"echo": False}, None), ({"best_of": 1}, None), ({"suffix": None}, None),
+    ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+])
+def test_completion_only_openai_fields(extra, param):
+    import json
+
+    from omni.serve.protocol import CompletionRequest
+
+    body = json.dumps({"model": "m", "prompt": "x", **extra}).encode()
+    if param is None:
+        parse(CompletionRequest, body)
+        return
+    with pytest.raises(ApiError) as e:
+        parse(CompletionRequest, body)
+    assert (e.value.param, e.value.code) == (param, "unsupported_parameter")

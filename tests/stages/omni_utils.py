@@ -100,7 +100,7 @@ TALKER_SAMPLING = dict(temperature=0.0, max_tokens=TALKER_MAX, repetition_penalt
 def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=512):
     """Three engines wired like stage_configs/qwen2_5_omni_tiny.yaml (without the pipeline layer)."""
     from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
-    from omni.engine.sampling_params import SamplingParams
+    from omni.sampling_params import SamplingParams
     from tests.engine_utils import make_engine
 
     t = make_engine(None, model=thinker, caching=caching, block_size=block_size, max_num_batched_tokens=chunk,

@@ -51,7 +51,7 @@ def test_mrope_talker_prefill_matches_transformers_forward(thinker_stage, talker
     attention mask (codec bos/pad embeddings added, 3-D positions from input_text_ids + image grid)."""
     import torch
 
-    from omni.engine.sampling_params import SamplingParams
+    from omni.sampling_params import SamplingParams
     from tests.engine_utils import make_engine, run_to_completion
 
     inp = StageInput("image", prompt=CASES["image"][0], mm_inputs=CASES["image"][1])

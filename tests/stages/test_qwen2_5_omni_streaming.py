@@ -129,7 +129,7 @@ def test_abort_mid_audio_releases_all_three_stages():
 
 
 def test_a_lost_codec_chunk_fails_naming_the_edge():
-    from omni.config import load_config
+    from omni.config_loader import load_config
 
     cfg = load_config(CONFIG, STREAMED)
     cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"stream_chunk_timeout_s": 1.0})})
@@ -138,7 +138,7 @@ def test_a_lost_codec_chunk_fails_naming_the_edge():
         [out] = o.generate(["Hello"], use_tqdm=False)
         # The message names the chunk timeout (not runtime.request_timeout_s, 300 s here): which one
         # fired is asserted, not how fast this machine got there.
-        assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error, out.error
+        assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error.message, out.error
 
 
 def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):

@@ -1,7 +1,10 @@
-"""SamplingParams: how one request picks its next tokens (user-facing, validated; no torch).
+"""Pure request data shared by the config and the engine (no torch, nothing of engine/ or pipeline/).
 
+SamplingParams: how one request picks its next tokens (user-facing, validated).
 `resolve_sampling_params` is the one place where a request's parameters are merged over a stage's
 defaults (the API validates with it at submission, the engines when a request arrives).
+`check_prefill_fits`: the batching arithmetic the config checks up front and the scheduler again
+once max_model_len is resolved.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from omni.errors import FIELD_ERROR
 
 from omni.strict import no_bool_for_number
 
@@ -22,9 +28,16 @@ _GREEDY_EPS = 1e-5
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
-def _check_min_le_max(min_tokens: int, max_tokens: int | None, prefix: str = "") -> None:
+def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int, enable_chunked_prefill: bool) -> None:
+    """Without chunked prefill a whole prompt runs in one step: the step budget must hold the longest."""
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                         f"({max_model_len}) when enable_chunked_prefill is false")
+
+
+def _check_min_le_max(min_tokens: int, max_tokens: int | None) -> None:
     if max_tokens is not None and min_tokens > max_tokens:
-        raise ValueError(f"{prefix}min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+        raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
 
 
 class SamplingParams(BaseModel):
@@ -114,8 +127,11 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check_min_le_max_on_assignment(self) -> SamplingParams:
-        # Assigning max_tokens alone re-runs only this validator: the message still names the field.
-        _check_min_le_max(self.min_tokens, self.max_tokens, prefix="min_tokens: ")
+        # Assigning max_tokens alone re-runs only this validator: the error still names the field.
+        try:
+            _check_min_le_max(self.min_tokens, self.max_tokens)
+        except ValueError as e:
+            raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {"field": "min_tokens", "text": str(e)}) from None
         return self
 
     @field_validator("stop_token_ids")
