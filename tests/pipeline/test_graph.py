@@ -9,7 +9,7 @@ import pytest
 from omni.config import load_config
 from omni.errors import ConfigError
 from omni.pipeline.graph import StageGraph
-from tests.pipeline.test_fake_engine import chain_config, diamond_config
+from tests.fakes import chain_config, diamond_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_per_token_rows_leave_a_stage_only_where_they_are_read():
         {"thinker": True, "talker": False, "token2wav": False}
     chain = chain_config()
     assert not StageGraph(load_config(chain).stages).emits_hidden_states("thinker")  # passthrough_tokens
-    chain["stages"][1]["input_processor"] = "tests.pipeline.test_fake_engine:fake_hidden_to_embeds"
+    chain["stages"][1]["input_processor"] = "tests.fakes:fake_hidden_to_embeds"
     assert StageGraph(load_config(chain).stages).emits_hidden_states("thinker")  # a target: not known, so yes
     chain["stages"][1]["final_output"] = "hidden"
     assert StageGraph(load_config(chain).stages).emits_hidden_states("talker")  # the final output itself

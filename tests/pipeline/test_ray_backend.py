@@ -20,8 +20,7 @@ ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, StageStartError
 from omni.outputs import StageOutput
-from tests.pipeline.test_fake_engine import (chain_config, diamond_config, embeds_ids,
-                                             expected_tokens, fake_factory, text_ids)
+from tests.fakes import chain_config, diamond_config, embeds_ids, expected_tokens, fake_factory, text_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni
-from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids
+from tests.fakes import chain_config, expected_tokens, fake_factory, text_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

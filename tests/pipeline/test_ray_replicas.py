@@ -23,7 +23,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from omni import Omni  # noqa: E402
-from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
+from tests.fakes import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
 from tests.procs import free_ports, stop_tree, tail  # noqa: E402
 from tests.pipeline.test_replicas import TINY, conversations  # noqa: E402
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from omni import Omni, SamplingParams
-from tests.pipeline.test_fake_engine import fake_factory, stage
+from tests.fakes import fake_factory, stage
 
 TINY = "stage_configs/tiny_chain.yaml"
 

@@ -13,7 +13,7 @@ from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator, StageEvent
 from omni.pipeline.route_keys import text_hashes, token_hashes
 from omni.pipeline.router import Router, RouterSettings
-from tests.pipeline.test_fake_engine import stage
+from tests.fakes import stage
 
 
 def keys(*blocks: int) -> list[bytes]:
