@@ -1,16 +1,13 @@
 """Ray backend with the fake engine: same outputs as local, batching, failures, restarts.
 
-One local Ray cluster for the whole module (auth disabled, temp dir, always shut down).
+On the session's shared Ray cluster (tests/conftest.py: `ray_cluster`).
 """
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,25 +19,7 @@ from omni.errors import ConfigError, StageStartError
 from omni.outputs import StageOutput
 from tests.fakes import chain_config, diamond_config, embeds_ids, expected_tokens, fake_factory, text_ids
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-REPO = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():  # left over by another module
-        ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="omni-test-ray-")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             # the stage actors import the fake engine from this checkout's tests package
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.ray, pytest.mark.slow]
 
 
 def ray_chain(**runtime):

@@ -233,10 +233,8 @@ def test_bad_streaming_edges_are_config_errors(change, match):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference):
-    pytest.importorskip("ray")
-    import ray
-
+def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference, ray_cluster):
+    ray = ray_cluster
     with Omni(CONFIG, stage_overrides=streaming(3)) as o:
         deltas, finals = collect(o, PROMPTS)
         for ref in reference:

@@ -1,7 +1,8 @@
 """`omni serve` on the tiny chain (thinker -> talker), with the real `openai` client against a live server.
 
-One server for the module (the real CLI in a subprocess, local backend: the Ray-served app is tested
-in test_ray_serve.py). The thinker samples greedily (its config), so replies are deterministic.
+One server for the module (in this process, local backend: `serve_in_process`; the CLI's own process is
+smoke-tested in test_serve_cli.py, the Ray-served app in test_ray_serve.py). The thinker samples greedily
+(its config), so replies are deterministic.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.server_utils import CHAIN, omni_serve, wait_idle
+from tests.serve.server_utils import CHAIN, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny_chain"
@@ -25,7 +26,7 @@ HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    with omni_serve(CHAIN, "--backend", "local") as s:
+    with serve_in_process(CHAIN, "--backend", "local") as s:
         yield s
 
 

@@ -165,9 +165,9 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_streamed_audio_on_ray_actor_to_actor(one_shot):
-    """Three stage actors: thinker rows reach the talker and codec chunks reach token2wav actor to actor."""
-    pytest.importorskip("ray")
+def test_streamed_audio_on_ray_actor_to_actor(one_shot, ray_cluster):
+    """Three stage actors (on the session's shared cluster): thinker rows reach the talker and codec chunks
+    reach token2wav actor to actor."""
     with Omni(CONFIG, stage_overrides=STREAMED) as o:
         finals, audio, _ = stream_all(o, PROMPTS)
         for ref in one_shot:
