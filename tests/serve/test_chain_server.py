@@ -17,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.server_utils import CHAIN, serve_in_process, wait_idle
+from tests.serve.server_utils import CHAIN, held, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny_chain"
@@ -136,14 +136,13 @@ def test_sixteen_concurrent_clients(server):
 
 def test_disconnect_mid_stream_releases_every_stage(server, client):
     before = server.metrics().get(("omni_requests_total", (("finish_reason", "abort"),)), 0.0)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
-    it = iter(stream)
-    for _ in range(3):
-        next(it)
-    assert server.stage_gauges("omni_stage_kv_cache_usage_ratio")["thinker"] > 0  # it holds blocks now
-    stream.close()  # the client goes away mid-stream
-    kv = wait_idle(server)
+    with held(server, "thinker", after_steps=1):  # its first token streams out, then it cannot finish
+        stream = client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # the reply has started: the thinker has run the prompt and holds its blocks
+        assert server.stage_gauges("omni_stage_kv_cache_usage_ratio")["thinker"] > 0
+        stream.close()  # the client goes away mid-stream
+        kv = wait_idle(server)
     assert set(kv) == {"thinker", "talker"} and not any(kv.values())
     after = server.metrics()[("omni_requests_total", (("finish_reason", "abort"),))]
     assert after == before + 1
