@@ -30,10 +30,10 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 # The inner loop: everything but the tests that need a Ray cluster, a server or cluster node in another
-# process, or SmolLM2's real weights (markers in pyproject.toml; the whole suite is `make test`).
+# process or SmolLM2's real weights, and the slow ones (markers in pyproject.toml; `make test` runs all).
 test-fast: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not ray and not server and not real_weights" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not ray and not server and not real_weights and not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/omni bench kv

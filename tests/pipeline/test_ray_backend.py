@@ -34,9 +34,28 @@ def summary(outs):
 
 
 @pytest.fixture(scope="module")
-def chain(ray_cluster):
+def _chain():
     with Omni(ray_chain(), engine_factory=fake_factory) as o:
         yield o
+
+
+def assert_idle(o: Omni, timeout_s: float = 30.0) -> None:
+    """Nothing in flight in the pipeline, nothing running in any stage actor (aborts land asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = o.stats()
+        busy = {n: s.get("running") for n, s in st["stages"].items() if s.get("running")}
+        if not busy and st["requests"]["in_flight"] == 0:
+            return
+        assert time.monotonic() < deadline, (busy, st["requests"])
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def chain(_chain):
+    """The module's default Ray chain (its actors started once), idle again after each test."""
+    yield _chain
+    assert_idle(_chain)
 
 
 def test_ray_and_local_give_identical_outputs(chain):
@@ -244,8 +263,6 @@ def test_close_kills_the_actors_but_not_a_ray_it_did_not_start():
         ray.get(actor.ready.remote(), timeout=30)
 
 
-def test_numpy_outputs_only():
-    data = ray_chain()
-    with Omni(data, engine_factory=fake_factory) as o:
-        [out] = o.generate("np", use_tqdm=False, return_hidden_states=True)
+def test_numpy_outputs_only(chain):
+    [out] = chain.generate("np", use_tqdm=False, return_hidden_states=True)
     assert isinstance(out.outputs["thinker"].hidden_states, np.ndarray)

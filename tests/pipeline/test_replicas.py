@@ -63,6 +63,7 @@ def test_multi_turn_conversations_keep_their_hit_rate_with_replicas():
     assert s2["thinker"]["finished"] == 12 == sum(r["finished"] for r in replicas)
 
 
+@pytest.mark.slow
 def test_text_and_chat_prompts_are_tokenized_in_the_driver_like_the_stage():
     over = {"thinker": {"replicas": 2, "use_chat_template": True}, "talker": {"replicas": 1}}
     sp = SamplingParams(temperature=0, max_tokens=4)
@@ -81,6 +82,7 @@ def test_text_and_chat_prompts_are_tokenized_in_the_driver_like_the_stage():
     assert router["decisions"]["affinity"] == 2 and router["shortfalls"] == 0
 
 
+@pytest.mark.slow
 def test_evictions_reported_by_the_replicas_reach_the_router():
     over = {"thinker": {"replicas": 2, "cache": {"block_size": 4, "num_blocks": 24}},
             "talker": {"replicas": 1}}

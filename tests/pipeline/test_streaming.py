@@ -93,6 +93,7 @@ def test_streamed_rows_add_up_to_the_hidden_states():
                     rows.setdefault((ev.request_id, ev.stage), []).append(ev.rows["hidden_states"])
             else:
                 finals[(ev.request_id, ev.stage)] = ev
+        assert len(finals) == 2 * 2  # both prompts' thinker and talker outputs: the loop below checks each
         for key, out in finals.items():
             np.testing.assert_array_equal(np.concatenate(rows[key]), out.hidden_states)
         assert_clean(o)
@@ -113,6 +114,7 @@ def test_talker_starts_before_the_thinker_finishes():
         assert_clean(o)
 
 
+@pytest.mark.slow
 def test_streaming_is_deterministic_and_caching_on_off_identical():
     turn2 = {"prompt": "Hello, my name is Bob and I like"}
     runs = []
@@ -127,6 +129,7 @@ def test_streaming_is_deterministic_and_caching_on_off_identical():
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.slow
 def test_abort_at_random_points_leaves_no_block_in_use():
     rng = random.Random(7)
     with Omni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:

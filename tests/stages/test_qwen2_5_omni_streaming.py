@@ -105,6 +105,7 @@ def test_streaming_caching_on_off_identical_and_turn_two_hits():
     assert results[True][1]["thinker"].num_cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_abort_mid_audio_releases_all_three_stages():
     with Omni(CONFIG, backend="local", stage_overrides=STREAMED) as o:
         it = o.stream(["Tell me everything about the sea."])
@@ -120,6 +121,7 @@ def test_abort_mid_audio_releases_all_three_stages():
         assert_clean(o)
 
 
+@pytest.mark.slow
 def test_a_lost_codec_chunk_fails_naming_the_edge():
     from omni.config import load_config
 
@@ -133,6 +135,7 @@ def test_a_lost_codec_chunk_fails_naming_the_edge():
         assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error, out.error
 
 
+@pytest.mark.slow
 def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
     """Codes that end between chunks, and an end announced after the last full chunk went out."""
     import torch
