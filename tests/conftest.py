@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 REPO = str(Path(__file__).resolve().parents[1])
 
-# The tiers (markers registered in pyproject.toml). `make test-fast` deselects these three:
+# The tiers (markers registered in pyproject.toml). `make test-fast` deselects these and `slow`:
 #   ray           needs a Ray cluster: the session's shared one (fixture `ray_cluster`, marked by it) or its own
 #   server        starts a server or a cluster node in another process (`omni serve`, `ray start`)
 #   real_weights  loads SmolLM2-135M's real weights (fixture `smollm2`, marked by it)

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")
 
 
+@pytest.mark.slow
 def test_bench_pipeline_ttft_part(shared_causal_lm, capsys):
     """`omni bench pipeline` (TTFT part only, local backend, a short conversation): the JSON it returns."""
     import argparse
