@@ -152,6 +152,7 @@ def test_multi_turn_hits_in_both_stages(reference):
         assert st[stage]["ttft_mean_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("thinker_on, talker_on", [c for c in itertools.product([True, False], repeat=2)
                                                    if c != (True, True)],
                          ids=lambda v: "on" if v else "off")
