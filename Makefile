@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.omni-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: install
 test: install
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests that need a Ray cluster, a server or cluster node in another
+# process or SmolLM2's real weights, and the slow ones (markers in pyproject.toml; `make test` runs all).
+test-fast: install
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not ray and not server and not subprocess and not real_weights and not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/omni bench kv

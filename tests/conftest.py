@@ -9,9 +9,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
 import pytest  # noqa: E402
 
+REPO = str(Path(__file__).resolve().parents[1])
 
+# The tiers (markers registered in pyproject.toml). `make test-fast` deselects these and `slow`:
+#   ray           needs a Ray cluster: the session's shared one (fixture `ray_cluster`, marked by it) or its own
+#   server        starts a server or a cluster node in another process (`omni serve`, `ray start`)
+#   real_weights  loads SmolLM2-135M's real weights (fixture `smollm2`, marked by it)
+_MARKED_BY_FIXTURE = {"ray_cluster": "ray", "own_ray": "ray", "smollm2": "real_weights"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in _MARKED_BY_FIXTURE.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+    # The tests that need the in-process Ray to themselves (fixture `own_ray`) run last, so that the shared
+    # cluster starts once and is shut down once, before them (stable sort: the order is otherwise kept).
+    items.sort(key=lambda item: "own_ray" in getattr(item, "fixturenames", ()))
+
+
+# ------------------------------------------------------------------ checkpoints
 @pytest.fixture(scope="session")
 def tiny_llama():
     from stages.checkpoints import tiny_checkpoint
@@ -27,7 +52,167 @@ def tiny_qwen2():
 
 
 @pytest.fixture(scope="session")
+def tiny_omni():
+    from stages.qwen2_5_omni_checkpoint import tiny_omni_checkpoint
+
+    return tiny_omni_checkpoint()
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     from stages.checkpoints import smollm2_path
 
     return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def shared_causal_lm():
+    """Load each (path, dtype, device) causal LM once for the local pipelines of a module (loading the
+    tokenizer dominates a tiny stage's start-up; the weights are read-only, the engines their own)."""
+    import stages.causal_lm as causal_lm
+
+    original = causal_lm.CausalLMStage.load.__func__
+    loaded: dict[tuple[str, str, str], Any] = {}
+
+    def load(cls, model_path, **kw):
+        if kw.get("model_kwargs") or kw.get("tokenizer_path"):
+            return original(cls, model_path, **kw)
+        key = (str(model_path), str(kw["dtype"]), str(kw["device"]))
+        if key not in loaded:
+            loaded[key] = original(cls, model_path, **kw)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(causal_lm.CausalLMStage, "load", classmethod(load))
+        yield
+
+
+class TokenizerCache:
+    """Every pipeline this process builds loads its stages' tokenizers; the tiny checkpoints' (Qwen2's
+    151k-token vocabulary, an 18 MB tokenizer.json) take seconds each. Once installed, transformers' loader
+    runs once per (path, options, files' mtimes) for the session and every later load gets that tokenizer:
+    omni only reads them (encode, decode, chat templates). Failures are not remembered; Ray actors and
+    subprocesses load their own."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[tuple[str, str], Any] = {}
+        self.restore: Any = None
+
+    def install(self) -> None:
+        """Wraps AutoTokenizer.from_pretrained once transformers is imported (a session that never
+        imports it does not pay for the import here)."""
+        if self.restore is not None or "transformers" not in sys.modules:
+            return
+        from transformers import AutoTokenizer
+
+        descriptor, original = AutoTokenizer.__dict__["from_pretrained"], AutoTokenizer.from_pretrained
+
+        def from_pretrained(cls, path, *args, **kwargs):
+            files = Path(path).iterdir() if Path(path).is_dir() else ()
+            written = max((f.stat().st_mtime_ns for f in files), default=0)  # written again: load again
+            key = (str(path), repr((args, sorted(kwargs.items()), written)))
+            if key not in self.loaded:
+                self.loaded[key] = original(path, *args, **kwargs)
+            return self.loaded[key]
+
+        AutoTokenizer.from_pretrained = classmethod(from_pretrained)
+        self.restore = lambda: setattr(AutoTokenizer, "from_pretrained", descriptor)
+
+
+@pytest.fixture(scope="session")
+def _tokenizer_cache():
+    cache = TokenizerCache()
+    try:
+        yield cache
+    finally:
+        if cache.restore is not None:
+            cache.restore()
+
+
+@pytest.fixture(autouse=True)
+def _tokenizers_loaded_once(_tokenizer_cache):
+    _tokenizer_cache.install()
+
+
+# ------------------------------------------------------------------------ Ray
+class SharedRay:
+    """The session's one local Ray cluster, for every test that only needs "a Ray" (embedded in this
+    process: auth disabled, its own temp dir; the stage actors import this checkout's `tests` package).
+
+    Started on first use; shut down at the end of the session, or earlier by `own_ray` for the tests that
+    need the in-process Ray to themselves (those run last), after which the next user starts it again."""
+
+    def __init__(self) -> None:
+        self.temp_dir: str | None = None
+
+    def ensure(self) -> Any:
+        import ray
+
+        if not ray.is_initialized():
+            self.shutdown()
+            self.temp_dir = tempfile.mkdtemp(prefix="omni-test-ray-")
+            # Logical CPUs only gate placement: 8 lets a test's stages (and replicas) all place on 2 cores.
+            ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=self.temp_dir,
+                     log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+        return ray
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+@pytest.fixture(scope="session")
+def _shared_ray():
+    pytest.importorskip("ray")  # GPU machines may run the suite without Ray
+    shared = SharedRay()
+    try:
+        yield shared
+    finally:
+        shared.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_shared_ray):
+    """The shared local Ray cluster (the `ray` module, initialized). A pipeline opened on it does not own
+    it: closing the pipeline kills its actors and waits until they are gone, the cluster stays."""
+    return _shared_ray.ensure()
+
+
+@pytest.fixture(scope="module")
+def own_ray(_shared_ray):
+    """For a module that starts (or connects) the in-process Ray itself: the shared cluster is shut
+    down first (these modules run last), and whatever Ray the module left is shut down after it."""
+    _shared_ray.shutdown()
+    ray = pytest.importorskip("ray")
+    try:
+        yield ray
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _ray_needs_the_marker(request: pytest.FixtureRequest):
+    """A test not marked `ray` must not start Ray (it would run, slowly, in `make test-fast`): `ray.init`
+    fails it, naming the fixture to use."""
+    if request.node.get_closest_marker("ray") is not None:
+        yield
+        return
+    try:
+        import ray
+    except ImportError:
+        yield
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not marked `ray`: use the fixture "
+                           "`ray_cluster` (the session's shared cluster) or `own_ray`, or mark it")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ray, "init", refuse)
+        yield

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from omni import cli
-from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids
+from tests.fakes import chain_config, expected_tokens, fake_factory, text_ids
 
 REPO = Path(__file__).resolve().parents[1]
 

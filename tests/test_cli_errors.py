@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from omni import cli
-from tests.pipeline.test_fake_engine import chain_config
+from tests.fakes import chain_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def run_and_signal(sig: int, backend: str) -> tuple[int, str, float]:
 def test_signals_exit_quietly(tmp_path, capsys, monkeypatch, sig, code, message):
     """In this process, with fake engines: the signal comes while `omni run` waits on a request."""
     import omni.pipeline.engine_factory as engine_factory
-    from tests.pipeline.test_fake_engine import fake_factory
+    from tests.fakes import fake_factory
 
     def factory(stage):
         engine = fake_factory(stage)

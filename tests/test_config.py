@@ -10,7 +10,7 @@ from omni.config import PipelineConfig
 from omni.config_loader import load_config, parse_stage_overrides
 from omni.sampling_params import SamplingParams
 from omni.errors import ConfigError, OmniError
-from tests.pipeline.test_fake_engine import chain_config, diamond_config, stage
+from tests.fakes import chain_config, diamond_config, stage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def test_model_target_that_is_not_a_class():
 
 
 def test_model_target_class_resolves():
-    cfg = load_config(cfg_with(stage("a", model="tests.pipeline.test_fake_engine:FakeStageModel",
+    cfg = load_config(cfg_with(stage("a", model="tests.fakes:FakeStageModel",
                                      final_output="text")))
     assert cfg.stages[0].model.endswith(":FakeStageModel")
 
@@ -141,8 +141,8 @@ def test_unknown_input_processor():
 
 @pytest.mark.parametrize("target,why", [
     ("no_such_pkg:fn", "ModuleNotFoundError"),
-    ("tests.pipeline.test_fake_engine:missing_fn", "AttributeError"),
-    ("tests.pipeline.test_fake_engine:HIDDEN", "not callable"),
+    ("tests.fakes:missing_fn", "AttributeError"),
+    ("tests.fakes:HIDDEN", "not callable"),
     ("not-a-target:", "not of the form"),
 ])
 def test_input_processor_target_that_does_not_resolve(target, why):
@@ -152,7 +152,7 @@ def test_input_processor_target_that_does_not_resolve(target, why):
 
 def test_input_processor_target_resolves():
     data = diamond_config()
-    data["stages"][3]["input_processor"] = "tests.pipeline.test_fake_engine:tagged_concat"
+    data["stages"][3]["input_processor"] = "tests.fakes:tagged_concat"
     assert load_config(data).stages[3].input_processor.endswith(":tagged_concat")
 
 

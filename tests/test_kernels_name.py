@@ -105,6 +105,7 @@ def test_is_kernels_available_false_in_this_process():
     assert is_kernels_available() is False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _omni_installed(), reason="omni is not pip-installed in this environment")
 def test_installed_omni_is_not_mistaken_for_hub_kernels(tiny_llama):
     result = _run_probe(tiny_llama, "installed")
@@ -122,6 +123,7 @@ def test_installed_omni_is_not_mistaken_for_hub_kernels(tiny_llama):
     _assert_no_hub_kernels(result)
 
 
+@pytest.mark.slow
 def test_checkout_without_metadata_is_not_mistaken_for_hub_kernels(tiny_llama):
     result = _run_probe(tiny_llama, "checkout")
     assert result["available"] is False

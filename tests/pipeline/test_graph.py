@@ -9,7 +9,7 @@ import pytest
 from omni.config_loader import load_config
 from omni.errors import ConfigError
 from omni.pipeline.graph import StageGraph
-from tests.pipeline.test_fake_engine import chain_config, diamond_config
+from tests.fakes import chain_config, diamond_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_per_token_rows_leave_a_stage_only_where_they_are_read():
         {"thinker": True, "talker": False, "token2wav": False}
     chain = chain_config()
     assert not StageGraph(load_config(chain).stages).emits_hidden_states("thinker")  # passthrough_tokens
-    chain["stages"][1]["input_processor"] = "tests.pipeline.test_fake_engine:fake_hidden_to_embeds"
+    chain["stages"][1]["input_processor"] = "tests.fakes:fake_hidden_to_embeds"
     assert StageGraph(load_config(chain).stages).emits_hidden_states("thinker")  # a target: not known, so yes
     chain["stages"][1]["final_output"] = "hidden"
     assert StageGraph(load_config(chain).stages).emits_hidden_states("talker")  # the final output itself
@@ -102,7 +102,7 @@ def test_an_edge_reading_hidden_states_needs_an_upstream_that_emits_them():
 def test_the_graph_is_built_once_where_the_config_is_loaded():
     from omni import Omni
     from omni.config import PipelineConfig
-    from tests.pipeline.test_fake_engine import fake_factory
+    from tests.fakes import fake_factory
 
     cfg = load_config(chain_config())
     graph = StageGraph.of(cfg)

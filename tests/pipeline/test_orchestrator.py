@@ -12,8 +12,8 @@ from omni.errors import (BackendClosedError, ConfigError, RequestAbortedError, R
                          StageError, StageStartError)
 from omni.outputs import StageInput
 from omni.pipeline.stage_worker import build_stage_input, passthrough_tokens, summarize
-from tests.pipeline.test_fake_engine import (HIDDEN, chain_config, diamond_config, expected_tokens,
-                                             fake_factory, stage, text_ids)
+from tests.fakes import (HIDDEN, chain_config, diamond_config, expected_tokens, fake_factory, stage,
+                         text_ids)
 
 
 @pytest.fixture
@@ -327,7 +327,7 @@ def test_pipeline_is_closed_at_interpreter_exit():
 
     repo = Path(__file__).resolve().parents[2]
     script = (
-        "from tests.pipeline.test_fake_engine import chain_config, fake_factory\n"
+        "from tests.fakes import chain_config, fake_factory\n"
         "from omni import Omni\n"
         "d = chain_config()\n"
         "d['stages'][0]['model_kwargs'] = {'announce_close': True}\n"

@@ -1,16 +1,13 @@
 """Ray backend with the fake engine: same outputs as local, batching, failures, restarts.
 
-One local Ray cluster for the whole module (auth disabled, temp dir, always shut down).
+On the session's shared Ray cluster (tests/conftest.py: `ray_cluster`).
 """
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,28 +17,9 @@ ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, RequestAbortedError, RequestTimeoutError, StageError, StageStartError
 from omni.outputs import StageOutput
-from tests.pipeline.test_fake_engine import (chain_config, diamond_config, embeds_ids,
-                                             expected_tokens, fake_factory, text_ids)
+from tests.fakes import chain_config, diamond_config, embeds_ids, expected_tokens, fake_factory, text_ids
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-REPO = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():  # left over by another module
-        ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="omni-test-ray-")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             # the stage actors import the fake engine from this checkout's tests package
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.ray, pytest.mark.slow]
 
 
 def ray_chain(**runtime):
@@ -56,9 +34,28 @@ def summary(outs):
 
 
 @pytest.fixture(scope="module")
-def chain(ray_cluster):
+def _chain():
     with Omni(ray_chain(), engine_factory=fake_factory) as o:
         yield o
+
+
+def assert_idle(o: Omni, timeout_s: float = 30.0) -> None:
+    """Nothing in flight in the pipeline, nothing running in any stage actor (aborts land asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = o.stats()
+        busy = {n: s.get("running") for n, s in st["stages"].items() if s.get("running")}
+        if not busy and st["requests"]["in_flight"] == 0:
+            return
+        assert time.monotonic() < deadline, (busy, st["requests"])
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def chain(_chain):
+    """The module's default Ray chain (its actors started once), idle again after each test."""
+    yield _chain
+    assert_idle(_chain)
 
 
 def test_ray_and_local_give_identical_outputs(chain):
@@ -279,8 +276,6 @@ def test_close_kills_the_actors_but_not_a_ray_it_did_not_start():
         ray.get(actor.ready.remote(), timeout=30)
 
 
-def test_numpy_outputs_only():
-    data = ray_chain()
-    with Omni(data, engine_factory=fake_factory) as o:
-        [out] = o.generate("np", use_tqdm=False, return_hidden_states=True)
+def test_numpy_outputs_only(chain):
+    [out] = chain.generate("np", use_tqdm=False, return_hidden_states=True)
     assert isinstance(out.outputs["thinker"].hidden_states, np.ndarray)

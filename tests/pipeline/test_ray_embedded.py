@@ -1,4 +1,5 @@
-"""Omni starts (and stops) its own local Ray when none is running and no address is given."""
+"""Omni starts (and stops) its own local Ray when none is running and no address is given (`own_ray`:
+the session's shared cluster is shut down first, so this runs at the end of the session)."""
 from __future__ import annotations
 
 import os
@@ -10,18 +11,17 @@ import pytest
 ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni
-from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids
+from tests.fakes import chain_config, expected_tokens, fake_factory, text_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = str(Path(__file__).resolve().parents[2])
 
 
-def test_embedded_ray_is_started_and_shut_down(monkeypatch):
+def test_embedded_ray_is_started_and_shut_down(monkeypatch, own_ray):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("PYTHONPATH", REPO)  # the actors import the fake engine from tests/
-    if ray.is_initialized():
-        ray.shutdown()
+    assert not ray.is_initialized()  # own_ray: the shared cluster is down
     data = chain_config()
     data["runtime"]["backend"] = "ray"
     def handler(signum, frame):  # the application's own, e.g. a server's graceful shutdown

@@ -20,7 +20,7 @@ import pytest
 
 from tests.procs import free_ports, stop_tree, wait_until_up
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the project's environment: `ray`, `omni`

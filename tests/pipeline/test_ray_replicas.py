@@ -23,11 +23,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from omni import Omni  # noqa: E402
-from tests.pipeline.test_fake_engine import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
+from tests.fakes import chain_config, expected_tokens, fake_factory, text_ids  # noqa: E402
 from tests.procs import free_ports, stop_tree, tail  # noqa: E402
 from tests.pipeline.test_replicas import TINY, conversations  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.slow]
 
 REPO = str(Path(__file__).resolve().parents[2])
 BIN = Path(sys.executable).parent
@@ -49,12 +49,11 @@ def _node_ports() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Two nodes (2 CPUs each); the driver connected to them. Yields the two node ids (head first)."""
+def cluster(own_ray):
+    """Two nodes (2 CPUs each); the driver connected to them (`own_ray`: not to the session's shared
+    cluster, which is shut down first). Yields the two node ids (head first)."""
     if not (BIN / "ray").exists():
         pytest.skip("the `ray` command is not installed in this environment")
-    if ray.is_initialized():  # left over by another module
-        ray.shutdown()
     root = Path(tempfile.mkdtemp(prefix="omni-rr-", dir="/tmp"))  # short: Ray's socket paths
     (root / "head").mkdir()
     (root / "node2").mkdir()

@@ -8,14 +8,12 @@ talker fed with the thinker's hidden states).
 - the Ray backend (one actor per stage) gives the same outputs and the same cache hits as the local one.
 
 Most cases run on the local backend. Loaded models are shared between the local pipelines of this module
-(loading the tokenizer dominates start-up; the weights are read-only), the Ray actors load their own.
+(`shared_causal_lm`), the Ray actors load their own, on the session's shared Ray cluster (`ray_cluster`).
 """
 from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -100,34 +98,13 @@ def assert_same_outputs(got, want, exact_hidden: tuple[str, ...] = ()) -> None:
 
 
 # ----------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def shared_models():
-    """Load each (path, dtype, device) model once for the local pipelines of this module."""
-    import stages.causal_lm as causal_lm
-
-    original = causal_lm.CausalLMStage.load.__func__
-    loaded: dict[tuple[str, str, str], Any] = {}
-
-    def load(cls, model_path, **kw):
-        if kw.get("model_kwargs") or kw.get("tokenizer_path"):
-            return original(cls, model_path, **kw)
-        key = (str(model_path), str(kw["dtype"]), str(kw["device"]))
-        if key not in loaded:
-            loaded[key] = original(cls, model_path, **kw)
-        return loaded[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(causal_lm.CausalLMStage, "load", classmethod(load))
-        yield
-
-
 def local_omni(thinker: bool = True, talker: bool = True) -> Omni:
     overrides = {"thinker": {"enable_prefix_caching": thinker}, "talker": {"enable_prefix_caching": talker}}
     return Omni(CONFIG, stage_overrides=overrides, backend="local")
 
 
 @pytest.fixture(scope="module")
-def reference(shared_models):
+def reference(shared_causal_lm):
     """Local backend, caching on in both stages (the config's defaults)."""
     with local_omni() as o:
         assert o.backend == "local"
@@ -185,6 +162,7 @@ def test_multi_turn_hits_in_both_stages(reference):
         assert st[stage]["ttft_mean_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("thinker_on, talker_on", [c for c in itertools.product([True, False], repeat=2)
                                                    if c != (True, True)],
                          ids=lambda v: "on" if v else "off")
@@ -232,21 +210,6 @@ def test_caching_toggle_changes_stats_never_outputs(reference, thinker_on, talke
 
 # --------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():  # left over by another module
-        ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="omni-real-ray-")
-    try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def ray_run(ray_cluster, reference):
     with Omni(CONFIG, backend="ray") as o:
         assert o.backend == "ray"
@@ -273,30 +236,3 @@ def test_ray_multi_turn_hits_like_local(ray_run, reference):
     for stage in ("thinker", "talker"):
         for key in ("prefix_cache_queries", "prefix_cache_hits", "finished"):
             assert ray_run["turn_stats"][stage][key] == reference["turn_stats"][stage][key], (stage, key)
-
-
-# ------------------------------------------------------------------- bench
-def test_bench_pipeline_ttft_part(shared_models, capsys):
-    """`omni bench pipeline` (TTFT part only, local backend, a short conversation): the JSON it returns."""
-    import argparse
-
-    from omni.bench import pipeline as bench
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(["--config", CONFIG, "--skip-backends", "--conversations", "1", "--turns", "3",
-                              "--system-tokens", "32", "--threads-per-stage", "0"])
-    res = bench.run(args)
-    assert "ray_over_local_time_ratio" not in res  # skipped
-    assert set(res["per_stage_ttft_speedup"]) == {"thinker", "talker"}
-    assert all(v > 0 for v in res["per_stage_ttft_speedup"].values())
-    ttft = res["ttft"]
-    assert ttft["outputs_identical"] is True
-    lengths = ttft["prompt_tokens_per_turn"]  # each turn: previous prompt + reply + 12 new tokens
-    assert len(lengths) == 3 and lengths[0] == 32
-    assert all(b - a > 12 for a, b in zip(lengths, lengths[1:]))
-    for stage in ("thinker", "talker"):
-        row = ttft["per_stage"][stage]
-        assert row["cached_tokens_turns2plus_on"] > 0 and row["cached_tokens_turns2plus_off"] == 0
-        assert row["hit_rate_on"] > 0 and row["hit_rate_off"] == 0
-    assert "talker: TTFT turns 2+" in capsys.readouterr().out

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from omni import Omni, SamplingParams
-from tests.pipeline.test_fake_engine import fake_factory, stage
+from tests.fakes import fake_factory, stage
 
 TINY = "stage_configs/tiny_chain.yaml"
 
@@ -63,6 +63,7 @@ def test_multi_turn_conversations_keep_their_hit_rate_with_replicas():
     assert s2["thinker"]["finished"] == 12 == sum(r["finished"] for r in replicas)
 
 
+@pytest.mark.slow
 def test_text_and_chat_prompts_are_tokenized_in_the_driver_like_the_stage():
     over = {"thinker": {"replicas": 2, "use_chat_template": True}, "talker": {"replicas": 1}}
     sp = SamplingParams(temperature=0, max_tokens=4)
@@ -81,6 +82,7 @@ def test_text_and_chat_prompts_are_tokenized_in_the_driver_like_the_stage():
     assert router["decisions"]["affinity"] == 2 and router["shortfalls"] == 0
 
 
+@pytest.mark.slow
 def test_evictions_reported_by_the_replicas_reach_the_router():
     over = {"thinker": {"replicas": 2, "cache": {"block_size": 4, "num_blocks": 24}},
             "talker": {"replicas": 1}}
@@ -110,26 +112,3 @@ def test_a_streaming_edge_feeds_the_replica_chosen_for_the_consumer():
         talkers = o._backend.replicas["talker"]
         assert all(w.engine.finished > 0 for w in talkers)  # both consumer replicas were fed
     assert [out.outputs["talker"].token_ids for out in got] == expected
-
-
-@pytest.mark.slow
-def test_bench_routing_reports_the_issue_keys():
-    """`omni bench routing` on the tiny chain in-process: the JSON keys the README table is built from."""
-    import argparse
-
-    from omni.bench import routing as bench
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(["--config", TINY, "--backend", "local", "--conversations", "3", "--turns", "2",
-                              "--system-tokens", "32", "--context-tokens", "40", "--turn-tokens", "8",
-                              "--reply-tokens", "4", "--talker-tokens", "2", "--stagger-s", "0",
-                              "--memory-budget-mb", "8"])
-    res = bench.run(args)
-    for key in ("hit_rate_affinity", "hit_rate_round_robin", "hit_rate_single", "affinity_vs_single_hit_rate",
-                "ttft_round_robin_over_affinity"):
-        assert isinstance(res[key], float) and res[key] > 0, key
-    assert res["hit_rate_affinity"] >= res["hit_rate_round_robin"]
-    assert res["outputs_identical"]  # routing never changes what a request computes
-    aff = res["setups"]["affinity"]
-    assert aff["routers"]["thinker"]["decisions"]["affinity"] == 3  # every second turn went home

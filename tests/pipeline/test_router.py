@@ -15,7 +15,7 @@ from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
 from omni.pipeline.routing.keys import text_hashes, token_hashes
 from omni.pipeline.routing.policy import Router, RouterSettings
-from tests.pipeline.test_fake_engine import stage
+from tests.fakes import stage
 
 
 def keys(*blocks: int) -> list[bytes]:

@@ -7,13 +7,12 @@ Every request gets exactly one terminal output (its final stages' outputs, or on
 after it); no request times out; after the kill's restart nothing but aborts fails; at the end no
 request is in flight anywhere, KV usage is 0 on every stage and each stage's `check_integrity()` holds.
 
-Bounded: about a minute on 2 cores (most of it starting Ray and reloading the killed stage).
+Bounded: about a minute on 2 cores (most of it loading the stages and reloading the killed one).
+On the session's shared Ray cluster (tests/conftest.py: `ray_cluster`).
 """
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -38,21 +37,6 @@ TASKS, FRESH, OLD, AGAIN = 5, 10, 5, 5  # that finished last, resent at once: wa
 KILL_AFTER = 8  # wave-1 batches done before the thinker's actor is killed
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired cats watch".split()
 ALLOWED_WAVE1 = ("was aborted", "Ray actor died", "upstream output unavailable")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():  # left over by another module
-        ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="omni-soak-ray-")
-    try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": REPO}})  # the actors import this checkout
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def prompt(rng: random.Random, rid: str) -> dict[str, Any]:

@@ -114,6 +114,7 @@ def test_talker_starts_before_the_thinker_finishes():
         assert_clean(o)
 
 
+@pytest.mark.slow
 def test_streaming_is_deterministic_and_caching_on_off_identical():
     turn2 = {"prompt": "Hello, my name is Bob and I like"}
     runs = []
@@ -129,6 +130,7 @@ def test_streaming_is_deterministic_and_caching_on_off_identical():
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.slow
 def test_abort_at_random_points_leaves_no_block_in_use():
     rng = random.Random(7)
     with Omni(CONFIG, backend="local", stage_overrides=streaming(2)) as o:
@@ -251,10 +253,8 @@ def test_bad_streaming_edges_are_config_errors(change, match):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference):
-    pytest.importorskip("ray")
-    import ray
-
+def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference, ray_cluster):
+    ray = ray_cluster
     with Omni(CONFIG, stage_overrides=streaming(3)) as o:
         deltas, finals = collect(o, PROMPTS)
         for ref in reference:

@@ -1,18 +1,30 @@
-"""A live `omni serve` for tests: the real CLI in a subprocess on 127.0.0.1, any free port; stopped
-(SIGTERM, then SIGKILL) by its process group when the test module is done."""
+"""`omni serve` for tests, two ways, one `Server` handle (the real `openai` client, raw HTTP, /metrics):
+
+- `serve_in_process(CONFIG, *ARGS)`: the same options, parsed by omni's own parser, and the same app
+  (`create_app` over an `AsyncOmni`) served by uvicorn on a thread of this process on 127.0.0.1 and a free
+  port: real HTTP (streams, disconnects, curl, the examples) without a new interpreter importing torch.
+  `engine_factory=` puts fake engines (tests/fakes.py) under it where the model does not matter, and
+  `held(server, stage)` stops a stage from making progress, for requests that must not finish.
+- `omni_serve(CONFIG, *ARGS)`: the real CLI in a subprocess (the smoke test of `omni serve` itself, and
+  Ray Serve), stopped (SIGTERM, then SIGKILL) by its process group.
+
+New server tests: a module-scoped fixture `with serve_in_process(CHAIN, "--backend", "local") as s: yield s`.
+"""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +44,9 @@ _LISTEN_RE = re.compile(r"omni serve: \S+ on (http://[\w.:\[\]]+)")
 @dataclass
 class Server:
     url: str  # http://127.0.0.1:PORT
-    proc: subprocess.Popen
-    log: Path
+    omni: Any = None  # serve_in_process: the AsyncOmni under the app
+    proc: subprocess.Popen | None = None  # omni_serve: the process and its log
+    log: Path | None = None
 
     @property
     def v1(self) -> str:
@@ -100,10 +113,83 @@ def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None
             return f"{m.group(1)}/health" if m else None
 
         url = wait_until_up(proc, log, health, "omni serve", START_TIMEOUT_S).removesuffix("/health")
-        yield Server(url, proc, log)
+        yield Server(url, proc=proc, log=log)
     finally:
         stop_tree(proc, grace_s=stop_grace_s, group=False)
         log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None = None,
+                     engine_factory: Callable[[Any], Any] | None = None) -> Iterator[Server]:
+    """`omni serve CONFIG ARGS...` in this process (see the module docstring); yields once it listens.
+    `env`: variables the options read (OMNI_API_KEY). --host and --port are ignored: 127.0.0.1, a free port.
+    On the way out uvicorn stops (requests in flight get GRACEFUL_SHUTDOWN_S), then the pipeline closes."""
+    import uvicorn
+
+    from omni.async_api import AsyncOmni
+    from omni.cli import build_parser
+    from omni.config_loader import load_config
+    from omni.serve.app import create_app
+    from omni.serve.server import GRACEFUL_SHUTDOWN_S, settings_from_args
+
+    ns = build_parser().parse_args(["serve", str(config), *args])
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in (env or {}).items():
+            mp.setenv(k, v)
+        settings = settings_from_args(ns)
+    omni = AsyncOmni(load_config(ns.config, ns.stage_overrides), backend=ns.backend, engine_factory=engine_factory)
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        # log_config=None: uvicorn leaves logging alone (its records reach pytest's capture)
+        server = uvicorn.Server(uvicorn.Config(create_app(omni, settings), lifespan="off", log_config=None,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="omni-serve-test",
+                                  daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                pytest.fail("the in-process server did not start (see the captured log)")
+            time.sleep(0.02)
+        try:
+            yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", omni=omni)
+        finally:
+            server.should_exit = True
+            thread.join(GRACEFUL_SHUTDOWN_S + 10)
+    finally:
+        sock.close()
+        omni.shutdown()
+
+
+@contextlib.contextmanager
+def held(server: Server, stage: str, after_steps: int = 0) -> Iterator[None]:
+    """While inside: `stage` (local backend, in this process) makes no progress after its next
+    `after_steps` engine steps: each step waits a moment and reports nothing (no token, no finish, not
+    an error), so a request there cannot finish however fast the machine is. Leaving releases it."""
+    from omni.engine.interface import EngineStepOutput
+
+    engine = server.omni._omni._backend.workers[stage].engine
+    real_step = engine.step
+    release = threading.Event()
+    left = after_steps
+
+    def step() -> Any:
+        nonlocal left
+        if left > 0:
+            left -= 1
+            return real_step()
+        if release.wait(0.01):  # released while waiting: carry on
+            return real_step()
+        return EngineStepOutput()
+
+    engine.step = step
+    try:
+        yield
+    finally:
+        release.set()
+        del engine.step  # the class's step again
 
 
 def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:

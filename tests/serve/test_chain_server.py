@@ -1,7 +1,8 @@
 """`omni serve` on the tiny chain (thinker -> talker), with the real `openai` client against a live server.
 
-One server for the module (the real CLI in a subprocess, local backend: the Ray-served app is tested
-in test_ray_serve.py). The thinker samples greedily (its config), so replies are deterministic.
+One server for the module (in this process, local backend: `serve_in_process`; the CLI's own process is
+smoke-tested in test_serve_cli.py, the Ray-served app in test_ray_serve.py). The thinker samples greedily
+(its config), so replies are deterministic.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.server_utils import CHAIN, omni_serve, wait_idle
+from tests.serve.server_utils import CHAIN, held, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny_chain"
@@ -25,7 +26,7 @@ HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    with omni_serve(CHAIN, "--backend", "local") as s:
+    with serve_in_process(CHAIN, "--backend", "local") as s:
         yield s
 
 
@@ -135,14 +136,13 @@ def test_sixteen_concurrent_clients(server):
 
 def test_disconnect_mid_stream_releases_every_stage(server, client):
     before = server.metrics().get(("omni_requests_total", (("finish_reason", "abort"),)), 0.0)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
-    it = iter(stream)
-    for _ in range(3):
-        next(it)
-    assert server.stage_gauges("omni_stage_kv_cache_usage_ratio")["thinker"] > 0  # it holds blocks now
-    stream.close()  # the client goes away mid-stream
-    kv = wait_idle(server)
+    with held(server, "thinker", after_steps=1):  # its first token streams out, then it cannot finish
+        stream = client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # the reply has started: the thinker has run the prompt and holds its blocks
+        assert server.stage_gauges("omni_stage_kv_cache_usage_ratio")["thinker"] > 0
+        stream.close()  # the client goes away mid-stream
+        kv = wait_idle(server)
     assert set(kv) == {"thinker", "talker"} and not any(kv.values())
     after = server.metrics()[("omni_requests_total", (("finish_reason", "abort"),))]
     assert after == before + 1

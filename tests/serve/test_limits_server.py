@@ -1,8 +1,9 @@
-"""`omni serve`'s limits on a live server: API key, body and media size, back-pressure, request timeout.
+"""`omni serve`'s limits on a live server (in this process: `serve_in_process`): API key, body and media
+size, back-pressure, request timeout.
 
-The tiny chain with runtime.max_pending_requests 1 and runtime.request_timeout_s 1: a 200-token
-reply takes over a second on this machine's CPU (about 6 ms a token), so it times out; a streamed
-one holds the only slot while a second request arrives.
+The tiny chain with runtime.max_pending_requests 1. A request that must not finish while the test looks
+(the one holding the only slot, the one that must time out) runs on a thinker `held` by the test: it makes
+no progress until released, so the outcome does not depend on how fast the machine generates.
 """
 from __future__ import annotations
 
@@ -15,23 +16,36 @@ import openai
 import pytest
 import yaml
 
-from tests.serve.server_utils import CHAIN, omni_serve, wait_idle
+from tests.serve.server_utils import CHAIN, held, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 KEY = "sk-test-" + "x" * 24
 MODEL = "tiny_chain"
 HELLO = [{"role": "user", "content": "Hello"}]
-LONG = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+LONG = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}  # no end before the stage is held
+
+
+TIMEOUT_S = 2.0  # the timeout server's runtime.request_timeout_s
+
+
+def chain_with(tmp_path_factory, **runtime) -> str:
+    cfg = yaml.safe_load(CHAIN.read_text())
+    cfg["runtime"].update(runtime)
+    path = tmp_path_factory.mktemp("limits") / "tiny_chain.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    cfg = yaml.safe_load(CHAIN.read_text())
-    cfg["runtime"].update(max_pending_requests=1, request_timeout_s=1.0)
-    path = tmp_path_factory.mktemp("limits") / "tiny_chain.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with omni_serve(path, "--backend", "local", "--max-body-mb", "0.05", "--max-media-items", "1",
-                    env={"OMNI_API_KEY": KEY}) as s:
+    with serve_in_process(chain_with(tmp_path_factory, max_pending_requests=1), "--backend", "local",
+                          "--max-body-mb", "0.05", "--max-media-items", "1", env={"OMNI_API_KEY": KEY}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def timeout_server(tmp_path_factory):
+    with serve_in_process(chain_with(tmp_path_factory, request_timeout_s=TIMEOUT_S), "--backend", "local") as s:
         yield s
 
 
@@ -71,28 +85,31 @@ def test_body_and_media_limits_are_413(server):
 
 def test_back_pressure_503_with_retry_after(server):
     c = server.client(api_key=KEY)
-    stream = c.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **LONG)
-    next(iter(stream))  # admitted and running: the only slot is taken
-    with pytest.raises(openai.APIStatusError) as e:
-        c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
-    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
-    assert e.value.body["code"] == "overloaded"
-    stream.close()
-    wait_idle(server)
+    with held(server, "thinker", after_steps=1):  # its first token streams out, then it cannot finish
+        stream = c.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **LONG)
+        next(iter(stream))  # admitted and running: the only slot is taken
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "overloaded"
+        stream.close()
+        wait_idle(server)
     assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices[0].message.content
 
 
-def test_request_timeout_is_504(server):
-    c = server.client(api_key=KEY)
-    with pytest.raises(openai.APIStatusError) as e:
-        c.chat.completions.create(model=MODEL, messages=HELLO, **LONG)
+def test_request_timeout_is_504(timeout_server):
+    c = timeout_server.client()
+    with held(timeout_server, "thinker"):  # not a single step: it cannot finish within any timeout
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
     assert e.value.status_code == 504 and e.value.body["code"] == "request_timeout"
-    assert "request_timeout_s" in e.value.body["message"]
+    assert f"timed out after {TIMEOUT_S:g}s (runtime.request_timeout_s)" in e.value.body["message"]
     # streamed: the status line is long gone, so the error comes as an event, then [DONE]
     chunks = []
-    with pytest.raises(openai.APIError) as e:
-        for chunk in c.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **LONG):
-            chunks.append(chunk)
+    with held(timeout_server, "thinker", after_steps=1):  # its first token streams out, then nothing
+        with pytest.raises(openai.APIError) as e:
+            for chunk in c.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **LONG):
+                chunks.append(chunk)
     assert chunks and "timed out" in str(e.value)
-    wait_idle(server)
+    wait_idle(timeout_server)
     assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices[0].message.content

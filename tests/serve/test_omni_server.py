@@ -1,5 +1,6 @@
 """`omni serve` on the tiny Qwen2.5-Omni (thinker -> talker -> token2wav): audio out, images and audio in,
-with the real `openai` client against a live server (streamed audio cut into 5 ms pcm16 chunks)."""
+with the real `openai` client against a live server in this process (`serve_in_process`; streamed audio
+cut into 5 ms pcm16 chunks)."""
 from __future__ import annotations
 
 import base64
@@ -13,7 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.server_utils import OMNI, REPO, omni_serve, wait_idle
+from tests.serve.server_utils import OMNI, REPO, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "qwen2_5_omni_tiny"
@@ -24,7 +25,7 @@ PCM_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "forma
 
 @pytest.fixture(scope="module")
 def server():
-    with omni_serve(OMNI, "--backend", "local", "--audio-chunk-ms", "5") as s:
+    with serve_in_process(OMNI, "--backend", "local", "--audio-chunk-ms", "5") as s:
         yield s
 
 

@@ -9,7 +9,7 @@ import pytest
 from tests.procs import free_ports
 from tests.serve.server_utils import CHAIN, omni_serve, wait_idle
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny_chain"
 HELLO = [{"role": "user", "content": "Hello from Ray Serve"}]
 

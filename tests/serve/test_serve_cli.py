@@ -1,10 +1,14 @@
-"""`omni serve`'s own failures, before any model loads: exit 2 for a bad config or option, 1 for a taken port."""
+"""`omni serve` the command: its own failures, before any model loads (exit 2 for a bad config or option, 1
+for a taken port), and the one smoke test of it serving in its own process."""
 from __future__ import annotations
 
+import signal
 import socket
 
+import pytest
+
 from omni import cli
-from tests.serve.server_utils import CHAIN
+from tests.serve.server_utils import CHAIN, omni_serve
 
 
 def test_bad_config_and_options_exit_2(tmp_path, capsys):
@@ -23,3 +27,23 @@ def test_a_taken_port_exits_1_before_loading(capsys):
         port = s.getsockname()[1]
         assert cli.main(["serve", str(CHAIN), "--backend", "local", "--port", str(port)]) == 1
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_omni_serve_in_its_own_process():
+    """The smoke test of the command itself (every other server test serves the same app in-process): it
+    says where it listens, answers the `openai` client plainly and streamed, and SIGTERM ends it the CLI's
+    quiet way (exit 143, no traceback) with the pipeline closed."""
+    hello = [{"role": "user", "content": "Hello there, how are you today?"}]
+    with omni_serve(CHAIN, "--backend", "local") as server:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["tiny_chain"]
+        full = client.chat.completions.create(model="tiny_chain", messages=hello, max_tokens=4)
+        assert full.choices[0].message.content and full.usage.completion_tokens == 4
+        chunks = client.chat.completions.create(model="tiny_chain", messages=hello, max_tokens=4, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            full.choices[0].message.content
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 143
+        log = server.log.read_text(errors="replace")
+    assert "Traceback" not in log and log.rstrip().endswith("omni: terminated (SIGTERM)"), log[-2000:]

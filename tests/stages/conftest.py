@@ -2,13 +2,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_omni():
-    from stages.qwen2_5_omni_checkpoint import tiny_omni_checkpoint
-
-    return tiny_omni_checkpoint()
-
-
-@pytest.fixture(scope="session")
 def hf_omni(tiny_omni):
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration

@@ -21,6 +21,7 @@ def _drain(engine):
     return outs
 
 
+@pytest.mark.slow
 def test_token2wav_engine_deterministic_and_isolated(token2wav_stage):
     engine = GenerationStageEngine(_config(token2wav_stage, max_num_seqs=2), model=token2wav_stage)
     codes = [11, 500, 2048, 7, 7, 900]

@@ -35,9 +35,9 @@ def test_tiny_pipeline_through_the_omni_api(tiny_omni):
 
 
 @pytest.mark.slow
-def test_tiny_pipeline_on_ray(tiny_omni):
-    """One actor per stage: images/audio in, numpy rows between actors, a waveform out."""
-    pytest.importorskip("ray")
+def test_tiny_pipeline_on_ray(tiny_omni, ray_cluster):
+    """One actor per stage (on the session's shared cluster): images/audio in, numpy rows between actors,
+    a waveform out."""
     from omni import Omni
     from tests.stages.omni_utils import audio
 

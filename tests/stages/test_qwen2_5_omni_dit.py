@@ -48,6 +48,7 @@ def test_velocity_equals_the_dit_forward(stage, guidance_scale):
             assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_codes,seed,speaker", [(1, 0, None), (12, 0, None), (40, 7, "Ethan")])
 def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker):
     """The stage's waveform is bitwise transformers' Qwen2_5OmniToken2WavModel.forward under the same seed."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from omni.outputs import MultiModalInput, StageInput
 from tests.stages.omni_utils import image, make_chain, run_chain, talker_atol, thinker_atol
@@ -20,6 +21,7 @@ def _conversation(chain):
     return [r1, r2], stats1, stats2
 
 
+@pytest.mark.slow
 def test_second_turn_hits_thinker_and_talker_and_matches_caching_off(thinker_stage, talker_stage, token2wav_stage):
     on, s1, s2 = _conversation(make_chain(thinker_stage, talker_stage, token2wav_stage, caching=True))
     off, _, _ = _conversation(make_chain(thinker_stage, talker_stage, token2wav_stage, caching=False))
@@ -38,6 +40,7 @@ def test_second_turn_hits_thinker_and_talker_and_matches_caching_off(thinker_sta
     assert off[1][0].num_cached_tokens == 0 and off[1][1].num_cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_mrope_talker_mode_caches_and_matches_caching_off(thinker_stage, talker_stage, token2wav_stage):
     """transformers_compat=False (codec bos/pad added, 3-D talker positions): same caching invariants."""
     talker_stage.transformers_compat = False

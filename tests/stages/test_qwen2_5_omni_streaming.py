@@ -113,6 +113,7 @@ def test_streaming_caching_on_off_identical_and_turn_two_hits():
     assert results[True][1]["thinker"].num_cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_abort_mid_audio_releases_all_three_stages():
     with Omni(CONFIG, backend="local", stage_overrides=STREAMED) as o:
         it = o.stream(["Tell me everything about the sea."])
@@ -128,6 +129,7 @@ def test_abort_mid_audio_releases_all_three_stages():
         assert_clean(o)
 
 
+@pytest.mark.slow
 def test_a_lost_codec_chunk_fails_naming_the_edge():
     from omni.config_loader import load_config
 
@@ -141,6 +143,7 @@ def test_a_lost_codec_chunk_fails_naming_the_edge():
         assert "streaming edge talker -> token2wav did not arrive within 1s" in out.error.message, out.error
 
 
+@pytest.mark.slow
 def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
     """Codes that end between chunks, and an end announced after the last full chunk went out."""
     import torch
@@ -173,9 +176,9 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_streamed_audio_on_ray_actor_to_actor(one_shot):
-    """Three stage actors: thinker rows reach the talker and codec chunks reach token2wav actor to actor."""
-    pytest.importorskip("ray")
+def test_streamed_audio_on_ray_actor_to_actor(one_shot, ray_cluster):
+    """Three stage actors (on the session's shared cluster): thinker rows reach the talker and codec chunks
+    reach token2wav actor to actor."""
     with Omni(CONFIG, stage_overrides=STREAMED) as o:
         finals, audio, _ = stream_all(o, PROMPTS)
         for ref in one_shot:

@@ -25,6 +25,7 @@ def _fresh(stage):
     return stage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [512, 16])
 def test_thinker_matches_transformers(thinker_stage, hf_omni, chunk):
     """Text-only, image and audio prompts, batched together (and chunked so an image straddles steps)."""
@@ -126,6 +127,7 @@ def test_audio_and_image_in_one_prompt_match_transformers(thinker_stage, hf_omni
     assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_preempted_multimodal_requests_still_match_transformers(thinker_stage, hf_omni):
     """Too few KV blocks for the batch: requests are preempted and recomputed, encoders come from cache."""
     stage = _fresh(thinker_stage)

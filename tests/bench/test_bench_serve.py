@@ -6,9 +6,9 @@ import argparse
 import pytest
 
 from omni.bench import serve as bench
-from tests.serve.server_utils import OMNI
+from tests.serve.server_utils import OMNI  # the bench starts `omni serve` itself
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_bench_serve_reports_both_modes():

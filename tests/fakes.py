@@ -1,0 +1,194 @@
+"""A fake StageEngine (the engine contract, no model) for the tests of everything above the engine
+(pipeline, API, CLI, server); its own test is tests/pipeline/test_fake_engine.py.
+
+Tokens are a deterministic function of (stage name, prompt ids, position), so
+every backend must produce the same outputs. Magic prompt texts drive
+failures: "__bad__" (add_request raises), "__error__" (the output carries an
+error), "__hang__" (never finishes), "__step_raise__" (step() raises),
+"__crash__" (the process exits: Ray tests only).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omni.engine.interface import EngineStepOutput, StageStats
+from omni.sampling_params import resolve_sampling_params
+from omni.outputs import StageInput, StageOutput
+from omni.registry import register_input_processor, register_stage_model
+
+HIDDEN = 4
+
+
+class FakeStageModel:
+    """Stands in for a stage model class in configs (model: fake)."""
+
+    autoregressive = True
+
+
+class FakeNonARModel:
+    autoregressive = False
+
+
+register_stage_model("fake", "tests.fakes:FakeStageModel", checkpoint=False)
+register_stage_model("fake_nar", "tests.fakes:FakeNonARModel", autoregressive=False,
+                     checkpoint=False)
+
+
+def tagged_concat(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
+    """A custom fan-in processor: [1000 + i] before the tokens of the i-th upstream stage."""
+    ids: list[int] = []
+    for i, out in enumerate(upstream.values()):
+        ids += [1000 + i] + list(out.token_ids)
+    return StageInput(request.request_id, prompt_token_ids=ids)
+
+
+def fake_hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
+    """Like stages.processors:hidden_to_embeds: the upstream hidden states become the prompt embeddings."""
+    (out,) = upstream.values()
+    if out.hidden_states is None:
+        raise ValueError(f"stage {out.stage!r} sent no hidden states")
+    return StageInput(request.request_id, prompt_embeds=out.hidden_states)
+
+
+register_input_processor("tagged_concat", "tests.fakes:tagged_concat")
+register_input_processor("fake_hidden_to_embeds", "tests.fakes:fake_hidden_to_embeds")
+
+
+@dataclass
+class _Req:
+    rid: str
+    text: str
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival: float
+    out: list[int] = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, stage: Any):
+        self.stage = stage
+        self.name = stage.name
+        kw = stage.model_kwargs or {}
+        self.step_delay_s = float(kw.get("step_delay_s", 0.0))
+        self.salt = sum(map(ord, stage.name))
+        self.running: dict[str, _Req] = {}
+        self.finished = 0
+        self.steps = 0
+        self.max_batch = 0
+
+    def add_request(self, inp: StageInput) -> None:
+        rid = inp.request_id
+        if rid in self.running:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        text = inp.prompt if isinstance(inp.prompt, str) else ""
+        if "__bad__" in text:
+            raise ValueError("prompt: contains __bad__")
+        if inp.prompt_token_ids is not None:
+            ids = [int(t) for t in inp.prompt_token_ids]
+        elif inp.prompt is not None:
+            ids = [ord(c) % 1000 for c in str(inp.prompt)]
+        elif inp.prompt_embeds is not None:
+            ids = embeds_ids(inp.prompt_embeds)
+        else:
+            raise ValueError("prompt: a request needs a prompt")
+        if not ids:
+            raise ValueError("prompt: the prompt is empty (0 tokens)")
+        sp = resolve_sampling_params(inp.sampling_params, self.stage.sampling)
+        self.running[rid] = _Req(rid, text, ids, sp.max_tokens, time.monotonic())
+
+    def step(self) -> EngineStepOutput:
+        self.steps += 1
+        self.max_batch = max(self.max_batch, len(self.running))
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        outs = []
+        for r in list(self.running.values()):
+            if "__crash__" in r.text:
+                os._exit(1)
+            if "__step_raise__" in r.text:
+                raise RuntimeError("boom")
+            if "__hang__" in r.text:
+                continue
+            if "__error__" in r.text:
+                del self.running[r.rid]
+                outs.append(StageOutput(r.rid, self.name, finished=True, finish_reason="error",
+                                        error="fake stage error"))
+                continue
+            r.out.append((sum(r.prompt_ids) * 31 + len(r.out) * 7 + self.salt) % 1000)
+            if len(r.out) >= r.max_tokens:
+                del self.running[r.rid]
+                self.finished += 1
+                n = len(r.prompt_ids) + len(r.out) - 1
+                hidden = (np.arange(n * HIDDEN, dtype=np.float32).reshape(n, HIDDEN) + self.salt) / 100
+                outs.append(StageOutput(
+                    r.rid, self.name, prompt_token_ids=r.prompt_ids, token_ids=list(r.out),
+                    text=f"{self.name}:" + ",".join(map(str, r.out)), finished=True, finish_reason="length",
+                    hidden_states=hidden, metrics={"ttft_s": 0.0, "e2e_s": time.monotonic() - r.arrival}))
+        return EngineStepOutput(finished=outs)
+
+    def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def close(self) -> None:
+        if (self.stage.model_kwargs or {}).get("announce_close"):
+            print(f"closed {self.name}", flush=True)
+
+    def stats(self) -> StageStats:
+        return StageStats(self.name, running=len(self.running), finished=self.finished, steps=self.steps,
+                          extra={"max_batch": self.max_batch})
+
+
+def fake_factory(stage: Any) -> FakeEngine:
+    return FakeEngine(stage)
+
+
+def embeds_ids(hidden: np.ndarray) -> list[int]:
+    """The prompt ids the fake engine derives from prompt embeddings."""
+    return [int(abs(x) * 10) % 1000 for x in np.asarray(hidden)[:, 0]]
+
+
+def expected_tokens(stage: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    salt = sum(map(ord, stage))
+    return [(sum(prompt_ids) * 31 + i * 7 + salt) % 1000 for i in range(max_tokens)]
+
+
+def text_ids(text: str) -> list[int]:
+    return [ord(c) % 1000 for c in text]
+
+
+def stage(name: str, **kw: Any) -> dict[str, Any]:
+    """A stage dict for a fake pipeline config."""
+    return {"name": name, "model": "fake", "model_path": "unused", **kw}
+
+
+def chain_config(**runtime: Any) -> dict[str, Any]:
+    return {
+        "name": "fake_chain",
+        "runtime": {"backend": "local", **runtime},
+        "stages": [
+            stage("thinker", final_output="text", sampling={"max_tokens": 3}),
+            stage("talker", inputs=["thinker"], final_output="tokens", sampling={"max_tokens": 2}),
+        ],
+    }
+
+
+def diamond_config(**runtime: Any) -> dict[str, Any]:
+    return {
+        "name": "fake_diamond",
+        "runtime": {"backend": "local", **runtime},
+        "stages": [
+            stage("a", sampling={"max_tokens": 2}),
+            stage("b", inputs=["a"], sampling={"max_tokens": 2}),
+            stage("c", inputs=["a"], sampling={"max_tokens": 3}),
+            stage("d", inputs=["b", "c"], input_processor="tagged_concat", final_output="tokens",
+                  sampling={"max_tokens": 2}),
+        ],
+    }
