@@ -124,14 +124,14 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
                      engine_factory: Callable[[Any], Any] | None = None) -> Iterator[Server]:
     """`omni serve CONFIG ARGS...` in this process (see the module docstring); yields once it listens.
     `env`: variables the options read (OMNI_API_KEY). --host and --port are ignored: 127.0.0.1, a free port.
-    On the way out uvicorn stops (requests in flight get GRACEFUL_SHUTDOWN_S), then the pipeline closes."""
+    On the way out uvicorn stops (requests in flight get UVICORN_SHUTDOWN_S), then the pipeline closes."""
     import uvicorn
 
     from omni.async_api import AsyncOmni
     from omni.cli import build_parser
     from omni.config_loader import load_config
     from omni.serve.app import create_app
-    from omni.serve.server import GRACEFUL_SHUTDOWN_S, settings_from_args
+    from omni.serve.server import UVICORN_SHUTDOWN_S, settings_from_args
 
     ns = build_parser().parse_args(["serve", str(config), *args])
     with pytest.MonkeyPatch.context() as mp:
@@ -144,7 +144,7 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
         sock.bind(("127.0.0.1", 0))
         # log_config=None: uvicorn leaves logging alone (its records reach pytest's capture)
         server = uvicorn.Server(uvicorn.Config(create_app(omni, settings), lifespan="off", log_config=None,
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+                                               timeout_graceful_shutdown=UVICORN_SHUTDOWN_S))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="omni-serve-test",
                                   daemon=True)
         thread.start()
@@ -157,39 +157,53 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
             yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", omni=omni)
         finally:
             server.should_exit = True
-            thread.join(GRACEFUL_SHUTDOWN_S + 10)
+            thread.join(UVICORN_SHUTDOWN_S + 10)
     finally:
         sock.close()
         omni.shutdown()
 
 
 @contextlib.contextmanager
-def held(server: Server, stage: str, after_steps: int = 0) -> Iterator[None]:
-    """While inside: `stage` (local backend, in this process) makes no progress after its next
-    `after_steps` engine steps: each step waits a moment and reports nothing (no token, no finish, not
-    an error), so a request there cannot finish however fast the machine is. Leaving releases it."""
+def held(server: Any, stage: str, after_steps: int = 0,
+         until: Callable[[Any], bool] | None = None) -> Iterator[threading.Event]:
+    """While inside: `stage` (local backend, in this process; `server` is a Server or an AsyncOmni) makes
+    no progress once its next `after_steps` engine steps ran, or, with `until`, once `until(engine)` is
+    true (checked after each real step, in the step's own thread, so no step slips in between): each step
+    then waits a moment and reports nothing (no token, no finish, not an error), so a request there cannot
+    finish however fast the machine is. Yields the release event: set it, or leave, to let the stage go on."""
     from omni.engine.interface import EngineStepOutput
 
-    engine = server.omni._omni._backend.workers[stage].engine
+    omni = getattr(server, "omni", None) or server
+    engine = omni._omni._backend.workers[stage].engine
     real_step = engine.step
     release = threading.Event()
     left = after_steps
+    holding = until is not None and until(engine)
 
     def step() -> Any:
-        nonlocal left
-        if left > 0:
+        nonlocal left, holding
+        if until is None and left > 0:
             left -= 1
             return real_step()
+        if until is not None and not holding:
+            out = real_step()
+            holding = until(engine)
+            return out
         if release.wait(0.01):  # released while waiting: carry on
             return real_step()
         return EngineStepOutput()
 
     engine.step = step
     try:
-        yield
+        yield release
     finally:
         release.set()
         del engine.step  # the class's step again
+
+
+def generating(n: int) -> Callable[[Any], bool]:
+    """For `held(until=...)`: `n` requests of the stage have sampled at least one token."""
+    return lambda engine: sum(r.num_output_tokens > 0 for r in engine.scheduler.running) >= n
 
 
 def wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:

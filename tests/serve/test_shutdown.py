@@ -2,26 +2,33 @@
 with an error (a stream: an error event and [DONE]), and only then does the pipeline close.
 
 The drain itself in-process (httpx's ASGI transport, tiny chain on the local backend); the signal path
-once on a real `omni serve`: SIGTERM with one stream that finishes within --shutdown-grace-s and one that
-does not (exit 143; 0 would mean nothing had to be cut).
+through the real `omni serve` command run in this process (`omni.cli.main`, uvicorn's signal handlers in
+the main thread) and a real SIGTERM: a stream in flight that finishes within --shutdown-grace-s (exit 0),
+and one that cannot (exit 143). A request that "cannot finish" is one whose stage is held (`held`), never
+one assumed long enough for this machine's speed.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
 import httpx2
 import pytest
 
+from omni import async_api as async_api_module
 from omni.async_api import AsyncOmni
+from omni.cli import main as omni_main
 from omni.serve.app import create_app
 from omni.serve.settings import ServeSettings
-from tests.serve.server_utils import CHAIN, omni_serve
+from tests.procs import free_ports
+from tests.serve.server_utils import CHAIN, generating, held
 
 pytestmark = pytest.mark.timeout(300)
 PATH = "/v1/chat/completions"
@@ -80,17 +87,20 @@ def test_grace_period_over_ends_each_request_with_an_error(omni):
     async def main() -> None:
         app = create_app(omni, ServeSettings())
         state = app.state.omni
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://omni") as c:
-            streamed = asyncio.ensure_future(c.post(PATH, json=body(200, True), timeout=60))
-            whole = asyncio.ensure_future(c.post(PATH, json=body(200, False), timeout=60))
-            # both generating (their first token seen): the stream's status line went out
-            first_tokens = lambda: state.metrics.registry.get_sample_value(  # noqa: E731
-                "omni_time_to_first_token_seconds_count", {"stage": "thinker"}) or 0
-            await _until(lambda: first_tokens() == 2)
-            t0 = time.monotonic()
-            assert await state.drain.drain(0.2) is False
-            assert time.monotonic() - t0 < 5  # ended at once, not after their 200 tokens
-            s, w = await streamed, await whole
+        first_tokens = lambda: state.metrics.registry.get_sample_value(  # noqa: E731
+            "omni_time_to_first_token_seconds_count", {"stage": "thinker"}) or 0
+        # Both generating (their first token out: the stream's status line went out), then the thinker
+        # is held: neither can finish, whatever this machine's speed.
+        with held(omni, "thinker", until=generating(2)):
+            async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://omni") as c:
+                streamed = asyncio.ensure_future(c.post(PATH, json=body(200, True), timeout=60))
+                whole = asyncio.ensure_future(c.post(PATH, json=body(200, False), timeout=60))
+                await _until(lambda: first_tokens() == 2)
+                t0 = time.monotonic()
+                assert await state.drain.drain(0.2) is False
+                # ended at once (its 0.2 s grace, then at most drain's END_TIMEOUT_S), not never
+                assert time.monotonic() - t0 < 30
+                s, w = await streamed, await whole
         events = sse_events(s.text)
         assert s.status_code == 200 and events[-1] == "[DONE]", events[-3:]
         assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
@@ -105,47 +115,92 @@ def test_grace_period_over_ends_each_request_with_an_error(omni):
     asyncio.run(main())
 
 
-def test_sigterm_drains_a_live_server():
-    """One stream finishes within the grace period, one cannot; the server exits 143 once both ended."""
-    overrides = json.dumps({s: {"scheduler": {"max_model_len": 2048}, "cache": {"num_blocks": 700}}
-                            for s in ("thinker", "talker")})
-    with omni_serve(CHAIN, "--backend", "local", "--shutdown-grace-s", "5", "--stage-overrides", overrides) as srv:
-        started = {"short": threading.Event(), "long": threading.Event()}
-        texts: dict[str, str] = {}
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
 
-        def stream(name: str, max_tokens: int) -> None:
-            req = urllib.request.Request(srv.url + PATH, data=json.dumps(body(max_tokens, True)).encode(),
-                                         headers={"Content-Type": "application/json"})
-            try:
+
+def _post(url: str, payload: dict[str, Any]) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _serve_and_sigterm(monkeypatch: pytest.MonkeyPatch, grace_s: float, release_after_signal: bool) -> dict:
+    """`omni serve` (the CLI's own code, in this process's main thread, so uvicorn installs its signal
+    handlers) with one stream in flight whose thinker is held after its first token; a real SIGTERM to
+    this process once the stream is open; with `release_after_signal` the thinker goes on once the drain
+    has begun (the stream then finishes within the grace period), else it stays held (it cannot)."""
+    made: list[AsyncOmni] = []
+
+    class Recorded(AsyncOmni):  # the server builds its own pipeline: keep a handle to hold its thinker
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(async_api_module, "AsyncOmni", Recorded)
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    seen: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            deadline = time.monotonic() + 240
+            while not made or _health(url) != 200:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.05)
+            with held(made[0], "thinker", until=generating(1)) as release:
+                req = urllib.request.Request(url + PATH, data=json.dumps(body(200, True)).encode(),
+                                             headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=120) as r:
-                    first = r.readline().decode()
-                    started[name].set()
-                    texts[name] = first + r.read().decode()
-            except Exception as e:  # noqa: BLE001 - reported by the assertions below
-                texts[name] = f"{type(e).__name__}: {e}"
-                started[name].set()
+                    first = r.readline().decode()  # streaming: the thinker is held after this token
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    deadline = time.monotonic() + 60
+                    while _health(url) != 503:  # draining: still listening, answering 503
+                        assert time.monotonic() < deadline, "no drain after SIGTERM"
+                        time.sleep(0.02)
+                    seen["late"] = _post(url + PATH, body(2, False))
+                    if release_after_signal:
+                        release.set()
+                    seen["stream"] = first + r.read().decode()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            seen["error"] = e
 
-        # ~6 ms a token on this machine's CPU (~70 ms with 7 jobs on its 2 cores): 20 tokens end well within
-        # 5 s, 2000 do not. The short one starts last, and the signal goes as soon as it streams.
-        threads = {name: threading.Thread(target=stream, args=(name, n))
-                   for name, n in (("long", 2000), ("short", 20))}
-        for name, t in threads.items():
-            t.start()
-            assert started[name].wait(120)
-        assert "long" not in texts, texts  # streaming
-        t0 = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while srv.get("/health")[0] != 503:  # draining: still listening, answering 503
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        status, _, late = srv.post(PATH, body(2, False))
-        assert status == 503 and late["error"]["code"] == "shutting_down", late
-        assert srv.proc.wait(timeout=60) == 143
-        took = time.monotonic() - t0
-        for t in threads.values():
-            t.join(timeout=30)
-    short, long = sse_events(texts["short"]), sse_events(texts["long"])
-    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length", short[-3:]
-    assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["code"] == "shutting_down", long[-3:]
-    assert 5 <= took < 40, took
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    seen["exit"] = omni_main(["serve", str(CHAIN), "--backend", "local", "--port", str(port),
+                              "--shutdown-grace-s", str(grace_s)])
+    thread.join(60)
+    assert "error" not in seen, repr(seen.get("error"))
+    status, late = seen["late"]
+    assert status == 503 and json.loads(late)["error"]["code"] == "shutting_down", late
+    return seen
+
+
+def _health(url: str) -> int | None:
+    try:
+        return _get(url + "/health")[0]
+    except OSError:  # not listening yet
+        return None
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(monkeypatch, capsys):
+    seen = _serve_and_sigterm(monkeypatch, grace_s=120, release_after_signal=True)
+    events = sse_events(seen["stream"])
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-3:]
+    assert seen["exit"] == 0
+    assert "SIGTERM: draining" in capsys.readouterr().err
+
+
+def test_sigterm_past_the_grace_period_ends_the_stream_with_an_error_and_exits_143(monkeypatch, capsys):
+    seen = _serve_and_sigterm(monkeypatch, grace_s=0.5, release_after_signal=False)
+    events = sse_events(seen["stream"])
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events[-3:]
+    assert seen["exit"] == 143
+    assert "the grace period (0.5 s) ran out" in capsys.readouterr().err
