@@ -39,7 +39,7 @@ from .model_runner import ModelRunner, RunnerRequestState
 from .output_rows import FinishedRows, OutputRows, RowsRequest
 from .request import Request, RequestStatus
 from .request_checks import RequestChecker
-from .sampling import make_generator
+from .sampler import make_generator
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
 from .streams import RequestStreams, block_digests

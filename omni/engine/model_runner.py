@@ -26,7 +26,7 @@ from .forward_context import AttentionMetadata, ForwardContext, set_forward_cont
 from .host_rows import RowStager, StagedRows
 from .input_batch import InputBatch
 from .request import Request
-from .sampling import Sampler
+from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .stage_model import StageModel
 from .tensor_cache import is_per_token
