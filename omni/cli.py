@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from omni.commands import error, load_checked
-from omni.serve.server import add_arguments as serve_options
-from omni.serve.server import main as serve_main
+from omni.serve.launch import add_arguments as serve_options
+from omni.serve.launch import main as serve_main
 
 # bench name -> module in omni/bench/ (imported only when that bench runs)
 BENCHES = {

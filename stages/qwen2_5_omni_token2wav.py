@@ -2,7 +2,7 @@
 
 A DiT turns the codec tokens into a mel spectrogram by integrating an ODE from Gaussian noise
 (10 Runge-Kutta steps, classifier-free guidance), and BigVGAN turns the mel into a 24 kHz
-waveform. No KV cache and no prefix caching: it runs in omni.engine.generation_engine.
+waveform. No KV cache and no prefix caching: it runs in omni.engine.one_shot_engine.
 
 The noise comes from torch's global RNG (transformers' code draws it with `torch.randn`), so each
 request runs under `torch.random.fork_rng` seeded with the request's seed (sampling `seed`, else 0):
@@ -142,7 +142,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         mel = dit_sample(self.token2wav.code2wav_dit_model, cond, ref, code, noise, **self.kwargs)
         return self.token2wav.code2wav_bigvgan_model(mel).reshape(-1).float().cpu().numpy()
 
-    # -- GenerationStageEngine hooks ------------------------------------------
+    # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> tuple[list[int], str | None, int]:
         speaker = inp.extra.get("speaker")
         speaker_params(self.speakers, speaker)  # unknown speaker: ValueError at add time

@@ -81,7 +81,7 @@ def _conversation(i: int) -> list[dict[str, str]]:
 # ------------------------------------------------------------------ in-process
 async def _turn_in_process(omni: Any, info: Any, settings: Any, messages: list, audio: bool, max_tokens: int):
     from omni.serve.protocol import ChatCompletionRequest
-    from omni.serve.run import AudioEvent, Run, TextEvent
+    from omni.serve.reply_stream import AudioEvent, Run, TextEvent
     from omni.serve.translate import chat_job
 
     t0, rec = time.perf_counter(), {}

@@ -98,7 +98,7 @@ def run(args) -> dict:
 
 def _concurrent(engine, doc_ids, q_ids, max_tokens: int) -> dict:
     """All questions at once, each decoding `max_tokens`; the engine's stats afterwards."""
-    from omni.engine.sampling import SamplingParams
+    from omni.engine.sampler import SamplingParams
     from omni.outputs import StageInput
 
     before = engine.stats().as_dict()

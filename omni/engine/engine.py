@@ -36,13 +36,13 @@ from .kv_cache import KVCacheManager
 from .loading import load_stage_model
 from .memory import check_before_load, check_loaded
 from .model_runner import ModelRunner, RunnerRequestState
-from .output_rows import FinishedRows, OutputRows, RowsRequest
 from .request import Request, RequestStatus
 from .request_checks import RequestChecker
-from .sampling import make_generator
+from .request_rows import FinishedRows, OutputRows, RowsRequest
+from .request_streams import RequestStreams, block_digests
+from .sampler import make_generator
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
-from .streams import RequestStreams, block_digests
 from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class StageEngine:
         # stage that hands no rows out holds none and copies none off the device.
         store = StageTensorCache(num_blocks, config.block_size)
         self.tensor_cache = store if config.enable_prefix_caching else None
-        # On a GPU the rows' host-side bookkeeping runs on a background thread (output_rows.py).
+        # On a GPU the rows' host-side bookkeeping runs on a background thread (request_rows.py).
         self.rows = OutputRows(store, background=torch.device(model.device).type == "cuda")
         # Rows kept since start-up: every cached block has its rows. A stage that starts
         # keeping them for a request that asks (return_hidden_states) cannot vouch for

@@ -17,7 +17,7 @@
                         and whether some went unlogged (a router corrects its picture of the
                         stage's cache with them; an engine without a prefix cache leaves it out)
 
-Both StageEngine (autoregressive) and GenerationStageEngine (one-shot) implement it; so
+Both StageEngine (autoregressive) and OneShotStageEngine (one-shot) implement it; so
 can a test double. One request, one terminal output: a request that finishes (stop,
 length or error) appears once in `finished`, the step that releases it.
 """

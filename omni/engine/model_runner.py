@@ -9,7 +9,7 @@ Takes a SchedulerOutput (ids and counts) and runs one step in three parts:
     forward  run the stage model inside one scoped ForwardContext: a decode
              step on CUDA replays a captured CUDA graph (cuda_graphs.py), any
              other step runs eager; per-token outputs start their copy to host
-             memory on a side stream (host_rows.py);
+             memory on a side stream (rows_to_host.py);
     sample   logits only for the rows that sample, then the sampler.
 
 On CPU the same code runs with host buffers as device buffers (no copies).
@@ -23,10 +23,10 @@ import torch
 
 from .cuda_graphs import DecodeGraphs, default_capture_sizes
 from .forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from .host_rows import RowStager, StagedRows
 from .input_batch import InputBatch
 from .request import Request
-from .sampling import Sampler
+from .rows_to_host import RowStager, StagedRows
+from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .stage_model import StageModel
 from .tensor_cache import is_per_token

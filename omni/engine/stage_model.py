@@ -5,7 +5,7 @@ run by its own engine (the pipeline's engine factory picks it from the registry)
 
     AutoregressiveStageModel   StageEngine: KV cache, scheduler, prefix caching;
                                embed / packed forward / logits, per-request hooks
-    OneShotStageModel          GenerationStageEngine: one call per request
+    OneShotStageModel          OneShotStageEngine: one call per request
                                (e.g. token2wav: codec tokens -> waveform)
 
 Whatever per-token tensors `forward` returns besides `hidden_states` are
@@ -145,7 +145,7 @@ class AutoregressiveStageModel(StageModel):
 
 
 class OneShotStageModel(StageModel):
-    """A model that turns one request into its output in one call (GenerationStageEngine)."""
+    """A model that turns one request into its output in one call (OneShotStageEngine)."""
 
     autoregressive = False
     emits_hidden_states = False

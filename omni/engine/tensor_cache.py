@@ -21,6 +21,9 @@ block another request filled in this very step reads valid rows.
 Which outputs are cached is discovered at run time: a tensor whose first
 dimension equals the number of tokens in the forward pass and whose ndim >= 2
 is per-token; anything else is per-request metadata and passes through.
+
+The engine writes and gathers it through request_rows.py (one background
+queue); a GPU step's rows reach the host through rows_to_host.py.
 """
 from __future__ import annotations
 

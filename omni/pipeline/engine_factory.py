@@ -1,7 +1,7 @@
 """The engine factory: the one translation of a user's StageConfig into a running engine.
 
     StageConfig (pydantic, omni.config)
-        model          -> registry entry: autoregressive?  -> StageEngine | GenerationStageEngine
+        model          -> registry entry: autoregressive?  -> StageEngine | OneShotStageEngine
                        -> the model class (imported here, in the process that runs the stage)
         model_path     -> registry path schemes (builtin:NAME) or a local path
         cache / scheduler / sampling / dtype / device / ...  -> the engine's resolved config
@@ -27,9 +27,9 @@ def build_engine(stage: StageConfig) -> Engine:
     model_cls = registry.resolve_stage_model(stage.model)
     model_path = registry.resolve_model_path(stage.model_path)
     if not entry.autoregressive:
-        from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
+        from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
 
-        return GenerationStageEngine(GenerationEngineConfig(
+        return OneShotStageEngine(OneShotEngineConfig(
             name=stage.name, model_cls=model_cls, model_path=model_path,
             max_num_seqs=stage.scheduler.max_num_seqs, default_sampling=stage.sampling,
             dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))

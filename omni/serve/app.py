@@ -11,7 +11,7 @@
 The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment),
 after `await app.state.omni.drain.drain(grace_s)` lets the requests in flight finish (shutdown.py).
 Every error is OpenAI-shaped (errors.py), a 404 or 405 of an unknown route included; an unexpected
-exception is a 500 that names its type, never a traceback (edge.py, where it is also counted).
+exception is a 500 that names its type, never a traceback (middleware.py, where it is also counted).
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni.async_api import AsyncOmni
 from omni.serve import responses as R
-from omni.serve.edge import EdgeMiddleware
+from omni.serve.endpoints import ServerState, chat_completions, completions
 from omni.serve.errors import ApiError
 from omni.serve.metrics import CONTENT_TYPE
-from omni.serve.serving import ServerState, chat_completions, completions
+from omni.serve.middleware import ServerMiddleware
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
 from omni.serve.translate import PipelineInfo
@@ -45,7 +45,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     state = ServerState(omni, settings, PipelineInfo.of(omni.config, settings.served_model_name))
     app = FastAPI(title="omni", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state
-    app.add_middleware(EdgeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+    app.add_middleware(ServerMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=state.metrics, drain=state.drain)
 
     @app.exception_handler(ApiError)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from omni.serve.audio import encode_wav, to_pcm16
-from omni.serve.run import Run
+from omni.serve.reply_stream import Run
 
 AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field; this server keeps nothing)
 

@@ -1,6 +1,6 @@
 """Graceful shutdown of one app: stop admitting, let what is in flight finish, end what is left.
 
-    drain = Drain()                       # the edge counts every HTTP request in flight through it
+    drain = Drain()                       # the middleware counts every HTTP request in flight through it
     clean = await drain.drain(grace_s)    # the CLI calls it on SIGTERM / Ctrl-C, then closes the pipeline
 
 Once `drain` starts, new `/v1/*` requests are answered 503 `shutting_down` (and /health 503); requests

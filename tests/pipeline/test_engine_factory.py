@@ -9,7 +9,7 @@ import torch
 from omni.config import SchedulerConfig
 from omni.config_loader import load_config
 from omni.engine.engine import StageEngine
-from omni.engine.generation_engine import GenerationStageEngine
+from omni.engine.one_shot_engine import OneShotStageEngine
 from omni.engine.scheduler import SchedulerSettings
 from omni.engine.stage_model import OneShotStageModel
 from omni.errors import StageStartError
@@ -59,12 +59,12 @@ def test_autoregressive_stage_gets_a_stage_engine_configured_from_its_stage_conf
     assert cfg.default_sampling == thinker.sampling and cfg.default_sampling.max_tokens == 8
 
 
-def test_one_shot_stage_gets_a_generation_engine(tmp_path):
+def test_one_shot_stage_gets_a_one_shot_engine(tmp_path):
     data = {"stages": [{"name": "echo", "model": "echo_one_shot", "model_path": str(tmp_path),
                         "enable_prefix_caching": False, "final_output": "tokens",
                         "scheduler": {"max_num_seqs": 3}, "sampling": {"seed": 5}}]}
     engine = build_engine(load_config(data).stages[0])
-    assert isinstance(engine, GenerationStageEngine)
+    assert isinstance(engine, OneShotStageEngine)
     assert engine.config.max_num_seqs == 3 and engine.config.default_sampling.seed == 5
     assert engine.model.loaded_from == tmp_path.resolve() and engine.model.dtype == torch.float32
 

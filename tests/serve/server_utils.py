@@ -131,7 +131,7 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
     from omni.cli import build_parser
     from omni.config_loader import load_config
     from omni.serve.app import create_app
-    from omni.serve.server import UVICORN_SHUTDOWN_S, settings_from_args
+    from omni.serve.launch import UVICORN_SHUTDOWN_S, settings_from_args
 
     ns = build_parser().parse_args(["serve", str(config), *args])
     with pytest.MonkeyPatch.context() as mp:

@@ -1,7 +1,7 @@
 """`omni_http_requests_total` counts every response once, with the status the client got: a 500 from an
 unexpected exception (it used to be counted 499: the handler that answered it sat outside the counting
-middleware), an error the edge answers before any route, and a stream that fails midway (200: its status
-line went out before the failure, which is an error event). In-process on the tiny chain (local backend)."""
+middleware), an error the middleware answers before any route, and a stream that fails midway (200: its
+status line went out before the failure, which is an error event). In-process on the tiny chain (local backend)."""
 from __future__ import annotations
 
 import asyncio

@@ -99,7 +99,7 @@ TALKER_SAMPLING = dict(temperature=0.0, max_tokens=TALKER_MAX, repetition_penalt
 
 def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=512):
     """Three engines wired like stage_configs/qwen2_5_omni_tiny.yaml (without the pipeline layer)."""
-    from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
+    from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
     from omni.sampling_params import SamplingParams
     from tests.engine_utils import make_engine
 
@@ -107,7 +107,7 @@ def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=
                     name="thinker", default_sampling=SamplingParams(temperature=0.0, max_tokens=THINKER_MAX))
     k = make_engine(None, model=talker, caching=caching, block_size=block_size, max_num_batched_tokens=chunk,
                     name="talker", default_sampling=SamplingParams(**TALKER_SAMPLING))
-    w = GenerationStageEngine(GenerationEngineConfig("token2wav", type(token2wav), None), model=token2wav)
+    w = OneShotStageEngine(OneShotEngineConfig("token2wav", type(token2wav), None), model=token2wav)
     return t, k, w
 
 

@@ -32,7 +32,7 @@ from omni.serve.audio import pcm16_chunks
 from omni.serve.errors import ApiError, bad_request, from_validation_error, internal
 from omni.serve.metrics import ServerMetrics
 from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
-from omni.serve.run import AudioEvent, Run, TextEvent
+from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
 from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_job

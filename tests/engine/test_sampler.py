@@ -5,7 +5,7 @@ import torch
 from pydantic import ValidationError
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
-from omni.engine.sampling import Sampler, apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator
+from omni.engine.sampler import Sampler, apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator
 from omni.sampling_params import SamplingParams
 
 sampler = Sampler()

@@ -11,16 +11,17 @@ its block table:
 
 Token j of a request lives at slot block_ids[j // block_size] * block_size +
 j % block_size; a prefix-cache hit's rows were written there by the request
-that first computed the block (the store is the stage tensor cache), and a
-preempted request's recomputed rows overwrite its new slots. A running
-request's blocks are its own (ref count >= 1), and a finished request's are
-gathered before anything can reuse them, so the rows are always its own.
+that first computed the block (the store is the stage tensor cache,
+tensor_cache.py), and a preempted request's recomputed rows overwrite its new
+slots. A running request's blocks are its own (ref count >= 1), and a finished
+request's are gathered before anything can reuse them, so the rows are always
+its own.
 
 With prefix caching off the store is the same layout used privately (no
 request ever reads another's blocks).
 
 On a GPU stage a step's rows arrive through a side-stream copy
-(host_rows.py); the store write runs on one background thread, in submission
+(rows_to_host.py); the store write runs on one background thread, in submission
 order, so the step does not wait for it. Every operation goes through that
 one queue (FIFO: a finished request is gathered before a later step's write
 can touch its freed blocks); only gathering finished requests waits.
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .host_rows import StagedRows
+from .rows_to_host import StagedRows
 from .tensor_cache import StageTensorCache
 
 _WAIT_TIMEOUT_S = 120.0

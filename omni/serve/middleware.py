@@ -1,5 +1,5 @@
-"""The server's edge, as one ASGI middleware: API key, content type, body size, shutdown, the HTTP
-status count, and the last word on unexpected errors.
+"""The server's one ASGI middleware, around every route: API key, content type, body size, shutdown,
+the HTTP status count, and the last word on unexpected errors.
 
 - `/v1/*` requires `Authorization: Bearer <key>` when an API key is set (constant-time comparison;
   401 otherwise). /health and /metrics stay open (probes and scrapers), as in vLLM.
@@ -11,7 +11,7 @@ status count, and the last word on unexpected errors.
 - An exception nothing else handled is a 500 that names its type (logged here, never a traceback to
   the client); one raised after the response started (a stream) ends the connection.
 - Every answer is counted once by path and the status the client got (`omni_http_requests_total`),
-  whether the app, this edge or the 500 above sent it; 499 when none was sent (the client left).
+  whether the app, this middleware or the 500 above sent it; 499 when none was sent (the client left).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ async def send_error(send: Send, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class EdgeMiddleware:
+class ServerMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
                  drain: Drain):
         self.app = app

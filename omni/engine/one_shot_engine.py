@@ -1,4 +1,4 @@
-"""GenerationStageEngine: a one-shot stage (e.g. token2wav), same contract as StageEngine.
+"""OneShotStageEngine: a one-shot stage (e.g. token2wav), same contract as StageEngine.
 
 No KV cache, no prefix caching: a request is one call of the stage model (a
 OneShotStageModel: `prepare_generation` when the request arrives, `run_generation`
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class GenerationEngineConfig:
+class OneShotEngineConfig:
     """Resolved configuration of one one-shot stage (built by omni.pipeline.engine_factory)."""
 
     name: str
@@ -58,8 +58,8 @@ class _Job:
     first_output: float | None = None
 
 
-class GenerationStageEngine:
-    def __init__(self, config: GenerationEngineConfig, model: OneShotStageModel | None = None):
+class OneShotStageEngine:
+    def __init__(self, config: OneShotEngineConfig, model: OneShotStageModel | None = None):
         self.config = config
         self.name = config.name
         if model is None:

@@ -1,15 +1,15 @@
-"""GenerationStageEngine with the Qwen2.5-Omni token2wav stage (no KV cache)."""
+"""OneShotStageEngine with the Qwen2.5-Omni token2wav stage (no KV cache)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from omni.engine.generation_engine import GenerationEngineConfig, GenerationStageEngine
+from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
 from omni.outputs import StageInput
 
 
 def _config(model, name="token2wav", **kw):
-    return GenerationEngineConfig(name, type(model), None, **kw)
+    return OneShotEngineConfig(name, type(model), None, **kw)
 
 
 def _drain(engine):
@@ -23,7 +23,7 @@ def _drain(engine):
 
 @pytest.mark.slow
 def test_token2wav_engine_deterministic_and_isolated(token2wav_stage):
-    engine = GenerationStageEngine(_config(token2wav_stage, max_num_seqs=2), model=token2wav_stage)
+    engine = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=2), model=token2wav_stage)
     codes = [11, 500, 2048, 7, 7, 900]
     engine.add_request(StageInput("a", prompt_token_ids=codes))
     engine.add_request(StageInput("b", prompt_token_ids=codes, sampling_params={"seed": 3}))
@@ -43,7 +43,7 @@ def test_token2wav_engine_deterministic_and_isolated(token2wav_stage):
 
 
 def test_token2wav_bad_requests_are_clear_errors(token2wav_stage):
-    engine = GenerationStageEngine(_config(token2wav_stage), model=token2wav_stage)
+    engine = OneShotStageEngine(_config(token2wav_stage), model=token2wav_stage)
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request(StageInput("x", prompt_token_ids=[10**6]))
     with pytest.raises(ValueError, match="at least one"):
@@ -55,4 +55,4 @@ def test_token2wav_bad_requests_are_clear_errors(token2wav_stage):
 
 def test_autoregressive_model_is_rejected(thinker_stage):
     with pytest.raises(ValueError, match="autoregressive"):
-        GenerationStageEngine(_config(thinker_stage, name="x"), model=thinker_stage)
+        OneShotStageEngine(_config(thinker_stage, name="x"), model=thinker_stage)

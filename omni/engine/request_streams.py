@@ -3,7 +3,7 @@
 Out (StageInput.stream): every step that computes tokens of the request yields
 a StageDelta: the tokens sampled this step, their text once it is final
 (IncrementalDetokenizer), and how many tokens have rows by now (a streaming
-edge reads those rows while the request runs).
+edge reads those rows, request_rows.py, while the request runs).
 
 In (StageInput.input_complete=False): the prompt grows chunk by chunk. Token
 ids need nothing here, but a prompt of *embeddings* is hashed through one

@@ -1,8 +1,9 @@
 """RowStager: a step's per-token outputs, copied to host memory off the critical path.
 
-The stage tensor cache and the rows handed downstream live on the host, but a
-GPU forward pass leaves its hidden states on the device. Copying them with
-`.cpu()` would stall the step on a synchronous device-to-host copy. Instead:
+The stage tensor cache (tensor_cache.py) and the rows handed downstream
+(request_rows.py) live on the host, but a GPU forward pass leaves its hidden
+states on the device. Copying them with `.cpu()` would stall the step on a
+synchronous device-to-host copy. Instead:
 
     main stream:  forward k ──► logits/sample k ──► (host sync: token ids) ──► forward k+1
                         │ event                                              ▲ waits copy k

@@ -1,4 +1,4 @@
-"""The server's edge without a server: audio and image decoding, resampling, stop strings, and how
+"""The server's parts without a server: audio and image decoding, resampling, stop strings, and how
 omni's errors and pydantic's become OpenAI errors naming the request's field."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from PIL import Image
 from omni.errors import (ContextLengthError, RequestAbortedError, RequestError, RequestTimeoutError,
                          StageError)
 from omni.serve.audio import decode_audio, encode_wav, pcm16_chunks, pcm16_to_float, resample, to_pcm16
+from omni.serve.endpoints import parse
 from omni.serve.errors import ApiError, from_omni_error
 from omni.serve.media import decode_image, parse_data_url
 from omni.serve.protocol import ChatCompletionRequest
-from omni.serve.run import StopMatcher
-from omni.serve.serving import parse
+from omni.serve.reply_stream import StopMatcher
 
 MB = 2**20
 
