@@ -239,13 +239,14 @@ def make_recipe(target: str, makefile: Path = REPO / "Makefile") -> list[tuple[i
 
 
 def collect() -> list[Doc]:
-    """Every documented command, `make` targets other than `test` expanded to their recipes."""
+    """Every documented command, `make` targets other than the suite's own (`test`, `test-fast`) expanded to
+    their recipes."""
     docs = from_readme() + from_stage_configs() + from_examples()
     out: list[Doc] = []
     for d in docs:
         _, rest = split_env(d.text)
         words = rest.split()
-        if words[0] == "make" and len(words) == 2 and words[1] != "test":
+        if words[0] == "make" and len(words) == 2 and words[1] not in ("test", "test-fast"):
             for n, cmd in make_recipe(words[1]):
                 out.append(_doc(cmd, f"{d.where} (make {words[1]} -> Makefile:{n})"))
         else:

@@ -317,7 +317,7 @@ def _chat_client_check(out: str, args: list[str]) -> None:
 CUDA = "needs a CUDA device (README: 'Reproduce on a GPU machine'); CI has none. Its CPU form runs here"
 RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     # not runnable here, each with why
-    (r"^make test\b", skip("the test suite itself: this test runs inside it")),
+    (r"^make test(-fast)?( PYTEST_ARGS=.*)?$", skip("the test suite itself (or its fast tier): this test runs inside it")),
     (r"qwen2_5_omni_7b\.yaml", skip("real Qwen2.5-Omni-7B weights ($QWEN2_5_OMNI_PATH); the same graph runs "
                                     "on the tiny checkpoint (qwen2_5_omni_tiny.yaml)")),
     (r"^pytest\b", skip("the GPU half of the suite (TRITON_INTERPRET=0, real Triton kernels): " + CUDA)),
@@ -331,6 +331,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni (run|validate|serve)( --[\w-]+)*$", mention),
     (r"^omni bench (NAME|\.\.\.)$", mention),
     (r"^ray start( --address)?$", mention),
+    (r"^ray job submit$", mention),
     # Ray: a cluster of its own, started by existing tests
     (r"^ray start --head$", covered("tests/pipeline/test_ray_job.py::test_ray_job_submit_omni_run")),
     (r"^ray start --address HEAD:6379$",
@@ -340,16 +341,16 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^examples/ray_job\.sh\b", covered("tests/pipeline/test_ray_job.py::test_example_ray_job_script")),
     (r"^omni serve \S+ --ray-serve\b", covered("tests/serve/test_ray_serve.py::test_ray_serve_ingress")),
     # benches with smoke tests of their own
-    (r"^omni bench kv$", covered("tests/engine/kv_cache/test_bench_kv.py::test_bench_kv_reports_every_key")),
-    (r"^omni bench kernels$", covered("tests/kernels/test_bench_kernels.py::test_run_without_cuda_is_a_clean_skip")),
-    (r"^omni bench pipeline$", covered("tests/pipeline/test_real_pipeline.py::test_bench_pipeline_ttft_part")),
-    (r"^omni bench omni$", covered("tests/stages/test_omni_bench.py::test_omni_bench_reports_speedups_and_hits")),
+    (r"^omni bench kv$", covered("tests/bench/test_bench_kv.py::test_bench_kv_reports_every_key")),
+    (r"^omni bench kernels$", covered("tests/bench/test_bench_kernels.py::test_run_without_cuda_is_a_clean_skip")),
+    (r"^omni bench pipeline$", covered("tests/bench/test_bench_pipeline.py::test_bench_pipeline_ttft_part")),
+    (r"^omni bench omni$", covered("tests/bench/test_bench_omni.py::test_omni_bench_reports_speedups_and_hits")),
     (r"^omni bench token2wav$",
-     covered("tests/stages/test_token2wav_bench.py::test_token2wav_bench_compares_with_transformers_and_is_bitwise_equal")),
+     covered("tests/bench/test_bench_token2wav.py::test_token2wav_bench_compares_with_transformers_and_is_bitwise_equal")),
     (r"^omni bench streaming( --plot \S+| --pipeline omni)?$",
-     covered("tests/stages/test_streaming_bench.py::test_streaming_bench_on_the_omni_pipeline")),
-    (r"^omni bench routing$", covered("tests/pipeline/test_replicas.py::test_bench_routing_reports_the_issue_keys")),
-    (r"^omni bench serve$", covered("tests/serve/test_bench_serve.py::test_bench_serve_reports_both_modes")),
+     covered("tests/bench/test_bench_streaming.py::test_streaming_bench_on_the_omni_pipeline")),
+    (r"^omni bench routing$", covered("tests/bench/test_bench_routing.py::test_bench_routing_reports_the_issue_keys")),
+    (r"^omni bench serve$", covered("tests/bench/test_bench_serve.py::test_bench_serve_reports_both_modes")),
     # run here
     (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "1"],
                                             _bench_json_has("omni_tokens_per_s", "hf_generate_tokens_per_s"))),
