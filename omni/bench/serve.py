@@ -24,18 +24,11 @@ import contextlib
 import itertools
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from .server_process import serve_process
 from .workloads import Conversation
 
 NOTES = ("I am planning a slow trip along the coast: three nights in the old harbour town, a day on the ferry "
@@ -172,41 +165,6 @@ async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[
         await omni.close()
 
 
-@contextlib.contextmanager
-def _server(config: str, backend: str | None) -> Iterator[str]:
-    """`omni serve CONFIG --port 0` in a subprocess; yields its URL once /health answers."""
-    log = Path(tempfile.mkstemp(prefix="omni-bench-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "omni.cli", "serve", config, "--port", "0", "--log-level", "warning"]
-    cmd += ["--backend", backend] if backend else []
-    env = {**os.environ, "OMNI_API_KEY": ""}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline, url = time.monotonic() + 600, None
-        while url is None or not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"omni serve did not come up:\n{log.read_text()[-3000:]}")
-            m = re.search(r"omni serve: \S+ on (http://\S+)", log.read_text())
-            url = m.group(1) if m else None
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.unlink(missing_ok=True)
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(OSError):
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return r.status == 200
-    return False
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from omni.config_loader import load_config
 
@@ -218,8 +176,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i, path in enumerate(args.configs):
         cfg = load_config(path)
         audio = any(s.final_output == "audio" for s in cfg.stages)
-        with _server(path, args.backend) as url:
-            local, http = asyncio.run(_compare(cfg, url, args, audio))
+        server_args = ["--port", "0", "--log-level", "warning", *(["--backend", args.backend] if args.backend else [])]
+        with serve_process(path, *server_args, env={**os.environ, "OMNI_API_KEY": ""}) as srv:
+            local, http = asyncio.run(_compare(cfg, srv.url, args, audio))
         for c in args.concurrency:
             a, b = local[f"c{c}"], http[f"c{c}"]
             print(f"{cfg.name} c={c}: in-process {a['requests_per_s']:.2f} req/s, e2e {a['e2e_mean_ms']:.0f} ms; "

@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -32,13 +30,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import stop_tree, tail, wait_until_up
+from tests.procs import stop_tree
 
 REPO = Path(__file__).resolve().parents[2]
 CHAIN = REPO / "stage_configs" / "tiny_chain.yaml"
 OMNI = REPO / "stage_configs" / "qwen2_5_omni_tiny.yaml"
 START_TIMEOUT_S = 240
-_LISTEN_RE = re.compile(r"omni serve: \S+ on (http://[\w.:\[\]]+)")
 
 
 @dataclass
@@ -98,25 +95,16 @@ def _send(req: urllib.request.Request) -> tuple[int, dict[str, str], Any]:
 @contextlib.contextmanager
 def omni_serve(config: Path | str, *args: str, env: dict[str, str] | None = None, port: int = 0,
                stop_grace_s: float = 20) -> Iterator[Server]:
-    """Start `omni serve CONFIG --port PORT ARGS...`; yields once /health answers 200. Stopped with SIGTERM
-    (the server closes its pipeline and whatever Ray it started), then SIGKILL past `stop_grace_s`."""
-    log = Path(tempfile.mkstemp(prefix="omni-serve-", suffix=".log")[1])
+    """Start `omni serve CONFIG --port PORT ARGS...` (the bench's own helper, omni.bench.server_process);
+    yields once /health answers 200. Stopped with SIGTERM (the server closes its pipeline and whatever Ray
+    it started), then SIGKILL to it and every process below it past `stop_grace_s`."""
+    from omni.bench.server_process import serve_process
+
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "omni.cli", "serve", str(config), "--port", str(port), *args]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
-    try:
-        def health() -> str | None:
-            m = _LISTEN_RE.search(tail(log, 100_000))
-            return f"{m.group(1)}/health" if m else None
-
-        url = wait_until_up(proc, log, health, "omni serve", START_TIMEOUT_S).removesuffix("/health")
-        yield Server(url, proc=proc, log=log)
-    finally:
-        stop_tree(proc, grace_s=stop_grace_s, group=False)
-        log.unlink(missing_ok=True)
+    with serve_process(config, "--port", str(port), *args, env=env, cwd=REPO, start_timeout_s=START_TIMEOUT_S,
+                       stop=lambda proc: stop_tree(proc, grace_s=stop_grace_s, group=False)) as srv:
+        yield Server(srv.url, proc=srv.proc, log=srv.log)
 
 
 @contextlib.contextmanager
