@@ -6,6 +6,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.omni-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers (one per core; 0 runs the tests in this process, in order). The Ray tests are one
+# group on one worker (tests/conftest.py), every other module a unit of its own.
+PYTEST_WORKERS ?= auto
+XDIST  := -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: install demo test test-fast bench clean
 
@@ -27,13 +31,13 @@ demo: install
 # The layering first (import-linter contracts in pyproject.toml), then the tests.
 test: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The inner loop: everything but the tests that need a Ray cluster, a server or cluster node in another
 # process or SmolLM2's real weights, and the slow ones (markers in pyproject.toml; `make test` runs all).
 test-fast: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not ray and not server and not subprocess and not real_weights and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not ray and not server and not subprocess and not real_weights and not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/omni bench kv

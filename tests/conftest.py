@@ -8,6 +8,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Under pytest-xdist (`make test` runs one worker per core), each worker gets its share of the cores for
+# torch's intra-op threads: two workers each running two threads on two cores spin against each other and
+# run several times slower than one thread each. Set before torch is imported (by any test module); the
+# processes a test starts (Ray workers, servers) inherit it. Tolerances do not depend on the thread count.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("MKL_NUM_THREADS", str(_share))
 
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -34,6 +42,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The tests that need the in-process Ray to themselves (fixture `own_ray`) run last, so that the shared
     # cluster starts once and is shut down once, before them (stable sort: the order is otherwise kept).
     items.sort(key=lambda item: "own_ray" in getattr(item, "fixturenames", ()))
+    if config.pluginmanager.hasplugin("xdist"):
+        _group_for_workers(items)
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Work units for `--dist loadgroup` (pytest-xdist): every test marked `ray` runs in one group, on one
+    worker, in the order above, so the session's shared cluster starts once and no two clusters (the
+    shared one, an embedded one, a `ray start` head, Ray Serve) start at the same time: a head that
+    starts while another is starting misses its GCS deadline on 2 cores. Every other module is a unit
+    of its own, so its module-scoped fixtures (pipelines, in-process servers) are built once. xdist
+    hands out the largest unit first: the Ray group starts at once, the modules balance around it."""
+    for item in items:
+        group = "ray" if item.get_closest_marker("ray") is not None else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # ------------------------------------------------------------------ checkpoints
