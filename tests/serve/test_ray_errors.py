@@ -1,14 +1,13 @@
 """Typed errors on the Ray backend: a request refused by a stage actor reaches the HTTP client with its
 `param` and `code`, exactly as on the local backend (the error crosses from the actor to the driver as
-itself, its fields pickled; the server maps it by type and code, never by its wording)."""
+itself, its fields pickled; the server maps it by type and code, never by its wording). The server runs
+in this process on the session's shared cluster: the stage actors are as remote as in `omni serve`'s own
+embedded Ray (`test_serve_cli.py` runs that one)."""
 from __future__ import annotations
-
-import os
 
 import pytest
 
-from tests.procs import free_ports
-from tests.serve.server_utils import CHAIN, omni_serve
+from tests.serve.server_utils import CHAIN, serve_in_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 MODEL = "tiny_chain"
@@ -16,10 +15,8 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max
 
 
 @pytest.fixture(scope="module")
-def server():
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    with omni_serve(CHAIN, "--backend", "ray", port=free_ports(1)[0], env=env, stop_grace_s=90) as s:
+def server(ray_cluster):
+    with serve_in_process(CHAIN, "--backend", "ray") as s:
         yield s
 
 
