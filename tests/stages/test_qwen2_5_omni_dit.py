@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.qwen2_5_omni_dit import DiTVelocity
+from stages.qwen2_5_omni_dit import DiTRequest, DiTVelocity
 from stages.qwen2_5_omni_talker import speaker_params
 from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
 
@@ -33,7 +33,7 @@ def test_velocity_equals_the_dit_forward(stage, guidance_scale):
     frames = code.shape[1] * dit.repeats
     x = torch.randn(1, frames, dit.mel_dim, generator=gen)
     speaker = cond.unsqueeze(1).repeat(1, frames, 1)
-    velocity = DiTVelocity(dit, cond, ref, code, guidance_scale)
+    velocity = DiTVelocity(dit, [DiTRequest(cond, ref, code, x)], guidance_scale)
     with torch.inference_mode():
         for t in (torch.tensor(0.0), torch.tensor(0.37), torch.tensor(1.0)):
             got = velocity(t, x)
