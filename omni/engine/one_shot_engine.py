@@ -195,8 +195,14 @@ class OneShotStageEngine:
                           stage=self.name, request_id=rid)
 
     def _step_streams(self, out: EngineStepOutput, budget: int) -> int:
-        """Emit the next ready piece of up to `budget` streams (oldest first), together; finish those that end."""
-        ready = [(rid, job) for rid, job in self._streams.items() if self.model.stream_ready(job.job)][:budget]
+        """Emit the next ready piece of up to `budget` streams (oldest first), together; finish those that end.
+
+        First pieces go ahead: while some stream has its first piece ready, a step runs only first
+        pieces (the others' later pieces run in the next step), so that a request's time to first
+        output never includes other requests' longer windows computed with it."""
+        ready = [(rid, job) for rid, job in self._streams.items() if self.model.stream_ready(job.job)]
+        first = [(rid, job) for rid, job in ready if job.first_output is None]
+        ready = (first or ready)[:budget]
         pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
         now = time.monotonic()
         for (rid, job), result in zip(ready, pieces):
