@@ -7,7 +7,8 @@ parts that depend only on the request, not on the ODE time or state:
 
     the speaker encoder (an ECAPA-TDNN over the reference mel), the codec embeddings (with and
     without codes), the speaker vector, the rotary tables, and each layer's block attention mask
-    (kept in the additive form SDPA turns a boolean mask into).
+    (kept in the additive form SDPA turns a boolean mask into, one [frames, frames] per layer kind,
+    broadcast over the CFG rows and heads).
 
 `DiTVelocity` computes them once per request and then runs, per evaluation, exactly the tensor ops
 transformers runs on the same inputs, so the mel is bitwise the one `dit.sample` gives (tested: the
@@ -105,8 +106,11 @@ class DiTVelocity:
         if key not in masks:
             dit = self.dit
             blocks = torch.arange(frames, device=like.device) // dit.block_size
-            diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1)).expand(self.batch, dit.num_attention_heads,
-                                                                      frames, frames)
+            # [1, 1, frames, frames], broadcast by SDPA over the CFG rows and the heads (the same values
+            # as transformers' [batch, heads, frames, frames] mask: the same scores, tested bitwise), so a
+            # mask costs frames^2 floats, not batch * heads times that (for a 2,048-code request with 16
+            # heads: 64 MB per layer kind instead of 2 GB).
+            diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1))[None, None]
             allowed = (diff >= -float(key[1])) & (diff <= float(key[2]))
             # As the additive mask SDPA makes of a boolean one (0 where allowed, -inf elsewhere:
             # adding either to a score is exact), built once instead of per layer and evaluation.
