@@ -246,6 +246,6 @@ class OneShotStageEngine:
             steps=self._num_steps,
             step_time_s=self._step_time,
             torch_threads=torch.get_num_threads(),
-            extra={**self.model.stats(), "batch_calls": self._batch_calls,
-                   "batch_size_mean": (self._batched_items / self._batch_calls) if self._batch_calls else None},
+            # batched_items / batch_calls: the mean batch of the batched hooks.
+            extra={**self.model.stats(), "batch_calls": self._batch_calls, "batched_items": self._batched_items},
         )

@@ -117,9 +117,9 @@ def test_a_step_runs_its_requests_through_the_batched_hook_when_there_is_one(mod
     stats = engine.stats().as_dict()
     if model_cls is BatchedEcho:
         assert model.batches == [(3, 77)] and model.single_calls == 1  # the last one alone
-        assert stats["batch_calls"] == 1 and stats["batch_size_mean"] == 3
+        assert stats["batch_calls"] == 1 and stats["batched_items"] == 3
     else:
-        assert model.single_calls == 4 and stats["batch_calls"] == 0 and stats["batch_size_mean"] is None
+        assert model.single_calls == 4 and stats["batch_calls"] == 0 and stats["batched_items"] == 0
 
 
 def test_a_failing_batch_fails_only_its_bad_request():
