@@ -23,7 +23,7 @@ context each window lacks (measured in tests: max |diff| and SNR). The first chu
 
 Batched (the engine's optional hooks `run_generation_batch` / `next_outputs`): the requests of one
 engine step, or the windows of different streams ready in the same step, integrate the DiT's ODE in
-lockstep, packed along time (qwen2_5_omni_dit.py: each one's mel is bitwise its mel alone), in calls
+lockstep, packed along time (qwen2_5_omni_dit.py: each one's mel is its mel alone), in calls
 of at most `max_batch_tokens` codes (the stage's scheduler.max_num_batched_tokens; a longer one runs
 alone). BigVGAN then runs per window: batched over windows of one length it is neither bitwise
 (oneDNN's convolutions block a batch differently) nor faster on a CPU (measured on the small
