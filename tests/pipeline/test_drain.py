@@ -8,6 +8,10 @@ the driver routes on, never shown to the caller) must hand the audio to the call
 """
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from omni import Omni, SamplingParams, StageDelta
 from omni.outputs import StageInput
 from tests.fakes import AUDIO_SAMPLES, fake_factory, stage
@@ -74,3 +78,29 @@ def test_streamed_audio_adds_up_on_the_public_api():
         final = [e for e in events if e.request_id == rid and not isinstance(e, StageDelta) and e.stage == "voice"]
         assert len(final) == 1
         assert [int(round(p.audio[0] * 1000)) for p in pieces] == final[0].token_ids
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_ray_driver_takes_every_ready_reply_of_every_actor_in_one_poll():
+    """On Ray: once the voice actor has produced every request's audio and output, one poll of the driver
+    hands out all of them (each request's submit() stream: its audio delta, then its output), not one
+    per actor or per request."""
+    pytest.importorskip("ray")
+    config = voice_config("ray")
+    config["stages"] = [stage("voice", final_output="tokens", sampling={"max_tokens": 1},
+                              model_kwargs={"audio_deltas": True})]
+    with Omni(config, engine_factory=fake_factory) as o:
+        orch = o._orch
+        for i in range(BUSY):
+            orch.add_request(StageInput(f"r{i}", prompt=f"hello {i}"), stream=True)
+        deadline = time.monotonic() + 60
+        while o._backend.stats()["voice"].get("finished") != BUSY:
+            assert time.monotonic() < deadline, "the voice actor did not finish"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the actor's replies reach the driver's object store (milliseconds; a margin for load)
+        events = o._backend.poll(0.0)
+        audio = {e.request_id for e in events if e.delta is not None and e.delta.audio is not None}
+        outputs = {e.request_id for e in events if e.summary is not None}
+        assert audio == outputs == {f"r{i}" for i in range(BUSY)}
