@@ -71,9 +71,12 @@ class CacheConfig(_Model):
 
 
 class SchedulerConfig(_Model):
-    max_num_seqs: int = Field(64, ge=1, description="Maximum number of requests in one batch (>= 1).")
+    max_num_seqs: int = Field(64, ge=1, description="Maximum number of requests in one batch (>= 1). "
+                              "One-shot stages (token2wav): requests, or streamed pieces, run per step.")
     max_num_batched_tokens: int = Field(
-        2048, ge=1, description="Maximum number of tokens computed in one step (>= 1).")
+        2048, ge=1, description="Maximum number of tokens computed in one step (>= 1). One-shot stages: "
+        "most input tokens (e.g. codec tokens of the requests or streamed windows) in one batched call of "
+        "the stage model, which bounds a batch's memory; a request larger than that runs alone.")
     max_model_len: int | None = Field(
         None, ge=1, description="Maximum sequence length (prompt + output). None: the model's maximum. "
         "Lowered (with a warning) to what the KV cache holds; a request whose prompt + max_tokens exceeds "

@@ -1,4 +1,5 @@
-"""Qwen2.5-Omni's DiT sampler (codec tokens -> mel) with the request's constants computed once.
+"""Qwen2.5-Omni's DiT sampler (codec tokens -> mel) with the request's constants computed once,
+for one request or several in lockstep.
 
 transformers' `Qwen2_5OmniToken2WavDiTModel.sample` integrates an ODE with 10 Runge-Kutta steps
 (36 DiT evaluations, each on the classifier-free-guidance batch of 2). Every evaluation recomputes
@@ -6,70 +7,154 @@ parts that depend only on the request, not on the ODE time or state:
 
     the speaker encoder (an ECAPA-TDNN over the reference mel), the codec embeddings (with and
     without codes), the speaker vector, the rotary tables, and each layer's block attention mask
-    (kept in the additive form SDPA turns a boolean mask into).
+    (kept in the additive form SDPA turns a boolean mask into, one [frames, frames] per layer kind,
+    broadcast over the CFG rows and heads).
 
 `DiTVelocity` computes them once per request and then runs, per evaluation, exactly the tensor ops
-transformers runs on the same inputs (same order, same shapes), so the mel is bitwise the one
-`dit.sample` gives (tested: the velocity with `torch.equal` against the DiT's forward, the one-shot
-waveform with `array_equal` against transformers' token2wav). On the small checkpoint token2wav runs
-1.4-1.5x faster (`omni bench token2wav`; the speaker encoder is most of the saving).
+transformers runs on the same inputs, so the mel is bitwise the one `dit.sample` gives (tested: the
+velocity with `torch.equal` against the DiT's forward, the one-shot waveform with `array_equal`
+against transformers' token2wav). On the small checkpoint token2wav runs 1.4-1.5x faster
+(`omni bench token2wav`; the speaker encoder is most of the saving).
+
+Several requests (or streamed windows of several requests) integrate in lockstep: their frames are
+*packed* along the time axis, [2 (guided, null), frames of request 1 + frames of request 2 + ..., D],
+not padded. Every op of the DiT but attention works row by row (the linear layers, LayerNorm, the
+MLP, the time modulation, which depends only on the ODE time that all requests share) and runs once
+over the packed rows; attention runs per request on its own slice with its own block mask, the very
+call the one-request path makes; no frame is computed for padding. The ODE's Runge-Kutta arithmetic
+is elementwise, so stepping the packed state is stepping each request's. A request's mel in a batch
+is therefore bitwise its mel alone wherever a matrix product's row does not depend on how many rows
+it is computed with: with MKL on a CPU, every window measured but a 1-code request alone without
+guidance (2 rows: MKL's small-matrix kernel sums in another order, 6e-8 apart). The test holds it to
+the bound of a reordered fp32 chain (tests/stages/omni_utils.py mel_atol), whatever the BLAS picks.
 
 What it relies on from transformers' DiT (checked by the equality tests on every run): the input
 embedding concatenates [state, speaker-encoder output, code embedding, speaker vector] before
-`input_embed.proj`; a decoder layer is AdaLayerNormZero -> block-masked attention -> gated residual
--> LayerNorm with the MLP modulation -> MLP -> gated residual.
+`input_embed.proj`; a decoder layer is AdaLayerNormZero -> block-masked attention (q/k/v
+projections, rotary on the first head of the de-interleaved q and k, SDPA, output projection) ->
+gated residual -> LayerNorm with the MLP modulation -> MLP -> gated residual.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
-class DiTVelocity:
-    """The ODE's right-hand side for one request: v(t, x) with classifier-free guidance."""
+@dataclass(frozen=True, slots=True)
+class DiTRequest:
+    """One request (or streamed window) for the DiT: conditioning [1, D], reference mel [1, frames, mel],
+    codes [1, n] and the ODE's initial state [1, n * repeats, mel]."""
 
-    def __init__(self, dit, conditioning: torch.Tensor, reference_mel: torch.Tensor, code: torch.Tensor,
-                 guidance_scale: float):
+    conditioning: torch.Tensor
+    reference_mel: torch.Tensor
+    code: torch.Tensor
+    noise: torch.Tensor
+
+
+def _request_constant(dit, conditioning: torch.Tensor, reference_mel: torch.Tensor, code: torch.Tensor,
+                      cfg: bool) -> torch.Tensor:
+    """Everything input_embed.proj sees after the ODE state, in its order: [batch, frames, C]."""
+    frames = code.shape[1] * dit.repeats
+    speaker = conditioning.unsqueeze(1).repeat(1, frames, 1)
+    code_embed = dit.text_embed(code, drop_code=False)
+    if cfg:
+        # The guided batch: row 0 conditioned, row 1 with speaker, reference mel and codes dropped.
+        speaker = torch.cat([speaker, torch.zeros_like(speaker)], dim=0)
+        reference_mel = torch.cat([reference_mel, torch.zeros_like(reference_mel)], dim=0)
+        code_embed = torch.cat([code_embed, dit.text_embed(code, drop_code=True)], dim=0)
+    encoded = dit.input_embed.spk_encoder(reference_mel).unsqueeze(1).repeat(1, frames, 1)
+    return torch.cat((encoded, code_embed, speaker), dim=-1)
+
+
+class DiTVelocity:
+    """The ODE's right-hand side for one or more requests packed along time: v(t, x) with
+    classifier-free guidance; x and v are [1, total frames, mel]."""
+
+    def __init__(self, dit, requests: list[DiTRequest], guidance_scale: float):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if not requests:
+            raise ValueError("DiTVelocity needs at least one request")
         self.dit = dit
         self.cfg = guidance_scale >= 1e-5  # transformers' switch between the guided and plain forward
-        frames = code.shape[1] * dit.repeats
-        speaker = conditioning.unsqueeze(1).repeat(1, frames, 1)
-        code_embed = dit.text_embed(code, drop_code=False)
-        if self.cfg:
-            # The guided batch: row 0 conditioned, row 1 with speaker, reference mel and codes dropped.
-            speaker = torch.cat([speaker, torch.zeros_like(speaker)], dim=0)
-            reference_mel = torch.cat([reference_mel, torch.zeros_like(reference_mel)], dim=0)
-            code_embed = torch.cat([code_embed, dit.text_embed(code, drop_code=True)], dim=0)
-        encoded = dit.input_embed.spk_encoder(reference_mel).unsqueeze(1).repeat(1, frames, 1)
-        # Everything input_embed.proj sees after the ODE state, in its order.
-        self.constant = torch.cat((encoded, code_embed, speaker), dim=-1)
-        batch = self.constant.shape[0]
-        position_ids = torch.arange(frames, device=code.device)[None, :].repeat(batch, 1)
-        self.position_embeddings = dit.rotary_embed(self.constant, position_ids)
-        blocks = torch.arange(frames, device=code.device) // dit.block_size
-        diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1)).expand(batch, dit.num_attention_heads, frames, frames)
-        masks: dict[tuple[int, int], torch.Tensor] = {}
-        self.masks = []
-        for layer in dit.transformer_blocks:
-            key = (layer.look_backward_block, layer.look_ahead_block)
-            if key not in masks:
-                allowed = (diff >= -float(key[0])) & (diff <= float(key[1]))
-                # As the additive mask SDPA makes of a boolean one (0 where allowed, -inf elsewhere:
-                # adding either to a score is exact), built once instead of per layer and evaluation.
-                masks[key] = torch.zeros(allowed.shape, dtype=self.constant.dtype,
-                                         device=code.device).masked_fill_(~allowed, float("-inf"))
-            self.masks.append(masks[key])
-        self.batch = batch
         self.guidance_scale = guidance_scale
+        self.batch = 2 if self.cfg else 1
+        self.attention = ALL_ATTENTION_FUNCTIONS[dit.transformer_blocks[0].attn.config._attn_implementation]
+        constants, cos, sin, self.bounds = [], [], [], []
+        masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (frames, look back, look ahead) -> mask
+        self.masks: list[list[torch.Tensor]] = []  # per request, per layer
+        start = 0
+        for r in requests:
+            constant = _request_constant(dit, r.conditioning, r.reference_mel, r.code, self.cfg)
+            frames = constant.shape[1]
+            constants.append(constant)
+            position_ids = torch.arange(frames, device=r.code.device)[None, :].repeat(self.batch, 1)
+            c, s = dit.rotary_embed(constant, position_ids)
+            cos.append(c)
+            sin.append(s)
+            self.masks.append([self._mask(masks, frames, layer, constant) for layer in dit.transformer_blocks])
+            self.bounds.append((start, start + frames))
+            start += frames
+        self.frames = start
+        # One request: its own tensors, no copy.
+        self.constant = constants[0] if len(requests) == 1 else torch.cat(constants, dim=1)
+        self.position_embeddings = ((cos[0], sin[0]) if len(requests) == 1
+                                    else (torch.cat(cos, dim=1), torch.cat(sin, dim=1)))
+
+    def _mask(self, masks: dict, frames: int, layer, like: torch.Tensor) -> torch.Tensor:
+        key = (frames, layer.look_backward_block, layer.look_ahead_block)
+        if key not in masks:
+            dit = self.dit
+            blocks = torch.arange(frames, device=like.device) // dit.block_size
+            # [1, 1, frames, frames], broadcast by SDPA over the CFG rows and the heads (the same values
+            # as transformers' [batch, heads, frames, frames] mask: the same scores, tested bitwise), so a
+            # mask costs frames^2 floats, not batch * heads times that (for a 2,048-code request with 16
+            # heads: 64 MB per layer kind instead of 2 GB).
+            diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1))[None, None]
+            allowed = (diff >= -float(key[1])) & (diff <= float(key[2]))
+            # As the additive mask SDPA makes of a boolean one (0 where allowed, -inf elsewhere:
+            # adding either to a score is exact), built once instead of per layer and evaluation.
+            masks[key] = torch.zeros(allowed.shape, dtype=like.dtype,
+                                     device=like.device).masked_fill_(~allowed, float("-inf"))
+        return masks[key]
+
+    def _attention(self, index: int, attn, hidden: torch.Tensor) -> torch.Tensor:
+        """DiTAttention.forward on the packed rows, its attention core per request."""
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            apply_rotary_pos_emb,
+            deinterleave_head_dim,
+        )
+
+        batch = hidden.shape[0]
+        query, key, value = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
+        head_dim = key.shape[-1] // attn.heads
+        query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        cos, sin = self.position_embeddings
+        # Only the first head is rotated, as in transformers (its checkpoint's training quirk).
+        query[:, :1], key[:, :1] = apply_rotary_pos_emb(
+            deinterleave_head_dim(query[:, :1]), deinterleave_head_dim(key[:, :1]), cos, sin)
+        outs = []
+        for (lo, hi), masks in zip(self.bounds, self.masks):
+            out, _ = self.attention(attn, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi],
+                                    attention_mask=masks[index], is_causal=False)
+            outs.append(out)
+        weights = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        weights = weights.reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        return attn.to_out[1](attn.to_out[0](weights))
 
     def __call__(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         dit = self.dit
+        # The ODE time is the same for every packed request: one time embedding row per CFG row.
         time_step = t.repeat(self.batch) if t.ndim == 0 else t
         time_embedding = dit.time_embed(time_step)
         state = torch.cat([x, x], dim=0) if self.cfg else x
         hidden = dit.input_embed.proj(torch.cat((state, self.constant), dim=-1))
-        for layer, mask in zip(dit.transformer_blocks, self.masks):
+        for index, layer in enumerate(dit.transformer_blocks):
             norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(hidden, emb=time_embedding)
-            attn = layer.attn(hidden_states=norm, position_embeddings=self.position_embeddings, attention_mask=mask)
+            attn = self._attention(index, layer.attn, norm)
             hidden = hidden + gate_msa.unsqueeze(1) * attn
             norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
             hidden = hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
@@ -80,23 +165,40 @@ class DiTVelocity:
         return guided + (guided - null) * self.guidance_scale
 
 
-def dit_sample(dit, conditioning: torch.Tensor, reference_mel: torch.Tensor, code: torch.Tensor,
-               noise: torch.Tensor, num_steps: int = 10, guidance_scale: float = 0.5,
-               sway_coefficient: float = -1.0) -> torch.Tensor:
-    """transformers' Qwen2_5OmniToken2WavDiTModel.sample with the initial noise given, not drawn
-    (a window of a longer request must start from that request's noise for its frames): the same
-    time grid (sway), classifier-free guidance and Runge-Kutta solver. Returns the mel [1, mel, frames]."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-    frames = code.shape[1] * dit.repeats
-    if noise.shape[1] != frames:
-        raise ValueError(f"noise has {noise.shape[1]} frames for {frames} mel frames")
+def _check(dit, r: DiTRequest) -> None:
+    frames = r.code.shape[1] * dit.repeats
+    if r.noise.shape[1] != frames:
+        raise ValueError(f"noise has {r.noise.shape[1]} frames for {frames} mel frames")
     if frames > dit.config.max_position_embeddings:
         raise ValueError(f"{frames} mel frames exceed dit_config.max_position_embeddings "
                          f"({dit.config.max_position_embeddings})")
-    velocity = DiTVelocity(dit, conditioning, reference_mel, code, guidance_scale)
-    t = torch.linspace(0, 1, num_steps, device=code.device, dtype=conditioning.dtype)
+
+
+def dit_sample_batch(dit, requests: list[DiTRequest], num_steps: int = 10, guidance_scale: float = 0.5,
+                     sway_coefficient: float = -1.0) -> list[torch.Tensor]:
+    """transformers' Qwen2_5OmniToken2WavDiTModel.sample for several requests in lockstep (packed along
+    time), each with its initial noise given, not drawn (a window of a longer request must start from
+    that request's noise for its frames): the same time grid (sway), classifier-free guidance and
+    Runge-Kutta solver. Returns each request's mel [1, mel, frames]."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+    for r in requests:
+        _check(dit, r)
+    velocity = DiTVelocity(dit, requests, guidance_scale)
+    dtype = requests[0].conditioning.dtype
+    noise = [r.noise.to(dtype) for r in requests]
+    initial = noise[0] if len(noise) == 1 else torch.cat(noise, dim=1)
+    t = torch.linspace(0, 1, num_steps, device=initial.device, dtype=dtype)
     if sway_coefficient is not None:
         t = t + sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
-    trajectory = RungeKutta4ODESolver(function=velocity, initial_value=noise.to(conditioning.dtype)).integrate(t)
-    return trajectory[-1].permute(0, 2, 1)
+    mel = RungeKutta4ODESolver(function=velocity, initial_value=initial).integrate(t)[-1]
+    return [mel[:, lo:hi].permute(0, 2, 1) for lo, hi in velocity.bounds]
+
+
+def dit_sample(dit, conditioning: torch.Tensor, reference_mel: torch.Tensor, code: torch.Tensor,
+               noise: torch.Tensor, num_steps: int = 10, guidance_scale: float = 0.5,
+               sway_coefficient: float = -1.0) -> torch.Tensor:
+    """dit_sample_batch for one request: its mel [1, mel, frames]."""
+    (mel,) = dit_sample_batch(dit, [DiTRequest(conditioning, reference_mel, code, noise)], num_steps,
+                              guidance_scale, sway_coefficient)
+    return mel

@@ -5,7 +5,9 @@ Tokens are a deterministic function of (stage name, prompt ids, position), so
 every backend must produce the same outputs. Magic prompt texts drive
 failures: "__bad__" (add_request raises), "__error__" (the output carries an
 error), "__hang__" (never finishes), "__step_raise__" (step() raises),
-"__crash__" (the process exits: Ray tests only).
+"__crash__" (the process exits: Ray tests only). With `model_kwargs: {audio_deltas: true}`
+a stage streams audio: each step of a request whose caller streams yields a StageDelta
+with its token and a piece of waveform (AUDIO_SAMPLES samples equal to token / 1000).
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ import numpy as np
 
 from omni.engine.interface import EngineStepOutput, StageStats
 from omni.sampling_params import resolve_sampling_params
-from omni.outputs import StageInput, StageOutput
+from omni.outputs import StageDelta, StageInput, StageOutput
 from omni.registry import register_input_processor, register_stage_model
 
 HIDDEN = 4
+AUDIO_SAMPLES = 3
 
 
 class FakeStageModel:
@@ -66,6 +69,7 @@ class _Req:
     prompt_ids: list[int]
     max_tokens: int
     arrival: float
+    stream: bool = False
     out: list[int] = field(default_factory=list)
 
 
@@ -75,6 +79,7 @@ class FakeEngine:
         self.name = stage.name
         kw = stage.model_kwargs or {}
         self.step_delay_s = float(kw.get("step_delay_s", 0.0))
+        self.audio_deltas = bool(kw.get("audio_deltas", False))
         self.salt = sum(map(ord, stage.name))
         self.running: dict[str, _Req] = {}
         self.finished = 0
@@ -99,14 +104,14 @@ class FakeEngine:
         if not ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
         sp = resolve_sampling_params(inp.sampling_params, self.stage.sampling)
-        self.running[rid] = _Req(rid, text, ids, sp.max_tokens, time.monotonic())
+        self.running[rid] = _Req(rid, text, ids, sp.max_tokens, time.monotonic(), stream=inp.stream)
 
     def step(self) -> EngineStepOutput:
         self.steps += 1
         self.max_batch = max(self.max_batch, len(self.running))
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        outs = []
+        outs, deltas = [], []
         for r in list(self.running.values()):
             if "__crash__" in r.text:
                 os._exit(1)
@@ -120,6 +125,10 @@ class FakeEngine:
                                         error="fake stage error"))
                 continue
             r.out.append((sum(r.prompt_ids) * 31 + len(r.out) * 7 + self.salt) % 1000)
+            if self.audio_deltas and r.stream:
+                deltas.append(StageDelta(r.rid, self.name, token_ids=[r.out[-1]], finished=len(r.out) >= r.max_tokens,
+                                         audio=np.full(AUDIO_SAMPLES, r.out[-1] / 1000, np.float32),
+                                         sampling_rate=8000))
             if len(r.out) >= r.max_tokens:
                 del self.running[r.rid]
                 self.finished += 1
@@ -129,7 +138,7 @@ class FakeEngine:
                     r.rid, self.name, prompt_token_ids=r.prompt_ids, token_ids=list(r.out),
                     text=f"{self.name}:" + ",".join(map(str, r.out)), finished=True, finish_reason="length",
                     hidden_states=hidden, metrics={"ttft_s": 0.0, "e2e_s": time.monotonic() - r.arrival}))
-        return EngineStepOutput(finished=outs)
+        return EngineStepOutput(finished=outs, deltas=deltas)
 
     def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)

@@ -6,6 +6,12 @@ when it runs). Requests run in arrival order, up to `max_num_seqs` per `step()`;
 a failing request fails alone. The queue is this engine's scheduler: a request
 lives in it from add_request until its step (or abort).
 
+Batched: a model with the optional hooks (`run_generation_batch`, `next_outputs`) gets
+the step's requests, and the streams with a piece ready, in one call each (it keeps each
+model call under `max_batch_tokens` input tokens); the results equal the one-at-a-time
+hooks'. A batch that raises is run again one request at a time, so that the request
+that fails fails alone and the others still get their outputs in this step.
+
 A request whose input streams in (input_complete=False; a model with streaming
 input, e.g. token2wav fed codec chunks) lives in `_streams` instead: its input
 grows through extend_request, and each step the model emits whatever piece of
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,9 @@ class OneShotEngineConfig:
     model_cls: type[OneShotStageModel]
     model_path: str | Path | None  # a local path (None when a loaded model is handed to the engine)
     max_num_seqs: int = 4  # requests run per step()
+    # Most input tokens one batched model call computes (a request larger than that runs alone):
+    # what bounds a batch's memory.
+    max_batch_tokens: int = 2048
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "float32"
     device: str = "auto"
@@ -77,6 +87,8 @@ class OneShotStageEngine:
         self._num_steps = 0
         self._step_time = 0.0
         self._latencies: list[float] = []
+        self._batch_calls = 0  # calls of a batched hook
+        self._batched_items = 0  # requests or stream pieces those calls ran
 
     # ------------------------------------------------------------- requests
     def add_request(self, inp: StageInput) -> None:
@@ -127,20 +139,16 @@ class OneShotStageEngine:
         out = EngineStepOutput(aborted=self._aborted)
         self._aborted = []
         t0 = time.perf_counter()
-        ran = 0
-        while self._queue and ran < max(1, self.config.max_num_seqs):
-            rid, job = self._queue.popitem(last=False)
-            ran += 1
+        budget = max(1, self.config.max_num_seqs)
+        jobs = [self._queue.popitem(last=False) for _ in range(min(budget, len(self._queue)))]
+        results = self._run(self.model.run_generation, self.model.run_generation_batch, [j.job for _, j in jobs])
+        for (rid, job), produced in zip(jobs, results):
             res = StageOutput(rid, self.name, prompt_token_ids=list(job.inp.prompt_token_ids or []), finished=True)
             out.finished.append(res)
-            try:
-                produced = self.model.run_generation(job.job)
-            except Exception as exc:  # one bad request never takes the stage down
-                logger.exception("stage %s: request %s failed", self.name, rid)
+            if isinstance(produced, Exception):
                 self._num_errors += 1
                 res.finish_reason = "error"
-                res.error = StageError(f"stage {self.name}: generation failed: {type(exc).__name__}: {exc}",
-                                       stage=self.name, request_id=rid)
+                res.error = self._error(rid, produced)
                 continue
             audio = produced.pop("audio", None)
             res.audio = None if audio is None else np.asarray(audio, dtype=np.float32)
@@ -150,34 +158,61 @@ class OneShotStageEngine:
             res.metrics = {"ttft_s": latency, "e2e_s": latency}
             self._latencies = (self._latencies + [latency])[-1000:]
             self._num_finished += 1
-        ran += self._step_streams(out, max(1, self.config.max_num_seqs))
+        ran = len(jobs) + self._step_streams(out, budget)
         if ran:
             self._num_steps += 1
             self._step_time += time.perf_counter() - t0
         return out
 
-    def _step_streams(self, out: EngineStepOutput, budget: int) -> int:
-        """Emit the next ready piece of up to `budget` streams (oldest first); finish those that end."""
-        ran = 0
-        for rid, job in list(self._streams.items()):
-            if ran >= budget:
-                break
-            if not self.model.stream_ready(job.job):
-                continue
-            ran += 1
+    def _run(self, one: Callable[[Any], Any], batched: Callable[[list[Any], int], list[Any]] | None,
+             items: list[Any]) -> list[Any]:
+        """`one(item)` for each item, through the model's batched hook when it has one: each result, or
+        the exception that item raised (one bad item never takes the others down)."""
+        if batched is not None and len(items) > 1:
             try:
-                piece, done = self.model.next_output(job.job)
+                results = list(batched(items, self.config.max_batch_tokens))
+                if len(results) != len(items):
+                    raise StageError(f"stage {self.name}: {type(self.model).__name__} returned {len(results)} "
+                                     f"results for a batch of {len(items)}", stage=self.name)
+            except Exception:  # noqa: BLE001 - find the failing item below, one at a time
+                logger.exception("stage %s: a batch of %d failed; running its items one at a time",
+                                 self.name, len(items))
+            else:
+                self._batch_calls += 1
+                self._batched_items += len(items)
+                return results
+        results = []
+        for item in items:
+            try:
+                results.append(one(item))
             except Exception as exc:  # noqa: BLE001 - one bad request never takes the stage down
-                logger.exception("stage %s: request %s failed", self.name, rid)
+                results.append(exc)
+        return results
+
+    def _error(self, rid: str, exc: Exception) -> StageError:
+        logger.error("stage %s: request %s failed", self.name, rid, exc_info=exc)
+        return StageError(f"stage {self.name}: generation failed: {type(exc).__name__}: {exc}",
+                          stage=self.name, request_id=rid)
+
+    def _step_streams(self, out: EngineStepOutput, budget: int) -> int:
+        """Emit the next ready piece of up to `budget` streams (oldest first), together; finish those that end.
+
+        First pieces go ahead: while some stream has its first piece ready, a step runs only first
+        pieces (the others' later pieces run in the next step), so that a request's time to first
+        output never includes other requests' longer windows computed with it."""
+        ready = [(rid, job) for rid, job in self._streams.items() if self.model.stream_ready(job.job)]
+        first = [(rid, job) for rid, job in ready if job.first_output is None]
+        ready = (first or ready)[:budget]
+        pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
+        now = time.monotonic()
+        for (rid, job), result in zip(ready, pieces):
+            if isinstance(result, Exception):
                 del self._streams[rid]
                 self._num_errors += 1
                 out.finished.append(StageOutput(rid, self.name, prompt_token_ids=job.tokens, finished=True,
-                                                finish_reason="error",
-                                                error=StageError(f"stage {self.name}: generation failed: "
-                                                                 f"{type(exc).__name__}: {exc}", stage=self.name,
-                                                                 request_id=rid)))
+                                                finish_reason="error", error=self._error(rid, result)))
                 continue
-            now = time.monotonic()
+            piece, done = result
             if job.first_output is None:
                 job.first_output = now
             if piece is not None:
@@ -194,7 +229,7 @@ class OneShotStageEngine:
                 out.finished.append(res)
                 self._latencies = (self._latencies + [now - job.arrival])[-1000:]
                 self._num_finished += 1
-        return ran
+        return len(ready)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> StageStats:
@@ -211,5 +246,6 @@ class OneShotStageEngine:
             steps=self._num_steps,
             step_time_s=self._step_time,
             torch_threads=torch.get_num_threads(),
-            extra=self.model.stats(),
+            # batched_items / batch_calls: the mean batch of the batched hooks.
+            extra={**self.model.stats(), "batch_calls": self._batch_calls, "batched_items": self._batched_items},
         )

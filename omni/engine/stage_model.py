@@ -14,6 +14,7 @@ tensor_cache.py). Every hook an engine calls is declared here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,19 @@ class OneShotStageModel(StageModel):
     def run_generation(self, job: Any) -> dict[str, Any]:
         """Run one job: {"audio": np.ndarray, ...}; other entries pass through to the output."""
         raise NotImplementedError
+
+    # -- optional batched hooks --------------------------------------------------
+    # A model that runs several jobs (or several streams' next pieces) in one call defines these;
+    # left None, the engine calls run_generation / next_output one at a time. Each returns one
+    # result per item, in order, equal to what the one-at-a-time hook returns for it, and computes
+    # at most `max_batch_tokens` input tokens per model call (the stage's
+    # scheduler.max_num_batched_tokens: the memory bound of a batch; an item larger than that runs
+    # alone). When it raises, the engine runs the items one at a time, so that only a failing one
+    # fails: next_outputs must then leave every state as it found it.
+    #   run_generation_batch(jobs, max_batch_tokens) -> [run_generation(job) for job in jobs]
+    #   next_outputs(states, max_batch_tokens) -> [next_output(state) for state in states]
+    run_generation_batch: Callable[[list[Any], int], list[dict[str, Any]]] | None = None
+    next_outputs: Callable[[list[Any], int], list[tuple[dict[str, Any] | None, bool]]] | None = None
 
     # -- streaming input (a model that can start before its whole input is there) --
     # On a streaming edge the engine calls prepare_stream with the first chunk (a request with

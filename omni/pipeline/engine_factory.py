@@ -31,7 +31,8 @@ def build_engine(stage: StageConfig) -> Engine:
 
         return OneShotStageEngine(OneShotEngineConfig(
             name=stage.name, model_cls=model_cls, model_path=model_path,
-            max_num_seqs=stage.scheduler.max_num_seqs, default_sampling=stage.sampling,
+            max_num_seqs=stage.scheduler.max_num_seqs, max_batch_tokens=stage.scheduler.max_num_batched_tokens,
+            default_sampling=stage.sampling,
             dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
 
     from omni.engine.engine import StageEngine, StageEngineConfig

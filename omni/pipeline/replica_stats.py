@@ -13,7 +13,7 @@ from typing import Any
 
 _SUM = ("running", "waiting", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "preemptions",
         "finished", "errors", "steps", "step_time_s", "tensor_cache_time_s", "queued", "in_flight",
-        "waiting_for_chunks")
+        "waiting_for_chunks", "batch_calls", "batched_items")
 _MAX = ("max_batch",)
 
 

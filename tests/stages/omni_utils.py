@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from omni.outputs import MultiModalInput, StageInput
-from tests.tolerances import decoder_atol
+from tests.tolerances import SUMS_PER_DECODER_LAYER, decoder_atol, reorder_atol
 
 THINKER_MAX = 8
 TALKER_MAX = 24
@@ -25,6 +25,39 @@ def thinker_atol(ref) -> float:
 def talker_atol(ref) -> float:
     """The talker's prompt embeddings are the thinker's hidden states: both decoders' rounding."""
     return decoder_atol(ref, layers=THINKER_LAYERS + TALKER_LAYERS, widest_sum=max(128, len(ref)))
+
+
+def _dit_chain(stage, frames: int, num_steps: int | None = None) -> tuple[int, int]:
+    """(longest sum, sums in sequence) from the ODE's initial state to the mel: 4 DiT evaluations per
+    Runge-Kutta step (transformers' RungeKutta4ODESolver), each its decoder layers' sums plus the input
+    and output projections; the longest sum is the input projection's, the MLP's or an attention row."""
+    dit = stage.token2wav.code2wav_dit_model
+    evaluations = 4 * ((num_steps or stage.kwargs["num_steps"]) - 1)
+    depth = evaluations * (len(dit.transformer_blocks) * SUMS_PER_DECODER_LAYER + 2)
+    longest = max(dit.input_embed.proj.in_features, dit.transformer_blocks[0].ff.ff[3].in_features, frames)
+    return longest, depth
+
+
+def mel_atol(stage, ref, num_steps: int | None = None) -> float:
+    """Two computations of one request's mel that differ only in how fp32 sums are blocked (alone vs
+    packed with other requests: a matrix product over more rows may take another kernel), relative to
+    the mel's largest value as in the streaming test."""
+    ref = np.asarray(ref)
+    longest, depth = _dit_chain(stage, ref.shape[-1], num_steps)
+    return reorder_atol(longest, float(np.abs(ref).max()), depth=depth)
+
+
+def wave_atol(stage, ref, frames: int) -> float:
+    """mel_atol's chain followed by BigVGAN: every convolution (counted as if in sequence: an upper
+    bound) and the two filters of each anti-aliased activation."""
+    from torch import nn
+
+    bigvgan = stage.token2wav.code2wav_bigvgan_model
+    convs = [m for m in bigvgan.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+    filters = 2 * sum(type(m).__name__.endswith("AntiAliasedActivation1d") for m in bigvgan.modules())
+    longest, depth = _dit_chain(stage, frames)
+    longest = max([longest] + [m.in_channels * m.kernel_size[0] for m in convs])
+    return reorder_atol(longest, float(np.abs(np.asarray(ref)).max()), depth=depth + len(convs) + filters)
 
 
 def image(seed: int = 0, h: int = 56, w: int = 84) -> np.ndarray:

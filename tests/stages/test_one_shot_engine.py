@@ -6,6 +6,7 @@ import pytest
 
 from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
 from omni.outputs import StageInput
+from tests.stages.omni_utils import wave_atol
 
 
 def _config(model, name="token2wav", **kw):
@@ -56,3 +57,64 @@ def test_token2wav_bad_requests_are_clear_errors(token2wav_stage):
 def test_autoregressive_model_is_rejected(thinker_stage):
     with pytest.raises(ValueError, match="autoregressive"):
         OneShotStageEngine(_config(thinker_stage, name="x"), model=thinker_stage)
+
+
+def _run(engine, requests):
+    for rid, codes, extra, sp in requests:
+        engine.add_request(StageInput(rid, prompt_token_ids=codes, extra=extra, sampling_params=sp))
+    return _drain(engine)
+
+
+@pytest.mark.slow
+def test_batched_step_equals_one_request_at_a_time(token2wav_stage):
+    """The engine's batched step (the DiT in lockstep over 4 requests of different lengths, speakers and
+    seeds) gives the waveforms of one request per step: bitwise where the BLAS gives a matrix product's
+    rows independently of their number (see test_qwen2_5_omni_dit), within wave_atol in any case."""
+    rng = np.random.default_rng(1)
+    speaker = next(iter(token2wav_stage.speakers))
+    requests = [("a", rng.integers(0, 8000, 30).tolist(), {}, None),
+                ("b", rng.integers(0, 8000, 7).tolist(), {"speaker": speaker}, None),
+                ("c", rng.integers(0, 8000, 30).tolist(), {}, {"seed": 4}),
+                ("d", [5], {}, None)]
+    alone = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=1), model=token2wav_stage)
+    batched = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=4), model=token2wav_stage)
+    want, got = _run(alone, requests), _run(batched, requests)
+    for rid, codes, _, _ in requests:
+        assert got[rid].finish_reason == "stop" and got[rid].audio.shape == want[rid].audio.shape
+        atol = wave_atol(token2wav_stage, want[rid].audio, len(codes) * token2wav_stage.repeats)
+        assert np.abs(got[rid].audio - want[rid].audio).max() <= atol
+    assert np.abs(want["a"].audio - want["c"].audio).max() > 10 * atol  # a swap would show
+    assert batched.stats().as_dict()["batch_calls"] == 1 and alone.stats().as_dict()["batch_calls"] == 0
+
+
+@pytest.mark.slow
+def test_streamed_windows_of_several_requests_batched_equal_one_at_a_time(token2wav_stage):
+    """Windows of several streams ready in one step run together; every piece is the one of a stream run
+    alone (first windows, later ones, a short last one), as in test_batched_step_equals_one_request_at_a_time."""
+    rng = np.random.default_rng(2)
+    codes = {"s0": rng.integers(0, 8000, 40).tolist(), "s1": rng.integers(0, 8000, 23).tolist(),
+             "s2": rng.integers(0, 8000, 31).tolist()}
+
+    def pieces(max_num_seqs):
+        engine = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=max_num_seqs), model=token2wav_stage)
+        for rid, c in codes.items():
+            engine.add_request(StageInput(rid, prompt_token_ids=c[:1], input_complete=False))
+            engine.extend_request(rid, c[1:], last=True)
+        got: dict[str, list[np.ndarray]] = {}
+        outs = {}
+        while engine.has_unfinished():
+            step = engine.step()
+            for d in step.deltas:
+                got.setdefault(d.request_id, []).append(d.audio)
+            outs.update({o.request_id: o for o in step.finished})
+        return got, outs, engine.stats().as_dict()["batch_calls"]
+
+    want, want_outs, _ = pieces(1)
+    got, outs, calls = pieces(3)
+    assert calls >= 2  # the first windows together, then the later ones
+    for rid in codes:
+        assert len(got[rid]) == len(want[rid]) >= 2
+        atol = wave_atol(token2wav_stage, want_outs[rid].audio, 64 * token2wav_stage.repeats)  # windows <= 64 codes
+        for a, b in zip(got[rid], want[rid]):
+            assert a.shape == b.shape and np.abs(a - b).max() <= atol
+        assert np.abs(outs[rid].audio - want_outs[rid].audio).max() <= atol

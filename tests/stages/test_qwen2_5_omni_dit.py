@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.qwen2_5_omni_dit import DiTVelocity
+from stages.qwen2_5_omni_dit import DiTRequest, DiTVelocity
+from tests.stages.omni_utils import mel_atol
 from stages.qwen2_5_omni_talker import speaker_params
 from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
 
@@ -33,7 +34,7 @@ def test_velocity_equals_the_dit_forward(stage, guidance_scale):
     frames = code.shape[1] * dit.repeats
     x = torch.randn(1, frames, dit.mel_dim, generator=gen)
     speaker = cond.unsqueeze(1).repeat(1, frames, 1)
-    velocity = DiTVelocity(dit, cond, ref, code, guidance_scale)
+    velocity = DiTVelocity(dit, [DiTRequest(cond, ref, code, x)], guidance_scale)
     with torch.inference_mode():
         for t in (torch.tensor(0.0), torch.tensor(0.37), torch.tensor(1.0)):
             got = velocity(t, x)
@@ -72,3 +73,47 @@ def test_noise_of_the_wrong_length_is_refused(stage):
     cond, ref = _speaker(stage, None)
     with pytest.raises(ValueError, match="noise has 3 frames"):
         dit_sample(dit, cond, ref, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dit.mel_dim))
+
+
+@pytest.mark.parametrize("guidance_scale", [0.5, 0.0])
+def test_requests_in_lockstep_give_each_ones_mel(stage, guidance_scale):
+    """Requests of different lengths (one shorter than a DiT block, one not a multiple of it), speakers and
+    seeds integrated together, packed along time, give the mel each gives alone: the same per-row ops,
+    attention per request. Bitwise where a matrix product's row does not depend on the number of rows
+    (measured with MKL: all of them but the 1-code request on the tiny checkpoint without guidance,
+    whose 2 rows alone take MKL's small-matrix path: 6e-8 apart); in any case within the bound of a
+    reordered fp32 chain (omni_utils.mel_atol), which is below what a swapped or mixed-up request makes
+    (asserted). Machine-independent: which kernel a shape takes is the BLAS's choice; the bound holds for any."""
+    from stages.qwen2_5_omni_dit import dit_sample_batch
+
+    dit = stage.token2wav.code2wav_dit_model
+    rng = np.random.default_rng(5)
+    speakers = [*stage.speakers, None]
+    lengths = (37, 1, 24, 37)
+    windows = [stage._window(rng.integers(0, stage.num_codes, n).tolist(), speakers[i % len(speakers)],
+                             stage._noise(i, n)) for i, n in enumerate(lengths)]
+    kw = {**stage.kwargs, "guidance_scale": guidance_scale, "num_steps": 4}  # 12 evaluations: the same ops
+    with torch.inference_mode():
+        alone = [dit_sample_batch(dit, [w], **kw)[0] for w in windows]
+        together = dit_sample_batch(dit, windows, **kw)
+    assert [m.shape[-1] for m in together] == [n * dit.repeats for n in lengths]
+    for i, (a, b) in enumerate(zip(alone, together)):
+        atol = mel_atol(stage, a, kw["num_steps"])
+        diff = (a - b).abs().max().item()
+        assert diff <= atol, f"request {i}: max |diff| {diff:.3g} > {atol:.3g}"
+    # Two requests of one length: a swap (or attention across them) would be far outside the bound.
+    assert (alone[0] - alone[3]).abs().max().item() > 10 * mel_atol(stage, alone[0], kw["num_steps"])
+
+
+def test_batch_cap_splits_calls_in_order():
+    from stages.qwen2_5_omni_dit import DiTRequest
+    from stages.qwen2_5_omni_token2wav import _batches
+
+    def w(n):
+        return DiTRequest(torch.zeros(1, 1), torch.zeros(1, 1, 1), torch.zeros(1, n, dtype=torch.long),
+                          torch.zeros(1, n, 1))
+
+    sizes = [10, 10, 10, 40, 5]
+    got = [[x.code.shape[1] for x in b] for b in _batches([w(n) for n in sizes], 25)]
+    assert got == [[10, 10], [10], [40], [5]]  # the 40 alone: longer than the cap
+    assert [[x.code.shape[1] for x in b] for b in _batches([w(n) for n in sizes], None)] == [sizes]
