@@ -86,7 +86,9 @@ class LocalBackend:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return {name: merge_replica_stats([w.stats() for w in ws]) for name, ws in self.replicas.items()}
+            # The threads the stages step with (the polling thread's), not this caller thread's.
+            return {name: {**merge_replica_stats([w.stats() for w in ws]), "torch_threads": self.threads.threads}
+                    for name, ws in self.replicas.items()}
 
     def close(self) -> None:
         self.threads.restore()
