@@ -5,8 +5,9 @@ One ~2,000-token document, then follow-up questions about it, one at a time
 without, and of the questions alone (no document, uncached): what prefix caching
 can at best get down to, so `cached_over_question_alone` = cached TTFT / that is
 1.0 at the physical limit (the question still attends over the cached document,
-and the document's last partial block is recomputed). Plus the miss case (no shared prefixes): throughput with caching on
-vs off, to show caching costs nothing when it cannot help.
+and the document's last partial block is recomputed). Plus the miss case (no
+shared prefixes): throughput with caching on vs off, to show caching costs
+nothing when it cannot help.
 """
 from __future__ import annotations
 

@@ -164,8 +164,8 @@ def run(args) -> dict:
     assert n_omni == expected, (n_omni, expected)
     mfu = _mfu(work, device)
     print(f"omni forward passes: {mfu['forward_gflops_per_s']:.1f} GFLOP/s; this machine's GEMM on the model's "
-          f"shapes ({mfu['steps']} steps, {mfu['rows_per_step_mean']:.0f} rows each on average, {mfu['threads']} threads): {mfu['sgemm_gflops_per_s']:.1f} GFLOP/s; "
-          f"mfu_vs_sgemm {mfu['mfu_vs_sgemm']:.2f}")
+          f"shapes ({mfu['steps']} steps, {mfu['rows_per_step_mean']:.0f} rows each on average, "
+          f"{mfu['threads']} threads): {mfu['sgemm_gflops_per_s']:.1f} GFLOP/s; mfu_vs_sgemm {mfu['mfu_vs_sgemm']:.2f}")
     result = {"omni_engine": omni_stats,"model": str(args.model), "device": device, "dtype": args.dtype,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "num_requests": len(reqs), "output_tokens": expected,
