@@ -51,3 +51,14 @@ def test_engine_profile_is_busy_after_work_and_splits_its_steps(tiny_llama):
     assert 0 < w["stage_busy_fraction"] < 1 and w["waiting"] > 0
     assert sum(w[p] for p in PHASES) == pytest.approx(1.0)
     assert w["stage_busy_fraction"] == pytest.approx(1 - w["waiting"])
+
+
+def test_replicas_add_their_busy_time_and_an_engine_without_it_stays_unsplit():
+    from omni.pipeline.replica_stats import merge_replica_stats
+
+    split = merge_replica_stats([{"busy_time_s": 1.0, "forward_time_s": 0.5, "step_time_s": 0.9},
+                                 {"busy_time_s": 2.0, "forward_time_s": 1.5, "step_time_s": 1.8}])
+    assert split["busy_time_s"] == 3.0 and split["forward_time_s"] == 2.0
+    unsplit = merge_replica_stats([{"busy_time_s": None, "step_time_s": 1.0}, {"busy_time_s": None, "step_time_s": 2.0}])
+    assert unsplit["busy_time_s"] is None and unsplit["step_time_s"] == 3.0
+    assert window({"busy_time_s": None, "step_time_s": 0.0}, unsplit, wall_s=6.0)["forward"] == pytest.approx(0.5)
