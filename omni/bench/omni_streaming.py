@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-_TOPICS = ["the sea", "a lighthouse", "the mountains", "a city at night", "an old library", "a rainy day",
+TOPICS = ["the sea", "a lighthouse", "the mountains", "a city at night", "an old library", "a rainy day",
            "the desert", "a forest in autumn"]
 
 
@@ -32,7 +32,7 @@ def plain_edges() -> dict[str, Any]:
     return {"talker": {"inputs": ["thinker"]}, "token2wav": {"inputs": ["talker"]}}
 
 
-def _overrides(streaming: bool, caching: bool, audio_codes: int) -> dict[str, Any]:
+def omni_overrides(streaming: bool, caching: bool, audio_codes: int) -> dict[str, Any]:
     ov: dict[str, Any] = {} if streaming else plain_edges()
     for stage in ("thinker", "talker"):
         ov.setdefault(stage, {})["enable_prefix_caching"] = caching
@@ -44,12 +44,18 @@ def _overrides(streaming: bool, caching: bool, audio_codes: int) -> dict[str, An
 
 
 def _run(omni, prompts: list[Any]) -> list[dict[str, float]]:
-    """Submit all prompts at once; per request: ttfp (the first audio samples: a token2wav delta when
-    streaming, the finished waveform otherwise), e2e, audio seconds."""
+    """Submit all prompts at once; per request: ttfp, e2e, audio seconds, rtf (audio_times)."""
     from .workloads import stream_timed
 
+    return audio_times(stream_timed(omni, prompts))
+
+
+def audio_times(records: list[Any]) -> list[dict[str, float]]:
+    """Per timed request (workloads.TimedRequest) of the omni pipeline: ttfp (the first audio samples: a
+    token2wav delta when streaming, the finished waveform otherwise), e2e, audio seconds, rtf. A failed
+    request raises, naming the stage."""
     out = []
-    for r in stream_timed(omni, prompts):
+    for r in records:
         if r.error:
             raise RuntimeError(f"request {r.request_id} failed at stage {r.error_stage}: {r.error}")
         wav, e2e = r.outputs["token2wav"], r.output_s["token2wav"]
@@ -93,7 +99,7 @@ def run_omni(args) -> dict[str, Any]:
     for streaming in (False, True):
         for caching in (True, False):
             with Omni(args.omni_config, backend=args.backend,
-                      stage_overrides=_overrides(streaming, caching, args.omni_audio_codes)) as o:
+                      stage_overrides=omni_overrides(streaming, caching, args.omni_audio_codes)) as o:
                 _run(o, ["Warm up, please."])  # one-time costs out of the timing
                 if caching:  # distinct prompts: no prefix hits in the concurrency runs
                     conc[streaming] = {}
@@ -101,7 +107,7 @@ def run_omni(args) -> dict[str, Any]:
                         # concurrency 1: --omni-repeats requests one after the other (one is too noisy)
                         rounds = args.omni_repeats if c == 1 else 1
                         conc[streaming][c] = [r for k in range(rounds) for r in _run(o, [
-                            f"Tell me a story about {_TOPICS[(i + c + k) % len(_TOPICS)]}, number {c}-{i}-{k}."
+                            f"Tell me a story about {TOPICS[(i + c + k) % len(TOPICS)]}, number {c}-{i}-{k}."
                             for i in range(c)])]
                 key = f"{'streaming' if streaming else 'non_streaming'}_caching_{'on' if caching else 'off'}"
                 turns[key] = _conversation(o, tok, args)

@@ -4,6 +4,10 @@ SmolLM2-135M, 32 requests with prompt lengths 32-512 and max_tokens 16-128
 (ignore_eos: every request generates exactly what it asked for). Output
 tokens/s for omni's engine, transformers' `generate` on one padded batch, and
 transformers' continuous batching (`generate_batch` manager), same dtype.
+
+And how close omni's forward passes come to the machine (flops.py): their achieved GFLOP/s (the
+model's FLOPs over the engine's forward time, step_profile.py) against this machine's own GEMM rate
+on the model's shapes and threads, measured in the same run: `mfu_vs_sgemm` (target >= 0.7 on a CPU).
 """
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict]:
+def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict, dict]:
+    """Time omni's engine on `reqs`: (seconds, tokens produced, engine counters, the work its forward
+    passes did: model, computed spans, sampled rows, steps, forward / sampling seconds)."""
     from omni.engine.engine import StageEngine, StageEngineConfig
     from omni.sampling_params import SamplingParams
     from omni.engine.scheduler import SchedulerSettings
@@ -49,6 +55,17 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
     while engine.has_unfinished():
         engine.step()
     produced = 0
+    before = engine.stats().as_dict()
+    spans = []
+    steps = []  # (rows, sampled rows) of each forward pass: the GEMM reference is timed at these sizes
+    execute = engine.runner.execute
+
+    def recorded(sched):
+        res = execute(sched)
+        steps.append((res.num_tokens, len(res.sampled)))
+        return res
+
+    engine.runner.execute = recorded
     with Timer() as t:
         for i, r in enumerate(reqs):
             engine.add_request(StageInput(str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
@@ -56,8 +73,29 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
         while engine.has_unfinished():
             for out in engine.step().finished:
                 produced += len(out.token_ids)
+                # computed: past the prefix hit, up to the last token fed (the final sampled one is not)
+                spans.append((out.num_cached_tokens, len(out.prompt_token_ids) + len(out.token_ids) - 1))
     stats = engine.stats().as_dict()
-    return t.elapsed, produced, {k: stats[k] for k in ("steps", "step_time_s", "cuda_graph_replays")}
+    engine.runner.execute = execute
+    work = {"model": engine.model, "spans": spans, "sampled_rows": produced, "step_sizes": steps,
+            **{k: stats[k] - before[k] for k in ("steps", "forward_time_s", "sampling_time_s")}}
+    return t.elapsed, produced, {k: stats[k] for k in ("steps", "step_time_s", "cuda_graph_replays")}, work
+
+
+def _mfu(work: dict, device: str) -> dict:
+    """Achieved GFLOP/s of the forward passes vs this machine's GEMM rate on the model's shapes (flops.py)."""
+    from .flops import decoder_shape, forward_flops, gemm_gflops
+
+    shape = decoder_shape(work["model"])
+    flops = forward_flops(shape, work["spans"], work["sampled_rows"])
+    # On a GPU kernels run asynchronously: the step waits for them in the sampler's copy of the tokens.
+    seconds = work["forward_time_s"] + (work["sampling_time_s"] if device == "cuda" else 0.0)
+    gemm = gemm_gflops(shape, flops, work["step_sizes"])
+    achieved = sum(flops) / seconds / 1e9
+    rows = [r for r, _ in work["step_sizes"]]
+    return {"forward_gflop": sum(flops) / 1e9, "forward_s": seconds, "forward_gflops_per_s": achieved,
+            "sgemm_gflops_per_s": gemm, "steps": len(rows), "rows_per_step_mean": sum(rows) / max(1, len(rows)),
+            "threads": torch.get_num_threads(), "mfu_vs_sgemm": achieved / gemm}
 
 
 def _hf_generate(model, reqs, device) -> tuple[float, int]:
@@ -122,16 +160,21 @@ def run(args) -> dict:
     expected = sum(r.max_tokens for r in reqs)
     print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
           f"{expected} output tokens, threads={torch.get_num_threads()}")
-    t_omni, n_omni, omni_stats = _omni(path, reqs, args.dtype, device)
+    t_omni, n_omni, omni_stats, work = _omni(path, reqs, args.dtype, device)
     assert n_omni == expected, (n_omni, expected)
+    mfu = _mfu(work, device)
+    print(f"omni forward passes: {mfu['forward_gflops_per_s']:.1f} GFLOP/s; this machine's GEMM on the model's "
+          f"shapes ({mfu['steps']} steps, {mfu['rows_per_step_mean']:.0f} rows each on average, "
+          f"{mfu['threads']} threads): {mfu['sgemm_gflops_per_s']:.1f} GFLOP/s; mfu_vs_sgemm {mfu['mfu_vs_sgemm']:.2f}")
     result = {"omni_engine": omni_stats,"model": str(args.model), "device": device, "dtype": args.dtype,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "num_requests": len(reqs), "output_tokens": expected,
-              "omni_s": t_omni, "omni_tokens_per_s": n_omni / t_omni}
+              "omni_s": t_omni, "omni_tokens_per_s": n_omni / t_omni, "mfu": mfu,
+              "mfu_vs_sgemm": mfu["mfu_vs_sgemm"]}
     print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s ({omni_stats})")
     if device == "cuda":
         # The same engine without CUDA graphs: what graph replay buys on this machine.
-        t_eager, n_eager, eager_stats = _omni(path, reqs, args.dtype, device, cuda_graphs=False)
+        t_eager, n_eager, eager_stats, _ = _omni(path, reqs, args.dtype, device, cuda_graphs=False)
         result.update(omni_eager_tokens_per_s=n_eager / t_eager, cuda_graph_speedup=t_eager / t_omni)
         print(f"omni without CUDA graphs: {t_eager:.2f}s, {n_eager / t_eager:.1f} tok/s ({eager_stats})")
     if not args.skip_hf:

@@ -6,9 +6,12 @@ pipeline benchmark runs the same way:
                        conversation so far (pipeline, routing, serve, omni, streaming's omni part)
     stream_timed()     streams prompts through Omni and times what the client sees per request: each
                        stage's first token, the first audio, each final output (routing, streaming, omni)
+    closed_loop_timed()  the same through AsyncOmni with N clients, each sending its next prompt when its
+                       last request ends (capacity)
 """
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass, field
@@ -119,25 +122,50 @@ def _id_order(request_id: str) -> tuple[int, Any]:
     return (0, int(request_id)) if request_id.isdigit() else (1, request_id)
 
 
-def stream_timed(omni: Any, prompts: list[Any], sampling: Any = None) -> list[TimedRequest]:
-    """Submit `prompts` at once through `omni.stream` and time every request (in request id order)."""
+def _record(r: TimedRequest, ev: Any, now: float) -> None:
+    """One streamed event (a StageDelta or a final StageOutput) of `r`, `now` seconds after its submission."""
     from omni.outputs import StageDelta
 
+    if isinstance(ev, StageDelta):
+        if ev.token_ids and ev.stage not in r.first_token_s:
+            r.first_token_s[ev.stage] = now
+        if ev.audio is not None and len(ev.audio) and r.first_audio_s is None:
+            r.first_audio_s = now
+        return
+    if ev.error and r.error is None:
+        r.error, r.error_stage = ev.error, ev.stage
+    r.outputs[ev.stage] = ev
+    r.output_s[ev.stage] = now
+
+
+def stream_timed(omni: Any, prompts: list[Any], sampling: Any = None) -> list[TimedRequest]:
+    """Submit `prompts` at once through `omni.stream` and time every request (in request id order)."""
     t0 = time.perf_counter()
     recs: dict[str, TimedRequest] = {}
     for ev in omni.stream(prompts, sampling):
-        now = time.perf_counter() - t0
         r = recs.get(ev.request_id)
         if r is None:
             r = recs[ev.request_id] = TimedRequest(ev.request_id)
-        if isinstance(ev, StageDelta):
-            if ev.token_ids and ev.stage not in r.first_token_s:
-                r.first_token_s[ev.stage] = now
-            if ev.audio is not None and len(ev.audio) and r.first_audio_s is None:
-                r.first_audio_s = now
-            continue
-        if ev.error and r.error is None:
-            r.error, r.error_stage = ev.error, ev.stage
-        r.outputs[ev.stage] = ev
-        r.output_s[ev.stage] = now
+        _record(r, ev, time.perf_counter() - t0)
     return [recs[k] for k in sorted(recs, key=_id_order)]
+
+
+async def closed_loop_timed(omni: Any, prompts: list[Any], concurrency: int, sampling: Any = None,
+                            id_prefix: str = "") -> tuple[list[TimedRequest], float]:
+    """`concurrency` clients share `prompts` (in order) through an AsyncOmni: each streams one request and
+    sends the next when it ends (a closed loop). Every request is timed from its own submission; returns
+    them in prompt order and the wall time from the first submission to the last end."""
+    pending = list(enumerate(prompts))[::-1]
+    recs: list[TimedRequest | None] = [None] * len(prompts)
+
+    async def client() -> None:
+        while pending:
+            i, prompt = pending.pop()
+            r = recs[i] = TimedRequest(f"{id_prefix}{i}")
+            t0 = time.perf_counter()
+            async for ev in omni.stream(prompt, sampling, request_id=r.request_id):
+                _record(r, ev, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(prompts))))))
+    return [r for r in recs if r is not None], time.perf_counter() - t0

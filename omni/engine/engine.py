@@ -43,6 +43,7 @@ from .request_streams import RequestStreams, block_digests
 from .sampler import make_generator
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
+from .step_profile import StepProfile
 from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,10 @@ class StageEngine:
         self._num_errors = 0
         self._step_time = 0.0
         self._num_steps = 0
+        # Busy time (steps, admissions) split into forward / sampling / host (step_profile.py); the
+        # runner adds its forward and sampler intervals to the same counters.
+        self.profile = StepProfile()
+        self.runner.profile = self.profile
 
     @property
     def max_model_len(self) -> int:
@@ -171,6 +176,13 @@ class StageEngine:
     # ------------------------------------------------------------- requests
     def add_request(self, inp: StageInput) -> None:
         """Queue one request; raises RequestError naming the bad field (the stage keeps serving)."""
+        t0 = time.perf_counter()
+        try:
+            self._add_request(inp)
+        finally:
+            self.profile.busy_s += time.perf_counter() - t0  # admission is host work
+
+    def _add_request(self, inp: StageInput) -> None:
         rid = inp.request_id
         params = resolve_sampling_params(inp.sampling_params, self.config.default_sampling)
         self.checks.sampling(params)
@@ -228,6 +240,14 @@ class StageEngine:
         (and their embeddings), and/or model-specific side input (`extra`, for a model that decodes
         while its input streams in). ValueError (naming the field) when the chunk is bad or cannot
         fit; the prompt stays as it was."""
+        t0 = time.perf_counter()
+        try:
+            self._extend_request(request_id, token_ids, prompt_embeds, last, extra)
+        finally:
+            self.profile.busy_s += time.perf_counter() - t0  # host work (the model's side input included)
+
+    def _extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any, last: bool,
+                        extra: dict[str, Any] | None) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is None or req.input_complete or request_id not in self.streams:
             raise ValueError(f"request_id: {request_id!r} is not a request of stage {self.name!r} waiting for input")
@@ -287,6 +307,13 @@ class StageEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> EngineStepOutput:
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.profile.busy_s += time.perf_counter() - t0
+
+    def _step(self) -> EngineStepOutput:
         out = EngineStepOutput(aborted=self._aborted)
         self._aborted = []
         sched = self.scheduler.schedule()
@@ -390,5 +417,6 @@ class StageEngine:
             step_time_s=self._step_time,
             tensor_cache_time_s=self.rows.time_s,
             torch_threads=torch.get_num_threads(),
+            **self.profile.stats(),
             extra=extra,
         )

@@ -70,6 +70,13 @@ class StageStats:
     step_time_s: float = 0.0
     tensor_cache_time_s: float = 0.0
     torch_threads: int | None = None
+    # Where the stage's time went (step_profile.py): busy = forward + sampling + host, since uptime_s
+    # ago; None where the engine does not split its steps (its step_time_s is then all forward).
+    busy_time_s: float | None = None
+    forward_time_s: float | None = None
+    sampling_time_s: float | None = None
+    host_time_s: float | None = None
+    uptime_s: float | None = None
     # Counters only some stages have (tensor cache, encoder cache, ...), merged flat into as_dict().
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -12,10 +12,12 @@ Takes a SchedulerOutput (ids and counts) and runs one step in three parts:
              memory on a side stream (rows_to_host.py);
     sample   logits only for the rows that sample, then the sampler.
 
+The forward pass with its logits and the sampler are timed into `profile` (step_profile.py).
 On CPU the same code runs with host buffers as device buffers (no copies).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +30,7 @@ from .request import Request
 from .rows_to_host import RowStager, StagedRows
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
+from .step_profile import StepProfile
 from .stage_model import StageModel
 from .tensor_cache import is_per_token
 
@@ -96,6 +99,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = attention_backend
         self.sampler = Sampler()
+        self.profile = StepProfile()  # the engine shares its own (StageEngine.profile)
         self.states: dict[str, RunnerRequestState] = {}
         spec = model.kv_spec()
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
@@ -160,8 +164,9 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput()
         prep = self._prepare(sched)
+        t0 = time.perf_counter()
         outputs = self._forward(sched, prep)
-        sampled = self._sample(outputs["hidden_states"], prep)
+        sampled = self._sample(outputs["hidden_states"], prep, t0)
         n = prep.num_tokens
         per_token = {k: v for k, v in outputs.items() if is_per_token(v, n)}
         other = {k: v for k, v in outputs.items() if k not in per_token}
@@ -257,8 +262,10 @@ class ModelRunner:
     def _graph_context(self, size: int) -> ForwardContext:
         return self._context(size, size)
 
-    def _sample(self, hidden: torch.Tensor, prep: _Prepared) -> dict[str, int]:
+    def _sample(self, hidden: torch.Tensor, prep: _Prepared, t_forward: float) -> dict[str, int]:
+        """Tokens of the rows that sample; the time since `t_forward` up to the sampler is the forward's."""
         if not prep.sample_rows:
+            self.profile.forward_s += time.perf_counter() - t_forward
             return {}
         k = len(prep.sample_rows)
         if prep.sample_rows != list(range(prep.num_tokens)):
@@ -270,6 +277,8 @@ class ModelRunner:
                 idx = self.batch.dev["sample_idx"][:k]
             hidden = hidden.index_select(0, idx)
         logits = self.model.compute_logits(hidden)
+        t_sampler = time.perf_counter()  # the sampler's inputs (histories, banned tokens) are sampling's
+        self.profile.forward_s += t_sampler - t_forward
         states = prep.sample_states
         params = [st.request.sampling_params for st in states]
         histories = None
@@ -282,4 +291,6 @@ class ModelRunner:
             banned = [[*p.stop_token_ids, *(() if st.request.eos_token_id is None else (st.request.eos_token_id,))]
                       if st.request.num_output_tokens < p.min_tokens else [] for st, p in zip(states, params)]
         tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned)
-        return {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}
+        sampled = {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}
+        self.profile.sampling_s += time.perf_counter() - t_sampler
+        return sampled

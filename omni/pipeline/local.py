@@ -1,4 +1,8 @@
-"""In-process backend: every stage's StageWorkers (one per replica) in this process, stepped round-robin."""
+"""In-process backend: every stage's StageWorkers (one per replica) in this process, stepped round-robin.
+
+Threads: the stages take turns on the thread that polls them, so that thread runs torch with the CPUs the
+whole pipeline reserves (threads.py: sum of num_cpus x replicas, at most this process's cores); the
+caller's own count comes back when the pipeline closes in its thread."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +16,7 @@ from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.replica_stats import merge_replica_stats
 from omni.pipeline.stage_worker import StageWorker
+from omni.pipeline.threads import ThreadsPerCaller, local_threads
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +33,7 @@ class LocalBackend:
         self.graph = graph
         self.replicas: dict[str, list[StageWorker]] = {}
         self._lock = threading.Lock()  # one thread steps the engines at a time
+        self.threads = ThreadsPerCaller(local_threads(graph.stages.values()))
         try:
             for name in self.graph.order:
                 stage = self.graph.stages[name]
@@ -61,6 +67,7 @@ class LocalBackend:
     def poll(self, timeout_s: float) -> list[StageEvent]:
         events: list[StageEvent] = []
         with self._lock:
+            self.threads.apply()  # once per polling thread
             busy = False
             for name, workers in self.replicas.items():
                 for i, worker in enumerate(workers):
@@ -79,9 +86,12 @@ class LocalBackend:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            return {name: merge_replica_stats([w.stats() for w in ws]) for name, ws in self.replicas.items()}
+            # The threads the stages step with (the polling thread's), not this caller thread's.
+            return {name: {**merge_replica_stats([w.stats() for w in ws]), "torch_threads": self.threads.threads}
+                    for name, ws in self.replicas.items()}
 
     def close(self) -> None:
+        self.threads.restore()
         replicas, self.replicas = self.replicas, {}
         for ws in replicas.values():
             for w in ws:

@@ -3,7 +3,7 @@
     {"running": 3, "prefix_cache_hit_rate": 0.82, ..., "replicas": [{"replica": 0, "state": "up",
      "prefix_cache_hit_rate": 0.85, "running": 2, "kv_usage": 0.4, ...}, {"replica": 1, ...}]}
 
-Counters add up, the hit rate is recomputed from the summed queries and hits, the mean TTFT is
+Counters add up (busy time too: replica-seconds), the hit rate is recomputed from the summed queries and hits, the mean TTFT is
 weighted by finished requests, KV usage is the mean; anything else (max_model_len, device, ...)
 is the first live replica's. A stage with one replica keeps its flat stats (no "replicas").
 """
@@ -13,7 +13,8 @@ from typing import Any
 
 _SUM = ("running", "waiting", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "preemptions",
         "finished", "errors", "steps", "step_time_s", "tensor_cache_time_s", "queued", "in_flight",
-        "waiting_for_chunks", "batch_calls", "batched_items")
+        "waiting_for_chunks", "batch_calls", "batched_items", "busy_time_s", "forward_time_s",
+        "sampling_time_s", "host_time_s")
 _MAX = ("max_batch",)
 
 
@@ -29,7 +30,7 @@ def merge_replica_stats(per_replica: list[dict[str, Any]], states: list[str] | N
     out = dict(live[0])
     out.pop("pid", None)  # one per replica: listed there
     for key in _SUM:
-        if any(key in s for s in live):
+        if any(s.get(key) is not None for s in live):  # None: a counter this engine does not keep
             out[key] = sum(s.get(key) or 0 for s in live)
     for key in _MAX:
         if any(key in s for s in live):

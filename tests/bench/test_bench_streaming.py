@@ -10,17 +10,13 @@ import yaml
 
 from omni import Omni
 from omni.bench import streaming as bench
-from tests.stages.test_qwen2_5_omni_streaming import CONFIG, STREAMED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_streaming_bench_on_the_omni_pipeline(tmp_path):
-    cfg = yaml.safe_load(Path(CONFIG).read_text())
-    for stage in cfg["stages"]:
-        stage.update(STREAMED.get(stage["name"], {}))
-    path = tmp_path / "tiny_streamed.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+def test_streaming_bench_on_the_omni_pipeline(tmp_path, tiny_streamed_omni):
+    path = tiny_streamed_omni
+    cfg = yaml.safe_load(path.read_text())
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     codes = 20

@@ -16,7 +16,8 @@ sequence number; the driver never sees a chunk.
 
 A background asyncio task steps the engine while there is work; each step runs in a
 one-thread executor so the event loop keeps accepting requests, aborts and stats calls,
-and all concurrent requests are batched by the engine.
+and all concurrent requests are batched by the engine. That executor's thread runs torch
+with the stage's `resources.num_cpus` threads (threads.py; torch's count is per thread).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.stage_worker import StageWorker, TickResult
 from omni.pipeline.streaming import StreamTarget
+from omni.pipeline.threads import set_torch_threads, stage_threads
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class StageActor:
         # (RayTaskError.cause) instead of a dead actor, and Ray does not restart an actor
         # whose engine cannot be built.
         self._start_error: StageStartError | None = None
+        threads = stage_threads(stage.resources.num_cpus)
+        set_torch_threads(threads)  # loading (and any compute in it) in this thread too
         try:
             registry.restore(registry_snapshot)  # registrations made in the driver
             self.worker = StageWorker(stage, make_engine(stage, engine_factory),
@@ -69,7 +73,9 @@ class StageActor:
             self._start_error = e
         except Exception as e:  # noqa: BLE001 - e.g. the input processor does not resolve
             self._start_error = start_error(stage.name, e)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}")
+        # The one thread that runs the engine's steps (and stats): torch's thread count is set there.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}",
+                                            initializer=set_torch_threads, initargs=(threads,))
         # The reply slot of each submit() call in flight (the worker holds the request itself).
         self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}
         self._deltas: dict[str, asyncio.Queue[StageDelta]] = {}  # requests whose caller streams

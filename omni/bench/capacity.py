@@ -1,0 +1,218 @@
+"""`omni bench capacity`: audio seconds per second as concurrency grows, Ray vs local, omni vs transformers.
+
+The small Qwen2.5-Omni (stage_configs/qwen2_5_omni_small.yaml: thinker ~> talker ~> token2wav, streamed),
+every reply the same length (the thinker's `--thinker-tokens` and the talker's `--reply-seconds` x 50 codec
+tokens, min_tokens = max_tokens: every mode does the same work), one run:
+
+1. Ray backend, closed loop at each `--concurrency` C: C clients share `--requests` distinct prompts, each
+   sending its next one when its last reply ends (AsyncOmni.stream). Per level: audio_s_per_s (audio seconds
+   produced / wall seconds), TTFP (submission -> first audio samples) p50/p99 in ms, RTF (end to end / audio
+   seconds) p50/p99, and each stage's time split (step_profile.py): stage_busy_fraction and forward /
+   sampling / host / waiting fractions of the level's wall time.
+2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
+3. The same requests through transformers' Qwen2_5OmniForConditionalGeneration.generate (greedy, with audio),
+   one after another, in this process with this machine's cores (hf_omni.py): vs_hf_audio_s_per_s_c4 (omni
+   at concurrency 4 over transformers), vs_hf_ttfp_c1 (transformers' time to its waveform / omni's TTFP,
+   p50), and audio_identical: 1 when, for every request, omni's thinker tokens and codec tokens equal
+   transformers' and the waveforms agree. The waveform omni streams is made in chunked DiT windows (one
+   block of context each side): the same math in other shapes, so equal to the one-shot waveform up to
+   the blocking of fp32 sums (the README's 122-139 dB); "agree" is an SNR >= 100 dB, and
+   audio_bitwise_equal says whether they are bit for bit equal.
+
+Also throughput_c4_over_c1 (audio_s_per_s) and ttfp_p99_c4_over_c1_p50. `--plot PNG` draws audio s/s and
+TTFP p99 against concurrency (transformers' audio s/s as a line).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import numpy as np
+
+CODES_PER_SECOND = 50  # Qwen2.5-Omni's talker: 50 codec tokens per second of audio
+AGREE_SNR_DB = 100.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="stage_configs/qwen2_5_omni_small.yaml")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="closed-loop clients per level (1 is always run: the c1 keys need it)")
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level (fixed total)")
+    p.add_argument("--reply-seconds", type=float, default=5.0, help="audio seconds of every reply")
+    p.add_argument("--thinker-tokens", type=int, default=32, help="text tokens of every reply")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw audio s/s and TTFP p99 vs concurrency")
+
+
+def _overrides(args) -> dict[str, Any]:
+    from .omni_streaming import omni_overrides
+
+    ov = omni_overrides(streaming=True, caching=True, audio_codes=_codes(args))
+    n = args.thinker_tokens
+    ov["thinker"]["sampling"] = {"temperature": 0.0, "max_tokens": n, "min_tokens": n}
+    return ov
+
+
+def _codes(args) -> int:
+    return max(1, round(args.reply_seconds * CODES_PER_SECOND))
+
+
+def _prompts(tok, n: int, tag: str) -> list[list[int]]:
+    from .omni_streaming import TOPICS
+
+    return [tok(f"Tell me a story about {TOPICS[i % len(TOPICS)]}, number {tag}-{i}.")["input_ids"]
+            for i in range(n)]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def _level(times: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
+    ttfp = [t["ttfp_s"] * 1000 for t in times]
+    rtf = [t["rtf"] for t in times]
+    audio = sum(t["audio_s"] for t in times)
+    return {"requests": len(times), "wall_s": wall_s, "audio_s": audio, "audio_s_per_s": audio / wall_s,
+            "ttfp_p50_ms": _pct(ttfp, 50), "ttfp_p99_ms": _pct(ttfp, 99), "rtf_p50": _pct(rtf, 50),
+            "rtf_p99": _pct(rtf, 99), "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times]))}
+
+
+async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tuple[dict[int, Any], list[Any]]:
+    """Every level on one pipeline: {C: level stats with the stages' time split}, and the c1 records."""
+    from omni import AsyncOmni
+    from omni.engine.step_profile import PHASES, window
+
+    from .omni_streaming import audio_times
+    from .workloads import closed_loop_timed
+
+    out: dict[int, Any] = {}
+    c1: list[Any] = []
+    async with await AsyncOmni.create(args.config, stage_overrides=_overrides(args), backend=backend) as o:
+        await closed_loop_timed(o, [{"prompt": "Warm up, please."}], 1, id_prefix="warm")  # one-time costs
+        for c, prompts in levels.items():
+            before = (await o.stats())["stages"]
+            recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c, id_prefix=f"c{c}-")
+            after = (await o.stats())["stages"]
+            out[c] = _level(audio_times(recs), wall)
+            split = {s: window(before[s], after[s], wall) for s in after}
+            out[c]["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
+            out[c]["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
+            out[c]["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
+            if c == 1:
+                c1 = recs
+            print(f"{backend} c={c}: {out[c]['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {out[c]['ttfp_p50_ms']:.0f} ms "
+                  f"p99 {out[c]['ttfp_p99_ms']:.0f} ms, RTF p50 {out[c]['rtf_p50']:.2f}, busy "
+                  f"{ {s: round(f, 2) for s, f in out[c]['stage_busy_fraction'].items()} }", flush=True)
+    return out, c1
+
+
+def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    noise = float(((ref.astype(np.float64) - got) ** 2).sum())
+    return float("inf") if noise == 0 else 10 * float(np.log10(float((ref.astype(np.float64) ** 2).sum()) / noise))
+
+
+def _hf(args, path, prompts: list[list[int]], omni_c1: list[Any]) -> dict[str, Any]:
+    """transformers one request after another on the c1 prompts, and its replies against omni's."""
+    import torch
+
+    from omni.pipeline.threads import available_cores
+
+    from . import hf_omni
+
+    model = hf_omni.load(path)
+    threads = available_cores()  # what a user's process gets: this machine's cores
+    torch.set_num_threads(threads)
+    codes = _codes(args)
+    hf_omni.reply(model, prompts[0], 2, 4, seed=args.seed)  # one-time costs out of the timing
+    replies = [hf_omni.reply(model, p, args.thinker_tokens, codes, seed=args.seed) for p in prompts]
+    total = sum(r.seconds for r in replies)
+    tokens_same, codes_same, bitwise, snrs = True, True, True, []
+    for r, rec in zip(replies, omni_c1):
+        wav, thinker = rec.outputs["token2wav"], rec.outputs["thinker"]
+        tokens_same &= list(thinker.token_ids) == r.thinker_ids
+        codes_same &= list(wav.prompt_token_ids or []) == r.codes
+        got = np.asarray(wav.audio, dtype=np.float32)
+        same_len = got.shape == r.audio.shape
+        bitwise &= same_len and bool(np.array_equal(got, r.audio))
+        snrs.append(_snr_db(r.audio, got) if same_len else float("-inf"))
+    times = [r.seconds * 1000 for r in replies]
+    return {"threads": threads, "requests": len(replies), "audio_s": sum(r.audio_s for r in replies),
+            "wall_s": total, "audio_s_per_s": sum(r.audio_s for r in replies) / total,
+            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99),
+            "thinker_tokens_identical": int(tokens_same), "codes_identical": int(codes_same),
+            "audio_bitwise_equal": int(bitwise), "audio_snr_db_min": min(snrs),
+            "audio_identical": int(tokens_same and codes_same and min(snrs) >= AGREE_SNR_DB)}
+
+
+def run(args) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from omni.config_loader import load_config
+    from omni.registry import resolve_model_path
+
+    if args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1:
+        raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's "
+                         "second token), --reply-seconds > 0 and --concurrency >= 1 are needed")
+    path = resolve_model_path(load_config(args.config).stage("thinker").model_path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    levels = {c: _prompts(tok, args.requests, f"c{c}") for c in sorted({1, *args.concurrency})}
+    ray, ray_c1 = asyncio.run(_sweep(args, "ray", levels))
+    local, _ = asyncio.run(_sweep(args, "local", {1: levels[1]}))
+    hf = _hf(args, path, levels[1], ray_c1)
+    print(f"transformers: {hf['audio_s_per_s']:.3f} audio-s/s, {hf['ttfp_p50_ms']:.0f} ms per reply "
+          f"({hf['threads']} threads); audio identical {hf['audio_identical']} "
+          f"(SNR {hf['audio_snr_db_min']:.0f} dB, bitwise {hf['audio_bitwise_equal']})", flush=True)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    def at(c: int, key: str) -> float | None:
+        return ray[c][key] if c in ray else None
+
+    result: dict[str, Any] = {
+        "bench": "capacity", "config": args.config, "backend": "ray", "concurrency": list(ray),
+        "requests_per_level": args.requests, "reply_seconds": args.reply_seconds, "codec_tokens": _codes(args),
+        "thinker_tokens": args.thinker_tokens,
+        **{key: {str(c): lv[key] for c, lv in ray.items()} for key in (
+            "audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99", "stage_busy_fraction",
+            "stage_profile")},
+        "levels": {str(c): lv for c, lv in ray.items()},
+        "throughput_c4_over_c1": ratio(at(4, "audio_s_per_s"), at(1, "audio_s_per_s")),
+        "ttfp_p99_c4_over_c1_p50": ratio(at(4, "ttfp_p99_ms"), at(1, "ttfp_p50_ms")),
+        "local_c1": local[1], "ray_over_local_e2e_c1": ratio(ray[1]["e2e_mean_s"], local[1]["e2e_mean_s"]),
+        "hf": hf, "vs_hf_audio_s_per_s_c4": ratio(at(4, "audio_s_per_s"), hf["audio_s_per_s"]),
+        "vs_hf_ttfp_c1": ratio(hf["ttfp_p50_ms"], ray[1]["ttfp_p50_ms"]),
+        "audio_identical": hf["audio_identical"],
+    }
+    if args.plot:
+        result["plot"] = plot(ray, hf["audio_s_per_s"], args.plot)
+    return result
+
+
+def plot(levels: dict[int, dict[str, Any]], hf_audio_s_per_s: float, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = sorted(levels)
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ax.plot(cs, [levels[c]["audio_s_per_s"] for c in cs], marker="o", color="tab:blue", label="omni audio s/s")
+    ax.axhline(hf_audio_s_per_s, color="tab:blue", linestyle="--", label="transformers audio s/s")
+    ax.set_xlabel("concurrency (closed loop)")
+    ax.set_ylabel("audio seconds per second")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ttfp = ax.twinx()
+    ttfp.plot(cs, [levels[c]["ttfp_p99_ms"] / 1000 for c in cs], marker="s", color="tab:red", label="TTFP p99")
+    ttfp.set_ylabel("TTFP p99 (s)")
+    lines = ax.get_legend_handles_labels()
+    more = ttfp.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
+    ax.set_title("small Qwen2.5-Omni: capacity vs concurrency")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,105 @@
+"""How close forward passes come to the machine's own GEMM rate (`omni bench throughput`).
+
+Forward FLOPs of a decoder LM (multiply-adds count 2):
+
+    per computed token      2 x (the decoder layers' linear weights)  +  attention: per layer
+                            4 x (keys attended) x (query heads x head_dim)  (QK^T and AV)
+    per sampled row         2 x the output head's weight (logits only where a token is sampled)
+
+The machine's rate is measured in the same process, on the same thread count, with `F.linear` on the
+model's own weights (every distinct layer shape, and the head as laid out) at the run's step sizes:
+what a GEMM library gets on exactly these shapes. `mfu_vs_sgemm` = achieved / that (float32:
+sgemm; another dtype: that dtype's GEMM). Norms, activations, rotary embeddings and the attention's
+softmax are not counted (a few percent of a step), so the ratio is a slight underestimate.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class DecoderShape:
+    layer_weights: list[torch.Tensor]  # every linear weight of the decoder layers, [out, in]
+    head: torch.Tensor  # the output head's weight, [vocab, hidden] (any memory layout)
+    num_layers: int
+    attention_width: int  # query heads x head_dim
+
+    @property
+    def layer_params(self) -> int:
+        return sum(w.numel() for w in self.layer_weights)
+
+
+def decoder_shape(model) -> DecoderShape:
+    """The matmul shapes of a causal_lm stage model (stages/causal_lm.py: `decoder`, `lm_head`, `config`)."""
+    layers = model.decoder.layers
+    weights = [m.weight for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return DecoderShape(weights, model.lm_head.weight, len(layers), cfg.num_attention_heads * head_dim)
+
+
+def forward_flops(shape: DecoderShape, spans: list[tuple[int, int]], sampled_rows: int) -> tuple[float, float]:
+    """FLOPs of computing positions [start, end) of each sequence in `spans`: (decoder layers with their
+    attention, output head for `sampled_rows` logits rows)."""
+    tokens = sum(end - start for start, end in spans)
+    # Token at position p attends p + 1 keys: sum over [start, end) of (p + 1).
+    keys = sum((end * (end + 1) - start * (start + 1)) // 2 for start, end in spans)
+    layers = 2.0 * shape.layer_params * tokens + 4.0 * shape.num_layers * shape.attention_width * keys
+    return layers, 2.0 * shape.head.numel() * sampled_rows
+
+
+def _linear_gflops(weights: list[torch.Tensor], rows: int, budget_s: float) -> float:
+    """GFLOP/s of F.linear over `weights` (each its own shape and layout) with `rows` input rows."""
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for w in weights:
+            x = torch.randn(max(1, rows), w.shape[1], dtype=w.dtype, device=w.device)
+            torch.nn.functional.linear(x, w)  # warm-up (threads, packing)
+            n, t0 = 0, time.perf_counter()
+            while True:
+                torch.nn.functional.linear(x, w)
+                n += 1
+                if w.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - t0
+                if elapsed >= budget_s / len(weights):
+                    break
+            flops += 2.0 * x.shape[0] * w.numel()
+            seconds += elapsed / n
+    return flops / seconds / 1e9
+
+
+def _bucket(rows: int) -> int:
+    """Rows rounded up to a power of two: one GEMM timing serves every step of that size."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def gemm_gflops(shape: DecoderShape, flops: tuple[float, float], steps: list[tuple[int, int]],
+                budget_s: float = 0.5) -> float:
+    """The machine's GEMM rate on this run's work. `steps`: each forward pass's (rows, sampled rows).
+    Every distinct layer shape and the head are timed with F.linear at each step size (rounded up to a
+    power of two); the rate is the run's FLOPs over the time GEMMs at those rates would take: each step's
+    layer and head FLOPs at its sizes' rates, the attention's at the layers' rate of the mean step."""
+    distinct: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
+    for w in shape.layer_weights:
+        first, count = distinct.get(tuple(w.shape), (w, 0))
+        distinct[tuple(w.shape)] = (first, count + 1)
+    total = sum(w.numel() * c for w, c in distinct.values())
+    mean_rows = sum(r for r, _ in steps) // max(1, len(steps))
+    sizes = sorted({_bucket(r) for r, _ in steps} | {_bucket(mean_rows)})
+    head_sizes = sorted({_bucket(k) for _, k in steps if k})
+    each = budget_s / max(1, len(sizes) * len(distinct) + len(head_sizes))
+    # Seconds per layer FLOP at each size: the distinct shapes weighted by how often they occur.
+    layer_s = {m: sum(w.numel() * c / total / (_linear_gflops([w], m, each) * 1e9) for w, c in distinct.values())
+               for m in sizes}
+    head_s = {m: 1 / (_linear_gflops([shape.head], m, each) * 1e9) for m in head_sizes}
+    layers, head = flops
+    per_row = 2.0 * shape.layer_params
+    linear_flops = per_row * sum(r for r, _ in steps)
+    seconds = sum(per_row * r * layer_s[_bucket(r)] for r, _ in steps)
+    seconds += (layers - linear_flops) * layer_s[_bucket(mean_rows)]  # attention
+    seconds += sum(2.0 * shape.head.numel() * k * head_s[_bucket(k)] for _, k in steps if k)
+    return (layers + head) / seconds / 1e9

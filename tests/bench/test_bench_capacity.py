@@ -1,0 +1,48 @@
+"""`omni bench capacity` on the tiny Qwen2.5-Omni (streamed edges), tiny sizes: the JSON keys, every level's
+work, the stages' time split, omni's audio equal to transformers' at concurrency 1, the plot."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from omni.bench import capacity as bench
+from omni.engine.step_profile import PHASES
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, ray_cluster):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--config", str(tiny_streamed_omni), "--concurrency", "2", "4", "--requests", "4",
+                              "--reply-seconds", "0.4", "--thinker-tokens", "4", "--plot", str(tmp_path / "cap.png")])
+    res = bench.run(args)
+    assert res["concurrency"] == [1, 2, 4]  # 1 is always run
+    assert res["codec_tokens"] == 20
+    for key in ("audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99"):
+        assert sorted(res[key]) == ["1", "2", "4"], key
+        assert all(v > 0 for v in res[key].values()), key
+    # Every reply is 20 codec tokens (on the tiny checkpoint's vocoder not 0.4 s: its upsampling is smaller),
+    # at every level, on both backends and in transformers.
+    audio_s = res["levels"]["1"]["audio_s"]
+    assert audio_s > 0
+    assert res["local_c1"]["audio_s"] == audio_s and res["hf"]["audio_s"] == audio_s
+    for c, level in res["levels"].items():
+        assert level["requests"] == 4
+        assert level["audio_s"] == audio_s, c
+        assert level["ttfp_p50_ms"] <= level["ttfp_p99_ms"]
+        assert sorted(res["stage_busy_fraction"][c]) == ["talker", "thinker", "token2wav"]
+        for stage, split in res["stage_profile"][c].items():
+            assert sum(split[p] for p in PHASES) == pytest.approx(1.0), (c, stage)
+            assert res["stage_busy_fraction"][c][stage] == pytest.approx(1 - split["waiting"])
+            assert res["stage_busy_fraction"][c][stage] > 0, (c, stage)
+        assert res["stage_profile"][c]["thinker"]["sampling"] > 0  # an autoregressive stage samples
+    for key in ("throughput_c4_over_c1", "ttfp_p99_c4_over_c1_p50", "ray_over_local_e2e_c1",
+                "vs_hf_audio_s_per_s_c4", "vs_hf_ttfp_c1"):
+        assert res[key] > 0, key
+    assert res["local_c1"]["requests"] == 4 and res["hf"]["requests"] == 4
+    assert res["hf"]["thinker_tokens_identical"] == 1 and res["hf"]["codes_identical"] == 1
+    assert res["audio_identical"] == 1, res["hf"]
+    assert Path(res["plot"]).stat().st_size > 1000
