@@ -104,6 +104,7 @@ class _TalkerRequest:
 
 
 class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
+    checkpoint_prefix = "talker."
     tokenizer = None
     decodes_before_input_complete = True  # one thinker row per step (compute_limit says how far)
 
