@@ -35,7 +35,9 @@ from .profile_store import ProfileStore
 
 
 def size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**28 else f"{n / 2**20:.1f} MiB"
+    if abs(n) >= 2**28:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 or n == 0 else f"{n / 2**10:.1f} KiB"
 
 
 @dataclass(slots=True)

@@ -6,7 +6,8 @@ what the last `omni plan` measured for the same stage. The key is everything the
 on (the model, its checkpoint files' sizes and times, dtype, device kind, batch limits, model kwargs),
 so a changed checkpoint or config is measured again rather than read stale.
 
-One JSON file per key under `$OMNI_CACHE_DIR/profiles/` (default ~/.cache/omni), written atomically.
+One JSON file per key under `$OMNI_PROFILE_DIR`, else `$OMNI_CACHE_DIR/profiles/` (default ~/.cache/omni),
+written atomically.
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def profile_key(stage: StageConfig, model_path: Path, device: str) -> str:
 
 
 def default_dir() -> Path:
+    """$OMNI_PROFILE_DIR, else profiles/ in $OMNI_CACHE_DIR (default ~/.cache/omni)."""
+    if os.environ.get("OMNI_PROFILE_DIR"):
+        return Path(os.path.expanduser(os.environ["OMNI_PROFILE_DIR"]))
     root = os.environ.get("OMNI_CACHE_DIR") or Path.home() / ".cache" / "omni"
     return Path(os.path.expanduser(os.fspath(root))) / "profiles"
 
