@@ -80,7 +80,8 @@ def test_host_meter_sees_an_allocation_torch_makes():
     meter.start()
     t = torch.ones(16 * 2**20)  # 64 MiB, touched
     del t
-    assert meter.peak() >= 64 * 2**20
+    # the resident set moves by whole pages of everything in the process (a few may leave meanwhile)
+    assert 60 * 2**20 <= meter.peak() < 96 * 2**20
 
 
 class _FakeCuda:
