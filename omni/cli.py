@@ -44,6 +44,7 @@ BENCHES = {
     "streaming": "streaming",
     "routing": "routing",
     "serve": "serve",
+    "plan": "plan",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 

@@ -192,7 +192,8 @@ def _refusal(config: PipelineConfig, dev: DevicePlan, plans: dict[str, StagePlan
     return MemoryPlanError(
         f"stage {n.stage!r} does not fit on {name}: the stages there need at least {size(running)} "
         f"({'; '.join(parts)}) but the budget is {size(budget)} ({dev.budget.source}); {n.stage}: {detail}. "
-        f"Raise the budget, lower {field_}, or move a stage to another device",
+        + (f"Raise {budget_field}" if field_ == budget_field else f"Raise {budget_field} or lower {field_}")
+        + " (or move a stage to another device)",
         stage=n.stage, device=name, field=field_, limit=budget, actual=running)
 
 
