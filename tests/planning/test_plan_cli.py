@@ -66,3 +66,22 @@ def test_run_with_a_budget_and_a_workload(tmp_path, store, capsys):
 def test_validate_without_a_budget_plans_nothing(tmp_path, capsys):
     assert cli.main(["validate", "stage_configs/tiny_chain.yaml"]) == 0
     assert "memory plan" not in capsys.readouterr().out
+
+
+def test_memory_gb_is_an_option_of_every_config_command():
+    parser = cli.build_parser()
+    for cmd in ("run", "validate", "plan", "serve"):
+        assert parser.parse_args([cmd, "x.yaml", "--memory-gb", "1.5"]).memory_gb == 1.5
+
+
+def test_an_unplanned_auto_stage_is_refused_by_the_engine_factory():
+    import pytest
+
+    from omni.config_loader import load_config
+    from omni.errors import ConfigError
+    from omni.pipeline.engine_factory import build_engine
+
+    cfg = load_config("stage_configs/tiny_chain.yaml", {"thinker": {"cache": {"num_blocks": None,
+                                                                             "memory_budget_mb": "auto"}}})
+    with pytest.raises(ConfigError, match="'auto' takes the memory plan's number"):
+        build_engine(cfg.stage("thinker"))
