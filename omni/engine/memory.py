@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,10 +49,11 @@ class StageGeometry:
     head_dim: int
     hidden_size: int  # width of the hidden states kept in the tensor cache
     # What the planner's activation estimate needs (omni/planning/needs.py); 0: not in the config.
-    num_heads: int = 0
-    intermediate_size: int = 0
-    vocab_size: int = 0
-    max_position_embeddings: int = 0
+    # Not compared: two geometries that size the caches alike are equal.
+    num_heads: int = field(default=0, compare=False)
+    intermediate_size: int = field(default=0, compare=False)
+    vocab_size: int = field(default=0, compare=False)
+    max_position_embeddings: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
