@@ -13,7 +13,9 @@ its batch size). What the step allocates above what existed before it is the sta
           no allocator statistics for the CPU; the resident set is what the machine really gives, and
           what the soak test bounds.
     CUDA  torch.cuda.max_memory_allocated after torch.cuda.reset_peak_memory_stats, minus
-          memory_allocated before (the caching allocator's own count).
+          memory_allocated before (the caching allocator's own count); plus what building the engine
+          allocated beyond the weights and the KV cache (input buffers, the CUDA graphs' pools: decode
+          steps are captured while the engine is built).
 
 A warm-up request of a few tokens runs first (code pages and one-time buffers are not the batch's).
 The tensor cache the step fills is not an activation: its bytes are taken off, and its tensors say
@@ -107,6 +109,10 @@ class CudaPeakMeter:
         self.cuda.synchronize(self.device)
         return max(0, int(self.cuda.max_memory_allocated(self.device)) - self._base)
 
+    def allocated(self) -> int:
+        self.cuda.synchronize(self.device)
+        return int(self.cuda.memory_allocated(self.device))
+
 
 def meter_for(device: str) -> PeakMeter:
     if device.startswith("cuda"):
@@ -169,23 +175,31 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
     device = stage_device(stage, config.runtime.backend, torch.cuda.is_available())
     sched = stage.scheduler
     t0 = time.perf_counter()
+    meter = meter or meter_for(device)
+    built_from = meter.allocated() if isinstance(meter, CudaPeakMeter) else None
     if _is_autoregressive(stage):
         lengths = _lengths(sched.max_num_batched_tokens, sched.max_num_seqs)
         if not sched.enable_chunked_prefill and max(lengths) + 1 > sched.max_num_batched_tokens:
             lengths[lengths.index(max(lengths))] -= 1
-        engine = (build or build_engine)(_profile_variant(stage, [n for n in lengths if n > 0]))
-        inputs_for = getattr(engine.model, "profile_inputs", None)
         lengths = [n for n in lengths if n > 0]
-        inputs = inputs_for(lengths) if inputs_for else _default_inputs(name, engine.model.vocab_size, lengths)
+        engine = (build or build_engine)(_profile_variant(stage, lengths))
+        vocab = engine.model.vocab_size
     else:
         engine = (build or build_engine)(stage)
         cap = int(getattr(engine.model, "max_model_len", 0) or 1)
-        n = _input_tokens(config, graph, stage, cap)
-        lengths = [n] * sched.max_num_seqs
-        inputs_for = getattr(engine.model, "profile_inputs", None)
-        inputs = inputs_for(lengths) if inputs_for else _default_inputs(
-            name, int(getattr(engine.model, "vocab_size", 1)), lengths)
-    meter = meter or meter_for(device)
+        lengths = [_input_tokens(config, graph, stage, cap)] * sched.max_num_seqs
+        vocab = int(getattr(engine.model, "vocab_size", 1))
+    inputs_for = getattr(engine.model, "profile_inputs", None)
+    inputs = inputs_for(lengths) if inputs_for else _default_inputs(name, vocab, lengths)
+    # On a GPU, what building the engine allocated beyond the weights and the KV cache is device memory
+    # the stage keeps: the runner's persistent input buffers and the CUDA graphs' pools (decode steps
+    # are captured while the engine is built). It counts with the activations.
+    kept = 0
+    if built_from is not None:
+        runner = getattr(engine, "runner", None)
+        kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                 for k, v in getattr(runner, "kv_caches", ()))
+        kept = max(0, meter.allocated() - built_from - kv - _header_weights(stage, device))
     try:
         # A warm-up request first: the first forward of a process faults in kernel code and one-time
         # buffers (tens of MiB of RSS) that are the process's, not this batch's.
@@ -210,13 +224,24 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
                 rows[out] = int(t[0, 0].numel() * t.element_size())
             held = store.bytes_held
         # The tensor cache's rows are resident host memory the step wrote, not activations.
-        activations = max(0, peak - (held if isinstance(meter, HostPeakMeter) else 0))
+        activations = max(0, peak - (held if isinstance(meter, HostPeakMeter) else 0)) + kept
         return ProfileRecord(activations=activations, rows_per_token=rows, meter=meter.name,
                              seconds=round(time.perf_counter() - t0, 3))
     finally:
         engine.close()
         del engine
         gc.collect()
+
+
+def _header_weights(stage: StageConfig, device: str) -> int:
+    from omni import registry
+    from omni.engine.memory import DTYPE_BYTES
+
+    from .weights import checkpoint_weights
+
+    prefix = getattr(registry.resolve_stage_model(stage.model), "checkpoint_prefix", "")
+    w = checkpoint_weights(registry.resolve_model_path(stage.model_path), DTYPE_BYTES[stage.dtype], prefix)
+    return w.bytes if w is not None else 0
 
 
 def _is_autoregressive(stage: StageConfig) -> bool:

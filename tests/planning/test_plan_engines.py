@@ -126,3 +126,31 @@ def test_profile_step_measures_a_cpu_stage(store, tiny_qwen2):
     assert record.rows_per_token == {"hidden_states": 64 * 4}
     # 256 tokens through a 64-wide model: more than its logits for 16 rows, far less than a GiB
     assert 16 * 151936 * 4 <= record.activations < 2**30
+
+
+def test_profile_step_on_a_gpu_counts_the_graph_pools_with_faked_device_queries(store, tiny_qwen2):
+    """The CUDA path of the profile step, the device's counts faked: what building the engine allocated
+    beyond the weights and the KV cache (buffers, graph pools) counts with the step's peak."""
+    from omni.pipeline.engine_factory import build_engine
+    from omni.planning.profile import _header_weights
+
+    cfg = load_config("stage_configs/tiny_chain.yaml")
+    cuda = _FakeCuda()
+    pools = 3 * 2**20
+
+    def build(stage):
+        engine = build_engine(stage)  # on the CPU: the counts below are what a GPU would report
+        kv = sum(k.numel() * k.element_size() * 2 for k, _ in engine.runner.kv_caches)
+        cuda.allocated += _header_weights(stage, "cuda") + kv + pools
+        step = engine.step
+
+        def counted_step():
+            cuda.peak = max(cuda.peak, cuda.allocated + 5 * 2**20)  # the step's transient 5 MiB
+            return step()
+
+        engine.step = counted_step
+        return engine
+
+    record = profile_stage(cfg, "thinker", meter=CudaPeakMeter("cuda:0", cuda), build=build)
+    assert record.meter == "torch.cuda.max_memory_allocated"
+    assert record.activations == 5 * 2**20 + pools
