@@ -165,10 +165,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         cfg, _ = load_checked(args.config, args.stage_overrides, args.memory_gb)
-        from omni.planning.plan import as_dict, plan_memory
+        from omni.planning.plan import plan_memory
         from omni.planning.profile import profile_pipeline
         from omni.planning.profile_store import ProfileStore
-        from omni.planning.report import render
+        from omni.planning.report import as_dict, render
 
         store = ProfileStore()
         failed = []

@@ -1,5 +1,8 @@
-"""The plan as text: one table per device, then the verdict (`omni plan`, `omni validate`)."""
+"""The plan as text (one table per device, then the verdict: `omni plan`, `omni validate`) and as data
+(`omni plan --json`)."""
 from __future__ import annotations
+
+from typing import Any
 
 from .plan import MemoryPlan, size
 
@@ -50,3 +53,26 @@ def render(plan: MemoryPlan) -> str:
     lines += ["", ("OK: the plan fits" if plan.fits else "REFUSED: " + str(plan.errors[0]))
               + f" (planned in {plan.seconds * 1000:.0f} ms)"]
     return "\n".join(lines)
+
+
+def as_dict(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan for tools (`omni plan --json`)."""
+    stages = {}
+    for name, p in plan.stages.items():
+        n = p.needs
+        stages[name] = {
+            "device": p.device, "copies": len(p.devices), "devices": p.devices, "auto": p.auto,
+            "weights_bytes": n.weights, "weights_source": n.weights_source,
+            "activations_bytes": n.activations, "activations_source": n.activations_source,
+            "encoder_cache_bytes": n.encoder_cache, "working_bytes": n.working,
+            "kv_blocks": p.num_blocks, "block_size": n.block_size, "kv_bytes_per_block": n.kv_per_block,
+            "kv_bytes": p.kv_bytes, "tensor_cache_bytes_per_token": n.rows_per_token,
+            "tensor_cache_bytes": p.rows_bytes, "block_pool_bytes": p.pool_bytes,
+            "total_bytes": p.total, "tokens_per_conversation": p.tokens_per_conversation,
+            "conversations": p.conversations, "wanted_blocks": p.wanted_blocks, "verdict": p.verdict,
+        }
+    devices = {d: {"budget_bytes": dp.budget.budget, "budget_source": dp.budget.source, "used_bytes": dp.used,
+                   "share": round(dp.share, 4), "fits": dp.fits, "copies": dp.copies}
+               for d, dp in plan.devices.items()}
+    return {"pipeline": plan.pipeline, "fits": plan.fits, "workload": plan.workload, "devices": devices,
+            "stages": stages, "errors": [str(e) for e in plan.errors], "planning_seconds": round(plan.seconds, 4)}

@@ -7,8 +7,8 @@ import pytest
 from omni.config_loader import load_config
 from omni.errors import ConfigError, MemoryPlanError
 from omni.planning.budget import GiB
-from omni.planning.plan import as_dict, conversation_tokens, plan_memory
-from omni.planning.report import render
+from omni.planning.plan import conversation_tokens, plan_memory
+from omni.planning.report import as_dict, render
 from omni.planning.weights import checkpoint_weights
 from omni.pipeline.graph import StageGraph
 
