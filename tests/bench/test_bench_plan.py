@@ -25,7 +25,7 @@ def test_bench_plan_reports_the_issue_keys(capsys):
     assert "pipeline hit rate" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # builds the small checkpoint (once) where it is not made yet
 def test_the_planned_split_beats_an_even_one_on_the_small_omni_pipeline():
     r = _run([])  # the issue's setting: small Qwen2.5-Omni, the talker's sequences longer than the thinker's
     assert r["planned"]["talker"]["num_blocks"] > r["even"]["talker"]["num_blocks"]

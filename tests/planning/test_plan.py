@@ -23,6 +23,7 @@ def _tiny(**runtime):
     return load_config(cfg)
 
 
+@pytest.mark.slow
 def test_weights_from_headers_equal_the_loaded_parameters(tiny_qwen2):
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,6 +1,7 @@
 """`omni plan`, `omni validate` and `omni run` with a memory budget."""
 import json
 
+import pytest
 import yaml
 
 from omni import cli
@@ -29,6 +30,7 @@ def test_plan_json_without_profiling(tmp_path, store, capsys):
     assert out["devices"]["cpu"]["used_bytes"] <= out["devices"]["cpu"]["budget_bytes"]
 
 
+@pytest.mark.slow
 def test_plan_profiles_then_prints_the_table(tmp_path, store, capsys):
     rc = cli.main(["plan", _write(tmp_path), "--memory-gb", "0.5"])
     out = capsys.readouterr().out
@@ -75,8 +77,6 @@ def test_memory_gb_is_an_option_of_every_config_command():
 
 
 def test_an_unplanned_auto_stage_is_refused_by_the_engine_factory():
-    import pytest
-
     from omni.config_loader import load_config
     from omni.errors import ConfigError
     from omni.pipeline.engine_factory import build_engine
