@@ -172,6 +172,8 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
     graph = StageGraph.of(config)
     import torch
 
+    # Where the pipeline would put it ("auto" on Ray is the CPU unless the stage reserves a GPU), pinned
+    # for the profile's engine: this process may see a GPU that the stage's actor would not.
     device = stage_device(stage, config.runtime.backend, torch.cuda.is_available())
     sched = stage.scheduler
     t0 = time.perf_counter()
@@ -182,10 +184,10 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
         if not sched.enable_chunked_prefill and max(lengths) + 1 > sched.max_num_batched_tokens:
             lengths[lengths.index(max(lengths))] -= 1
         lengths = [n for n in lengths if n > 0]
-        engine = (build or build_engine)(_profile_variant(stage, lengths))
+        engine = (build or build_engine)(_profile_variant(stage, lengths).model_copy(update={"device": device}))
         vocab = engine.model.vocab_size
     else:
-        engine = (build or build_engine)(stage)
+        engine = (build or build_engine)(stage.model_copy(update={"device": device}))
         cap = int(getattr(engine.model, "max_model_len", 0) or 1)
         lengths = [_input_tokens(config, graph, stage, cap)] * sched.max_num_seqs
         vocab = int(getattr(engine.model, "vocab_size", 1))
@@ -231,6 +233,8 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
         engine.close()
         del engine
         gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the next stage's profile starts from what the device really has free
 
 
 def _header_weights(stage: StageConfig, device: str) -> int:
