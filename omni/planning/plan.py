@@ -136,6 +136,13 @@ def conversation_tokens(config: PipelineConfig, graph: StageGraph, context_token
     return out
 
 
+def _engine_default_blocks(n: StageNeeds) -> int:
+    """StageEngine._num_blocks with neither num_blocks nor memory_budget_mb: enough for max_num_seqs
+    sequences of max_model_len, within 1 GiB of KV."""
+    tokens = n.max_num_seqs * (n.max_model_len or n.max_num_batched_tokens)
+    return min(2**30 // max(n.kv_per_block, 1), -(-tokens // n.block_size) + 1)
+
+
 def _wanted(p: StagePlan, workload: dict[str, int] | None) -> int:
     n = p.needs
     if workload is not None and p.tokens_per_conversation:
@@ -172,10 +179,10 @@ def _refusal(config: PipelineConfig, dev: DevicePlan, plans: dict[str, StagePlan
     name, budget = dev.budget.name, dev.budget.budget
     running, culprit, parts = 0, None, []
     for s in config.stages:
-        copies = dev.copies.get(s.name, 0)
+        p = plans[s.name]
+        copies = _copies(p, dev) if s.name in dev.copies else 0
         if not copies:
             continue
-        p = plans[s.name]
         one = p.on(name) if not p.auto else p.on(name) - p.num_blocks * _cost(p, name) + auto_min.get(s.name, 0)
         running += copies * one
         parts.append(f"{s.name}{f' x{copies}' if copies > 1 else ''} {size(copies * one)}")
@@ -194,6 +201,13 @@ def _refusal(config: PipelineConfig, dev: DevicePlan, plans: dict[str, StagePlan
         + (f"Raise {budget_field}" if field_ == budget_field else f"Raise {budget_field} or lower {field_}")
         + " (or move a stage to another device)",
         stage=n.stage, device=name, field=field_, limit=budget, actual=running)
+
+
+def _copies(p: StagePlan, dev: DevicePlan) -> int:
+    """Copies of the stage whose memory lands on `dev` (the host holds every GPU copy's tensor cache)."""
+    if dev.budget.name == "cpu" and p.needs.device != "cpu":
+        return len(p.devices)
+    return dev.copies.get(p.needs.stage, 0)
 
 
 def _cost(p: StagePlan, device: str) -> int:
@@ -221,7 +235,7 @@ def plan_memory(config: PipelineConfig, *, memory_gb: float | None = None, probe
         p = StagePlan(n, where[s.name], auto, tokens_per_conversation=tokens.get(s.name) if n.autoregressive else None)
         if n.autoregressive and not auto:
             # Not planned and nothing set: the engine's own default (StageEngine._num_blocks), for the report.
-            p.num_blocks = n.hand_blocks if n.hand_blocks is not None else n.max_num_seqs * n.min_blocks
+            p.num_blocks = n.hand_blocks if n.hand_blocks is not None else _engine_default_blocks(n)
         p.wanted_blocks = _wanted(p, workload) if n.autoregressive else 0
         plans[s.name] = p
     budgets = device_budgets(config, {d for ds in where.values() for d in ds}, probe, memory_gb)
@@ -240,7 +254,7 @@ def plan_memory(config: PipelineConfig, *, memory_gb: float | None = None, probe
         autos: list[tuple[StagePlan, int, int]] = []
         for name in dev.copies:
             p = plans[name]
-            copies = dev.copies[name] if d != "cpu" or p.needs.device == "cpu" else len(p.devices)
+            copies = _copies(p, dev)
             if d == "cpu" and p.needs.device != "cpu":
                 fixed += copies * p.on("cpu")  # block count already set on its GPU
             elif p.auto:
@@ -250,8 +264,7 @@ def plan_memory(config: PipelineConfig, *, memory_gb: float | None = None, probe
                 fixed += copies * p.on(d)
         auto_min = {p.needs.stage: p.needs.min_blocks * cost for p, _, cost in autos}
         ok = _split(dev.budget.budget - fixed, autos) if autos else fixed <= dev.budget.budget
-        dev.used = sum((dev.copies[n] if d != "cpu" or plans[n].needs.device == "cpu" else len(plans[n].devices))
-                       * plans[n].on(d) for n in dev.copies)
+        dev.used = sum(_copies(plans[n], dev) * plans[n].on(d) for n in dev.copies)
         if not ok or not dev.fits:
             errors.append(_refusal(config, dev, plans, auto_min, budget_field))
             for name in dev.copies:

@@ -154,3 +154,17 @@ def test_profile_step_on_a_gpu_counts_the_graph_pools_with_faked_device_queries(
     record = profile_stage(cfg, "thinker", meter=CudaPeakMeter("cuda:0", cuda), build=build)
     assert record.meter == "torch.cuda.max_memory_allocated"
     assert record.activations == 5 * 2**20 + pools
+
+
+def test_an_unplanned_config_is_reported_with_the_blocks_its_engines_build(store):
+    from omni.planning.plan import plan_memory
+
+    from .conftest import fake_probe
+
+    cfg = load_config("stage_configs/tiny_chain.yaml", {n: {"cache": {"num_blocks": None}} for n in ("thinker", "talker")})
+    plan = plan_memory(cfg, probe=fake_probe(), store=store)  # no budget, no workload: nothing is 'auto'
+    assert not any(p.auto for p in plan.stages.values())
+    with Omni(cfg, backend="local") as o:
+        assert o.memory_plan is None  # nothing declared: Omni plans nothing
+        for name, worker in o._backend.workers.items():
+            assert worker.engine.kv.num_blocks == plan.stages[name].num_blocks
