@@ -57,6 +57,15 @@ class Omni:
             if backend not in ("ray", "local"):
                 raise ConfigError(f"backend: must be 'ray' or 'local', got {backend!r}")
             config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"backend": backend})})
+        from omni.planning.needs import uses_plan
+
+        self.memory_plan: Any = None
+        if uses_plan(config):
+            # One budget per device, planned before anything is allocated: a plan that does not fit raises
+            # MemoryPlanError here; one that fits sets the 'auto' stages' block counts (omni/planning/).
+            from omni.planning.plan import planned_config
+
+            config, self.memory_plan = planned_config(config)
         self.config = config
         self.graph = StageGraph.of(config)  # built by load_config, handed on to the backend and orchestrator
         if config.runtime.backend == "local":

@@ -3,9 +3,10 @@
     omni run CONFIG [--prompt P ...] [--prompts-file F] [--output-dir D]
                     [--stage-overrides JSON] [--max-tokens N] [--backend ray|local] [--json] [--stream]
     omni validate CONFIG [--stage-overrides JSON] [--json]
+    omni plan CONFIG [--memory-gb N] [--json] [--no-profile]   (one memory budget per device for every stage)
     omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
     omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, token2wav,
-                                     streaming, routing, serve, capacity)
+                                     streaming, routing, serve, capacity, plan)
 
 Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
 usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
@@ -44,6 +45,7 @@ BENCHES = {
     "routing": "routing",
     "serve": "serve",
     "capacity": "capacity",
+    "plan": "plan",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 
@@ -68,12 +70,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="pipeline YAML (see stage_configs/)")
     p.add_argument("--stage-overrides", metavar="JSON",
                    help='per-stage overrides, e.g. \'{"talker": {"enable_prefix_caching": false}}\'')
+    p.add_argument("--memory-gb", type=float, metavar="N",
+                   help="the memory budget of each device the stages use, in GiB (runtime.memory.budget_gb): "
+                        "the stages are planned to fit it (omni plan), and a plan that does not fit is refused")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni", description="Multi-stage omni model pipelines on Ray.")
     parser.add_argument("--version", action="version", version="omni 0.1.0")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,validate,serve,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,validate,plan,serve,bench}")
 
     run = sub.add_parser("run", help="run prompts through a pipeline")
     _config_args(run)
@@ -93,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(val)
     val.add_argument("--json", action="store_true", help="print the validated config as JSON")
 
+    plan = sub.add_parser("plan", help="plan the stages' memory: one budget per device (weights, activations, "
+                          "KV blocks, tensor cache), and whether it fits")
+    _config_args(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument("--no-profile", action="store_true",
+                      help="arithmetic only: load no model (activations as measured by an earlier omni plan, "
+                           "else estimated)")
+
     serve = sub.add_parser("serve", help="serve a pipeline over HTTP with the OpenAI API")
     _config_args(serve)
     serve_options(serve)
@@ -111,7 +124,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from omni.pipeline.graph import StageGraph
 
     try:
-        cfg, cluster = load_checked(args.config, args.stage_overrides)
+        cfg, cluster = load_checked(args.config, args.stage_overrides, args.memory_gb)
+        memory_plan = validate_plan(cfg)
     except ConfigError as e:
         return error(str(e))
     if args.json:
@@ -126,8 +140,53 @@ def cmd_validate(args: argparse.Namespace) -> int:
           + ", ".join(f"{n} ({graph.stages[n].final_output})" for n in graph.final_stages))
     if cluster is not None:
         print(f"model paths: not checked here (the stages run on the Ray cluster at {cluster})")
+    if memory_plan is not None:
+        print(memory_plan)
     print("OK")
     return 0
+
+
+def validate_plan(cfg: Any) -> str | None:
+    """The arithmetic memory plan of a config that declares a budget or a workload (nothing is loaded;
+    no torch is imported for a config that declares neither). Raises MemoryPlanError when it does not fit."""
+    from omni.planning.needs import uses_plan
+
+    if not uses_plan(cfg):
+        return None
+    from omni.planning.plan import plan_memory
+    from omni.planning.report import render
+
+    plan = plan_memory(cfg)
+    plan.raise_if_refused()
+    return render(plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from omni.errors import ConfigError
+
+    try:
+        cfg, _ = load_checked(args.config, args.stage_overrides, args.memory_gb)
+        from omni.planning.plan import plan_memory
+        from omni.planning.profile import profile_pipeline
+        from omni.planning.profile_store import ProfileStore
+        from omni.planning.report import as_dict, render
+
+        store = ProfileStore()
+        failed = []
+        if not args.no_profile:
+            failed = [r for r in profile_pipeline(cfg, store) if r.error]
+        plan = plan_memory(cfg, memory_gb=args.memory_gb, store=store)
+    except ConfigError as e:
+        return error(str(e))
+    if args.json:
+        out = as_dict(plan)
+        out["profile_errors"] = {r.stage: r.error for r in failed}
+        print(dumps(out))
+    else:
+        print(render(plan))
+        for r in failed:
+            print(f"stage {r.stage}: could not be profiled ({r.error}); its activations are estimated")
+    return 0 if plan.fits else error(str(plan.errors[0]))
 
 
 # ------------------------------------------------------------------------ run
@@ -279,7 +338,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         prompts = _read_prompts(args)
-        cfg, _ = load_checked(args.config, args.stage_overrides)
+        cfg, _ = load_checked(args.config, args.stage_overrides, args.memory_gb)
         if args.max_tokens is not None and args.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     except (ConfigError, ValueError) as e:
@@ -384,7 +443,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"validate": cmd_validate, "run": cmd_run, "serve": serve_main, "bench": cmd_bench}
+    commands = {"validate": cmd_validate, "plan": cmd_plan, "run": cmd_run, "serve": serve_main, "bench": cmd_bench}
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:

@@ -13,13 +13,23 @@ def error(msg: str, code: int = 2) -> int:
     return code
 
 
-def load_checked(config: str, overrides: str | None) -> tuple[Any, str | None]:
+def load_checked(config: str, overrides: str | None, memory_gb: float | None = None) -> tuple[Any, str | None]:
     """Load and validate the config, and check its paths where the stages run (raises ConfigError).
+    `memory_gb` (--memory-gb) sets runtime.memory.budget_gb.
     Returns (config, the Ray cluster whose nodes hold the paths, when they were not checked here)."""
     from omni.config_loader import load_config
     from omni.preflight import check_paths, remote_cluster
 
     cfg = load_config(config, overrides)
+    if memory_gb is not None:
+        from omni.config import MemoryConfig
+        from omni.errors import ConfigError
+
+        if not memory_gb > 0:
+            raise ConfigError(f"--memory-gb: must be > 0, got {memory_gb:g}", field="--memory-gb")
+        mem = cfg.runtime.memory or MemoryConfig()
+        runtime = cfg.runtime.model_copy(update={"memory": mem.model_copy(update={"budget_gb": memory_gb})})
+        cfg = cfg.model_copy(update={"runtime": runtime})
     cluster = remote_cluster(cfg)
     if cluster is None:
         check_paths(cfg)

@@ -58,10 +58,22 @@ class CacheConfig(_Model):
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block (1..256).")
     num_blocks: int | None = Field(
         None, ge=2, description="Number of KV cache blocks (>= 2). None: derived from memory_budget_mb.")
-    memory_budget_mb: float | None = Field(
-        None, gt=0, description="Memory for the KV cache in MiB (> 0), when num_blocks is not set.")
+    memory_budget_mb: float | Literal["auto"] | None = Field(
+        None, description="Memory for the KV cache in MiB (> 0), when num_blocks is not set; 'auto': the "
+        "number `omni plan` gives the stage out of its device's budget (the default when runtime.memory or "
+        "runtime.plan is set). A number set by hand is honoured and checked against the budget.")
     hash_seed: int = Field(
         0, description="Seed of the prefix-cache block hashes (fixed so hashes agree across processes).")
+
+    @field_validator("memory_budget_mb", mode="before")
+    @classmethod
+    def _positive(cls, v: Any) -> Any:
+        # Before coercion, so the message shows the value as written (and true/false is no number here).
+        if isinstance(v, bool):
+            raise ValueError(f"expected a number or 'auto', got {str(v).lower()}")
+        if isinstance(v, (int, float)) and not v > 0:
+            raise ValueError(f"Input should be greater than 0 (got {v!r})")
+        return v
 
     @model_validator(mode="after")
     def _one_size(self) -> "CacheConfig":
@@ -273,6 +285,34 @@ class RuntimeConfig(_Model):
     max_pending_requests: int = Field(
         256, ge=1, description="Requests `omni serve` runs at once (>= 1); past it a new request gets "
         "503 with a Retry-After header instead of waiting in an unbounded queue.")
+    memory: MemoryConfig | None = Field(
+        None, description="One memory budget per device for all the stages on it (omni plan); with it every "
+        "stage's cache.memory_budget_mb defaults to 'auto'.")
+    plan: WorkloadPlanConfig | None = Field(
+        None, description="The workload to size the prefix caches for (omni plan); with it every stage's "
+        "cache.memory_budget_mb defaults to 'auto'.")
+
+
+class MemoryConfig(_Model):
+    """One memory budget per device, shared by the stages placed on it (omni/planning/, `omni plan`)."""
+
+    budget_gb: float | None = Field(
+        None, gt=0, description="The budget of each device the stages use, in GiB (> 0): host RAM for CPU stages "
+        "(and every stage's tensor cache), GPU memory for CUDA stages. None: what the device has free "
+        "(host: available RAM; GPU: free memory), of which 90% is planned.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="A GPU's budget as a fraction of its total memory (0..1], as vLLM's "
+        "option; takes precedence over budget_gb for GPUs.")
+
+
+class WorkloadPlanConfig(_Model):
+    """The workload the caches are sized for: every prefix-cached stage keeps this many conversations cached."""
+
+    concurrent_conversations: int = Field(
+        ge=1, description="Conversations whose context every prefix-cached stage keeps cached at once (>= 1).")
+    context_tokens: int = Field(
+        ge=1, description="Tokens of one conversation's context, in the entry stage's tokens (>= 1); a downstream "
+        "stage's own sequence is longer by what it generates per turn (its sampling.max_tokens).")
 
 
 class PipelineConfig(_Model):

@@ -13,6 +13,7 @@ Every error carries what a program needs to act on it, next to its human message
 
     OmniError                      base; 500 in the server
     ├── ConfigError (ValueError)   a bad pipeline config
+    │   └── MemoryPlanError        the stages' memory plan does not fit a device's budget (`omni plan`)
     ├── RequestError (ValueError)  a bad request (prompt, parameter, media): the caller's to fix; 400
     │   └── ContextLengthError     prompt + max_tokens exceed the stage's max_model_len
     ├── RequestTimeoutError        runtime.request_timeout_s ran out; 504
@@ -90,6 +91,23 @@ class ConfigError(OmniError, ValueError):
     """
 
     default_code = "invalid_config"
+
+
+class MemoryPlanError(ConfigError):
+    """The pipeline's memory plan does not fit (omni/planning/): refused before anything is allocated.
+
+    `stage` the stage that does not fit (None: the device as a whole), `device` the device whose budget
+    is exceeded ("cpu" for host RAM, "cuda:0", ...), `field` the config field that sets the number,
+    `limit` the device's budget and `actual` what the plan needs there, in bytes."""
+
+    default_code = "memory_plan_does_not_fit"
+
+    def __init__(self, message: str, *, device: str | None = None, **fields: Any):
+        super().__init__(message, **fields)
+        self.device = device
+
+    def fields(self) -> dict[str, Any]:
+        return {**super().fields(), "device": self.device}
 
 
 class RequestError(OmniError, ValueError):

@@ -104,6 +104,7 @@ class _TalkerRequest:
 
 
 class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
+    checkpoint_prefix = "talker."
     tokenizer = None
     decodes_before_input_complete = True  # one thinker row per step (compute_limit says how far)
 
@@ -156,6 +157,21 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         return self.thinker_embed(torch.tensor(ids, dtype=torch.long, device=self.device)).float()
 
     @torch.inference_mode()
+    def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
+        """Requests whose talker prompts have `lengths` tokens, shaped as thinker2talker builds them (a
+        prompt of L thinker rows + 2 codec tokens, two thinker tokens): omni plan's profile step."""
+        width = self.prompt_embed_size or self.hidden_size
+        out = []
+        for i, n in enumerate(lengths):
+            L, gen = max(1, n - 2), [0, 0]
+            rows = L + len(gen)
+            positions = np.repeat(np.arange(rows, dtype=np.float32)[:, None], 3, axis=1)
+            out.append(StageInput(f"__profile_talker_{i}", sampling_params={"max_tokens": 1, "ignore_eos": True},
+                                  extra={"thinker_prompt_ids": [0] * L, "thinker_output_ids": gen,
+                                         "thinker_hidden": np.zeros((rows, width), np.float32),
+                                         "thinker_positions": positions}))
+        return out
+
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
         ex = inp.extra
         missing = [k for k in ("thinker_prompt_ids", "thinker_output_ids", "thinker_hidden", "thinker_positions")

@@ -77,6 +77,7 @@ def audio_tower(thinker):
 
 
 class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
+    checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, preprocess_cfg: dict,
                  encoder_cache_size: int = 128):
@@ -120,6 +121,13 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
         return checkpoint_geometry(model_path, "thinker_config", "text_config")
+
+    @classmethod
+    def encoder_cache_bytes(cls, model_kwargs: dict[str, Any], geometry: StageGeometry, dtype_bytes: int,
+                            item_rows: int) -> int:
+        """The encoder cache at its fullest: `encoder_cache_size` entries (as `load` reads it), each one
+        media item's encoder output of at most `item_rows` rows of hidden_size in the stage's dtype."""
+        return int(model_kwargs.get("encoder_cache_size", 128)) * item_rows * geometry.hidden_size * dtype_bytes
 
     def kv_spec(self) -> KVSpec:
         tc = self.text_config

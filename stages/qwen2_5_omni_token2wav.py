@@ -66,6 +66,7 @@ class _WavStream:
 
 
 class Qwen2_5OmniToken2WavStage(OneShotStageModel):
+    checkpoint_prefix = "token2wav."
     streams_input = True
     tokenizer = None
     eos_token_id = None

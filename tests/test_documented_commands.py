@@ -328,7 +328,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^source \.venv/bin/activate$", skip("changes the calling shell's PATH, nothing of its own to check "
                                            "(`make` creates .venv)")),
     # mentions: a command named in prose, no arguments
-    (r"^omni (run|validate|serve)( --[\w-]+)*$", mention),
+    (r"^omni (run|validate|serve|plan)( --[\w-]+)*$", mention),
     (r"^omni bench (NAME|\.\.\.)$", mention),
     (r"^ray start( --address)?$", mention),
     (r"^ray job submit$", mention),
@@ -353,6 +353,9 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
      covered("tests/bench/test_bench_capacity.py::test_capacity_bench_on_the_tiny_omni_pipeline")),
     (r"^omni bench routing$", covered("tests/bench/test_bench_routing.py::test_bench_routing_reports_the_issue_keys")),
     (r"^omni bench serve$", covered("tests/bench/test_bench_serve.py::test_bench_serve_reports_both_modes")),
+    (r"^omni bench plan$", covered("tests/bench/test_bench_plan.py::test_bench_plan_reports_the_issue_keys")),
+    # omni plan loads and profiles every stage: its own tests run it on the tiny chain
+    (r"^omni plan \S+", covered("tests/planning/test_plan_cli.py::test_plan_profiles_then_prints_the_table")),
     # run here
     (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "1"],
                                             _bench_json_has("omni_tokens_per_s", "hf_generate_tokens_per_s",
@@ -490,7 +493,7 @@ def test_documented_omni_commands_parse_and_name_existing_paths(tmp_path):
             argv = omni_argv(words)
             if argv is None:
                 continue
-            if plan.kind == "mention" and argv[0] in ("run", "validate", "serve"):
+            if plan.kind == "mention" and argv[0] in ("run", "validate", "serve", "plan"):
                 argv = [argv[0], PLACEHOLDERS["CONFIG"], *argv[1:]]  # named without its config
             if plan.kind == "mention" and argv[0] == "bench":
                 continue

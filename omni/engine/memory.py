@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +48,12 @@ class StageGeometry:
     num_kv_heads: int
     head_dim: int
     hidden_size: int  # width of the hidden states kept in the tensor cache
+    # What the planner's activation estimate needs (omni/planning/needs.py); 0: not in the config.
+    # Not compared: two geometries that size the caches alike are equal.
+    num_heads: int = field(default=0, compare=False)
+    intermediate_size: int = field(default=0, compare=False)
+    vocab_size: int = field(default=0, compare=False)
+    max_position_embeddings: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,10 @@ def checkpoint_geometry(model_path: str | os.PathLike[str], *keys: str) -> Stage
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             hidden_size=hidden,
+            num_heads=heads,
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            vocab_size=int(cfg.get("vocab_size") or 0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
         return None

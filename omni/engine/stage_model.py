@@ -61,6 +61,9 @@ class StageModel:
     tokenizer: Any = None
     device: torch.device
     dtype: torch.dtype
+    # Names of its tensors in the checkpoint start with this (a checkpoint holding several stages,
+    # e.g. "thinker."): the memory planner sums their sizes from the safetensors headers.
+    checkpoint_prefix: str = ""
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,

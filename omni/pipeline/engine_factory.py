@@ -16,7 +16,7 @@ from collections.abc import Callable
 from omni import registry
 from omni.config import StageConfig
 from omni.engine.interface import Engine
-from omni.errors import StageStartError
+from omni.errors import ConfigError, StageStartError
 
 EngineFactory = Callable[[StageConfig], Engine]
 
@@ -37,6 +37,11 @@ def build_engine(stage: StageConfig) -> Engine:
 
     from omni.engine.engine import StageEngine, StageEngineConfig
     from omni.engine.scheduler import SchedulerSettings
+
+    if stage.cache.memory_budget_mb == "auto":  # Omni resolves it (omni/planning/) before any engine is built
+        raise ConfigError(f"stage {stage.name!r}: cache.memory_budget_mb: 'auto' takes the memory plan's number, "
+                          "and this config was not planned (build it through Omni, or plan it with "
+                          "omni.planning.plan.planned_config first)", stage=stage.name, field="cache.memory_budget_mb")
 
     return StageEngine(StageEngineConfig(
         name=stage.name, model_cls=model_cls, model_path=model_path,

@@ -154,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
     from omni.errors import ConfigError
 
     try:
-        config, _ = load_checked(args.config, args.stage_overrides)
+        config, _ = load_checked(args.config, args.stage_overrides, getattr(args, "memory_gb", None))
         settings = settings_from_args(args)
     except ConfigError as e:
         return error(str(e))
