@@ -156,7 +156,6 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
     def _embed_text(self, ids: list[int]) -> torch.Tensor:
         return self.thinker_embed(torch.tensor(ids, dtype=torch.long, device=self.device)).float()
 
-    @torch.inference_mode()
     def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
         """Requests whose talker prompts have `lengths` tokens, shaped as thinker2talker builds them (a
         prompt of L thinker rows + 2 codec tokens, two thinker tokens): omni plan's profile step."""
@@ -172,6 +171,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
                                          "thinker_positions": positions}))
         return out
 
+    @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
         ex = inp.extra
         missing = [k for k in ("thinker_prompt_ids", "thinker_output_ids", "thinker_hidden", "thinker_positions")
