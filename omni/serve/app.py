@@ -4,6 +4,7 @@
 
     POST /v1/chat/completions   text, images (data: URLs), audio (base64); text and audio replies; SSE
     POST /v1/completions        text
+    POST /v1/audio/speech       text -> speech (speech.py): wav / pcm / flac / mp3 / opus, streamed or SSE
     GET  /v1/models             the one model: the pipeline
     GET  /health                200 while the pipeline serves
     GET  /metrics               Prometheus text
@@ -30,6 +31,7 @@ from omni.serve.metrics import CONTENT_TYPE
 from omni.serve.middleware import ServerMiddleware
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
+from omni.serve.speech import create_speech
 from omni.serve.translate import PipelineInfo
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,10 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
         return await completions(state, request)
+
+    @app.post("/v1/audio/speech")
+    async def _speech(request: Request) -> Response:
+        return await create_speech(state, request)
 
     @app.get("/v1/models")
     async def _models() -> JSONResponse:
