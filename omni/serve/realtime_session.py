@@ -57,6 +57,7 @@ class _Response:
     def __init__(self, rid: str, item: ConvItem, modality: str):
         self.id, self.item, self.modality = rid, item, modality
         self.task: asyncio.Task | None = None
+        self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
         self.cancel_reason: str | None = None
         self.t_turn: float | None = None  # commit / speech stop of the turn it answers
 
@@ -324,6 +325,8 @@ class Session:
         resp.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await resp.task
+        if not resp.started:  # cancelled before it ran: it still ends, as every response does
+            await self._end(resp, "cancelled", {"type": "cancelled", "reason": reason}, None, 0.0)
 
     async def _create_response(self, params: E.ResponseParams | None, event_id: str | None) -> None:
         modality = self.modality
@@ -380,21 +383,16 @@ class Session:
         return out
 
     async def _run(self, resp: _Response, job: Job) -> None:
+        resp.started = True
         item, part = resp.item, resp.item.parts[0]
         ids = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-        await self.send({"type": "response.created", "response": self._response_shape(resp, "in_progress")})
-        previous = self.conversation.add(item)
-        await self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
-                         "item": item.shape()})
-        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.shape()})
         audio = resp.modality == "audio"
-        await self.send({"type": "response.content_part.added", **ids,
-                         "part": {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}})
         server = self.server
         run = Run(server.omni, job, server.settings.default_audio_rate, server.metrics)
         status, details, sent_ms = "completed", None, 0.0
         chunk = max(1, round(RATE * server.settings.audio_chunk_ms / 1000))
         try:
+            await self._begin(resp, ids)
             await run.start()
             async for ev in run.events():
                 if isinstance(ev, TextEvent):
@@ -427,16 +425,36 @@ class Session:
                                                    "message": f"the server failed: {type(e).__name__}"}}
         finally:
             await run.aclose()  # shielded: aborts the request on every stage where it still runs
-        if status == "cancelled" and audio:
+        await self._end(resp, status, details, run, sent_ms)
+
+    async def _begin(self, resp: _Response, ids: dict[str, Any]) -> None:
+        item = resp.item
+        await self.send({"type": "response.created", "response": self._response_shape(resp, "in_progress")})
+        previous = self.conversation.add(item)
+        await self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
+                         "item": item.shape()})
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.shape()})
+        await self.send({"type": "response.content_part.added", **ids, "part": {"type": "audio", "transcript": ""}
+                         if resp.modality == "audio" else {"type": "text", "text": ""}})
+
+    async def _end(self, resp: _Response, status: str, details: dict[str, Any] | None, run: Run | None,
+                   sent_ms: float) -> None:
+        item = resp.item
+        if status == "cancelled" and resp.modality == "audio":
             item.truncate_at(sent_ms)  # the text sent with the audio sent
         item.status = "completed" if status == "completed" else "incomplete"
-        self.response = None
-        server.realtime_metrics.turns.labels(status=status).inc()
+        if self.response is resp:
+            self.response = None
+        self.server.realtime_metrics.turns.labels(status=status).inc()
+        ids = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
         with contextlib.suppress(Exception):  # the socket may be gone (a disconnect cancels the response)
-            await self._finish(resp, ids, part, status, details, run)
+            if not resp.started:  # it never began: announce it, so that its done has a created
+                resp.started = True
+                await self._begin(resp, ids)
+            await self._finish(resp, ids, item.parts[0], status, details, run)
 
     async def _finish(self, resp: _Response, ids: dict[str, Any], part: Part, status: str,
-                      details: dict[str, Any] | None, run: Run) -> None:
+                      details: dict[str, Any] | None, run: Run | None) -> None:
         item = resp.item
         if resp.modality == "audio":
             await self.send({"type": "response.output_audio.done", **ids})

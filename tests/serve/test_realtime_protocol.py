@@ -167,7 +167,7 @@ def test_a_second_response_while_one_runs_is_refused_and_cancel_ends_it(server):
 
 def test_disconnect_mid_response_frees_everything(server):
     async def go():
-        with held(server, "talker"):
+        with held(server, "thinker"):  # the response's text stage: it cannot finish before the close
             conn = await server.async_client().realtime.connect(model=MODEL).enter()
             await until(conn, "session.created")
             await conn.conversation.item.create(item={"type": "message", "role": "user",
