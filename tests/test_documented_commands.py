@@ -351,6 +351,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
      covered("tests/bench/test_bench_streaming.py::test_streaming_bench_on_the_omni_pipeline")),
     (r"^omni bench routing$", covered("tests/bench/test_bench_routing.py::test_bench_routing_reports_the_issue_keys")),
     (r"^omni bench serve$", covered("tests/bench/test_bench_serve.py::test_bench_serve_reports_both_modes")),
+    (r"^omni bench realtime$",
+     covered("tests/bench/test_bench_realtime.py::test_bench_realtime_reports_per_turn_latency_on_and_off")),
     # run here
     (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "1"],
                                             _bench_json_has("omni_tokens_per_s", "hf_generate_tokens_per_s"))),
