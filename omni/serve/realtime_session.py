@@ -13,13 +13,11 @@ the one response it may be running (realtime.py owns the socket and hands every 
     response.create                  the conversation -> the pipeline (see below)      response.created ... response.done
     response.cancel                  the response's request aborted on every stage     response.done (cancelled)
 
-A response runs the whole conversation as one request (realtime_conversation.py: every turn's prompt
-starts with the previous one, so the stages' prefix caches hold all but the new turn), streams the text
-as `response.output_audio_transcript.delta` (or `response.output_text.delta`) and the audio as base64 pcm16
-`response.output_audio.delta` as the pipeline yields it, and ends with `response.done`: status, and usage
-whose `input_token_details.cached_tokens` is the thinker's prefix-cache hit. A cancelled response (the
-client's `response.cancel`, or the user speaking over it: barge-in) keeps the text sent with the audio
-sent. Any refused client event is an `error` event naming the event and field; the session goes on.
+A response (realtime_response.py) runs the whole conversation as one request (realtime_conversation.py:
+every turn's prompt starts with the previous one, so the stages' prefix caches hold all but the new turn).
+One response at a time: `response.cancel`, a barge-in (speech starting while it runs, with server VAD's
+`interrupt_response`) and a closed socket cancel it. Any refused client event is an `error` event naming
+the event and field; the session goes on.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,31 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from omni.outputs import StageInput
 from omni.serve import realtime_events as E
-from omni.serve.audio import pcm16_chunks, pcm16_to_float, resample
-from omni.serve.errors import ApiError
+from omni.serve.audio import pcm16_to_float, resample
 from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
 from omni.serve.realtime_events import RealtimeEventError
-from omni.serve.reply_stream import AudioEvent, Run, TextEvent
-from omni.serve.translate import Job
+from omni.serve.realtime_response import RATE, RealtimeResponse, new_response
 
-logger = logging.getLogger(__name__)
-RATE = 24000  # the protocol's pcm16 rate, in and out
 MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-class _Response:
-    def __init__(self, rid: str, item: ConvItem, modality: str):
-        self.id, self.item, self.modality = rid, item, modality
-        self.task: asyncio.Task | None = None
-        self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
-        self.cancel_reason: str | None = None
-        self.t_turn: float | None = None  # commit / speech stop of the turn it answers
 
 
 class Session:
@@ -81,7 +64,7 @@ class Session:
         self.pending_item_id = new_item_id()  # the id the buffer's item will have
         self.speech_start_ms: float | None = None
         self.vad: Any = None
-        self.response: _Response | None = None
+        self.response: RealtimeResponse | None = None
         self.turn_t0: float | None = None
         self.max_buffer_samples = s.max_media_bytes // 4
 
@@ -326,7 +309,11 @@ class Session:
         with contextlib.suppress(asyncio.CancelledError):
             await resp.task
         if not resp.started:  # cancelled before it ran: it still ends, as every response does
-            await self._end(resp, "cancelled", {"type": "cancelled", "reason": reason}, None, 0.0)
+            await resp.end("cancelled", {"type": "cancelled", "reason": reason}, None, 0.0)
+
+    def response_ended(self, resp: RealtimeResponse) -> None:
+        if self.response is resp:
+            self.response = None
 
     async def _create_response(self, params: E.ResponseParams | None, event_id: str | None) -> None:
         modality = self.modality
@@ -343,131 +330,11 @@ class Session:
                 voice = v if isinstance(v, str) else v.id
             if params.max_output_tokens is not None:
                 max_tokens = params.max_output_tokens
-        kind = "output_audio" if modality == "audio" else "output_text"
-        item = ConvItem(new_item_id(), "assistant", [Part(kind)], status="in_progress")
-        resp = _Response(_id("resp"), item, modality)
+        resp = new_response(self, _id("resp"), modality, voice, max_tokens)
         resp.t_turn, self.turn_t0 = self.turn_t0, None
-        job = self._job(resp, instructions, voice, max_tokens)
+        job = resp.job(instructions)
         self.response = resp
-        resp.task = asyncio.create_task(self._run(resp, job))
-
-    def _job(self, resp: _Response, instructions: str | None, voice: str | None, max_tokens: Any) -> Job:
-        info = self.server.info
-        messages, media = self.conversation.prompt(instructions)
-        extra = {"speaker": voice} if voice else {}
-        prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra)
-        text_stage = info.text_stage or info.entry_stage
-        sampling = {text_stage: {"max_tokens": max_tokens}} if isinstance(max_tokens, int) else {}
-        fields = {"prompt": "conversation", "speaker": "session.audio.output.voice",
-                  "max_tokens": "response.max_output_tokens"}
-        return Job(f"{resp.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
-                   info.audio_stage if resp.modality == "audio" else None, text_stage, [], fields)
-
-    def _response_shape(self, resp: _Response, status: str, run: Run | None = None,
-                        details: dict[str, Any] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"object": "realtime.response", "id": resp.id, "status": status,
-                               "status_details": details, "output": [resp.item.shape()] if status != "in_progress"
-                               else [], "conversation_id": self.id, "output_modalities": [resp.modality],
-                               "max_output_tokens": self.max_output_tokens,
-                               "audio": {"output": {"format": {"type": "audio/pcm", "rate": RATE},
-                                                    "voice": self.voice}}, "usage": None, "metadata": None}
-        if run is not None:
-            cached = run.cached_tokens or 0
-            out["usage"] = {"total_tokens": run.prompt_tokens + run.completion_tokens,
-                            "input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
-                            "input_token_details": {"cached_tokens": cached, "text_tokens": run.prompt_tokens,
-                                                    "audio_tokens": 0, "image_tokens": 0,
-                                                    "cached_tokens_details": {"text_tokens": cached,
-                                                                              "audio_tokens": 0, "image_tokens": 0}},
-                            "output_token_details": {"text_tokens": run.completion_tokens, "audio_tokens": 0}}
-        return out
-
-    async def _run(self, resp: _Response, job: Job) -> None:
-        resp.started = True
-        item, part = resp.item, resp.item.parts[0]
-        ids = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-        audio = resp.modality == "audio"
-        server = self.server
-        run = Run(server.omni, job, server.settings.default_audio_rate, server.metrics)
-        status, details, sent_ms = "completed", None, 0.0
-        chunk = max(1, round(RATE * server.settings.audio_chunk_ms / 1000))
-        try:
-            await self._begin(resp, ids)
-            await run.start()
-            async for ev in run.events():
-                if isinstance(ev, TextEvent):
-                    if ev.text:
-                        part.text += ev.text
-                        kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
-                        await self.send({"type": kind, **ids, "delta": ev.text})
-                    continue
-                if isinstance(ev, AudioEvent):
-                    samples = ev.samples if ev.rate == RATE else resample(ev.samples, ev.rate, RATE)
-                    for pcm in pcm16_chunks(samples, chunk):
-                        if sent_ms == 0.0 and resp.t_turn is not None:
-                            server.realtime_metrics.turn_latency.observe(time.monotonic() - resp.t_turn)
-                        sent_ms += len(pcm) / 2 * 1000 / RATE
-                        item.timeline.append((sent_ms, len(part.text)))
-                        await self.send({"type": "response.output_audio.delta", **ids,
-                                         "delta": base64.b64encode(pcm).decode("ascii")})
-        except asyncio.CancelledError:
-            status = "cancelled"
-            details = {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
-        except ApiError as e:
-            status = "failed"
-            details = {"type": "failed", "error": {"type": e.type, "code": e.code, "message": e.message}}
-            with contextlib.suppress(Exception):
-                await self.error(f"the response failed: {e.message}", e.param, e.code, None, e.type)
-        except Exception as e:  # noqa: BLE001 - a bug fails the response, never the session
-            logger.exception("realtime response %s failed", resp.id)
-            status = "failed"
-            details = {"type": "failed", "error": {"type": "server_error", "code": "internal_error",
-                                                   "message": f"the server failed: {type(e).__name__}"}}
-        finally:
-            await run.aclose()  # shielded: aborts the request on every stage where it still runs
-        await self._end(resp, status, details, run, sent_ms)
-
-    async def _begin(self, resp: _Response, ids: dict[str, Any]) -> None:
-        item = resp.item
-        await self.send({"type": "response.created", "response": self._response_shape(resp, "in_progress")})
-        previous = self.conversation.add(item)
-        await self.send({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
-                         "item": item.shape()})
-        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.shape()})
-        await self.send({"type": "response.content_part.added", **ids, "part": {"type": "audio", "transcript": ""}
-                         if resp.modality == "audio" else {"type": "text", "text": ""}})
-
-    async def _end(self, resp: _Response, status: str, details: dict[str, Any] | None, run: Run | None,
-                   sent_ms: float) -> None:
-        item = resp.item
-        if status == "cancelled" and resp.modality == "audio":
-            item.truncate_at(sent_ms)  # the text sent with the audio sent
-        item.status = "completed" if status == "completed" else "incomplete"
-        if self.response is resp:
-            self.response = None
-        self.server.realtime_metrics.turns.labels(status=status).inc()
-        ids = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-        with contextlib.suppress(Exception):  # the socket may be gone (a disconnect cancels the response)
-            if not resp.started:  # it never began: announce it, so that its done has a created
-                resp.started = True
-                await self._begin(resp, ids)
-            await self._finish(resp, ids, item.parts[0], status, details, run)
-
-    async def _finish(self, resp: _Response, ids: dict[str, Any], part: Part, status: str,
-                      details: dict[str, Any] | None, run: Run | None) -> None:
-        item = resp.item
-        if resp.modality == "audio":
-            await self.send({"type": "response.output_audio.done", **ids})
-            await self.send({"type": "response.output_audio_transcript.done", **ids, "transcript": part.text})
-            done_part = {"type": "audio", "transcript": part.text}
-        else:
-            await self.send({"type": "response.output_text.done", **ids, "text": part.text})
-            done_part = {"type": "text", "text": part.text}
-        await self.send({"type": "response.content_part.done", **ids, "part": done_part})
-        await self.send({"type": "response.output_item.done", "response_id": resp.id, "output_index": 0,
-                         "item": item.shape()})
-        await self.send({"type": "conversation.item.done", "item": item.shape()})
-        await self.send({"type": "response.done", "response": self._response_shape(resp, status, run, details)})
+        resp.task = asyncio.create_task(resp.run(job))
 
     async def close(self) -> None:
         """The socket is gone: the response in progress is cancelled (its request aborted everywhere)."""

@@ -8,7 +8,6 @@ import asyncio
 import base64
 import json
 
-import openai
 import pytest
 import websockets
 
