@@ -207,7 +207,10 @@ def test_max_sessions_refuses_with_1013_and_frees_on_close(server):
             await extra.recv()
         assert closed.value.rcvd.code == 1013
         await conns[0].close()
-        await asyncio.sleep(0.3)
+        for _ in range(200):  # the server notices the close on its own time
+            if server.metrics()[("omni_realtime_sessions_open", ())] == 2:
+                break
+            await asyncio.sleep(0.05)
         again = await client.realtime.connect(model=MODEL).enter()
         assert (await again.recv()).type == "session.created"
         for c in (*conns[1:], again):
@@ -253,4 +256,15 @@ def test_audio_items_and_manual_commit(server):
             committed = await until(conn, "input_audio_buffer.committed")
             added = await until(conn, "conversation.item.added")
             assert added.item.id == committed.item_id and added.item.content[0].type == "input_audio"
+            # an audio item sent whole, after the committed one (previous_item_id), then a response
+            await conn.conversation.item.create(previous_item_id=committed.item_id, item={
+                "type": "message", "role": "user", "content": [
+                    {"type": "input_audio", "audio": base64.b64encode(audio).decode()},
+                    {"type": "input_text", "text": "What did I say?"}]})
+            added = await until(conn, "conversation.item.added")
+            assert added.previous_item_id == committed.item_id
+            assert [c.type for c in added.item.content] == ["input_audio", "input_text"]
+            await conn.response.create()
+            done = await until(conn, "response.done")
+            assert done.response.status == "completed" and done.response.usage.input_tokens > 0
     run(go())

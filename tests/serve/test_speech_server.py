@@ -155,3 +155,37 @@ def test_streamed_errors_before_audio_are_http_errors(client):
                 model=MODEL, input=TEXT, voice="nobody", response_format="pcm", stream_format="sse"):
             pass
     assert e.value.body["param"] == "voice"
+
+
+def test_streaming_edges_voice_the_forced_reply():
+    """With the small config's streaming edges (thinker ~> talker one row per step, talker ~> token2wav in
+    chunks), the forced reply reaches the talker as it does when generated: in one chunk, after the one
+    prefill pass, rows and tokens together; the streamed pcm equals the WAV."""
+    import json as _json
+
+    from tests.serve.server_utils import REPO
+    from tests.test_cli_streamed_audio import streaming_edges
+
+    edges = _json.dumps(streaming_edges(REPO / "stage_configs" / "qwen2_5_omni_small.yaml"))
+    with serve_in_process(OMNI, "--backend", "local", "--stage-overrides", edges) as s:
+        client = s.client()
+        talker = s.omni._omni._backend.workers["talker"].engine.model
+        thinker = s.omni._omni._backend.workers["thinker"].engine
+        seen, real = [], talker.add_request
+        talker.add_request = lambda rid, prepared, inp: (seen.append(inp.extra), real(rid, prepared, inp))[1]
+        try:
+            wav, rate = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice="Ethan",
+                                                        response_format="wav").content)
+        finally:
+            del talker.add_request
+        assert rate == 24000 and wav.size > 0
+        forced = thinker.tokenizer.encode(TEXT, add_special_tokens=False) + [thinker.model.eos_token_id]
+        (extra,) = seen
+        assert extra["thinker_output_ids"] == forced and not extra["streaming"]  # whole, in the first chunk
+        assert extra["thinker_hidden"].shape[0] == len(extra["thinker_prompt_ids"]) + len(forced) - 1
+        with client.audio.speech.with_streaming_response.create(
+                model=MODEL, input=TEXT, voice="Ethan", response_format="pcm") as resp:
+            pcm = np.frombuffer(b"".join(resp.iter_bytes()), "<i2")
+        np.testing.assert_array_equal(pcm, wav)
+        assert thinker.stats().finished == 2
+        wait_idle(s)
