@@ -1,14 +1,17 @@
 """`GET /v1/realtime?model=NAME` upgraded to a WebSocket: one Realtime session per connection
 (realtime_session.py holds the protocol; this file the socket and the limits around it).
 
-    handshake   the same bearer check as HTTP (--api-key): refused with 401 (403 where the server cannot
-                send a body with a refused upgrade); while the server drains, 503 the same way
+    handshake   the same bearer check as HTTP (--api-key; a browser, which cannot set headers, may send
+                the key as the subprotocol `openai-insecure-api-key.KEY` next to `realtime`, as OpenAI's
+                endpoint takes it): refused with 401 (403 where the server cannot send a body with a
+                refused upgrade); while the server drains, 503 the same way
     accepted    a wrong `model` is an `error` event naming it, then close 1008; past --max-sessions an
                 `error` event, then close 1013 (try again later); else `session.created`
     serving     every client message -> Session.handle (a refused event is an `error` event: the session
                 goes on); server events are sent one at a time (one lock: a response's deltas and the
                 answers to client events never interleave inside a frame)
-    idle        no client event for --session-idle-timeout-s: an `error` event saying so, close 1000
+    idle        no client event for --session-idle-timeout-s and no response running: an `error` event
+                saying so, close 1000
     end         the client closes or disconnects, or the server shuts down: the response in progress is
                 cancelled, its request aborted on every stage (their blocks freed); the session is gone
 """
@@ -52,11 +55,18 @@ class RealtimeHub:
                    RealtimeMetrics(state.metrics.registry))
 
 
+BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: the key as a subprotocol
+
+
 def _authorized(ws: WebSocket, key: str | None) -> bool:
+    """`Authorization: Bearer KEY`, or (a browser's WebSocket) the subprotocol `openai-insecure-api-key.KEY`."""
     if key is None:
         return True
     scheme, _, token = ws.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    tokens = [token.strip()] if scheme.lower() == "bearer" else []
+    tokens += [p.removeprefix(BROWSER_KEY_PREFIX) for p in ws.scope.get("subprotocols", [])
+               if p.startswith(BROWSER_KEY_PREFIX)]
+    return any(hmac.compare_digest(t.encode(), key.encode()) for t in tokens)
 
 
 async def _deny(ws: WebSocket, err: ApiError) -> None:
@@ -84,7 +94,8 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     if hub.drain.draining or hub.omni.closed:
         await _deny(ws, ApiError(503, "the server is shutting down", type="server_error", code="shutting_down"))
         return
-    await ws.accept()
+    # A browser asks for the `realtime` subprotocol (with its key as another): the handshake must name one
+    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", []) else None)
     model = ws.query_params.get("model")
     if model != hub.info.model:
         hub.realtime_metrics.sessions.labels(outcome="refused").inc()
@@ -112,6 +123,8 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
             try:
                 message = await asyncio.wait_for(ws.receive(), settings.session_idle_timeout_s)
             except asyncio.TimeoutError:
+                if session.response is not None:  # the client is listening to a response: not idle
+                    continue
                 outcome = "idle"
                 reason = f"no client event for {settings.session_idle_timeout_s:g} s (--session-idle-timeout-s)"
                 await session.cancel_response("session_idle")

@@ -226,6 +226,13 @@ def test_api_key_and_idle_timeout():
                 await s.async_client(api_key="wrong").realtime.connect(model=MODEL).enter()
             assert refused.value.response.status_code == 401
             assert json.loads(refused.value.response.body)["error"]["code"] == "invalid_api_key"
+            # a browser's form: no headers, the key as a subprotocol next to "realtime"
+            ws_url = s.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+            async with websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key.sekret"]) as ws:
+                assert ws.subprotocol == "realtime"
+                assert json.loads(await ws.recv())["type"] == "session.created"
+            with pytest.raises(websockets.InvalidStatus):
+                await websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key.nope"])
             async with s.async_client(api_key="sekret").realtime.connect(model=MODEL) as conn:
                 assert (await conn.recv()).type == "session.created"
                 err = await until(conn, "error", timeout_s=10)
@@ -234,7 +241,18 @@ def test_api_key_and_idle_timeout():
                     await conn.recv()
                 assert closed.value.rcvd.code == 1000 and "idle" in closed.value.rcvd.reason
         run(go())
-        assert s.metrics()[("omni_realtime_sessions_total", (("outcome", "idle"),))] == 1
+        assert s.metrics()[("omni_realtime_sessions_total", (("outcome", "idle"),))] >= 1
+
+        async def listening():  # a client that only listens to a long response is not idle
+            async with s.async_client(api_key="sekret").realtime.connect(model=MODEL) as conn:
+                await until(conn, "session.created")
+                with held(s, "thinker") as release:
+                    seen, task = [], asyncio.ensure_future(_text_turn(conn, "slow"))
+                    await asyncio.sleep(1.5)  # three idle timeouts
+                    release.set()
+                    seen, done = await task
+                assert done.response.status == "completed" and "error" not in types(seen)
+        run(listening())
 
 
 def test_audio_items_and_manual_commit(server):
