@@ -262,3 +262,23 @@ def test_truncate_keeps_the_text_sent_with_the_audio_heard(server):
         finally:
             await conn.close()
     run(go())
+
+
+def test_text_response_on_the_audio_pipeline(server):
+    """A per-response `output_modalities: ["text"]`: the thinker's text streams, no stage makes audio."""
+    async def go():
+        conn = await _connect(server)
+        try:
+            await _text_item(conn, "Hi!")
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 6})
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+            assert text and text == next(e for e in seen if e.type == "response.output_text.done").text
+            assert "response.output_audio.delta" not in types(seen)
+            assert done.response.output_modalities == ["text"] and 0 < done.response.usage.output_tokens <= 6
+            assert done.response.output[0].content[0].type == "output_text"
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
