@@ -64,6 +64,7 @@ class Session:
         self.pending_item_id = new_item_id()  # the id the buffer's item will have
         self.speech_start_ms: float | None = None
         self.vad: Any = None
+        self.vad_offset_ms = 0.0  # the session audio clock when the detector started
         self.response: RealtimeResponse | None = None
         self.turn_t0: float | None = None
         self.max_buffer_samples = s.max_media_bytes // 4
@@ -115,7 +116,7 @@ class Session:
                 self.turn, self.vad = None, None
             else:
                 if self.vad is None:
-                    await self._load_vad(ev.event_id)
+                    await self._load_vad(ev.event_id, self.buffer_start_ms + self.buffer_samples * 1000 / RATE)
                 base = self.turn or {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                      "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
                 self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
@@ -130,11 +131,13 @@ class Session:
             self.max_output_tokens = cfg.max_output_tokens
         await self.send({"type": "session.updated", "session": self.shape()})
 
-    async def _load_vad(self, event_id: str | None) -> None:
+    async def _load_vad(self, event_id: str | None, clock_ms: float) -> None:
+        """A detector for the audio from `clock_ms` on (the session's audio clock: its events' ms are on it)."""
         from omni.serve.vad import TurnDetector, VadUnavailable
 
         try:
             self.vad = await asyncio.to_thread(TurnDetector)
+            self.vad_offset_ms = clock_ms
         except VadUnavailable as e:
             raise RealtimeEventError(str(e), "session.audio.input.turn_detection", "vad_unavailable",
                                      event_id) from None
@@ -161,19 +164,20 @@ class Session:
         self.buffer.append(samples)
         self.buffer_samples += samples.size
         if self.vad is None and self.turn is not None:
-            await self._load_vad(ev.event_id)
+            await self._load_vad(ev.event_id, self.buffer_start_ms + (self.buffer_samples - samples.size) * 1000 / RATE)
         if self.vad is None:
             return
         for vad_ev in await asyncio.to_thread(self.vad.feed, samples):
+            ms = int(self.vad_offset_ms + vad_ev.ms)
             if vad_ev.kind == "speech_started":
-                self.speech_start_ms = vad_ev.ms
-                await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": vad_ev.ms,
+                self.speech_start_ms = ms
+                await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ms,
                                  "item_id": self.pending_item_id})
                 if self.response is not None and self.turn and self.turn.get("interrupt_response", True):
                     self.server.realtime_metrics.barge_ins.inc()
                     await self.cancel_response("turn_detected")
             else:
-                await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": vad_ev.ms,
+                await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms,
                                  "item_id": self.pending_item_id})
                 await self._commit(None, trim_from_ms=self.speech_start_ms)
                 if self.turn and self.turn.get("create_response", True) and self.response is None:

@@ -282,3 +282,27 @@ def test_text_response_on_the_audio_pipeline(server):
             await conn.close()
     run(go())
     wait_idle(server)
+
+
+def test_vad_turned_on_mid_session_keeps_the_session_clock(server):
+    """Speech times are on the session's audio clock (ms since its first audio), whenever VAD started."""
+    async def go():
+        conn = await _connect(server)  # manual turns first
+        try:
+            await _append(conn, np.zeros(24000, np.float32))  # 1 s
+            await conn.input_audio_buffer.commit()
+            await until(conn, "input_audio_buffer.committed")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 1000, "prefix_padding_ms": 0,
+                "create_response": False}}}})
+            await until(conn, "session.updated")
+            await _append(conn, np.concatenate([np.zeros(12000, np.float32), speech_24k(2.0),
+                                                np.zeros(36000, np.float32)]))
+            started = await until(conn, "input_audio_buffer.speech_started")
+            stopped = await until(conn, "input_audio_buffer.speech_stopped")
+            # 1 s before VAD started + 0.5 s of silence: the speech starts at 1.5 s or later
+            assert 1500 <= started.audio_start_ms < stopped.audio_end_ms <= 1000 + 500 + 2000 + 100
+            await until(conn, "input_audio_buffer.committed")
+        finally:
+            await conn.close()
+    run(go())
