@@ -185,6 +185,10 @@ class StageEngine:
         self.checks.not_empty(token_ids)
         n = len(token_ids)
         forced = self._forced_reply(params)
+        if forced is not None and not inp.input_complete:
+            raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "
+                               "request's input still streams in", stage=self.name,
+                               field="sampling_params.forced_token_ids")
         self.checks.fits(n, params.max_tokens if forced is None else len(forced))
         embeds, digests, rows = None, None, None
         if prompt_embeds is not None:

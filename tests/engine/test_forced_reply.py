@@ -114,6 +114,10 @@ def test_forced_reply_refusals_name_the_field(tiny_llama):
     with pytest.raises(ContextLengthError) as e:
         _forced(engine, "l", _ids(40, 9, vocab), _ids(30, 10, vocab))
     assert e.value.actual == 70 and e.value.limit == 64
+    with pytest.raises(RequestError, match="still streams in") as e:
+        engine.add_request(StageInput("g", prompt_token_ids=[5, 6], input_complete=False,
+                                      sampling_params=SamplingParams(forced_token_ids=[7, 8])))
+    assert e.value.field == "sampling_params.forced_token_ids"
     with pytest.raises(ValueError, match="forced_token_ids must be a non-empty"):
         SamplingParams(forced_token_ids=[])
     with pytest.raises(ValueError, match="send one of them"):
