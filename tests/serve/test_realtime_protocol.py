@@ -218,6 +218,7 @@ def test_max_sessions_refuses_with_1013_and_frees_on_close(server):
     run(go())
 
 
+@pytest.mark.slow  # a server of its own, and idle timeouts to wait out
 def test_api_key_and_idle_timeout():
     with serve_in_process(CHAIN, "--backend", "local", "--api-key", "sekret", "--session-idle-timeout-s", "0.5",
                           engine_factory=fake_factory) as s:

@@ -14,7 +14,7 @@ import pytest
 from tests.procs import free_ports
 from tests.serve.server_utils import OMNI, omni_serve
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "qwen2_5_omni_tiny"
 
 
