@@ -287,3 +287,14 @@ def test_audio_items_and_manual_commit(server):
             done = await until(conn, "response.done")
             assert done.response.status == "completed" and done.response.usage.input_tokens > 0
     run(go())
+
+
+def test_speech_on_a_pipeline_without_audio_names_the_model(server):
+    """/v1/audio/speech on this text pipeline: a 400 naming `model` (it has no audio output stage)."""
+    status, _, body = server.post("/v1/audio/speech", {"model": MODEL, "input": "Hi", "voice": "Chelsie"})
+    assert status == 400 and body["error"]["param"] == "model" and "no audio output stage" in body["error"]["message"]
+    status, _, body = server.post("/v1/audio/speech", {"model": MODEL, "input": "Hi", "voice": "Chelsie",
+                                                       "frobnicate": True})
+    assert status == 400 and body["error"]["param"] == "frobnicate" and body["error"]["code"] == "unknown_parameter"
+    status, _, body = server.post("/v1/audio/speech", b"input=Hi", headers={"Content-Type": "text/plain"})
+    assert status == 415
