@@ -19,6 +19,7 @@ than 1 is refused (no speed control in the pipeline: resampling would shift the 
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -175,7 +176,7 @@ async def create_speech(state: ServerState, request: Request) -> Any:
             response = StreamingResponse(_pcm_body(reply), media_type=media_type)
         else:
             samples, rate = await race(request, _collect(reply), state.drain.stopping)
-            body = encode(samples, rate, fmt)
+            body = await asyncio.to_thread(encode, samples, rate, fmt)  # mp3 / opus: CPU work off the loop
             reply.reason = run.finish_reason or "stop"
             return Response(body, media_type=media_type)
         handed_over = True
@@ -230,7 +231,7 @@ async def _sse_body(reply: _Reply, fmt: str) -> AsyncIterator[dict[str, str]]:
                     yield delta(pcm)
         else:
             samples, rate = await _collect(reply)
-            yield delta(encode(samples, rate, fmt))
+            yield delta(await asyncio.to_thread(encode, samples, rate, fmt))
         yield _sse({"type": "speech.audio.done", "usage": _usage(reply.run)})
     except ApiError as e:
         reply.reason = "error"
