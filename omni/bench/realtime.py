@@ -7,7 +7,8 @@ session --turns turns with the real `openai` client (`client.realtime.connect`):
 --speech-s of real recorded speech (the next part of the clip each turn: --speech-wav, default the sample
 clip the useful-moonshine-onnx package ships), commits it and asks for a response; the turn latency is
 the time from sending the commit to the response's first `response.output_audio.delta`. Every session has
-its own instructions, so sessions never share a prefix: only a session's own earlier turns can be hit.
+its own instructions (its number, then --instructions-words words of a brief: the context every turn
+re-sends), so sessions never share a prefix: only a session's own earlier turns can be hit.
 
 JSON keys (S = the smallest session count; the same with a `_c4` suffix at 4 sessions):
     turn_latency_p50_ms           {"on": {"1": ms, "2": ...}, "off": {...}} p50 per turn index
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .serve import NOTES
 from .server_process import serve_process
 
 RATE = 24000
@@ -45,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speech-s", type=float, default=2.0, help="seconds of speech per turn")
     p.add_argument("--speech-wav", help="a mono 16-bit WAV of real speech (default: the moonshine sample clip)")
     p.add_argument("--max-output-tokens", type=int, default=32, help="the thinker's reply length per turn")
+    p.add_argument("--instructions-words", type=int, default=600, help="words of session instructions (the "
+                   "context every turn re-sends: what caching saves, and what grows the prompt without it)")
     p.add_argument("--voice", default="Chelsie")
 
 
@@ -68,6 +73,13 @@ def load_speech(path: Path) -> np.ndarray:
     return resample(x, rate, RATE)
 
 
+def instructions(index: int, words: int) -> str:
+    """A session's own instructions: its number first (no two sessions share a cached block), then
+    `words` words of a travel brief."""
+    brief = " ".join(itertools.islice(itertools.cycle(NOTES.split()), words))
+    return f"You are voice assistant number {index}. Answer briefly. {brief}"
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
@@ -79,7 +91,7 @@ async def _session(client: Any, model: str, index: int, speech: np.ndarray, args
     out = []
     async with client.realtime.connect(model=model) as conn:
         await conn.session.update(session={
-            "type": "realtime", "instructions": f"You are voice assistant number {index}. Answer briefly.",
+            "type": "realtime", "instructions": instructions(index, args.instructions_words),
             "max_output_tokens": args.max_output_tokens,
             "audio": {"input": {"turn_detection": None}, "output": {"voice": args.voice}}})
         for t in range(args.turns):

@@ -17,7 +17,8 @@ def test_bench_realtime_reports_per_turn_latency_on_and_off():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--config", str(OMNI), "--backend", "local", "--sessions", "1", "2",
-                              "--turns", "3", "--speech-s", "1.0", "--max-output-tokens", "4"])
+                              "--turns", "3", "--speech-s", "1.0", "--max-output-tokens", "4",
+                              "--instructions-words", "50"])
     res = bench.run(args)
     for suffix in ("", "_c2"):
         assert res[f"turn2plus_first_audio_speedup{suffix}"] > 0
