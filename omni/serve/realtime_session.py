@@ -1,17 +1,17 @@
 """One `/v1/realtime` session: its configuration, input audio buffer, turn detection, conversation and
 the one response it may be running (realtime.py owns the socket and hands every client event here).
 
-    client event                  -> what it does                                   server events
-    session.update                   configuration (modalities, instructions,          session.updated
-                                     voice, turn detection, max_output_tokens)
-    input_audio_buffer.append        pcm16 24 kHz into the buffer; server VAD          speech_started / _stopped,
-                                     commits on speech stop and answers                (then as commit + response.create)
-    input_audio_buffer.commit        the buffer becomes a user audio item              committed, conversation.item.added / done
-    input_audio_buffer.clear                                                           cleared
-    conversation.item.create         a user / assistant / system item                  conversation.item.added / done
-    conversation.item.delete / truncate / retrieve                                     .deleted / .truncated / .retrieved
-    response.create                  the conversation -> the pipeline (see below)      response.created ... response.done
-    response.cancel                  the response's request aborted on every stage     response.done (cancelled)
+    client event                     what it does                              server events
+    session.update                   modalities, instructions, voice, turn     session.updated
+                                     detection, max_output_tokens
+    input_audio_buffer.append        pcm16 24 kHz into the buffer; server      speech_started / _stopped, then
+                                     VAD commits on speech stop, answers       as commit and response.create
+    input_audio_buffer.commit        the buffer becomes a user audio item      committed, conversation.item.*
+    input_audio_buffer.clear                                                   cleared
+    conversation.item.create         a user / assistant / system item          conversation.item.added / done
+    conversation.item.delete / truncate / retrieve                             .deleted / .truncated / .retrieved
+    response.create                  the conversation -> the pipeline          response.created ... .done
+    response.cancel                  its request aborted on every stage        response.done (cancelled)
 
 A response (realtime_response.py) runs the whole conversation as one request (realtime_conversation.py:
 every turn's prompt starts with the previous one, so the stages' prefix caches hold all but the new turn).
