@@ -219,6 +219,7 @@ class ResponseCancel(_Event):
 ClientEvent = Annotated[SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemDelete
                         | ItemTruncate | ItemRetrieve | ResponseCreate | ResponseCancel, Field(discriminator="type")]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(ClientEvent)
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "VoiceRef"})
 EVENT_TYPES = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
                "input_audio_buffer.clear", "conversation.item.create", "conversation.item.delete",
                "conversation.item.truncate", "conversation.item.retrieve", "response.create", "response.cancel")
@@ -242,7 +243,9 @@ def parse_client_event(text: str | bytes) -> Any:
     except ValidationError as err:
         errors = err.errors()
         e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
-        param = loc_to_param(tuple(e["loc"][1:]), frozenset(EVENT_TYPES)) or None  # [0] is the tag
+        # [0] is the event's tag; union members' names (`voice: str | VoiceRef`) are not fields
+        loc = tuple(p for p in e["loc"][1:] if p not in _UNION_MEMBERS)
+        param = loc_to_param(loc, frozenset(EVENT_TYPES)) or None
         if e["type"] == "extra_forbidden":
             raise RealtimeEventError(f"Unknown parameter: {param}", param, "unknown_parameter", event_id) from None
         if e["type"] == "missing":

@@ -101,6 +101,10 @@ BAD_EVENTS = [
      "session.tools", "invalid_value"),
     ({"type": "session.update", "event_id": "e7", "session": {"audio": {"output": {"speed": 1.5}}}},
      "session.audio.output.speed", "invalid_value"),
+    ({"type": "session.update", "event_id": "e7b", "session": {"audio": {"output": {"voice": 5}}}},
+     "session.audio.output.voice", "invalid_value"),
+    ({"type": "session.update", "event_id": "e7c", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold", "invalid_value"),
     ({"type": "input_audio_buffer.append", "event_id": "e8", "audio": "not base64!"}, "audio", "invalid_value"),
     ({"type": "input_audio_buffer.append", "event_id": "e9", "audio": base64.b64encode(b"abc").decode()}, "audio",
      "invalid_value"),
