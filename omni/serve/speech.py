@@ -47,21 +47,28 @@ logger = logging.getLogger(__name__)
 MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
 
 
-class VoiceId(_Strict):
-    id: str = Field(min_length=1, description="A voice by id (OpenAI's custom voices): the speaker's name here.")
-
-
 class SpeechRequest(_Strict):
     """OpenAI's speech request (openai/types/audio/speech_create_params.py), every field known."""
 
     model: str = Field(description="The served model name.")
     input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS, description="The text to voice.")
-    voice: str | VoiceId = Field(description="The speaker (Qwen2.5-Omni: Chelsie or Ethan).")
+    voice: Any = Field(description='The speaker (Qwen2.5-Omni: Chelsie or Ethan), or {"id": speaker} (OpenAI\'s '
+                       "custom voices).")
     instructions: str | None = Field(None, description="How to say it: the thinker's system turn.")
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
         "mp3", description="The file format (OpenAI's default: mp3). aac has no encoder here.")
     speed: float | None = Field(None, description="Only 1.0: the pipeline has no speed control.")
     stream_format: Literal["sse", "audio"] = Field("audio", description="Raw bytes, or server-sent events.")
+
+    @field_validator("voice")
+    @classmethod
+    def _voice(cls, v: Any) -> Any:
+        # one field, not a union: an error names `voice`, never a union member
+        ok = (isinstance(v, str) and v) or (isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str)
+                                             and v["id"])
+        if not ok:
+            raise ValueError('a speaker\'s name, or {"id": name}')
+        return v
 
     @field_validator("speed")
     @classmethod
@@ -73,11 +80,11 @@ class SpeechRequest(_Strict):
 
     @property
     def speaker(self) -> str:
-        return self.voice.id if isinstance(self.voice, VoiceId) else self.voice
+        return self.voice["id"] if isinstance(self.voice, dict) else self.voice
 
     @property
     def voice_field(self) -> str:
-        return "voice.id" if isinstance(self.voice, VoiceId) else "voice"
+        return "voice.id" if isinstance(self.voice, dict) else "voice"
 
 
 def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:

@@ -123,6 +123,11 @@ def test_sse_deltas_and_done_with_usage(client, reference):
     np.testing.assert_array_equal(_wav(base64.b64decode(lines[0]["audio"]))[0], samples)
 
 
+def test_voice_as_an_id_object(client, reference):
+    data = client.audio.speech.create(model=MODEL, input=TEXT, voice={"id": "Chelsie"}, response_format="wav").content
+    np.testing.assert_array_equal(_wav(data)[0], reference[0])
+
+
 def test_instructions_condition_the_voice(client, reference):
     """Instructions are the thinker's system turn: the talker hears other hidden states."""
     data = client.audio.speech.create(model=MODEL, input=TEXT, voice="Chelsie", response_format="wav",
@@ -139,6 +144,8 @@ def test_instructions_condition_the_voice(client, reference):
     ({"voice": "Chelsie", "input": ""}, "input"),
     ({"voice": "Chelsie", "input": "word " * 900}, "input"),  # too long a reply for the thinker's context
     ({"voice": "Chelsie", "model": "tts-1"}, "model"),
+    ({"voice": {"id": "nobody"}}, "voice.id"),  # OpenAI's custom-voice form: the talker refuses the name
+    ({"voice": {"name": "Chelsie"}}, "voice"),
 ])
 def test_errors_name_the_field(server, client, kw, param):
     args = {"model": MODEL, "input": TEXT, **kw}
