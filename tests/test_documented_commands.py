@@ -277,6 +277,25 @@ def _chat_client_small(args: list[str], tmp: Path) -> list[str]:
     return _set_flag(out, "--max-tokens", SMALL_MAX_TOKENS)
 
 
+def _realtime_client_small(args: list[str], tmp: Path) -> list[str]:
+    """The test server's address; question.wav: the first 3 s of a real recorded voice (never speech the
+    model made), written by run_example."""
+    return [a.replace("http://127.0.0.1:8000/v1", "{BASE_URL}").replace("replies/", str(tmp / "replies"))
+            .replace("question.wav", str(tmp / "question.wav")) for a in args]
+
+
+def _realtime_client_check(out: str, args: list[str]) -> None:
+    turns = args.count("--speak") + args.count("--say")
+    assert out.count("] assistant: ") == turns, out
+    for n in range(1, turns + 1):
+        m = re.search(rf"\[turn {n}\] audio: (\d+) samples -> (\S+)", out)
+        assert m, out
+        with wave.open(m.group(2), "rb") as w:
+            assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+            assert w.getnframes() == int(m.group(1)) > 0
+    assert re.search(rf"\[turn {turns}\] input_tokens=\d+ cached_tokens=[1-9]\d*", out), out  # turn 2 hits
+
+
 def _bench_json_has(*keys: str) -> Callable[[dict[str, Any]], None]:
     def check(res: dict[str, Any]) -> None:
         missing = [k for k in keys if k not in res]
@@ -356,6 +375,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni bench plan$", covered("tests/bench/test_bench_plan.py::test_bench_plan_reports_the_issue_keys")),
     # omni plan loads and profiles every stage: its own tests run it on the tiny chain
     (r"^omni plan \S+", covered("tests/planning/test_plan_cli.py::test_plan_profiles_then_prints_the_table")),
+    (r"^omni bench realtime$",
+     covered("tests/bench/test_bench_realtime.py::test_bench_realtime_reports_per_turn_latency_on_and_off")),
     # run here
     (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "1"],
                                             _bench_json_has("omni_tokens_per_s", "hf_generate_tokens_per_s",
@@ -379,6 +400,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^python examples/multi_turn\.py\b", plan_example("examples/multi_turn.py", _multi_turn_small, _multi_turn_check)),
     (r"^python examples/offline_pipeline\.py\b",
      plan_example("examples/offline_pipeline.py", _offline_small, _offline_check)),
+    (r"^python examples/realtime_client\.py\b",
+     plan_example("examples/realtime_client.py", _realtime_client_small, _realtime_client_check, needs_server=True)),
     (r"^python examples/chat_client\.py\b",
      plan_example("examples/chat_client.py", _chat_client_small, _chat_client_check, needs_server=True)),
 ]
@@ -635,7 +658,16 @@ def run_example(script: str, args: list[str], small: Callable[[list[str], Path],
     if any("tiny_chain_1k.yaml" in a for a in argv):
         _write_tiny_chain_1k(tmp)
     if any("question.wav" in a for a in argv):
-        _write_question_wav(tmp / "question.wav")
+        if script == "examples/realtime_client.py":  # spoken: real recorded speech
+            from tests.serve.realtime_utils import pcm16, speech_24k
+
+            with wave.open(str(tmp / "question.wav"), "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(24000)
+                w.writeframes(pcm16(speech_24k(3.0)))
+        else:
+            _write_question_wav(tmp / "question.wav")
     if any("{BASE_URL}" in a for a in argv):
         server = request.getfixturevalue("servers").get("stage_configs/qwen2_5_omni_tiny.yaml")
         argv = [a.replace("{BASE_URL}", server.url + "/v1") for a in argv]

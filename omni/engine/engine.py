@@ -196,7 +196,12 @@ class StageEngine:
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         self.checks.not_empty(token_ids)
         n = len(token_ids)
-        self.checks.fits(n, params.max_tokens)
+        forced = self._forced_reply(params)
+        if forced is not None and not inp.input_complete:
+            raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "
+                               "request's input still streams in", stage=self.name,
+                               field="sampling_params.forced_token_ids")
+        self.checks.fits(n, params.max_tokens if forced is None else len(forced))
         embeds, digests, rows = None, None, None
         if prompt_embeds is not None:
             embeds, digests, rows = self._prompt_embeds(prompt_embeds, n)
@@ -206,6 +211,12 @@ class StageEngine:
             prompt_embeds_digests=digests, block_hasher=self.kv.block_hasher,
             arrival_time=time.monotonic(), eos_token_id=self.model.eos_token_id,
         )
+        if forced is not None:
+            # All but the last forced token join the sequence now, so that the prefill computes the prompt
+            # and them in one pass (their rows and KV are what generating them would have computed); the
+            # last one replaces the one token sampled at the end of that pass (scheduler.update).
+            req.forced_token_ids = forced
+            req.append_output_token_ids(forced[:-1])
         self.scheduler.add_request(req)  # raises for an id still running: nothing else is touched
         try:
             self.model.add_request(rid, prepared, inp)
@@ -225,6 +236,23 @@ class StageEngine:
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             self._release_finished()
             raise
+
+    def _forced_reply(self, params: SamplingParams) -> list[int] | None:
+        """The token ids a request's reply is forced to (sampling_params.forced_token_ids / forced_text)."""
+        if params.forced_token_ids is not None:
+            return self.checks.token_ids(params.forced_token_ids, "sampling_params.forced_token_ids")
+        if params.forced_text is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError(f"sampling_params.forced_text: stage {self.name!r} has no tokenizer; send "
+                               "forced_token_ids instead", stage=self.name, field="sampling_params.forced_text")
+        ids = list(self.tokenizer.encode(params.forced_text, add_special_tokens=False))
+        if self.model.eos_token_id is not None:
+            ids.append(int(self.model.eos_token_id))
+        if not ids:
+            raise RequestError("sampling_params.forced_text: the text has no tokens", stage=self.name,
+                               field="sampling_params.forced_text")
+        return self.checks.token_ids(ids, "sampling_params.forced_text")
 
     def _prompt_embeds(self, value: Any, num_tokens: int) -> tuple[torch.Tensor, list[bytes], np.ndarray]:
         arr = self.checks.prompt_embeds(value, num_tokens, self.model.prompt_embed_size or self.model.hidden_size)

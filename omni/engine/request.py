@@ -119,6 +119,9 @@ class Request:
         # Compute the whole prompt even when its blocks are cached (the engine sets
         # it when the stage's row store cannot vouch for cached blocks' rows).
         self.skip_prefix_hits = False
+        # The reply, when forced (SamplingParams.forced_token_ids / forced_text): all but its last token
+        # are output tokens from admission on; the scheduler appends the last instead of a sampled one.
+        self.forced_token_ids: list[int] | None = None
         self.num_computed_tokens = 0
         # -1 until the scheduler first schedules the request and records how
         # many prompt tokens came from the prefix cache.

@@ -41,6 +41,7 @@ class _Stream:
     detok: IncrementalDetokenizer | None
     tail: np.ndarray | None  # prompt-embedding rows of the last partial block (growing inputs)
     sent_prompt: bool = False  # the first delta carries the prompt ids
+    sent_tokens: int = 0  # output tokens the deltas carried so far
 
 
 class RequestStreams:
@@ -91,8 +92,12 @@ class RequestStreams:
             req = requests.get(rid) or finished.get(rid)
             if req is None:  # failed in this step: its terminal output says why
                 continue
-            tok = sampled.get(rid)
-            new = [tok] if tok is not None and req.output_token_ids and req.output_token_ids[-1] == tok else []
+            # Output tokens whose preceding row is computed by now: the one sampled this step, or (a forced
+            # reply, prefilled in one pass) those of its tokens the pass has reached; a preempted request
+            # recomputing tokens already sent sends nothing again.
+            ready = max(0, min(req.num_output_tokens, req.num_computed_tokens - req.num_prompt_tokens + 1))
+            new = list(req.output_token_ids[st.sent_tokens:ready])
+            st.sent_tokens = max(st.sent_tokens, ready)
             text = st.detok.add(new) if st.detok is not None else ""
             done = rid in finished
             if done and st.detok is not None:

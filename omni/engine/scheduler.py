@@ -192,6 +192,8 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while its step was running
+            if req.forced_token_ids is not None:  # a forced reply: its next token, whatever was sampled
+                token = req.forced_token_ids[req.num_output_tokens]
             req.append_output_token_ids(token)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -203,6 +205,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
+        if req.forced_token_ids is not None:  # neither eos, stop tokens nor max_tokens cut a forced reply
+            return RequestStatus.FINISHED_STOPPED if req.num_output_tokens >= len(req.forced_token_ids) else None
         if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:

@@ -4,6 +4,8 @@
 
     POST /v1/chat/completions   text, images (data: URLs), audio (base64); text and audio replies; SSE
     POST /v1/completions        text
+    POST /v1/audio/speech       text -> speech (speech.py): wav / pcm / flac / mp3 / opus, streamed or SSE
+    WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime.py)
     GET  /v1/models             the one model: the pipeline
     GET  /health                200 while the pipeline serves
     GET  /metrics               Prometheus text
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,8 +30,10 @@ from omni.serve.endpoints import ServerState, chat_completions, completions
 from omni.serve.errors import ApiError
 from omni.serve.metrics import CONTENT_TYPE
 from omni.serve.middleware import ServerMiddleware
+from omni.serve.realtime import RealtimeHub, realtime_endpoint
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
+from omni.serve.speech import create_speech
 from omni.serve.translate import PipelineInfo
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     state = ServerState(omni, settings, PipelineInfo.of(omni.config, settings.served_model_name))
     app = FastAPI(title="omni", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state
+    hub = app.state.realtime = RealtimeHub.of(state)
     app.add_middleware(ServerMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=state.metrics, drain=state.drain)
 
@@ -66,6 +71,14 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
         return await completions(state, request)
+
+    @app.post("/v1/audio/speech")
+    async def _speech(request: Request) -> Response:
+        return await create_speech(state, request)
+
+    @app.websocket("/v1/realtime")
+    async def _realtime(ws: WebSocket) -> None:
+        await realtime_endpoint(hub, ws)
 
     @app.get("/v1/models")
     async def _models() -> JSONResponse:

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audio-chunk-ms", type=float, help="streamed pcm16 chunk length (default 100 ms)")
     p.add_argument("--shutdown-grace-s", type=float, help="on SIGTERM / Ctrl-C, how long requests in flight may "
                    "finish before they are ended with an error (default 10)")
+    p.add_argument("--max-sessions", type=int, help="concurrent /v1/realtime sessions (default 16)")
+    p.add_argument("--session-idle-timeout-s", type=float, help="close a /v1/realtime session idle this long "
+                   "(default 600)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's")
 
 
@@ -51,7 +54,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
         max_body_bytes=mb(args.max_body_mb), max_media_items=args.max_media_items,
         max_media_bytes=mb(args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms,
-        shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level)
+        shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level, max_sessions=args.max_sessions,
+        session_idle_timeout_s=args.session_idle_timeout_s)
 
 
 def _bind(host: str, port: int) -> socket.socket:

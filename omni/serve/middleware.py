@@ -27,8 +27,8 @@ from omni.serve.metrics import ServerMetrics
 from omni.serve.shutdown import Drain, shutting_down
 
 logger = logging.getLogger(__name__)
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-JSON_POSTS = ("/v1/chat/completions", "/v1/completions")
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/models", "/health", "/metrics")
+JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech")
 
 
 async def send_error(send: Send, err: ApiError) -> None:

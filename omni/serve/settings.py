@@ -33,6 +33,10 @@ class ServeSettings(BaseModel):
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM / Ctrl-C: how long requests in flight "
                                     "may run on (new ones get 503) before each is ended with an error.")
     log_level: str = Field("info", description="uvicorn's log level.")
+    max_sessions: int = Field(16, ge=1, description="Concurrent /v1/realtime sessions; one more is answered "
+                              "with an error event and closed with code 1013 (try again later).")
+    session_idle_timeout_s: float = Field(600.0, gt=0, description="A /v1/realtime session that receives no "
+                                          "client event for this long is closed with a reason (code 1000).")
 
     @classmethod
     def from_env(cls, **kw: object) -> "ServeSettings":

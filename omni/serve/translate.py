@@ -64,8 +64,10 @@ class Job:
         index, names = self.from_list.get(stage, (None, set()))
         if index is not None and name in names:
             return f"sampling_params_list[{index}].{name}"
+        if name in self.fields:  # a field the request names itself (max_tokens, speech's forced input)
+            return self.fields[name]
         if name == "max_tokens":
-            return self.fields.get("max_tokens", "max_tokens")
+            return "max_tokens"
         return name if name in _TOP_LEVEL else "sampling_params_list"
 
 

@@ -1,0 +1,132 @@
+"""One Realtime session's conversation: its items, and the prompt each turn sends the pipeline.
+
+Every turn's prompt is the whole conversation so far, rendered the same way every time (instructions as
+the system turn, each item in order, input audio as the very same 16 kHz arrays): turn N's prompt starts
+with turn N-1's, token for token and audio for audio, so the thinker's prefix cache (and the talker's,
+fed with the thinker's cached rows) holds everything but the new turn.
+
+    user items       text parts and input audio (pcm16 at 24 kHz, resampled once to the model's rate)
+    assistant items  the reply's text (its transcript when the reply was audio): what the model said,
+                     as the chat template expects a previous assistant turn
+    system items     system turns where they stand
+
+An assistant reply that was interrupted keeps the text that had been sent with the audio the user heard
+(`truncate`), so the next turn does not pretend the user heard the rest.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omni.outputs import MultiModalInput
+
+
+def new_item_id() -> str:
+    return f"item_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Part:
+    kind: str  # input_text | input_audio | output_text | output_audio | text
+    text: str = ""  # text, or the transcript of output audio
+    audio: np.ndarray | None = None  # input audio at the model's rate
+    audio_rate: int = 16000
+
+
+@dataclass
+class ConvItem:
+    id: str
+    role: str
+    parts: list[Part]
+    status: str = "completed"
+    # Output audio: (audio ms sent so far, transcript chars sent by then), one entry per audio delta.
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+
+    def shape(self) -> dict[str, Any]:
+        """The item as events carry it (input audio is not echoed back: the client has it)."""
+        content = []
+        for p in self.parts:
+            if p.kind == "input_audio":
+                content.append({"type": "input_audio", "transcript": None})
+            elif p.kind == "output_audio":
+                content.append({"type": "output_audio", "transcript": p.text})
+            else:
+                content.append({"type": p.kind, "text": p.text})
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
+                "role": self.role, "content": content}
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind != "input_audio")
+
+    def truncate_at(self, audio_end_ms: float) -> None:
+        """Keep the transcript sent with the first `audio_end_ms` of the reply's audio."""
+        chars = 0
+        for ms, n in self.timeline:
+            if ms > audio_end_ms:
+                break
+            chars = n
+        for p in self.parts:
+            if p.kind in ("output_audio", "output_text"):
+                p.text = p.text[:chars]
+        self.status = "incomplete"
+
+    @property
+    def audio_ms(self) -> float:
+        return self.timeline[-1][0] if self.timeline else 0.0
+
+
+class Conversation:
+    def __init__(self) -> None:
+        self.items: list[ConvItem] = []
+
+    def find(self, item_id: str) -> ConvItem | None:
+        return next((i for i in self.items if i.id == item_id), None)
+
+    def add(self, item: ConvItem, previous_item_id: str | None = None) -> str | None:
+        """Insert after `previous_item_id` (None: at the end; "root": first); returns the id before it."""
+        if previous_item_id is None:
+            at = len(self.items)
+        elif previous_item_id == "root":
+            at = 0
+        else:
+            prev = self.find(previous_item_id)
+            if prev is None:
+                raise KeyError(previous_item_id)
+            at = self.items.index(prev) + 1
+        self.items.insert(at, item)
+        return self.items[at - 1].id if at > 0 else None
+
+    def delete(self, item_id: str) -> bool:
+        item = self.find(item_id)
+        if item is None:
+            return False
+        self.items.remove(item)
+        return True
+
+    def prompt(self, instructions: str | None) -> tuple[list[dict[str, Any]], list[MultiModalInput]]:
+        """Chat messages (media as {"type": "audio"} parts) and their audio, in order."""
+        messages: list[dict[str, Any]] = []
+        media: list[MultiModalInput] = []
+        if instructions:
+            messages.append({"role": "system", "content": instructions})
+        for item in self.items:
+            if item.role != "user":
+                text = item.text
+                if item.role == "assistant" and not text:
+                    continue  # an assistant turn that said nothing heard (cut before its first word)
+                messages.append({"role": item.role, "content": text})
+                continue
+            parts: list[dict[str, Any]] = []
+            for p in item.parts:
+                if p.kind == "input_audio" and p.audio is not None:
+                    parts.append({"type": "audio"})
+                    media.append(MultiModalInput("audio", p.audio, sampling_rate=p.audio_rate))
+                elif p.text:
+                    parts.append({"type": "text", "text": p.text})
+            if parts:
+                messages.append({"role": "user", "content": parts})
+        return messages, media

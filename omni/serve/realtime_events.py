@@ -1,0 +1,255 @@
+"""The Realtime protocol's client events as `omni serve` accepts them (GA names, as the `openai` client's
+`client.realtime.connect()` sends them: openai/types/realtime/*_event_param.py), checked at the edge.
+
+    parse_client_event(text) -> ClientEvent      or RealtimeEventError(message, param, code, event_id)
+
+Unknown event types, unknown fields and fields this server does not implement (tools, transcription,
+G.711 formats, a speed other than 1, ...) are refused naming the field (`param`, the path inside the
+event: `session.audio.input.format.type`); null or an absent field asks for nothing. Refusals are error
+events: the session stays open.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from omni.serve.errors import loc_to_param
+
+
+class RealtimeEventError(Exception):
+    """A client event refused: becomes an `error` event (type invalid_request_error) naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value",
+                 event_id: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code, self.event_id = message, param, code, event_id
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _unsupported(name: str, v: Any, accepted: tuple[Any, ...] = (None,)) -> Any:
+    if v not in accepted:
+        raise ValueError(f"this server does not implement {name}: send it absent or null")
+    return v
+
+
+# ------------------------------------------------------------------ session
+class AudioFormat(_M):
+    type: Literal["audio/pcm"] = Field("audio/pcm", description="pcm16, 24 kHz mono (G.711 is not supported).")
+    rate: Literal[24000] | None = None
+
+
+class TurnDetection(_M):
+    type: Literal["server_vad"] = Field(description="server_vad (semantic_vad is not supported).")
+    threshold: float | None = Field(None, ge=0.0, le=1.0, description="Speech probability that starts speech.")
+    prefix_padding_ms: int | None = Field(None, ge=0, le=5000)
+    silence_duration_ms: int | None = Field(None, ge=0, le=10000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+    idle_timeout_ms: int | None = None
+
+    @field_validator("idle_timeout_ms")
+    @classmethod
+    def _idle(cls, v: Any) -> Any:
+        return _unsupported("idle_timeout_ms", v)
+
+
+class AudioInput(_M):
+    format: AudioFormat | None = None
+    turn_detection: TurnDetection | None = Field(None, description="null: manual turns (commit + response.create).")
+    transcription: Any = None
+    noise_reduction: Any = None
+
+    @field_validator("transcription", "noise_reduction")
+    @classmethod
+    def _none(cls, v: Any, info: Any) -> Any:
+        return _unsupported(info.field_name, v)
+
+
+class VoiceRef(_M):
+    id: str
+
+
+class AudioOutput(_M):
+    format: AudioFormat | None = None
+    voice: str | VoiceRef | None = None
+    speed: float | None = None
+
+    @field_validator("speed")
+    @classmethod
+    def _speed(cls, v: Any) -> Any:
+        return _unsupported("speed other than 1.0", v, (None, 1.0, 1))
+
+
+class AudioConfig(_M):
+    input: AudioInput | None = None
+    output: AudioOutput | None = None
+
+
+class SessionConfig(_M):
+    type: Literal["realtime"] | None = None
+    model: str | None = None
+    instructions: str | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
+    audio: AudioConfig | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    tracing: Any = None
+    truncation: Any = None
+    include: Any = None
+    prompt: Any = None
+
+    @field_validator("tools", "tool_choice", "tracing", "truncation", "include", "prompt")
+    @classmethod
+    def _none(cls, v: Any, info: Any) -> Any:
+        ok = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "tracing": (None,),
+              "truncation": (None, "disabled"), "include": (None, []), "prompt": (None,)}[info.field_name]
+        return _unsupported(info.field_name, v, ok)
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _max(cls, v: Any) -> Any:
+        if isinstance(v, int) and not 1 <= v <= 4096:
+            raise ValueError("an integer in 1..4096 or 'inf'")
+        return v
+
+
+# ------------------------------------------------------------------- items
+class ContentPart(_M):
+    type: Literal["input_text", "input_audio", "text", "output_text", "output_audio"]
+    text: str | None = None
+    audio: str | None = Field(None, description="base64 pcm16 at 24 kHz (input_audio).")
+    transcript: str | None = None
+
+
+class Item(_M):
+    id: str | None = Field(None, max_length=64)
+    type: Literal["message"] = "message"
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentPart] = Field(min_length=1)
+
+
+# --------------------------------------------------------------- responses
+class ResponseAudio(_M):
+    output: AudioOutput | None = None
+
+
+class ResponseParams(_M):
+    output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    audio: ResponseAudio | None = None
+    conversation: Literal["auto"] | None = Field(None, description="Out-of-band responses are not supported.")
+    metadata: dict[str, str] | None = None
+    input: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    prompt: Any = None
+
+    @field_validator("input", "tools", "tool_choice", "prompt")
+    @classmethod
+    def _none(cls, v: Any, info: Any) -> Any:
+        ok = {"input": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"), "prompt": (None,)}
+        return _unsupported(info.field_name, v, ok[info.field_name])
+
+
+# ------------------------------------------------------------------ events
+class _Event(_M):
+    event_id: str | None = Field(None, max_length=256)
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionConfig
+
+
+class AudioAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class AudioCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class AudioClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    previous_item_id: str | None = None
+    item: Item
+
+
+class ItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: str
+
+
+class ItemTruncate(_Event):
+    type: Literal["conversation.item.truncate"]
+    item_id: str
+    content_index: int = Field(ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class ItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+ClientEvent = Annotated[SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemDelete
+                        | ItemTruncate | ItemRetrieve | ResponseCreate | ResponseCancel, Field(discriminator="type")]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(ClientEvent)
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "VoiceRef"})
+EVENT_TYPES = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
+               "input_audio_buffer.clear", "conversation.item.create", "conversation.item.delete",
+               "conversation.item.truncate", "conversation.item.retrieve", "response.create", "response.cancel")
+
+
+def parse_client_event(text: str | bytes) -> Any:
+    """One client message -> its event model; RealtimeEventError naming the field otherwise."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise RealtimeEventError(f"the message is not JSON: {e}", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise RealtimeEventError("an event is a JSON object with a `type`", code="invalid_event")
+    event_id = raw.get("event_id") if isinstance(raw.get("event_id"), str) else None
+    kind = raw.get("type")
+    if kind not in EVENT_TYPES:
+        raise RealtimeEventError(f"type: unknown or unsupported event type {kind!r}; this server takes "
+                                 f"{', '.join(EVENT_TYPES)}", "type", "invalid_event", event_id)
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        errors = err.errors()
+        e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+        # [0] is the event's tag; union members' names (`voice: str | VoiceRef`) are not fields
+        loc = tuple(p for p in e["loc"][1:] if p not in _UNION_MEMBERS)
+        param = loc_to_param(loc, frozenset(EVENT_TYPES)) or None
+        if e["type"] == "extra_forbidden":
+            raise RealtimeEventError(f"Unknown parameter: {param}", param, "unknown_parameter", event_id) from None
+        if e["type"] == "missing":
+            raise RealtimeEventError(f"{param}: required field is missing", param, "missing_required_parameter",
+                                     event_id) from None
+        msg = e["msg"].removeprefix("Value error, ")
+        raise RealtimeEventError(f"{param}: {msg}" if param else msg, param, "invalid_value", event_id) from None

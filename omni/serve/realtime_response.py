@@ -1,0 +1,169 @@
+"""One response of a `/v1/realtime` session: the conversation as one pipeline request, its events.
+
+    response.created, response.output_item.added, conversation.item.added, response.content_part.added
+    response.output_audio_transcript.delta (or response.output_text.delta)   the text, as it streams
+    response.output_audio.delta                                              base64 pcm16 at 24 kHz
+    response.output_audio.done, ...transcript.done (or output_text.done), content_part.done,
+    response.output_item.done, conversation.item.done, response.done (status, status_details, usage)
+
+Its task is cancelled for `response.cancel`, a barge-in or a closed socket: the request is aborted on
+every stage (Run.aclose), and the assistant item keeps the text that was sent with the audio that was
+sent (a text reply keeps what was sent). A response cancelled before its task ever ran still announces
+itself and ends (`end`), so every `response.created` has its `response.done`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from omni.outputs import StageInput
+from omni.serve.audio import pcm16_chunks, resample
+from omni.serve.errors import ApiError
+from omni.serve.realtime_conversation import ConvItem, Part, new_item_id
+from omni.serve.reply_stream import AudioEvent, Run, TextEvent
+from omni.serve.translate import Job
+
+logger = logging.getLogger(__name__)
+RATE = 24000  # the protocol's pcm16 rate
+
+
+class RealtimeResponse:
+    def __init__(self, session: Any, rid: str, item: ConvItem, modality: str, voice: str | None,
+                 max_output_tokens: int | str):
+        self.session, self.id, self.item, self.modality = session, rid, item, modality
+        self.voice, self.max_output_tokens = voice, max_output_tokens
+        self.task: asyncio.Task | None = None
+        self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
+        self.cancel_reason: str | None = None
+        self.t_turn: float | None = None  # commit / speech stop of the turn it answers
+        self.ids = {"response_id": rid, "item_id": item.id, "output_index": 0, "content_index": 0}
+
+    def job(self, instructions: str | None) -> Job:
+        """The whole conversation as one request (realtime_conversation.py), this response's options."""
+        info = self.session.server.info
+        messages, media = self.session.conversation.prompt(instructions)
+        extra = {"speaker": self.voice} if self.voice else {}
+        prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra)
+        text_stage = info.text_stage or info.entry_stage
+        mx = self.max_output_tokens
+        sampling = {text_stage: {"max_tokens": mx}} if isinstance(mx, int) else {}
+        fields = {"prompt": "conversation", "speaker": "session.audio.output.voice",
+                  "max_tokens": "response.max_output_tokens"}
+        return Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
+                   info.audio_stage if self.modality == "audio" else None, text_stage, [], fields)
+
+    def shape(self, status: str, run: Run | None = None, details: dict[str, Any] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"object": "realtime.response", "id": self.id, "status": status,
+                               "status_details": details,
+                               "output": [self.item.shape()] if status != "in_progress" else [],
+                               "conversation_id": self.session.id, "output_modalities": [self.modality],
+                               "max_output_tokens": self.max_output_tokens,
+                               "audio": {"output": {"format": {"type": "audio/pcm", "rate": RATE},
+                                                    "voice": self.voice}}, "usage": None, "metadata": None}
+        if run is not None:
+            # The text stage's counts (audio and image inputs are tokens of its prompt too); cached_tokens
+            # is its prefix-cache hit (unknown, 0, for a response cancelled before the stage finished).
+            cached = run.cached_tokens or 0
+            out["usage"] = {"total_tokens": run.prompt_tokens + run.completion_tokens,
+                            "input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
+                            "input_token_details": {"cached_tokens": cached, "text_tokens": run.prompt_tokens,
+                                                    "audio_tokens": 0, "image_tokens": 0,
+                                                    "cached_tokens_details": {"text_tokens": cached,
+                                                                              "audio_tokens": 0, "image_tokens": 0}},
+                            "output_token_details": {"text_tokens": run.completion_tokens, "audio_tokens": 0}}
+        return out
+
+    async def run(self, job: Job) -> None:
+        self.started = True
+        session, server = self.session, self.session.server
+        item, part, ids = self.item, self.item.parts[0], self.ids
+        audio = self.modality == "audio"
+        run = Run(server.omni, job, server.settings.default_audio_rate, server.metrics)
+        status, details, sent_ms = "completed", None, 0.0
+        chunk = max(1, round(RATE * server.settings.audio_chunk_ms / 1000))
+        try:
+            await self.begin()
+            await run.start()
+            async for ev in run.events():
+                if isinstance(ev, TextEvent):
+                    if ev.text:
+                        part.text += ev.text
+                        kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
+                        await session.send({"type": kind, **ids, "delta": ev.text})
+                    continue
+                if isinstance(ev, AudioEvent):
+                    samples = ev.samples if ev.rate == RATE else resample(ev.samples, ev.rate, RATE)
+                    for pcm in pcm16_chunks(samples, chunk):
+                        if sent_ms == 0.0 and self.t_turn is not None:
+                            server.realtime_metrics.turn_latency.observe(time.monotonic() - self.t_turn)
+                        sent_ms += len(pcm) / 2 * 1000 / RATE
+                        item.timeline.append((sent_ms, len(part.text)))
+                        await session.send({"type": "response.output_audio.delta", **ids,
+                                            "delta": base64.b64encode(pcm).decode("ascii")})
+        except asyncio.CancelledError:
+            status = "cancelled"
+            details = {"type": "cancelled", "reason": self.cancel_reason or "client_cancelled"}
+        except ApiError as e:
+            status = "failed"
+            details = {"type": "failed", "error": {"type": e.type, "code": e.code, "message": e.message}}
+            with contextlib.suppress(Exception):
+                await session.error(f"the response failed: {e.message}", e.param, e.code, None, e.type)
+        except Exception as e:  # noqa: BLE001 - a bug fails the response, never the session
+            logger.exception("realtime response %s failed", self.id)
+            status = "failed"
+            details = {"type": "failed", "error": {"type": "server_error", "code": "internal_error",
+                                                   "message": f"the server failed: {type(e).__name__}"}}
+        finally:
+            await run.aclose()  # shielded: aborts the request on every stage where it still runs
+        await self.end(status, details, run, sent_ms)
+
+    async def begin(self) -> None:
+        session, item = self.session, self.item
+        await session.send({"type": "response.created", "response": self.shape("in_progress")})
+        previous = session.conversation.add(item)
+        await session.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
+                            "item": item.shape()})
+        await session.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.shape()})
+        await session.send({"type": "response.content_part.added", **self.ids, "part": {
+            "type": "audio", "transcript": ""} if self.modality == "audio" else {"type": "text", "text": ""}})
+
+    async def end(self, status: str, details: dict[str, Any] | None, run: Run | None, sent_ms: float) -> None:
+        """The response is over: its item settled, the session free for the next one, the done events."""
+        item = self.item
+        if status == "cancelled" and self.modality == "audio":
+            item.truncate_at(sent_ms)  # the text sent with the audio sent
+        item.status = "completed" if status == "completed" else "incomplete"
+        self.session.response_ended(self)
+        self.session.server.realtime_metrics.turns.labels(status=status).inc()
+        with contextlib.suppress(Exception):  # the socket may be gone (a disconnect cancels the response)
+            if not self.started:  # it never began: announce it, so that its done has a created
+                self.started = True
+                await self.begin()
+            await self._done_events(status, details, run)
+
+    async def _done_events(self, status: str, details: dict[str, Any] | None, run: Run | None) -> None:
+        send, item, part, ids = self.session.send, self.item, self.item.parts[0], self.ids
+        if self.modality == "audio":
+            await send({"type": "response.output_audio.done", **ids})
+            await send({"type": "response.output_audio_transcript.done", **ids, "transcript": part.text})
+            done_part = {"type": "audio", "transcript": part.text}
+        else:
+            await send({"type": "response.output_text.done", **ids, "text": part.text})
+            done_part = {"type": "text", "text": part.text}
+        await send({"type": "response.content_part.done", **ids, "part": done_part})
+        await send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
+                    "item": item.shape()})
+        await send({"type": "conversation.item.done", "item": item.shape()})
+        await send({"type": "response.done", "response": self.shape(status, run, details)})
+
+
+def new_response(session: Any, rid: str, modality: str, voice: str | None, max_output_tokens: int | str
+                 ) -> RealtimeResponse:
+    kind = "output_audio" if modality == "audio" else "output_text"
+    return RealtimeResponse(session, rid, ConvItem(new_item_id(), "assistant", [Part(kind)], status="in_progress"),
+                            modality, voice, max_output_tokens)

@@ -1,0 +1,345 @@
+"""One `/v1/realtime` session: its configuration, input audio buffer, turn detection, conversation and
+the one response it may be running (realtime.py owns the socket and hands every client event here).
+
+    client event                     what it does                              server events
+    session.update                   modalities, instructions, voice, turn     session.updated
+                                     detection, max_output_tokens
+    input_audio_buffer.append        pcm16 24 kHz into the buffer; server      speech_started / _stopped, then
+                                     VAD commits on speech stop, answers       as commit and response.create
+    input_audio_buffer.commit        the buffer becomes a user audio item      committed, conversation.item.*
+    input_audio_buffer.clear                                                   cleared
+    conversation.item.create         a user / assistant / system item          conversation.item.added / done
+    conversation.item.delete / truncate / retrieve                             .deleted / .truncated / .retrieved
+    response.create                  the conversation -> the pipeline          response.created ... .done
+    response.cancel                  its request aborted on every stage        response.done (cancelled)
+
+A response (realtime_response.py) runs the whole conversation as one request (realtime_conversation.py:
+every turn's prompt starts with the previous one, so the stages' prefix caches hold all but the new turn).
+One response at a time: `response.cancel`, a barge-in (speech starting while it runs, with server VAD's
+`interrupt_response`) and a closed socket cancel it. Any refused client event is an `error` event naming
+the event and field; the session goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from omni.serve import realtime_events as E
+from omni.serve.audio import pcm16_to_float, resample
+from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
+from omni.serve.realtime_events import RealtimeEventError
+from omni.serve.realtime_response import RATE, RealtimeResponse, new_response
+
+MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+class Session:
+    def __init__(self, server: Any, send: Callable[[dict[str, Any]], Awaitable[None]], model: str):
+        self.server, self._send, self.id = server, send, _id("sess")
+        s = server.settings
+        self.model = model
+        self.instructions: str | None = None
+        self.modality = "audio" if server.info.audio_stage is not None else "text"
+        self.voice: str | None = None
+        self.max_output_tokens: int | str = "inf"
+        self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                                            "silence_duration_ms": 500, "create_response": True,
+                                            "interrupt_response": True}
+        self.conversation = Conversation()
+        self.buffer: list[np.ndarray] = []  # float32 at 24 kHz since the last commit / clear
+        self.buffer_samples = 0
+        self.buffer_start_ms = 0.0  # session audio clock at the buffer's first sample
+        self.pending_item_id = new_item_id()  # the id the buffer's item will have
+        self.speech_start_ms: float | None = None
+        self.vad: Any = None
+        self.vad_offset_ms = 0.0  # the session audio clock when the detector started
+        self.response: RealtimeResponse | None = None
+        self.turn_t0: float | None = None
+        self.max_buffer_samples = s.max_media_bytes // 4
+
+    # ------------------------------------------------------------------ out
+    async def send(self, event: dict[str, Any]) -> None:
+        await self._send({"event_id": _id("event"), **event})
+
+    async def error(self, message: str, param: str | None = None, code: str | None = None,
+                    event_id: str | None = None, kind: str = "invalid_request_error") -> None:
+        await self.send({"type": "error", "error": {"type": kind, "code": code, "message": message,
+                                                    "param": param, "event_id": event_id}})
+
+    def shape(self) -> dict[str, Any]:
+        fmt = {"type": "audio/pcm", "rate": RATE}
+        return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
+                "output_modalities": [self.modality], "instructions": self.instructions or "",
+                "audio": {"input": {"format": fmt, "turn_detection": self.turn, "transcription": None,
+                                    "noise_reduction": None},
+                          "output": {"format": fmt, "voice": self.voice, "speed": 1.0}},
+                "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
+                "tracing": None, "truncation": "disabled", "include": None, "prompt": None}
+
+    async def start(self) -> None:
+        await self.send({"type": "session.created", "session": self.shape()})
+
+    # ------------------------------------------------------------------- in
+    async def handle(self, text: str | bytes) -> None:
+        """One client message; a refused one is an error event (never an exception)."""
+        try:
+            ev = E.parse_client_event(text)
+            await getattr(self, "_on_" + ev.type.replace(".", "_"))(ev)
+        except RealtimeEventError as e:
+            await self.error(e.message, e.param, e.code, e.event_id)
+
+    async def _on_session_update(self, ev: E.SessionUpdate) -> None:
+        cfg = ev.session
+        if cfg.model is not None and cfg.model != self.model:
+            raise RealtimeEventError(f"session.model: this server serves `{self.model}`, not `{cfg.model}`",
+                                     "session.model", "model_not_found", ev.event_id)
+        if cfg.output_modalities is not None:
+            want = cfg.output_modalities[0]
+            self._check_modality(want, "session.output_modalities", ev.event_id)
+            self.modality = want
+        audio = cfg.audio
+        if audio is not None and audio.input is not None and "turn_detection" in audio.input.model_fields_set:
+            td = audio.input.turn_detection
+            if td is None:
+                self.turn, self.vad = None, None
+            else:
+                if self.vad is None:
+                    await self._load_vad(ev.event_id, self.buffer_start_ms + self.buffer_samples * 1000 / RATE)
+                base = self.turn or {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                                     "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+                self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
+                self.vad.configure(self.turn["threshold"], self.turn["prefix_padding_ms"],
+                                   self.turn["silence_duration_ms"])
+        if audio is not None and audio.output is not None and audio.output.voice is not None:
+            v = audio.output.voice
+            self.voice = v if isinstance(v, str) else v.id
+        if cfg.instructions is not None:
+            self.instructions = cfg.instructions
+        if cfg.max_output_tokens is not None:
+            self.max_output_tokens = cfg.max_output_tokens
+        await self.send({"type": "session.updated", "session": self.shape()})
+
+    async def _load_vad(self, event_id: str | None, clock_ms: float) -> None:
+        """A detector for the audio from `clock_ms` on (the session's audio clock: its events' ms are on it)."""
+        from omni.serve.vad import TurnDetector, VadUnavailable
+
+        try:
+            self.vad = await asyncio.to_thread(TurnDetector)
+            self.vad_offset_ms = clock_ms
+        except VadUnavailable as e:
+            raise RealtimeEventError(str(e), "session.audio.input.turn_detection", "vad_unavailable",
+                                     event_id) from None
+
+    def _check_modality(self, want: str, param: str, event_id: str | None) -> None:
+        stage = self.server.info.audio_stage if want == "audio" else self.server.info.text_stage
+        if stage is None:
+            raise RealtimeEventError(f"{param}: pipeline {self.model!r} has no {want} output stage", param,
+                                     "invalid_value", event_id)
+
+    async def _on_input_audio_buffer_append(self, ev: E.AudioAppend) -> None:
+        try:
+            data = base64.b64decode(ev.audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise RealtimeEventError("audio: not valid base64", "audio", "invalid_value", ev.event_id) from None
+        if len(data) % 2:
+            raise RealtimeEventError(f"audio: pcm16 has 2 bytes per sample, got {len(data)} bytes", "audio",
+                                     "invalid_value", ev.event_id)
+        samples = pcm16_to_float(data)
+        if self.buffer_samples + samples.size > self.max_buffer_samples:
+            raise RealtimeEventError(f"audio: the input audio buffer would hold {self.buffer_samples + samples.size} "
+                                     f"samples, more than the server's limit of {self.max_buffer_samples} "
+                                     "(--max-media-mb); commit or clear it", "audio", "buffer_too_large", ev.event_id)
+        self.buffer.append(samples)
+        self.buffer_samples += samples.size
+        if self.vad is None and self.turn is not None:
+            await self._load_vad(ev.event_id, self.buffer_start_ms + (self.buffer_samples - samples.size) * 1000 / RATE)
+        if self.vad is None:
+            return
+        for vad_ev in await asyncio.to_thread(self.vad.feed, samples):
+            ms = int(self.vad_offset_ms + vad_ev.ms)
+            if vad_ev.kind == "speech_started":
+                self.speech_start_ms = ms
+                await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ms,
+                                 "item_id": self.pending_item_id})
+                if self.response is not None and self.turn and self.turn.get("interrupt_response", True):
+                    self.server.realtime_metrics.barge_ins.inc()
+                    await self.cancel_response("turn_detected")
+            else:
+                await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms,
+                                 "item_id": self.pending_item_id})
+                await self._commit(None, trim_from_ms=self.speech_start_ms)
+                if self.turn and self.turn.get("create_response", True) and self.response is None:
+                    await self._create_response(None, None)
+
+    async def _on_input_audio_buffer_commit(self, ev: E.AudioCommit) -> None:
+        await self._commit(ev.event_id)
+
+    async def _commit(self, event_id: str | None, trim_from_ms: float | None = None) -> None:
+        audio = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32)
+        if trim_from_ms is not None:  # server VAD: the turn from its speech start (with its prefix padding)
+            audio = audio[max(0, int((trim_from_ms - self.buffer_start_ms) * RATE / 1000)):]
+        if audio.size < MIN_COMMIT_MS * RATE // 1000:
+            raise RealtimeEventError(f"input_audio_buffer: {audio.size * 1000 / RATE:.0f} ms of audio, at least "
+                                     f"{MIN_COMMIT_MS} ms are needed to commit", None,
+                                     "input_audio_buffer_commit_empty", event_id)
+        self.turn_t0 = time.monotonic()
+        model_rate = self.server.settings.audio_input_rate
+        wave = await asyncio.to_thread(resample, audio, RATE, model_rate)
+        item = ConvItem(self.pending_item_id, "user", [Part("input_audio", audio=wave, audio_rate=model_rate)])
+        self._clear_buffer()
+        previous = self.conversation.add(item)
+        await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
+        await self._item_added(item, previous)
+
+    def _clear_buffer(self) -> None:
+        self.buffer_start_ms += self.buffer_samples * 1000 / RATE
+        self.buffer, self.buffer_samples, self.pending_item_id = [], 0, new_item_id()
+        self.speech_start_ms = None
+
+    async def _on_input_audio_buffer_clear(self, ev: E.AudioClear) -> None:
+        self._clear_buffer()
+        if self.vad is not None:
+            self.vad.reset()
+        await self.send({"type": "input_audio_buffer.cleared"})
+
+    async def _item_added(self, item: ConvItem, previous: str | None) -> None:
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.shape()})
+        await self.send({"type": "conversation.item.done", "previous_item_id": previous, "item": item.shape()})
+
+    async def _on_conversation_item_create(self, ev: E.ItemCreate) -> None:
+        it, eid = ev.item, ev.event_id
+        if it.id is not None and self.conversation.find(it.id) is not None:
+            raise RealtimeEventError(f"item.id: an item {it.id!r} exists already", "item.id", "duplicate_item_id", eid)
+        parts = []
+        allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+                   "assistant": ("output_text", "output_audio", "text")}[it.role]
+        for j, c in enumerate(it.content):
+            where = f"item.content[{j}]"
+            if c.type not in allowed:
+                raise RealtimeEventError(f"{where}.type: a {it.role} item holds {' or '.join(allowed)} parts, not "
+                                         f"{c.type}", f"{where}.type", "invalid_value", eid)
+            if c.type == "input_audio":
+                if not c.audio:
+                    raise RealtimeEventError(f"{where}.audio: an input_audio part needs its audio (base64 pcm16 at "
+                                             "24 kHz)", f"{where}.audio", "missing_required_parameter", eid)
+                try:
+                    pcm = base64.b64decode(c.audio, validate=True)
+                except (binascii.Error, ValueError):
+                    raise RealtimeEventError(f"{where}.audio: not valid base64", f"{where}.audio",
+                                             "invalid_value", eid) from None
+                rate = self.server.settings.audio_input_rate
+                wave = await asyncio.to_thread(resample, pcm16_to_float(pcm[: len(pcm) // 2 * 2]), RATE, rate)
+                parts.append(Part("input_audio", audio=wave, audio_rate=rate))
+            else:
+                text = c.text if c.text is not None else c.transcript
+                if text is None:
+                    raise RealtimeEventError(f"{where}.text: a {c.type} part needs its text", f"{where}.text",
+                                             "missing_required_parameter", eid)
+                parts.append(Part(c.type, text=text))
+        item = ConvItem(it.id or new_item_id(), it.role, parts)
+        try:
+            previous = self.conversation.add(item, ev.previous_item_id)
+        except KeyError:
+            raise RealtimeEventError(f"previous_item_id: no item {ev.previous_item_id!r} in the conversation",
+                                     "previous_item_id", "item_not_found", eid) from None
+        await self._item_added(item, previous)
+
+    def _item(self, item_id: str, event_id: str | None) -> ConvItem:
+        item = self.conversation.find(item_id)
+        if item is None:
+            raise RealtimeEventError(f"item_id: no item {item_id!r} in the conversation", "item_id",
+                                     "item_not_found", event_id)
+        return item
+
+    async def _on_conversation_item_delete(self, ev: E.ItemDelete) -> None:
+        item = self._item(ev.item_id, ev.event_id)
+        if self.response is not None and self.response.item is item:
+            raise RealtimeEventError("item_id: the response in progress writes this item; cancel it first",
+                                     "item_id", "item_in_use", ev.event_id)
+        self.conversation.delete(ev.item_id)
+        await self.send({"type": "conversation.item.deleted", "item_id": ev.item_id})
+
+    async def _on_conversation_item_truncate(self, ev: E.ItemTruncate) -> None:
+        item = self._item(ev.item_id, ev.event_id)
+        if item.role != "assistant" or ev.content_index >= len(item.parts) or \
+                item.parts[ev.content_index].kind != "output_audio":
+            raise RealtimeEventError("item_id: only an assistant item's output_audio part can be truncated",
+                                     "content_index", "invalid_value", ev.event_id)
+        if ev.audio_end_ms > item.audio_ms + 1:
+            raise RealtimeEventError(f"audio_end_ms: {ev.audio_end_ms} ms is past the item's audio "
+                                     f"({item.audio_ms:.0f} ms)", "audio_end_ms", "invalid_value", ev.event_id)
+        item.truncate_at(ev.audio_end_ms)
+        await self.send({"type": "conversation.item.truncated", "item_id": item.id,
+                         "content_index": ev.content_index, "audio_end_ms": ev.audio_end_ms})
+
+    async def _on_conversation_item_retrieve(self, ev: E.ItemRetrieve) -> None:
+        item = self._item(ev.item_id, ev.event_id)
+        await self.send({"type": "conversation.item.retrieved", "item": item.shape()})
+
+    # ------------------------------------------------------------ responses
+    async def _on_response_create(self, ev: E.ResponseCreate) -> None:
+        if self.response is not None:
+            raise RealtimeEventError(f"response.create: response {self.response.id} is still in progress; "
+                                     "wait for its response.done or cancel it", None,
+                                     "conversation_already_has_active_response", ev.event_id)
+        await self._create_response(ev.response, ev.event_id)
+
+    async def _on_response_cancel(self, ev: E.ResponseCancel) -> None:
+        if self.response is None or (ev.response_id is not None and ev.response_id != self.response.id):
+            raise RealtimeEventError("response.cancel: no response in progress" + (
+                f" with id {ev.response_id!r}" if ev.response_id else ""), "response_id" if ev.response_id else None,
+                "response_cancel_not_active", ev.event_id)
+        await self.cancel_response("client_cancelled")
+
+    async def cancel_response(self, reason: str) -> None:
+        """Cancel the response in progress (its request aborted on every stage) and wait for its end."""
+        resp = self.response
+        if resp is None or resp.task is None:
+            return
+        resp.cancel_reason = reason
+        resp.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await resp.task
+        if not resp.started:  # cancelled before it ran: it still ends, as every response does
+            await resp.end("cancelled", {"type": "cancelled", "reason": reason}, None, 0.0)
+
+    def response_ended(self, resp: RealtimeResponse) -> None:
+        if self.response is resp:
+            self.response = None
+
+    async def _create_response(self, params: E.ResponseParams | None, event_id: str | None) -> None:
+        modality = self.modality
+        instructions = self.instructions
+        voice, max_tokens = self.voice, self.max_output_tokens
+        if params is not None:
+            if params.output_modalities is not None:
+                modality = params.output_modalities[0]
+                self._check_modality(modality, "response.output_modalities", event_id)
+            if params.instructions is not None:
+                instructions = params.instructions
+            if params.audio and params.audio.output and params.audio.output.voice is not None:
+                v = params.audio.output.voice
+                voice = v if isinstance(v, str) else v.id
+            if params.max_output_tokens is not None:
+                max_tokens = params.max_output_tokens
+        resp = new_response(self, _id("resp"), modality, voice, max_tokens)
+        resp.t_turn, self.turn_t0 = self.turn_t0, None
+        job = resp.job(instructions)
+        self.response = resp
+        resp.task = asyncio.create_task(resp.run(job))
+
+    async def close(self) -> None:
+        """The socket is gone: the response in progress is cancelled (its request aborted everywhere)."""
+        await self.cancel_response("session_closed")

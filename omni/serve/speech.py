@@ -1,0 +1,251 @@
+"""`POST /v1/audio/speech`: OpenAI's text-to-speech endpoint on a text -> audio pipeline.
+
+    {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format"}
+      -> the entry stage (the thinker) gets a user turn holding `input` (and `instructions` as its system
+         turn) and its reply is *forced* to `input` (sampling `forced_text`: the prompt and the reply are
+         prefilled in one pass, nothing is sampled), so the talker and the vocoder voice exactly that text
+      -> the audio stage's waveform, encoded as `response_format` (speech_formats.py)
+
+Replies:
+    stream_format "audio" (default)  the file's bytes; `pcm` goes out chunk by chunk as the pipeline yields
+                                     audio, the other formats once the waveform is complete
+    stream_format "sse"              `speech.audio.delta` events (base64 `audio`: pcm16 chunks as they come
+                                     for `pcm`, the whole file in one delta otherwise), then `speech.audio.done`
+                                     with the usage (the thinker's prompt and reply tokens)
+
+Errors before any audio (a bad field, an unknown voice the talker refuses, an encoder this build lacks)
+are HTTP errors naming the field: a streamed reply starts only once its first audio exists. `speed` other
+than 1 is refused (no speed control in the pipeline: resampling would shift the pitch), as is `aac`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, field_validator
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from omni.outputs import StageInput
+from omni.serve.audio import pcm16_chunks
+from omni.serve.endpoints import ClientGone, ServerState, parse, race
+from omni.serve.errors import ApiError, bad_request, internal
+from omni.serve.protocol import _Strict
+from omni.serve.reply_stream import AudioEvent, Run
+from omni.serve.responses import new_id
+from omni.serve.speech_formats import MEDIA_TYPES, OPENAI_FORMATS, encodable, encode
+from omni.serve.translate import Job, PipelineInfo, check_model
+
+logger = logging.getLogger(__name__)
+MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
+
+
+class SpeechRequest(_Strict):
+    """OpenAI's speech request (openai/types/audio/speech_create_params.py), every field known."""
+
+    model: str = Field(description="The served model name.")
+    input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS, description="The text to voice.")
+    voice: Any = Field(description='The speaker (Qwen2.5-Omni: Chelsie or Ethan), or {"id": speaker} (OpenAI\'s '
+                       "custom voices).")
+    instructions: str | None = Field(None, description="How to say it: the thinker's system turn.")
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
+        "mp3", description="The file format (OpenAI's default: mp3). aac has no encoder here.")
+    speed: float | None = Field(None, description="Only 1.0: the pipeline has no speed control.")
+    stream_format: Literal["sse", "audio"] = Field("audio", description="Raw bytes, or server-sent events.")
+
+    @field_validator("voice")
+    @classmethod
+    def _voice(cls, v: Any) -> Any:
+        # one field, not a union: an error names `voice`, never a union member
+        ok = (isinstance(v, str) and v) or (isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str)
+                                             and v["id"])
+        if not ok:
+            raise ValueError('a speaker\'s name, or {"id": name}')
+        return v
+
+    @field_validator("speed")
+    @classmethod
+    def _speed(cls, v: float | None) -> float | None:
+        if v is not None and v != 1.0:
+            raise ValueError("this server does not change the speed of speech (the pipeline has no speed "
+                             "control, and resampling would shift the pitch): send 1.0 or leave it out")
+        return v
+
+    @property
+    def speaker(self) -> str:
+        return self.voice["id"] if isinstance(self.voice, dict) else self.voice
+
+    @property
+    def voice_field(self) -> str:
+        return "voice.id" if isinstance(self.voice, dict) else "voice"
+
+
+def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
+    """The thinker prompt (instructions, input) with its reply forced to `input`; audio wanted."""
+    if info.audio_stage is None:
+        raise bad_request(f"model: pipeline {info.model!r} has no audio output stage", "model")
+    if req.response_format not in encodable():
+        raise bad_request(f"response_format: {req.response_format!r} has no encoder on this server; one of "
+                          f"{', '.join(encodable())}", "response_format", "unsupported_value")
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    messages.append({"role": "user", "content": req.input})
+    prompt = StageInput("", prompt=messages, extra={"speaker": req.speaker})
+    # omni's names -> the request's: the prompt and the forced reply are both `input` (too long a reply
+    # is refused as max_tokens would be: it is the input that asks for it)
+    fields = {"prompt": "input", "speaker": req.voice_field, "forced_text": "input", "max_tokens": "input"}
+    job = Job(request_id, prompt, {info.entry_stage: {"forced_text": req.input}}, None, info.audio_stage,
+              info.entry_stage, [], fields)
+    return job
+
+
+def _sse(payload: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(payload, separators=(",", ":"))}
+
+
+def _usage(run: Run) -> dict[str, int]:
+    return {"input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
+            "total_tokens": run.prompt_tokens + run.completion_tokens}
+
+
+class _Reply:
+    """One admitted run: its audio events, and the one place where the run is left and the admission
+    released (whether the reply completed, failed, or the client went away)."""
+
+    def __init__(self, state: ServerState, run: Run):
+        self.state, self.run = state, run
+        self.events = run.events()
+        self.first: AudioEvent | None = None
+        self.reason = "abort"
+        self._closed = False
+
+    async def first_audio(self) -> None:
+        """Pull events until the first audio (errors before it are HTTP errors)."""
+        async for ev in self.events:
+            if isinstance(ev, AudioEvent):
+                self.first = ev
+                return
+        raise internal("the pipeline finished the request without any audio")
+
+    async def audio(self) -> AsyncIterator[AudioEvent]:
+        if self.first is not None:
+            yield self.first
+        async for ev in self.events:
+            if isinstance(ev, AudioEvent):
+                yield ev
+        self.reason = self.run.finish_reason or "stop"
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.events.aclose()
+            await self.run.aclose()
+            self.state.release(self.run, self.reason)
+
+
+class _Streamed(Response):
+    """A streamed reply (its status and headers are the inner response's): however the response ends
+    (done, a disconnect, a body that never started), the reply is closed once."""
+
+    def __init__(self, reply: _Reply, response: Response):
+        self.reply, self.response = reply, response
+        self.status_code, self.raw_headers, self.background = response.status_code, response.raw_headers, None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            await self.reply.close()
+
+
+async def create_speech(state: ServerState, request: Request) -> Any:
+    req = parse(SpeechRequest, await request.body())
+    check_model(req.model, state.info)
+    job = speech_job(req, state.info, new_id("speech"))
+    fmt, media_type = req.response_format, MEDIA_TYPES[req.response_format]
+    state.admit()
+    run = Run(state.omni, job, state.settings.default_audio_rate, state.metrics)
+    reply = _Reply(state, run)
+    handed_over = False
+    try:
+        await race(request, _started(run, reply), state.drain.stopping)
+        if req.stream_format == "sse":
+            response: Response = EventSourceResponse(_sse_body(reply, fmt), sep="\n", ping=15)
+        elif fmt == "pcm":
+            response = StreamingResponse(_pcm_body(reply), media_type=media_type)
+        else:
+            samples, rate = await race(request, _collect(reply), state.drain.stopping)
+            body = await asyncio.to_thread(encode, samples, rate, fmt)  # mp3 / opus: CPU work off the loop
+            reply.reason = run.finish_reason or "stop"
+            return Response(body, media_type=media_type)
+        handed_over = True
+        return _Streamed(reply, response)
+    except ClientGone:
+        return Response(status_code=499)
+    except ApiError:
+        reply.reason = "error"
+        raise
+    finally:
+        if not handed_over:
+            await reply.close()
+
+
+async def _started(run: Run, reply: _Reply) -> None:
+    await run.start()
+    await reply.first_audio()
+
+
+async def _collect(reply: _Reply) -> tuple[np.ndarray, int]:
+    pieces, rate = [], reply.state.settings.default_audio_rate
+    async for ev in reply.audio():
+        pieces.append(ev.samples)
+        rate = ev.rate
+    return np.concatenate(pieces), rate
+
+
+def _chunk_samples(state: ServerState, rate: int) -> int:
+    return max(1, round(rate * state.settings.audio_chunk_ms / 1000))
+
+
+async def _pcm_body(reply: _Reply) -> AsyncIterator[bytes]:
+    try:
+        async for ev in reply.audio():
+            for pcm in pcm16_chunks(ev.samples, _chunk_samples(reply.state, ev.rate)):
+                yield pcm
+    except ApiError:  # the status line is gone: the stream ends short (logged, counted as an error)
+        logger.warning("speech %s failed while streaming", reply.run.job.request_id, exc_info=True)
+        reply.reason = "error"
+    finally:
+        await reply.close()
+
+
+async def _sse_body(reply: _Reply, fmt: str) -> AsyncIterator[dict[str, str]]:
+    def delta(data: bytes) -> dict[str, str]:
+        return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+
+    try:
+        if fmt == "pcm":
+            async for ev in reply.audio():
+                for pcm in pcm16_chunks(ev.samples, _chunk_samples(reply.state, ev.rate)):
+                    yield delta(pcm)
+        else:
+            samples, rate = await _collect(reply)
+            yield delta(await asyncio.to_thread(encode, samples, rate, fmt))
+        yield _sse({"type": "speech.audio.done", "usage": _usage(reply.run)})
+    except ApiError as e:
+        reply.reason = "error"
+        yield _sse({"type": "error", **e.body()})
+    finally:
+        with contextlib.suppress(Exception):
+            await reply.close()
+
+
+__all__ = ["SpeechRequest", "create_speech", "speech_job", "OPENAI_FORMATS"]

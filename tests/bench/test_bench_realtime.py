@@ -1,0 +1,33 @@
+"""`omni bench realtime` on the tiny Qwen2.5-Omni (short run): both servers, two session counts, the JSON keys
+(the numbers are the integrator's to measure on an idle machine; here: that the caching run hits and the
+uncached one does not)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from omni.bench import realtime as bench
+from tests.serve.server_utils import OMNI  # the bench starts `omni serve` itself
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_bench_realtime_reports_per_turn_latency_on_and_off():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--config", str(OMNI), "--backend", "local", "--sessions", "1", "2",
+                              "--turns", "3", "--speech-s", "1.0", "--max-output-tokens", "4",
+                              "--instructions-words", "50"])
+    res = bench.run(args)
+    for suffix in ("", "_c2"):
+        assert res[f"turn2plus_first_audio_speedup{suffix}"] > 0
+        assert res[f"turn5_over_turn2_latency{suffix}"] > 0
+        lat = res[f"turn_latency_p50_ms{suffix}"]
+        assert set(lat) == {"on", "off"} and all(set(v) == {"1", "2", "3"} for v in lat.values())
+        assert all(ms > 0 for v in lat.values() for ms in v.values())
+        cached = res[f"cached_tokens_mean{suffix}"]
+        assert cached["off"] == {"1": 0, "2": 0, "3": 0}
+        assert cached["on"]["1"] == 0 and cached["on"]["2"] > 0 and cached["on"]["3"] > cached["on"]["2"]
+    with pytest.raises(ValueError, match="turns"):
+        bench.run(parser.parse_args(["--turns", "1"]))

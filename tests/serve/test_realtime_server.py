@@ -1,0 +1,308 @@
+"""`/v1/realtime` on the tiny Qwen2.5-Omni (thinker -> talker -> token2wav) with the real `openai` client,
+in this process: a spoken turn (real recorded speech, not the model's), audio deltas that are pcm16,
+the prefix caches hit from turn 2 on, cancel mid-response, barge-in with server VAD (Silero), 8
+concurrent sessions, and a disconnect mid-response that leaves every stage idle."""
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+
+from tests.serve.realtime_utils import pcm16, speech_24k, types, until
+from tests.serve.server_utils import OMNI, generating, held, serve_in_process, wait_idle
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "qwen2_5_omni_tiny"
+MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}, "output": {"voice": "Chelsie"}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_in_process(OMNI, "--backend", "local", "--audio-chunk-ms", "20") as s:
+        yield s
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _connect(server, session=MANUAL):
+    conn = await server.async_client().realtime.connect(model=MODEL).enter()
+    await until(conn, "session.created")
+    await conn.session.update(session=session)
+    await until(conn, "session.updated")
+    return conn
+
+
+async def _append(conn, audio: np.ndarray, chunk_s: float = 0.1) -> None:
+    data = pcm16(audio)
+    step = int(24000 * chunk_s) * 2
+    for i in range(0, len(data), step):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(data[i:i + step]).decode())
+
+
+async def _text_item(conn, text: str) -> None:
+    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})
+
+
+def _audio(events) -> np.ndarray:
+    chunks = [base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"]
+    assert chunks and all(len(c) % 2 == 0 for c in chunks)  # whole pcm16 samples in every delta
+    return np.frombuffer(b"".join(chunks), "<i2")
+
+
+def test_spoken_turn_then_a_cached_second_turn(server):
+    async def go():
+        conn = await _connect(server)
+        try:
+            await _append(conn, speech_24k(3.0))
+            await conn.input_audio_buffer.commit()
+            committed = await until(conn, "input_audio_buffer.committed")
+            await conn.response.create()
+            seen: list = []
+            done1 = await until(conn, "response.done", seen)
+            r1 = done1.response
+            assert r1.status == "completed", r1.status_details
+            audio = _audio(seen)
+            assert audio.size > 0 and np.abs(audio).max() > 0
+            transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+            assert transcript and transcript == next(
+                e for e in seen if e.type == "response.output_audio_transcript.done").transcript
+            assert r1.output[0].content[0].transcript == transcript
+            assert types(seen).index("response.output_audio.delta") < types(seen).index("response.output_audio.done")
+            # the audio of a 3 s clip at the model's rate: a long prompt, not a handful of tokens
+            assert r1.usage.input_tokens > 60
+            await _text_item(conn, "And then?")
+            await conn.response.create()
+            done2 = await until(conn, "response.done")
+            r2 = done2.response
+            assert r2.status == "completed"
+            # turn 2 re-sends turn 1 (the spoken item: the same 16 kHz audio) and its reply: the thinker's
+            # prefix cache holds at least turn 1's prompt, all but its last partial block of 16
+            assert r2.usage.input_token_details.cached_tokens >= (r1.usage.input_tokens // 16 - 1) * 16 > 0
+            assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
+            assert committed.item_id != r1.output[0].id
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
+    m = server.metrics()
+    assert m[("omni_realtime_turn_latency_seconds_count", ())] >= 1
+    assert server.stage_gauges("omni_stage_prefix_cache_hits_total")["talker"] > 0
+
+
+def test_cancel_mid_response(server):
+    async def go():
+        conn = await _connect(server)
+        try:
+            await _text_item(conn, "Tell me a long story.")
+            with held(server, "talker", until=generating(1)) as release:
+                await conn.response.create()
+                seen: list = []
+                await until(conn, "response.created", seen)
+                await conn.response.cancel()
+                done = await until(conn, "response.done", seen)
+                release.set()
+            assert done.response.status == "cancelled"
+            assert done.response.status_details.reason == "client_cancelled"
+            assert done.response.output[0].status == "incomplete"
+            # no audio was sent: the item keeps no text the user did not hear
+            assert not [e for e in seen if e.type == "response.output_audio.delta"]
+            assert done.response.output[0].content[0].transcript == ""
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
+
+
+def test_barge_in_with_server_vad(server):
+    vad = {"type": "realtime", "audio": {"output": {"voice": "Chelsie"}, "input": {"turn_detection": {
+        "type": "server_vad", "threshold": 0.5, "silence_duration_ms": 1000, "prefix_padding_ms": 200}}}}
+
+    async def go():
+        conn = await _connect(server, vad)
+        try:
+            await _text_item(conn, "Say something long.")
+            seen: list = []
+            with held(server, "talker", until=generating(1)) as release:
+                await conn.response.create()
+                created = await until(conn, "response.created", seen)
+                # silence, then speech over the reply in progress: a barge-in
+                await _append(conn, np.zeros(12000, np.float32))
+                await _append(conn, speech_24k(2.0))
+                started = await until(conn, "input_audio_buffer.speech_started", seen)
+                done = await until(conn, "response.done", seen)
+                release.set()
+            assert done.response.id == created.response.id and done.response.status == "cancelled"
+            assert done.response.status_details.reason == "turn_detected"
+            assert done.response.output[0].status == "incomplete"
+            assert started.audio_start_ms >= 300  # after the 500 ms of silence, less the prefix padding
+            # the user stops talking: the turn is committed and answered without a response.create
+            await _append(conn, np.zeros(36000, np.float32))
+            stopped = await until(conn, "input_audio_buffer.speech_stopped", seen)
+            committed = await until(conn, "input_audio_buffer.committed", seen)
+            assert committed.item_id == stopped.item_id == started.item_id
+            answer = await until(conn, "response.done", seen)
+            assert answer.response.status == "completed"
+            assert answer.response.usage.input_token_details.cached_tokens > 0
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
+    assert server.metrics()[("omni_realtime_barge_ins_total", ())] >= 1
+
+
+def test_silence_and_noise_start_no_turn(server):
+    vad = {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
+
+    async def go():
+        conn = await _connect(server, vad)
+        try:
+            noise = (0.02 * np.random.default_rng(0).standard_normal(24000 * 2)).astype(np.float32)
+            await _append(conn, np.concatenate([np.zeros(24000, np.float32), noise]))
+            await conn.conversation.item.retrieve(item_id="item_none")  # a marker: everything before it is read
+            seen: list = []
+            await until(conn, "error", seen)
+            assert "input_audio_buffer.speech_started" not in types(seen)
+        finally:
+            await conn.close()
+    run(go())
+
+
+def test_eight_concurrent_sessions(server):
+    async def one(i: int) -> tuple[str, int]:
+        conn = await _connect(server)
+        try:
+            await _text_item(conn, f"Hello from session {i}")
+            await conn.response.create()
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            return done.response.status, _audio(seen).size
+        finally:
+            await conn.close()
+
+    async def go():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    results = run(go())
+    assert all(status == "completed" and n > 0 for status, n in results), results
+    wait_idle(server)
+
+
+def test_disconnect_mid_response_frees_every_stage(server):
+    async def go():
+        conn = await _connect(server)
+        await _text_item(conn, "Keep talking.")
+        with held(server, "talker", until=generating(1)):
+            await conn.response.create()
+            await until(conn, "response.content_part.added")
+            await conn.close()
+            await asyncio.sleep(0.5)
+    run(go())
+    kv = wait_idle(server)  # polls until no stage runs, waits for or holds anything
+    assert {"thinker", "talker"} <= set(kv) and not any(kv.values())
+    assert server.metrics()[("omni_realtime_sessions_open", ())] == 0
+
+
+def test_vad_turns_in_quick_succession_each_response_ends(server):
+    """The whole clip at once (faster than real time) with Silero's pauses: speech stops and starts again
+    right after a turn's response was created, so barge-ins cancel responses at every point of their life,
+    even before their task ran; every response.created still gets one response.done, and the session
+    answers the last turn."""
+    vad = {"type": "realtime", "audio": {"output": {"voice": "Chelsie"}, "input": {"turn_detection": {
+        "type": "server_vad", "silence_duration_ms": 300}}}}
+
+    async def go():
+        conn = await _connect(server, vad)
+        try:
+            await _append(conn, np.concatenate([speech_24k(), np.zeros(24000, np.float32)]), chunk_s=0.5)
+            seen: list = []
+            while True:
+                ev = await until(conn, "response.done", seen)
+                created = [e.response.id for e in seen if e.type == "response.created"]
+                ended = [e.response.id for e in seen if e.type == "response.done"]
+                if len(ended) == len(created) and ev.response.status == "completed":
+                    break
+            assert sorted(created) == sorted(ended) and len(set(ended)) == len(ended)
+            commits = [e for e in seen if e.type == "input_audio_buffer.committed"]
+            assert len(commits) >= 2 and len(created) == len(commits)
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
+
+
+def test_truncate_keeps_the_text_sent_with_the_audio_heard(server):
+    async def go():
+        conn = await _connect(server)
+        try:
+            await _text_item(conn, "Hello there")
+            await conn.response.create()
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            item = done.response.output[0]
+            assert item.content[0].transcript
+            # the first 20 ms chunk heard: the text sent up to that chunk is kept
+            first_audio = next(i for i, e in enumerate(seen) if e.type == "response.output_audio.delta")
+            before = "".join(e.delta for e in seen[:first_audio] if e.type == "response.output_audio_transcript.delta")
+            for end_ms, kept in ((20, before), (0, "")):  # 0 ms: nothing heard, nothing kept
+                await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=end_ms)
+                truncated = await until(conn, "conversation.item.truncated")
+                assert (truncated.item_id, truncated.audio_end_ms) == (item.id, end_ms)
+                await conn.conversation.item.retrieve(item_id=item.id)
+                got = await until(conn, "conversation.item.retrieved")
+                assert got.item.content[0].transcript == kept and got.item.status == "incomplete"
+            await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=10**7,
+                                                  event_id="far")
+            err = await until(conn, "error")
+            assert (err.error.param, err.error.event_id) == ("audio_end_ms", "far")
+        finally:
+            await conn.close()
+    run(go())
+
+
+def test_text_response_on_the_audio_pipeline(server):
+    """A per-response `output_modalities: ["text"]`: the thinker's text streams, no stage makes audio."""
+    async def go():
+        conn = await _connect(server)
+        try:
+            await _text_item(conn, "Hi!")
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 6})
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+            assert text and text == next(e for e in seen if e.type == "response.output_text.done").text
+            assert "response.output_audio.delta" not in types(seen)
+            assert done.response.output_modalities == ["text"] and 0 < done.response.usage.output_tokens <= 6
+            assert done.response.output[0].content[0].type == "output_text"
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
+
+
+def test_vad_turned_on_mid_session_keeps_the_session_clock(server):
+    """Speech times are on the session's audio clock (ms since its first audio), whenever VAD started."""
+    async def go():
+        conn = await _connect(server)  # manual turns first
+        try:
+            await _append(conn, np.zeros(24000, np.float32))  # 1 s
+            await conn.input_audio_buffer.commit()
+            await until(conn, "input_audio_buffer.committed")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 1000, "prefix_padding_ms": 0,
+                "create_response": False}}}})
+            await until(conn, "session.updated")
+            await _append(conn, np.concatenate([np.zeros(12000, np.float32), speech_24k(2.0),
+                                                np.zeros(36000, np.float32)]))
+            started = await until(conn, "input_audio_buffer.speech_started")
+            stopped = await until(conn, "input_audio_buffer.speech_stopped")
+            # 1 s before VAD started + 0.5 s of silence: the speech starts at 1.5 s or later
+            assert 1500 <= started.audio_start_ms < stopped.audio_end_ms <= 1000 + 500 + 2000 + 100
+            await until(conn, "input_audio_buffer.committed")
+        finally:
+            await conn.close()
+    run(go())
