@@ -1,0 +1,57 @@
+"""Qwen3-Omni's code predictor, batched over the talker's running requests.
+
+Each talker step samples a frame's first codebook c0; the code predictor (a small dense decoder)
+then generates that frame's remaining `num_code_groups - 1` codes from scratch, as transformers'
+`Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation` does with its own
+`generate`:
+
+    inner step 0   input  [talker's last hidden state of the previous position, codec_embed(c0)]
+                   output code 1 = argmax lm_head[0](last row)
+    inner step g   input  codec_embedding[g - 1](code g)             (positions 2, 3, ...)
+                   output code g + 1 = argmax lm_head[g](row)
+
+Here every inner step is one pass over the whole batch (all frames of a step have the same length,
+so there is no padding and the mask is the plain causal one); the frame's short KV (at most
+`num_code_groups` positions) lives in a transformers DynamicCache per step, never in the paged cache.
+
+transformers mirrors the talker's `do_sample` onto the code predictor; this stage decodes residual
+codes greedily (a request that samples its first codebook still gets greedy residual codes: see
+the talker's docstring).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CodePredictor:
+    def __init__(self, code_predictor):
+        self.cp = code_predictor  # Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration
+        self.num_groups = int(code_predictor.config.num_code_groups)
+        self.embeddings = code_predictor.model.codec_embedding  # ModuleList, one per residual group
+
+    @torch.inference_mode()
+    def predict(self, past_hidden: torch.Tensor, c0_embeds: torch.Tensor) -> torch.Tensor:
+        """[B, H] talker hidden states + [B, H] first-codebook embeddings -> [B, G - 1] residual codes."""
+        from transformers import DynamicCache
+
+        batch = past_hidden.shape[0]
+        codes = torch.empty((batch, self.num_groups - 1), dtype=torch.long, device=past_hidden.device)
+        if self.num_groups == 1:
+            return codes
+        cache = DynamicCache(config=self.cp.config)
+        x = torch.stack([past_hidden, c0_embeds], dim=1)  # [B, 2, H]
+        pos = 0
+        for g in range(self.num_groups - 1):
+            n = x.shape[1]
+            position_ids = torch.arange(pos, pos + n, device=x.device).unsqueeze(0).expand(batch, -1)
+            out = self.cp.model(inputs_embeds=x, position_ids=position_ids, past_key_values=cache, use_cache=True)
+            logits = self.cp.lm_head[g](out.last_hidden_state)[:, -1].float()
+            codes[:, g] = logits.argmax(-1)
+            pos += n
+            if g + 1 < self.num_groups - 1:
+                x = self.embeddings[g](codes[:, g : g + 1])
+        return codes
+
+    def residual_embeds(self, codes: torch.Tensor) -> list[torch.Tensor]:
+        """[B, G - 1] residual codes -> their input embeddings, each [B, H] (what the talker sums)."""
+        return [self.embeddings[g](codes[:, g]) for g in range(self.num_groups - 1)]

@@ -1,0 +1,261 @@
+"""Qwen3-Omni talker as a stage: the thinker's per-token rows in, codec frames out.
+
+Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one request (text only):
+
+    prompt rows   the user turns' positions (every token whose turn's role is `user`):
+                      text_projection(thinker embeds)           (hidden_projection(accept_hidden) for media)
+                  the last assistant turn: text_projection(embeds of <|im_start|> assistant \\n) + 0,
+                      tts_pad x 4 + codec_embed(nothink, think_bos, think_eos, speaker),
+                      tts_bos + codec_embed(pad), text_projection(embed of g0) + codec_embed(bos)
+    decode step j input = sum of the codec embeddings of frame j (talker codec_embed(c0) + the code
+                  predictor's embedding of each residual code) + trailing[j]
+                  trailing = text_projection(embeds of g1 .. g_{n-2}), then tts_eos, then tts_pad
+    positions     0, 1, 2, ... (text-only prompts: the same on all three rotary axes)
+    logits        the top 1024 ids but codec eos are suppressed
+
+Frame j's residual codes come from the code predictor (stages/qwen3_omni_code_predictor.py), run
+inside the forward of the position that frame feeds: it needs the talker's last hidden state of the
+previous position, kept per request from the previous step, and the sampled c0 (the position's
+token). One code-predictor pass serves every request of the step. Each frame is computed once and
+kept, so a request recomputed after preemption replays the same frames.
+
+Per-token outputs: `hidden_states` and `codes` (the frame [c0, code 1, ...] that fed each generated
+position; -1 on prompt positions), so the code2wav edge reads whole frames from the talker's rows.
+The prompt rows are this stage's `prompt_embeds` (in the talker's width), so the block hashes cover
+the thinker-derived embeddings; prompt ids are the codec pad id (a suppressed id: the repetition
+penalty, which transformers applies to generated codes only, leaves it at -inf).
+
+Not yet: image/audio prompts (their 3-D positions), sampled residual codes (they are greedy even
+when c0 is sampled), and block hashes over the residual codes of generated positions (identical
+prefixes give identical greedy residual codes, so greedy decoding shares no wrong block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni.engine.attention import register_attention
+from omni.engine.forward_context import get_forward_context
+from omni.engine.memory import StageGeometry, checkpoint_geometry
+from omni.engine.output_head import use_column_major_head
+from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
+from omni.errors import RequestError
+from omni.outputs import StageInput
+
+from .qwen2_5_omni_talker import load_thinker_embedding
+from .qwen3_omni_code_predictor import CodePredictor
+from .qwen3_omni_thinker import load_qwen3_omni_part
+
+DEFAULT_SPEAKER = "Ethan"  # transformers' generate default
+TALKER_TEXT_MODEL_TYPE = "qwen3_omni_moe_talker_text"
+
+
+def _register_talker_expert_conversion() -> None:
+    """Checkpoints store the talker's experts one by one (experts.N.gate_proj / up_proj / down_proj), as the
+    30B release does; transformers fuses them on load for the full model and the thinker (their model types
+    map to qwen2_moe's conversion) but not for the talker's decoder loaded alone, whose fused expert tensors
+    would stay uninitialized. Register the same conversion for its model type (once per process)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+
+    if get_checkpoint_conversion_mapping(TALKER_TEXT_MODEL_TYPE) is None:
+        register_checkpoint_conversion_mapping(TALKER_TEXT_MODEL_TYPE, get_checkpoint_conversion_mapping("qwen2_moe"))
+
+
+@dataclass(slots=True)
+class _TalkerRequest:
+    num_prompt: int
+    trailing: torch.Tensor  # [R, hidden]: added to decode step j's input (j < R), then tts_pad
+    frames: list[list[int]] = field(default_factory=list)  # frame j = [c0, code 1, ...], computed once
+    last_hidden: torch.Tensor | None = None  # talker hidden state of position `last_pos`
+    last_pos: int = -1
+
+
+class Qwen3OmniTalkerStage(AutoregressiveStageModel):
+    tokenizer = None
+
+    def __init__(self, talker, thinker_embed: torch.nn.Embedding, full_config, device, dtype):
+        self.talker = talker
+        self.thinker_embed = thinker_embed
+        self.device, self.dtype = device, dtype
+        self.full_config = full_config
+        cfg = self.config = full_config.talker_config
+        tc = self.text_config = cfg.text_config
+        self.codec_embed = talker.model.codec_embedding
+        self.code_predictor = CodePredictor(talker.code_predictor)
+        self.num_groups = int(cfg.num_code_groups)
+        self.hidden_size = tc.hidden_size
+        self.prompt_embed_size = tc.hidden_size
+        self.vocab_size = tc.vocab_size
+        self.max_model_len = int(tc.max_position_embeddings)
+        self.eos_token_id = int(cfg.codec_eos_token_id)
+        self.prompt_token_id = int(cfg.codec_pad_id)
+        self.thinker_hidden_size = int(cfg.thinker_hidden_size)
+        # transformers' generate: every id of the top 1024 but codec eos is suppressed.
+        self.suppressed = torch.tensor([i for i in range(tc.vocab_size - 1024, tc.vocab_size) if i != self.eos_token_id],
+                                       dtype=torch.long, device=device)
+        tcfg = full_config.thinker_config
+        self.mm_token_ids = (tcfg.audio_token_id, tcfg.image_token_id, tcfg.video_token_id)
+        self._requests: dict[str, _TalkerRequest] = {}
+        self._embed_ids: torch.Tensor | None = None
+        with torch.inference_mode():
+            ids = torch.tensor([[full_config.tts_bos_token_id, full_config.tts_eos_token_id,
+                                 full_config.tts_pad_token_id]], device=device)
+            # One [1, 3] projection, as transformers computes these three rows.
+            self.tts_bos, self.tts_eos, self.tts_pad = talker.text_projection(thinker_embed(ids))[0]
+
+    @classmethod
+    def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
+             model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
+        from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
+
+        _register_talker_expert_conversion()
+        talker, full = load_qwen3_omni_part(Path(model_path), "talker", Qwen3OmniMoeTalkerForConditionalGeneration,
+                                            dtype, device, **dict(model_kwargs or {}))
+        # Paged attention for the MoE decoder only; the code predictor keeps sdpa over its short frames.
+        talker.model.config._attn_implementation = register_attention()
+        use_column_major_head(talker.codec_head, device)
+        return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), full, device, dtype)
+
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
+        return checkpoint_geometry(model_path, "talker_config", "text_config")
+
+    def kv_spec(self) -> KVSpec:
+        tc = self.text_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        return KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim)
+
+    # ------------------------------------------------------------ per request
+    def _rows(self, extra: dict, name: str) -> torch.Tensor:
+        value = extra.get(name)
+        arr = np.asarray(value, dtype=np.float32)
+        if arr.ndim != 2 or arr.shape[1] != self.thinker_hidden_size:
+            raise RequestError(f"extra.{name}: expected [tokens, {self.thinker_hidden_size}] thinker rows, "
+                               f"got shape {list(arr.shape)}", field=f"extra.{name}")
+        return torch.from_numpy(arr).to(self.device, self.dtype)
+
+    @torch.inference_mode()
+    def preprocess(self, inp: StageInput) -> PreparedPrompt:
+        ex = inp.extra
+        missing = [k for k in ("thinker_prompt_ids", "thinker_output_ids", "thinker_embeds", "thinker_accept_hidden")
+                   if ex.get(k) is None]
+        if missing:
+            raise RequestError(f"extra: the talker needs the thinker's outputs ({', '.join(missing)} missing); "
+                               "use the qwen3_omni_thinker2talker input processor", field="extra")
+        cfg, full = self.config, self.full_config
+        prompt = [int(t) for t in ex["thinker_prompt_ids"]]
+        gen = [int(t) for t in ex["thinker_output_ids"]]
+        embeds, hidden = self._rows(ex, "thinker_embeds"), self._rows(ex, "thinker_accept_hidden")
+        L, n = len(prompt), len(gen)
+        if n < 2 or embeds.shape[0] < L + n - 1 or hidden.shape[0] < L:
+            raise RequestError(f"extra.thinker_output_ids: the talker needs >= 2 thinker tokens and the rows of all "
+                               f"but the last (got {n} tokens, {embeds.shape[0]} rows for a {L}-token prompt)",
+                               field="extra.thinker_output_ids")
+        speaker = str(ex.get("speaker") or DEFAULT_SPEAKER)
+        speaker_id = (cfg.speaker_id or {}).get(speaker.lower())
+        if speaker_id is None:
+            raise RequestError(f"speaker: {speaker!r} is not available; choose one of {sorted(cfg.speaker_id or {})}",
+                               field="speaker")
+        embeds = embeds[: L + n - 1]
+        ids = torch.tensor(prompt)
+        im_start = [i for i, t in enumerate(prompt) if t == full.im_start_token_id]
+        asst = [i for i in im_start if i + 1 < L and prompt[i + 1] == full.assistant_token_id]
+        if not asst or asst[-1] + 3 != L:
+            raise RequestError("extra.thinker_prompt_ids: the thinker prompt must end with the assistant's generation "
+                               "prompt '<|im_start|>assistant\\n'", field="extra.thinker_prompt_ids")
+        a = asst[-1]
+        # The role of each position: the token after the latest <|im_start|> (transformers' user mask).
+        starts = torch.where(ids == full.im_start_token_id, torch.arange(L), torch.full((L,), -1))
+        role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(L - 1)]
+        user = (role == full.user_token_id).nonzero().flatten()
+        mm = torch.tensor([t in self.mm_token_ids for t in prompt], device=self.device)
+        # transformers projects all the prompt's rows at once (media rows from the accept layer) and picks the
+        # user positions: the same calls, for the same rounding.
+        full_user = torch.empty((L, self.hidden_size), dtype=self.dtype, device=self.device)
+        if mm.any():
+            full_user[mm] = self.talker.hidden_projection(hidden[:L][mm])
+        full_user[~mm] = self.talker.text_projection(embeds[:L][~mm])
+        user_rows = full_user[user.to(self.device)]
+        ah = self.talker.text_projection(embeds[a:])  # the assistant turn: <|im_start|> assistant \n g0 g1 ...
+        text = torch.cat([ah[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], ah[3:4]])
+        codec_ids = torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id, speaker_id,
+                                  cfg.codec_pad_id, cfg.codec_bos_id], device=self.device)
+        codec = torch.cat([torch.zeros((3, self.hidden_size), dtype=self.dtype, device=self.device),
+                           self.codec_embed(codec_ids)])
+        rows = torch.cat([user_rows, text + codec])
+        trailing = torch.cat([ah[4:], self.tts_eos[None]])
+        state = _TalkerRequest(rows.shape[0], trailing)
+        return PreparedPrompt([self.prompt_token_id] * rows.shape[0], [], rows.float().cpu().numpy(),
+                              {"talker": state})
+
+    def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
+        if prompt is not None:
+            self._requests[request_id] = prompt.extra["talker"]
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # ---------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The runner embeds the step's token ids right before a forward that mixes prompt rows in and then
+        # hands the forward embeddings only: the sampled c0 of decode positions are kept from here.
+        self._embed_ids = input_ids
+        return self.codec_embed(input_ids)
+
+    def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
+        ctx = get_forward_context()
+        if inputs_embeds is None:
+            ids, embeds = input_ids, self.codec_embed(input_ids)
+        else:
+            ids, embeds = self._embed_ids, inputs_embeds.clone()
+            if ids is None or ids.shape[0] != embeds.shape[0]:
+                raise RuntimeError("qwen3_omni_talker: the step's token ids were not embedded before its forward")
+        self._embed_ids = None
+        num_tokens = embeds.shape[0]
+        codes = torch.full((num_tokens, self.num_groups), -1.0, dtype=torch.float32, device=embeds.device)
+        pending: list[tuple[_TalkerRequest, int, int]] = []  # (request, batch row, frame index)
+        decode_rows: list[tuple[_TalkerRequest, int, int]] = []
+        for rid, a, start, end in ctx.request_spans():
+            st = self._requests.get(rid)
+            if st is None:
+                continue
+            for p in range(max(start, st.num_prompt), end):
+                j, row = p - st.num_prompt, a + p - start
+                decode_rows.append((st, row, j))
+                if j >= len(st.frames):
+                    if j != len(st.frames) or st.last_pos != p - 1 or p != start:
+                        raise RuntimeError(f"qwen3_omni_talker: request {rid!r} position {p} needs the hidden state "
+                                           f"of position {p - 1} (have {st.last_pos}) to predict frame {j}")
+                    pending.append((st, row, j))
+        if pending:
+            rows = torch.tensor([r for _, r, _ in pending], device=embeds.device)
+            c0 = ids[rows]
+            past = torch.stack([st.last_hidden for st, _, _ in pending])
+            residual = self.code_predictor.predict(past, self.codec_embed(c0))
+            for (st, _, _), first, rest in zip(pending, c0.tolist(), residual.tolist()):
+                st.frames.append([first, *rest])
+        if decode_rows:
+            frames = torch.tensor([st.frames[j] for st, _, j in decode_rows], dtype=torch.long, device=embeds.device)
+            parts = [self.codec_embed(frames[:, 0])] + self.code_predictor.residual_embeds(frames[:, 1:])
+            summed = torch.stack(parts, dim=1).sum(1)  # transformers: cat(codec hiddens).sum(1)
+            text = torch.stack([st.trailing[j] if j < st.trailing.shape[0] else self.tts_pad
+                                for st, _, j in decode_rows])
+            rows = torch.tensor([r for _, r, _ in decode_rows], device=embeds.device)
+            embeds[rows] = (summed + text).to(embeds.dtype)
+            codes[rows] = frames.to(codes.dtype)
+        pos3 = positions.view(1, 1, -1).expand(3, 1, -1)
+        hidden = self.talker.model(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False).last_hidden_state[0]
+        for rid, a, start, end in ctx.request_spans():
+            st = self._requests.get(rid)
+            if st is not None:
+                st.last_hidden, st.last_pos = hidden[a + end - start - 1], end - 1
+        return {"hidden_states": hidden, "codes": codes}
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.talker.codec_head(hidden_states).float()
+        logits[:, self.suppressed] = float("-inf")
+        return logits
