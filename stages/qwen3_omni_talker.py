@@ -15,8 +15,8 @@ Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one re
 
 Frame j's residual codes come from the code predictor (stages/qwen3_omni_code_predictor.py), run
 inside the forward of the position that frame feeds: it needs the talker's last hidden state of the
-previous position, kept per request from the previous step, and the sampled c0 (the position's
-token). One code-predictor pass serves every request of the step. Each frame is computed once and
+previous position, kept per request from the forward that computed it, and the sampled c0 (the
+position's token). One code-predictor pass serves every request of the step. Each frame is computed once and
 kept, so a request recomputed after preemption replays the same frames.
 
 Per-token outputs: `hidden_states` and `codes` (the frame [c0, code 1, ...] that fed each generated
@@ -70,8 +70,11 @@ class _TalkerRequest:
     num_prompt: int
     trailing: torch.Tensor  # [R, hidden]: added to decode step j's input (j < R), then tts_pad
     frames: list[list[int]] = field(default_factory=list)  # frame j = [c0, code 1, ...], computed once
-    last_hidden: torch.Tensor | None = None  # talker hidden state of position `last_pos`
-    last_pos: int = -1
+    # The talker hidden state the next frame's code predictor starts from: that of position
+    # num_prompt + len(frames) - 1, kept from the forward that computed it (a request recomputed after
+    # preemption reaches the next frame's position in the same forward as that one).
+    next_hidden: torch.Tensor | None = None
+    next_pos: int = -1
 
 
 class Qwen3OmniTalkerStage(AutoregressiveStageModel):
@@ -227,14 +230,14 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
                 j, row = p - st.num_prompt, a + p - start
                 decode_rows.append((st, row, j))
                 if j >= len(st.frames):
-                    if j != len(st.frames) or st.last_pos != p - 1 or p != start:
+                    if j != len(st.frames) or st.next_pos != p - 1:
                         raise RuntimeError(f"qwen3_omni_talker: request {rid!r} position {p} needs the hidden state "
-                                           f"of position {p - 1} (have {st.last_pos}) to predict frame {j}")
+                                           f"of position {p - 1} (have {st.next_pos}) to predict frame {j}")
                     pending.append((st, row, j))
         if pending:
             rows = torch.tensor([r for _, r, _ in pending], device=embeds.device)
             c0 = ids[rows]
-            past = torch.stack([st.last_hidden for st, _, _ in pending])
+            past = torch.stack([st.next_hidden for st, _, _ in pending])
             residual = self.code_predictor.predict(past, self.codec_embed(c0))
             for (st, _, _), first, rest in zip(pending, c0.tolist(), residual.tolist()):
                 st.frames.append([first, *rest])
@@ -251,8 +254,9 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         hidden = self.talker.model(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False).last_hidden_state[0]
         for rid, a, start, end in ctx.request_spans():
             st = self._requests.get(rid)
-            if st is not None:
-                st.last_hidden, st.last_pos = hidden[a + end - start - 1], end - 1
+            q = st.num_prompt + len(st.frames) - 1 if st is not None else -1
+            if start <= q < end:
+                st.next_hidden, st.next_pos = hidden[a + q - start], q
         return {"hidden_states": hidden, "codes": codes}
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
