@@ -27,7 +27,8 @@ def register() -> None:
     register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav",
                              incremental="stages.qwen2_5_omni:talker2wav_chunk")
     # Qwen3-Omni: the talker reads the thinker's embeds / accept_hidden rows, code2wav the talker's `codes` rows.
-    register_input_processor("qwen3_omni_thinker2talker", "stages.qwen3_omni:thinker2talker", needs_hidden_states=True)
+    register_input_processor("qwen3_omni_thinker2talker", "stages.qwen3_omni:thinker2talker", needs_hidden_states=True,
+                             incremental="stages.qwen3_omni:thinker2talker_chunk")
     register_input_processor("qwen3_omni_talker2code2wav", "stages.qwen3_omni:talker2code2wav",
                              needs_hidden_states=True, incremental="stages.qwen3_omni:talker2code2wav_chunk")
 

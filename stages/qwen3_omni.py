@@ -21,7 +21,7 @@ from .qwen3_omni_talker import Qwen3OmniTalkerStage
 from .qwen3_omni_thinker import Qwen3OmniThinkerStage
 
 __all__ = ["Qwen3OmniThinkerStage", "Qwen3OmniTalkerStage", "Qwen3OmniCode2WavStage", "thinker2talker",
-           "talker2code2wav", "talker2code2wav_chunk"]
+           "thinker2talker_chunk", "talker2code2wav", "talker2code2wav_chunk"]
 
 
 def _single(upstream: dict[str, StageOutput], edge: str) -> StageOutput:
@@ -46,6 +46,48 @@ def thinker2talker(upstream: dict[str, StageOutput], request: StageInput) -> Sta
         "thinker_embeds": np.asarray(rows["embeds"], dtype=np.float32),
         "thinker_accept_hidden": np.asarray(rows["accept_hidden"], dtype=np.float32),
         "speaker": request.extra.get("speaker"),
+    }
+    return StageInput(request.request_id, sampling_params=request.extra.get("talker_sampling_params"),
+                      cache_salt=request.cache_salt, extra=extra)
+
+
+def thinker2talker_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput | None:
+    """thinker2talker on a streaming edge. The talker's prompt needs the thinker's prompt rows and the row of its
+    first token g0 (computed once g1 is sampled): until then nothing is built (None); then the whole prompt at
+    once, and afterwards only the new tokens and embeds rows (the talker turns each into one trailing row)."""
+    if chunk.prompt_token_ids is not None:
+        state["prompt"] = list(chunk.prompt_token_ids)
+    rows = chunk.rows or {}
+    if rows and ("embeds" not in rows or "accept_hidden" not in rows):
+        raise ValueError("qwen3_omni_thinker2talker: the thinker chunk carries no embeds / accept_hidden rows "
+                         "(is the upstream a qwen3_omni_thinker stage?)")
+    if rows and chunk.rows_start != state.get("num_rows", 0):
+        raise ValueError(f"qwen3_omni_thinker2talker: thinker rows from {chunk.rows_start}, expected "
+                         f"{state.get('num_rows', 0)} (a chunk was lost)")
+    state["num_rows"] = state.get("num_rows", 0) + (len(rows["embeds"]) if rows else 0)
+    if state.get("started"):
+        empty = np.zeros((0, 0), np.float32)
+        return StageInput(request.request_id, extra={"thinker_output_ids": list(chunk.token_ids),
+                                                     "thinker_embeds": rows.get("embeds", empty)})
+    gen = state.setdefault("gen", [])
+    gen.extend(chunk.token_ids)
+    for name in ("embeds", "accept_hidden"):
+        if name in rows:
+            state.setdefault(name, []).append(np.asarray(rows[name], dtype=np.float32))
+    prompt = state.get("prompt")
+    if prompt is None or len(gen) < 2 or state["num_rows"] < len(prompt) + 1:
+        if chunk.finished:
+            raise ValueError(f"qwen3_omni_thinker2talker: the talker needs >= 2 thinker tokens and their rows "
+                             f"(the thinker finished with {len(gen)} tokens)")
+        return None
+    state["started"] = True
+    extra = {
+        "thinker_prompt_ids": prompt,
+        "thinker_output_ids": list(gen),
+        "thinker_embeds": np.concatenate(state["embeds"]),
+        "thinker_accept_hidden": np.concatenate(state["accept_hidden"]),
+        "speaker": request.extra.get("speaker"),
+        "streaming": not chunk.finished,
     }
     return StageInput(request.request_id, sampling_params=request.extra.get("talker_sampling_params"),
                       cache_salt=request.cache_salt, extra=extra)

@@ -25,9 +25,15 @@ The prompt rows are this stage's `prompt_embeds` (in the talker's width), so the
 the thinker-derived embeddings; prompt ids are the codec pad id (a suppressed id: the repetition
 penalty, which transformers applies to generated codes only, leaves it at -inf).
 
+Streaming (a `stream: true` edge from the thinker): the prompt is complete once the thinker has
+sampled two tokens (it needs g0's row); later chunks bring one text row per thinker token, and decode
+step j waits until trailing[j] exists (`compute_limit`: the row of g_{j+1} counts once g_{j+2} exists,
+since the thinker's last token has no row in transformers) or the thinker has finished (then tts_eos
+and tts_pad follow). The rows and positions are the one-shot path's, so the frames are too.
+
 Not yet: image/audio prompts (their 3-D positions), sampled residual codes (they are greedy even
-when c0 is sampled), and block hashes over the residual codes of generated positions (identical
-prefixes give identical greedy residual codes, so greedy decoding shares no wrong block).
+when c0 is sampled), and block hashes over the residual codes of generated positions: those are
+greedy functions of the hashed prefix and c0 here, so equal block hashes still mean equal frames.
 """
 from __future__ import annotations
 
@@ -68,7 +74,12 @@ def _register_talker_expert_conversion() -> None:
 @dataclass(slots=True)
 class _TalkerRequest:
     num_prompt: int
-    trailing: torch.Tensor  # [R, hidden]: added to decode step j's input (j < R), then tts_pad
+    # Projected thinker text rows of g1, g2, ... as they arrived (streaming: more come with each chunk).
+    text_rows: list[torch.Tensor]
+    num_gen: int  # thinker tokens known
+    complete: bool = True  # the thinker finished: `trailing` is final
+    # Decode step j adds trailing[j] (then tts_pad): text_rows of g1 .. g_{n-2}, then tts_eos once complete.
+    trailing: list[torch.Tensor] = field(default_factory=list)
     frames: list[list[int]] = field(default_factory=list)  # frame j = [c0, code 1, ...], computed once
     # The talker hidden state the next frame's code predictor starts from: that of position
     # num_prompt + len(frames) - 1, kept from the forward that computed it (a request recomputed after
@@ -79,6 +90,7 @@ class _TalkerRequest:
 
 class Qwen3OmniTalkerStage(AutoregressiveStageModel):
     tokenizer = None
+    decodes_before_input_complete = True  # one trailing thinker row per step (compute_limit says how far)
 
     def __init__(self, talker, thinker_embed: torch.nn.Embedding, full_config, device, dtype):
         self.talker = talker
@@ -154,7 +166,9 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         gen = [int(t) for t in ex["thinker_output_ids"]]
         embeds, hidden = self._rows(ex, "thinker_embeds"), self._rows(ex, "thinker_accept_hidden")
         L, n = len(prompt), len(gen)
-        if n < 2 or embeds.shape[0] < L + n - 1 or hidden.shape[0] < L:
+        streaming = bool(ex.get("streaming"))
+        # Streaming: the prompt needs g0's row (L); later rows come with later chunks.
+        if n < 2 or embeds.shape[0] < (L + 1 if streaming else L + n - 1) or hidden.shape[0] < L:
             raise RequestError(f"extra.thinker_output_ids: the talker needs >= 2 thinker tokens and the rows of all "
                                f"but the last (got {n} tokens, {embeds.shape[0]} rows for a {L}-token prompt)",
                                field="extra.thinker_output_ids")
@@ -190,10 +204,34 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         codec = torch.cat([torch.zeros((3, self.hidden_size), dtype=self.dtype, device=self.device),
                            self.codec_embed(codec_ids)])
         rows = torch.cat([user_rows, text + codec])
-        trailing = torch.cat([ah[4:], self.tts_eos[None]])
-        state = _TalkerRequest(rows.shape[0], trailing)
+        state = _TalkerRequest(rows.shape[0], list(ah[4:]), n, complete=not ex.get("streaming"))
+        self._set_trailing(state)
         return PreparedPrompt([self.prompt_token_id] * rows.shape[0], [], rows.float().cpu().numpy(),
                               {"talker": state})
+
+    def _set_trailing(self, st: _TalkerRequest) -> None:
+        # Row of g_{n-1} (the thinker's last token) is never used: transformers has no hidden state for it.
+        known = st.text_rows[: max(0, st.num_gen - 2)]
+        st.trailing = known + [self.tts_eos] if st.complete else known
+
+    @torch.inference_mode()
+    def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
+        """More of the thinker's output on a streaming edge: its new tokens and their embeds rows."""
+        st = self._requests.get(request_id)
+        if st is None or st.complete:
+            raise ValueError(f"request_id: {request_id!r} takes no more thinker output")
+        st.num_gen += len(extra.get("thinker_output_ids", ()))
+        rows = extra.get("thinker_embeds")
+        if rows is not None and len(rows):
+            st.text_rows.extend(self.talker.text_projection(self._rows(extra, "thinker_embeds")))
+        st.complete = last
+        self._set_trailing(st)
+
+    def compute_limit(self, request_id: str) -> int | None:
+        st = self._requests.get(request_id)
+        if st is None or st.complete:
+            return None
+        return st.num_prompt + len(st.trailing)  # position num_prompt + j needs trailing[j]
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
         if prompt is not None:
@@ -245,7 +283,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             frames = torch.tensor([st.frames[j] for st, _, j in decode_rows], dtype=torch.long, device=embeds.device)
             parts = [self.codec_embed(frames[:, 0])] + self.code_predictor.residual_embeds(frames[:, 1:])
             summed = torch.stack(parts, dim=1).sum(1)  # transformers: cat(codec hiddens).sum(1)
-            text = torch.stack([st.trailing[j] if j < st.trailing.shape[0] else self.tts_pad
+            text = torch.stack([st.trailing[j] if j < len(st.trailing) else self.tts_pad
                                 for st, _, j in decode_rows])
             rows = torch.tensor([r for _, r, _ in decode_rows], device=embeds.device)
             embeds[rows] = (summed + text).to(embeds.dtype)

@@ -101,3 +101,30 @@ def test_omni_run_streams_code2wav_chunks(tmp_path, capsys):
             ref.append(model(x[..., s - c : e])[..., c * spf :].reshape(-1).float().numpy())
     assert len(ref) >= 3
     assert streamed == to_pcm16(np.concatenate(ref))
+
+
+@pytest.mark.timeout(300)
+def test_omni_run_streams_thinker_to_talker(tmp_path, capsys):
+    """Both edges streaming: the talker starts on the thinker's first chunks (one thinker row per talker step)
+    and code2wav on the talker's; with one code2wav window the text and the WAV are transformers' generate."""
+    thinker_max, talker_max = _limits()
+    overrides = {"talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": 1}]},
+                 "code2wav": {"inputs": [{"stage": "talker", "stream": True, "chunk_tokens": 2}]}}
+    out = tmp_path / "stream"
+    rc = cli.main(["run", str(TINY), "--prompt", PROMPT, "--json", "--backend", "local", "--stream",
+                   "--output-dir", str(out), "--stage-overrides", json.dumps(overrides)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-2000:]
+    [result] = json.loads(captured.out.strip().splitlines()[-1])["results"]
+    assert result["error"] is None
+    from transformers import AutoTokenizer
+
+    from stages.qwen3_omni_thinker import render_chatml
+    from tests.stages.qwen3_omni_utils import checkpoint
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
+    ids = tok(render_chatml([{"role": "user", "content": PROMPT}], None))["input_ids"]
+    ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max)
+    assert result["outputs"]["thinker"]["token_ids"] == ref_tokens
+    with wave.open(str(out / "0000_code2wav.wav"), "rb") as w:
+        assert w.readframes(w.getnframes()) == to_pcm16(ref_wav)
