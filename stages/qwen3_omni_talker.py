@@ -1,6 +1,7 @@
 """Qwen3-Omni talker as a stage: the thinker's per-token rows in, codec frames out.
 
-Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one request (text only):
+Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one request (text and audio
+prompts; audio placeholders take the accept-layer rows through hidden_projection, positions stay plain):
 
     prompt rows   the user turns' positions (every token whose turn's role is `user`):
                       text_projection(thinker embeds)           (hidden_projection(accept_hidden) for media)
@@ -10,7 +11,7 @@ Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one re
     decode step j input = sum of the codec embeddings of frame j (talker codec_embed(c0) + the code
                   predictor's embedding of each residual code) + trailing[j]
                   trailing = text_projection(embeds of g1 .. g_{n-2}), then tts_eos, then tts_pad
-    positions     0, 1, 2, ... (text-only prompts: the same on all three rotary axes)
+    positions     0, 1, 2, ... (without image/video grids: the same on all three rotary axes)
     logits        the top 1024 ids but codec eos are suppressed
 
 Frame j's residual codes come from the code predictor (stages/qwen3_omni_code_predictor.py), run
@@ -31,7 +32,7 @@ step j waits until trailing[j] exists (`compute_limit`: the row of g_{j+1} count
 since the thinker's last token has no row in transformers) or the thinker has finished (then tts_eos
 and tts_pad follow). The rows and positions are the one-shot path's, so the frames are too.
 
-Not yet: image/audio prompts (their 3-D positions), sampled residual codes (they are greedy even
+Not yet: image/video prompts (their 3-D positions), sampled residual codes (they are greedy even
 when c0 is sampled), and block hashes over the residual codes of generated positions: those are
 greedy functions of the hashed prefix and c0 here, so equal block hashes still mean equal frames.
 """

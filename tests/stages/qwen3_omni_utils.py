@@ -25,6 +25,18 @@ PROMPTS = {
 }
 
 
+def audio(seed: int = 0, seconds: float = 1.0) -> np.ndarray:
+    return (0.1 * np.random.default_rng(seed).standard_normal(int(16000 * seconds))).astype(np.float32)
+
+
+def cases() -> list[StageInput]:
+    """The text prompts above, and an audio clip with a question."""
+    from omni.outputs import MultiModalInput
+
+    return [StageInput(name, prompt=p) for name, p in PROMPTS.items()] + [
+        StageInput("audio", prompt="What do you hear?", mm_inputs=[MultiModalInput("audio", audio(0), 16000)])]
+
+
 @functools.lru_cache(maxsize=None)
 def checkpoint(variant: str):
     from stages.qwen3_omni_checkpoint import tiny_qwen3_omni_checkpoint
@@ -49,8 +61,8 @@ def hf_model(variant: str):
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint(variant)), dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=None)
-def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_max: int, speaker: str):
+def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_max: int, speaker: str,
+                 features: torch.Tensor | None = None):
     model = hf_model(variant)
     frames: list[np.ndarray] = []
     orig = model.code2wav.chunked_decode
@@ -62,8 +74,10 @@ def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_ma
     model.code2wav.chunked_decode = spy
     try:
         x = torch.tensor([list(ids)])
+        kw = {} if features is None else {
+            "input_features": features[None], "feature_attention_mask": torch.ones(1, features.shape[1], dtype=torch.long)}
         with torch.inference_mode():
-            seq, wav = model.generate(input_ids=x, thinker_max_new_tokens=thinker_max, thinker_do_sample=False,
+            seq, wav = model.generate(input_ids=x, **kw, thinker_max_new_tokens=thinker_max, thinker_do_sample=False,
                                       talker_max_new_tokens=talker_max, talker_do_sample=False,
                                       talker_repetition_penalty=1.05, return_audio=True, speaker=speaker)
     finally:
@@ -71,11 +85,27 @@ def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_ma
     return seq[0, len(ids):].tolist(), frames[0], wav.reshape(-1).float().numpy()
 
 
+_HF_RESULTS: dict[tuple, tuple[list[int], np.ndarray, np.ndarray]] = {}
+
+
 def hf_generate(variant: str, ids: list[int], *, thinker_max: int = THINKER_MAX, talker_max: int = TALKER_MAX,
-                speaker: str = "Ethan") -> tuple[list[int], np.ndarray, np.ndarray]:
-    """transformers' Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True), greedy thinker and talker:
-    (thinker tokens, the codec frames [N, G] it decodes, waveform)."""
-    return _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker)
+                speaker: str = "Ethan", features: torch.Tensor | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """transformers' Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True), greedy thinker and talker,
+    with an audio clip's log-mel `features` [mel, frames] if given: (thinker tokens, the codec frames [N, G] it
+    decodes, waveform). Memoized: the same request is generated once per process."""
+    key = (variant, tuple(ids), thinker_max, talker_max, speaker,
+           None if features is None else features.numpy().tobytes())
+    if key not in _HF_RESULTS:
+        _HF_RESULTS[key] = _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker, features)
+    return _HF_RESULTS[key]
+
+
+def hf_reference(variant: str, inp: StageInput, **kw) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """hf_generate on the prompt ids and the audio features our thinker builds for `inp` (at most one clip)."""
+    prepared = stages(variant)[0].preprocess(inp)
+    items = prepared.extra.get("audio") or []
+    assert len(items) <= 1, "the reference feeds one clip"
+    return hf_generate(variant, prepared.token_ids, features=items[0].data if items else None, **kw)
 
 
 def make_chain(variant: str, *, caching: bool = True, block_size: int = 4, chunk: int = 512, code2wav_kwargs=None):

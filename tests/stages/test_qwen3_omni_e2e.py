@@ -2,7 +2,7 @@
 
 On both tiny random checkpoints (4 experts top-2 with 4 code groups; 2 experts top-1 with 2 code groups),
 greedy: thinker tokens, every codebook of every codec frame and the waveform equal transformers', for
-requests of different lengths batched together, with prefix caching on and off, and over three turns of
+text and audio requests of different lengths batched together, with prefix caching on and off, and over three turns of
 a conversation whose later turns hit both decoders' prefix caches."""
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 
 from omni.errors import RequestError
 from omni.outputs import StageInput
-from tests.stages.qwen3_omni_utils import (PROMPTS, THINKER_LAYERS, VARIANTS, frames_of, hf_generate, make_chain,
-                                           run_chain, stages)
+from tests.stages.qwen3_omni_utils import (THINKER_LAYERS, VARIANTS, audio, cases, frames_of, hf_reference,
+                                           make_chain, run_chain, stages)
 from tests.tolerances import assert_rows_close, decoder_atol
 
 
 def _check_against_transformers(variant, results, inputs):
     for inp in inputs:
         thinker_out, talker_out, wav_out = results[inp.request_id]
-        ref_tokens, ref_frames, ref_wav = hf_generate(variant, thinker_out.prompt_token_ids)
+        ref_tokens, ref_frames, ref_wav = hf_reference(variant, inp)
         assert thinker_out.token_ids == ref_tokens, inp.request_id
         np.testing.assert_array_equal(frames_of(talker_out, inp), ref_frames, err_msg=inp.request_id)
         # The same frames through transformers' own code2wav.chunked_decode (same chunking): bitwise.
@@ -30,7 +30,7 @@ def _check_against_transformers(variant, results, inputs):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
 def test_pipeline_matches_transformers_generate(variant, caching):
-    inputs = [StageInput(name, prompt=p) for name, p in PROMPTS.items()]
+    inputs = cases()
     results = run_chain(make_chain(variant, caching=caching), inputs)
     _check_against_transformers(variant, results, inputs)
     frames = [frames_of(r[1], StageInput(rid)) for rid, r in results.items()]
@@ -43,13 +43,19 @@ def test_three_turn_conversation_hits_the_caches_and_matches_transformers():
     """Each turn's prompt is the conversation so far: from turn 2 on the thinker and the talker (whose
     prompt holds every user turn) hit their prefix caches, and still equal transformers' generate; the
     thinker's per-token rows handed to the talker equal an uncached run's."""
+    from omni.outputs import MultiModalInput
+
     variant = "tiny"
     cached, uncached = make_chain(variant, caching=True), make_chain(variant, caching=False)
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
-    user_turns = ["Hello, who are you?", "Tell me about the sea, and the ships that sail on it.", "And the stars?"]
-    for turn, text in enumerate(user_turns):
-        messages = messages + [{"role": "user", "content": text}]
-        inp = StageInput(f"turn{turn}", prompt=messages)
+    clip = [MultiModalInput("audio", audio(1), 16000)]  # in turn 1, so in every later turn's prompt
+    user_turns = [[{"type": "audio"}, {"type": "text", "text": "Hello, what is this sound?"}],
+                  "Tell me about the sea, and the ships that sail on it.", "And the stars?"]
+    thinker = stages(variant)[0]
+    before = thinker.stats()
+    for turn, content in enumerate(user_turns):
+        messages = messages + [{"role": "user", "content": content}]
+        inp = StageInput(f"turn{turn}", prompt=messages, mm_inputs=clip)
         on = run_chain(cached, [inp])[inp.request_id]
         off = run_chain(uncached, [inp])[inp.request_id]
         _check_against_transformers(variant, {inp.request_id: on}, [inp])
@@ -62,6 +68,10 @@ def test_three_turn_conversation_hits_the_caches_and_matches_transformers():
                           decoder_atol(ref, layers=THINKER_LAYERS, widest_sum=max(128, len(ref))), "accept_hidden")
         np.testing.assert_array_equal(on[2].audio, off[2].audio)
         messages = messages + [{"role": "assistant", "content": on[0].text}]
+    after = thinker.stats()
+    # The clip is encoded at most once (the encoder cache is keyed by its content); the uncached chain re-reads it.
+    assert after["encoder_runs"] - before["encoder_runs"] <= 1
+    assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
 
 
 def test_streamed_code2wav_equals_chunked_decode():
@@ -125,9 +135,10 @@ def test_refusals_name_the_field():
     thinker, talker, code2wav = stages("tiny")
     from omni.outputs import MultiModalInput
 
+    picture = np.zeros((32, 32, 3), np.uint8)
     with pytest.raises(RequestError) as e:
-        thinker.preprocess(StageInput("r", prompt="hi", mm_inputs=[MultiModalInput("audio", np.zeros(1600), 16000)]))
-    assert e.value.field == "multi_modal_data" and "audio" in str(e.value)
+        thinker.preprocess(StageInput("r", prompt="hi", mm_inputs=[MultiModalInput("image", picture)]))
+    assert e.value.field == "multi_modal_data" and "image" in str(e.value)
     with pytest.raises(RequestError) as e:
         thinker.preprocess(StageInput("r", prompt=[{"role": "user", "content": [{"type": "image"}]}]))
     assert e.value.field == "prompt[0].content[0].type"
