@@ -45,6 +45,7 @@ def thinker2talker(upstream: dict[str, StageOutput], request: StageInput) -> Sta
         "thinker_output_ids": list(out.token_ids),
         "thinker_embeds": np.asarray(rows["embeds"], dtype=np.float32),
         "thinker_accept_hidden": np.asarray(rows["accept_hidden"], dtype=np.float32),
+        "thinker_mm_meta": np.asarray(rows["mm_meta"], dtype=np.float32) if "mm_meta" in rows else None,
         "speaker": request.extra.get("speaker"),
     }
     return StageInput(request.request_id, sampling_params=request.extra.get("talker_sampling_params"),
@@ -71,7 +72,7 @@ def thinker2talker_chunk(chunk: StageDelta, request: StageInput, state: dict) ->
                                                      "thinker_embeds": rows.get("embeds", empty)})
     gen = state.setdefault("gen", [])
     gen.extend(chunk.token_ids)
-    for name in ("embeds", "accept_hidden"):
+    for name in ("embeds", "accept_hidden", "mm_meta"):
         if name in rows:
             state.setdefault(name, []).append(np.asarray(rows[name], dtype=np.float32))
     prompt = state.get("prompt")
@@ -86,6 +87,7 @@ def thinker2talker_chunk(chunk: StageDelta, request: StageInput, state: dict) ->
         "thinker_output_ids": list(gen),
         "thinker_embeds": np.concatenate(state["embeds"]),
         "thinker_accept_hidden": np.concatenate(state["accept_hidden"]),
+        "thinker_mm_meta": np.concatenate(state["mm_meta"]) if state.get("mm_meta") else None,
         "speaker": request.extra.get("speaker"),
         "streaming": not chunk.finished,
     }

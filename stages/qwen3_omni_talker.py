@@ -1,7 +1,7 @@
 """Qwen3-Omni talker as a stage: the thinker's per-token rows in, codec frames out.
 
-Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one request (text and audio
-prompts; audio placeholders take the accept-layer rows through hidden_projection, positions stay plain):
+Mirrors transformers' `Qwen3OmniMoeForConditionalGeneration.generate` for one request (image and audio
+placeholders take the accept-layer rows through hidden_projection):
 
     prompt rows   the user turns' positions (every token whose turn's role is `user`):
                       text_projection(thinker embeds)           (hidden_projection(accept_hidden) for media)
@@ -11,7 +11,9 @@ prompts; audio placeholders take the accept-layer rows through hidden_projection
     decode step j input = sum of the codec embeddings of frame j (talker codec_embed(c0) + the code
                   predictor's embedding of each residual code) + trailing[j]
                   trailing = text_projection(embeds of g1 .. g_{n-2}), then tts_eos, then tts_pad
-    positions     0, 1, 2, ... (without image/video grids: the same on all three rotary axes)
+    positions     with images: transformers' talker get_rope_index over the talker's own ids (user tokens,
+                  then tts_pad), the grids read from the thinker's mm_meta rows; generated p + delta.
+                  Without: 0, 1, 2, ... on all three rotary axes
     logits        the top 1024 ids but codec eos are suppressed
 
 Frame j's residual codes come from the code predictor (stages/qwen3_omni_code_predictor.py), run
@@ -32,7 +34,7 @@ step j waits until trailing[j] exists (`compute_limit`: the row of g_{j+1} count
 since the thinker's last token has no row in transformers) or the thinker has finished (then tts_eos
 and tts_pad follow). The rows and positions are the one-shot path's, so the frames are too.
 
-Not yet: image/video prompts (their 3-D positions), sampled residual codes (they are greedy even
+Not yet: video, an image and a clip in one conversation (transformers' talker cannot place them), sampled residual codes (they are greedy even
 when c0 is sampled), and block hashes over the residual codes of generated positions: those are
 greedy functions of the hashed prefix and c0 here, so equal block hashes still mean equal frames.
 """
@@ -53,6 +55,7 @@ from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPr
 from omni.errors import RequestError
 from omni.outputs import StageInput
 
+from .qwen2_5_omni_inputs import fill_mrope_positions
 from .qwen2_5_omni_talker import load_thinker_embedding
 from .qwen3_omni_code_predictor import CodePredictor
 from .qwen3_omni_thinker import load_qwen3_omni_part
@@ -81,6 +84,8 @@ class _TalkerRequest:
     complete: bool = True  # the thinker finished: `trailing` is final
     # Decode step j adds trailing[j] (then tts_pad): text_rows of g1 .. g_{n-2}, then tts_eos once complete.
     trailing: list[torch.Tensor] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [3, num_prompt] with images; None: plain positions
+    delta: int = 0  # generated position p has rotary position p + delta
     frames: list[list[int]] = field(default_factory=list)  # frame j = [c0, code 1, ...], computed once
     # The talker hidden state the next frame's code predictor starts from: that of position
     # num_prompt + len(frames) - 1, kept from the forward that computed it (a request recomputed after
@@ -206,9 +211,39 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
                            self.codec_embed(codec_ids)])
         rows = torch.cat([user_rows, text + codec])
         state = _TalkerRequest(rows.shape[0], list(ah[4:]), n, complete=not ex.get("streaming"))
+        if any(t == self.mm_token_ids[1] for t in prompt):  # images: 3-D positions over the talker's own sequence
+            talker_ids = [prompt[i] for i in user.tolist()] + [full.tts_pad_token_id] * (rows.shape[0] - len(user))
+            state.positions, state.delta = self._rope_index(talker_ids, [int(i) for i in user.tolist()], ex)
         self._set_trailing(state)
         return PreparedPrompt([self.prompt_token_id] * rows.shape[0], [], rows.float().cpu().numpy(),
                               {"talker": state})
+
+    def _rope_index(self, talker_ids: list[int], user: list[int], ex: dict) -> tuple[torch.Tensor, int]:
+        """transformers' talker positions: its get_rope_index over the talker's ids (user turns + tts_pad), with
+        the grids of the images in them, read from the thinker's mm_meta rows at each placeholder run."""
+        meta = ex.get("thinker_mm_meta")
+        if meta is None:
+            raise RequestError("extra.thinker_mm_meta: an image prompt needs the thinker's mm_meta rows "
+                               "(use the qwen3_omni_thinker2talker input processor)", field="extra.thinker_mm_meta")
+        meta = np.asarray(meta)
+        image_id, audio_id = self.mm_token_ids[1], self.mm_token_ids[0]
+        grids, clips = [], []
+        for k, i in enumerate(user):
+            t = talker_ids[k]
+            if t in (image_id, audio_id) and (k == 0 or talker_ids[k - 1] != t):  # the first row of a run
+                if t == image_id:
+                    grids.append([int(v) for v in meta[i, :3]])
+                else:
+                    clips.append(int(meta[i, 3]))
+        if clips:
+            # transformers' talker reads `config.audio_config` for clips next to images, which it does not have.
+            raise RequestError("multi_modal_data: the Qwen3-Omni talker cannot place an audio clip and an image "
+                               "in one conversation (transformers' talker has no audio config)",
+                               field="multi_modal_data")
+        x = torch.tensor([talker_ids], dtype=torch.long)
+        pos, delta = self.talker.get_rope_index(x, torch.tensor(grids, dtype=torch.long), None, torch.ones_like(x),
+                                                False, None, None)
+        return pos[:, 0].long().cpu(), int(delta.reshape(-1)[0])
 
     def _set_trailing(self, st: _TalkerRequest) -> None:
         # Row of g_{n-1} (the thinker's last token) is never used: transformers has no hidden state for it.
@@ -290,6 +325,13 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             embeds[rows] = (summed + text).to(embeds.dtype)
             codes[rows] = frames.to(codes.dtype)
         pos3 = positions.view(1, 1, -1).expand(3, 1, -1)
+        if any(st.positions is not None for st in self._requests.values()):
+            cpu_pos = positions.detach().cpu().long().unsqueeze(0).repeat(3, 1)
+            for rid, a, start, end in ctx.request_spans():
+                st = self._requests.get(rid)
+                if st is not None and st.positions is not None:
+                    fill_mrope_positions(cpu_pos, a, start, end, st.positions, st.delta)
+            pos3 = cpu_pos[:, None].to(embeds.device)
         hidden = self.talker.model(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False).last_hidden_state[0]
         for rid, a, start, end in ctx.request_spans():
             st = self._requests.get(rid)

@@ -8,23 +8,29 @@ Per token the forward emits, besides the last hidden states:
 
     embeds         the decoder's input rows (hidden_states[0] of transformers' generate)
     accept_hidden  the output of layer `talker_config.accept_hidden_layer` (hidden_states[k])
+    mm_meta        [grid t, h, w, audio frames] of the image / clip a placeholder row belongs to (the
+                   talker's 3-D positions need them)
 
 which are what transformers' `Qwen3OmniMoeForConditionalGeneration.generate` hands the talker. They
 are discovered per-token outputs, so they live in the stage tensor cache: a request that hits the
 prefix cache still hands the talker the rows of its whole sequence.
 
-Inputs: text or chat messages (rendered in ChatML, as Qwen3-Omni's chat template does) or token ids, and
-audio: each clip becomes `<|audio_start|>` + one `<|audio_pad|>` per audio-encoder output row +
-`<|audio_end|>` (Whisper log-mel features, the row count from transformers' own
-`_get_feat_extract_output_lengths`), is hashed into the block hashes, and its encoder rows (LRU cache
-keyed by the clip's content hash) replace the placeholder rows inside whatever span a step computes.
-Text and audio prompts have plain positions on all three rotary axes (transformers' `get_rope_index`
-gives arange without image/video grids). Images and video are refused (RequestError naming
-`multi_modal_data`): the vision encoder and its deepstack features are not wired into this stage yet.
+Inputs: text or chat messages (rendered in ChatML, as Qwen3-Omni's chat template does) or token ids,
+images and audio. An image becomes `<|vision_start|>` + one `<|image_pad|>` per merged patch +
+`<|vision_end|>` (Qwen2-VL's Pillow image processor at the vision tower's patch size, mean/std 0.5), a
+clip `<|audio_start|>` + one `<|audio_pad|>` per audio-encoder row + `<|audio_end|>` (Whisper log-mel
+features, the row count from transformers' `_get_feat_extract_output_lengths`). Inputs are hashed into
+the block hashes; their encoder rows (LRU cache keyed by content hash) replace the placeholder rows
+inside whatever span a step computes, and an image's deepstack rows are added after the first decoder
+layers at its rows of the step (transformers' `visual_pos_masks` / `deepstack_visual_embeds`). With
+images, positions are transformers' `get_rope_index` per request (generated tokens at p + delta);
+without, they are plain on all three rotary axes. Video is refused (RequestError naming
+`multi_modal_data`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +46,12 @@ from omni.errors import RequestError
 from omni.outputs import StageInput
 
 from .media import media_names
-from .qwen2_5_omni_inputs import MMItem, expand_placeholders, mm_hash, preprocess_audio
+from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, mm_hash, preprocess_audio,
+                                  preprocess_image)
 
 THINKER_EOS = 151645  # <|im_end|>
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 AUDIO_CONFIG = {"audio_sampling_rate": 16000, "num_mel_bins": 128}  # Qwen3-Omni's Whisper feature extractor
 
 
@@ -79,11 +87,13 @@ def render_chatml(messages: list[dict[str, Any]], system_prompt: str | None) -> 
                 kind = item.get("type", "text")
                 if kind == "audio":
                     text += AUDIO_PLACEHOLDER
+                elif kind == "image":
+                    text += IMAGE_PLACEHOLDER
                 elif kind == "text":
                     text += item.get("text", "")
                 else:
-                    raise RequestError(f"prompt[{i}].content[{j}].type: the Qwen3-Omni thinker takes text and audio "
-                                       f"(got {kind!r}; image and video inputs are not supported yet)",
+                    raise RequestError(f"prompt[{i}].content[{j}].type: the Qwen3-Omni thinker takes text, image and "
+                                       f"audio (got {kind!r}; video inputs are not supported yet)",
                                        field=f"prompt[{i}].content[{j}].type")
             content = text
         parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
@@ -91,10 +101,17 @@ def render_chatml(messages: list[dict[str, Any]], system_prompt: str | None) -> 
     return "".join(parts)
 
 
+@dataclass(slots=True)
+class _ThinkerRequest:
+    items: list[MMItem]  # sorted by offset
+    positions: torch.Tensor | None  # [3, num_prompt] int64 with images; None: plain positions
+    delta: int  # generated token at index p has position p + delta (all three axes)
+
+
 class Qwen3OmniThinkerStage(AutoregressiveStageModel):
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int,
-                 system_prompt: str | None = None, encoder_cache_size: int = 128):
+                 system_prompt: str | None = None, encoder_cache_size: int = 128, max_pixels: int = 12845056):
         self.thinker = thinker
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
@@ -113,12 +130,18 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         self.accept_hidden_layer = accept_hidden_layer
         self.system_prompt = system_prompt
         self.audio_token_id = thinker.config.audio_token_id
+        self.image_token_id = thinker.config.image_token_id
+        vc = thinker.config.vision_config
+        # Qwen3-Omni's image processor: Qwen2-VL's with the vision tower's patching, mean/std 0.5.
+        self.image_cfg = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": vc.patch_size,
+                          "temporal_patch_size": vc.temporal_patch_size, "merge_size": vc.spatial_merge_size,
+                          "min_pixels": 56 * 56, "max_pixels": max_pixels}
         self.audio_n_window = int(thinker.config.audio_config.n_window)
         self.encoder_cache_size = encoder_cache_size
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoder_runs = 0
         self.encoder_cache_hits = 0
-        self._requests: dict[str, list[MMItem]] = {}
+        self._requests: dict[str, _ThinkerRequest] = {}
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -128,6 +151,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         kwargs = dict(model_kwargs or {})
         system_prompt = kwargs.pop("system_prompt", None)
         cache_size = int(kwargs.pop("encoder_cache_size", 128))
+        max_pixels = int(kwargs.pop("max_pixels", 12845056))  # the 30B model's preprocessor_config
         thinker, full = load_qwen3_omni_part(Path(model_path), "thinker", Qwen3OmniMoeThinkerForConditionalGeneration,
                                              dtype, device, **kwargs)
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
@@ -135,7 +159,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         use_column_major_head(thinker.lm_head, device)  # decode logits at memory speed
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, int(full.talker_config.accept_hidden_layer), system_prompt,
-                   cache_size)
+                   cache_size, max_pixels)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
@@ -149,79 +173,102 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
         names = media_names(inp.mm_inputs)
-        refused = [(m.modality, where) for m, where in zip(inp.mm_inputs, names) if m.modality != "audio"]
+        refused = [(m.modality, where) for m, where in zip(inp.mm_inputs, names) if m.modality not in ("audio", "image")]
         if refused:
-            raise RequestError(f"multi_modal_data: the Qwen3-Omni thinker stage takes text and audio; {refused[0][0]} "
-                               f"inputs ({refused[0][1]}) are not supported yet", field="multi_modal_data")
-        items = [self.audio_item(m, where) for m, where in zip(inp.mm_inputs, names)]
+            raise RequestError(f"multi_modal_data: the Qwen3-Omni thinker stage takes text, image and audio; "
+                               f"{refused[0][0]} inputs ({refused[0][1]}) are not supported yet",
+                               field="multi_modal_data")
+        items = [self.mm_item(m, where) for m, where in zip(inp.mm_inputs, names)]
         if inp.prompt_token_ids is not None:
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:
-            ids = list(self.tokenizer(render_chatml(self.messages(inp.prompt, len(items)),
+            ids = list(self.tokenizer(render_chatml(self.messages(inp.prompt, [it.modality for it in items]),
                                                     self.system_prompt))["input_ids"])
         else:
             raise RequestError("prompt: the thinker needs `prompt` (text or chat messages) or `prompt_token_ids`",
                                field="prompt")
-        # The image id is never in a text/audio prompt: only audio placeholders are expanded.
-        ids = expand_placeholders(ids, items, -1, self.audio_token_id)
-        feats = [MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items]
-        return PreparedPrompt(ids, feats, None, {"audio": items})
+        ids = expand_placeholders(ids, items, self.image_token_id, self.audio_token_id)
+        positions, delta = self.rope_index(ids, items) if any(it.modality == "image" for it in items) else (None, 0)
+        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items), key=lambda f: f.offset)
+        return PreparedPrompt(ids, feats, None, {"thinker": _ThinkerRequest(sorted(items, key=lambda it: it.offset),
+                                                                           positions, delta)})
 
     @staticmethod
-    def messages(prompt: Any, num_audio: int) -> list[dict[str, Any]]:
-        """Chat messages of a prompt; audio clips with no placeholder go first in the last user turn."""
+    def messages(prompt: Any, modalities: list[str]) -> list[dict[str, Any]]:
+        """Chat messages of a prompt; media with no placeholder part go first in the last user turn."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise RequestError("prompt: give a string or a list of chat messages ({'role', 'content'})", field="prompt")
         placed = sum(1 for m in messages if isinstance(m.get("content"), list)
-                     for part in m["content"] if isinstance(part, dict) and part.get("type") == "audio")
-        if num_audio and not placed:
+                     for part in m["content"] if isinstance(part, dict) and part.get("type") in ("audio", "image"))
+        if modalities and not placed:
             users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
             if not users:
-                raise RequestError("multi_modal_data: the messages have no user turn to attach the audio to",
+                raise RequestError("multi_modal_data: the messages have no user turn to attach the media to",
                                    field="multi_modal_data")
             messages = [dict(m) for m in messages]
             content = messages[users[-1]].get("content", "")
             text = content if isinstance(content, list) else [{"type": "text", "text": content}]
-            messages[users[-1]]["content"] = [{"type": "audio"}] * num_audio + text
+            messages[users[-1]]["content"] = [{"type": m} for m in modalities] + text
         return messages
 
-    def audio_item(self, inp, where: str) -> MMItem:
-        """A clip's log-mel features and its number of placeholder tokens (the audio encoder's output rows)."""
+    def mm_item(self, inp, where: str) -> MMItem:
+        """An input's encoder inputs and its number of placeholder tokens (the encoder's output rows)."""
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-        feats = preprocess_audio(inp.data, inp.sampling_rate, AUDIO_CONFIG, where)
-        n = int(_get_feat_extract_output_lengths(torch.tensor(feats.shape[1]), self.audio_n_window))
-        if n > self.max_model_len:
-            raise RequestError(f"{where}: the clip takes {n} placeholder tokens, more than the model's "
+        if inp.modality == "image":
+            pixels, grid = preprocess_image(inp.data, self.image_cfg, where)
+            item = MMItem("image", mm_hash(inp), int(grid.prod()) // self.image_cfg["merge_size"] ** 2, pixels, grid)
+        else:
+            feats = preprocess_audio(inp.data, inp.sampling_rate, AUDIO_CONFIG, where)
+            n = int(_get_feat_extract_output_lengths(torch.tensor(feats.shape[1]), self.audio_n_window))
+            item = MMItem("audio", mm_hash(inp), n, feats)
+        if item.num_tokens > self.max_model_len:
+            raise RequestError(f"{where}: the input takes {item.num_tokens} placeholder tokens, more than the model's "
                                f"{self.max_model_len} positions", field=where)
-        return MMItem("audio", mm_hash(inp), n, feats)
+        return item
+
+    def rope_index(self, ids: list[int], items: list[MMItem]) -> tuple[torch.Tensor, int]:
+        """transformers' own 3-D rotary positions of a prompt with images: ([3, L] int64, delta)."""
+        x = torch.tensor([ids], dtype=torch.long)
+        grids = [it.grid_thw for it in items if it.modality == "image"]
+        audio_lens = [it.data.shape[1] for it in items if it.modality == "audio"]
+        pos, delta = self.thinker.model.get_rope_index(
+            x, torch.stack(grids), None, torch.ones_like(x), False,
+            torch.tensor(audio_lens, dtype=torch.long) if audio_lens else None, None)
+        return pos[:, 0].long().cpu(), int(delta.reshape(-1)[0])
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
-        if prompt is not None and prompt.extra.get("audio"):
-            self._requests[request_id] = prompt.extra["audio"]
+        if prompt is not None and (prompt.extra["thinker"].items or prompt.extra["thinker"].positions is not None):
+            self._requests[request_id] = prompt.extra["thinker"]
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def encode(self, item: MMItem) -> torch.Tensor:
-        """Audio encoder rows [num_tokens, hidden] of one clip, through the LRU encoder cache."""
+    def encode(self, item: MMItem) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Encoder rows [num_tokens, hidden] of one input (+ an image's deepstack rows, one per deepstack layer),
+        through the LRU encoder cache."""
         hit = self.encoder_cache.get(item.mm_hash)
         if hit is not None:
             self.encoder_cache.move_to_end(item.mm_hash)
             self.encoder_cache_hits += 1
             return hit
-        feats = item.data.to(self.device, self.thinker.model.audio_tower.dtype)[None]
-        mask = torch.ones(1, feats.shape[-1], dtype=torch.long, device=self.device)
-        out = self.thinker.get_audio_features(feats, feature_attention_mask=mask, return_dict=True).last_hidden_state
-        out = out.to(self.dtype)
-        if out.shape[0] != item.num_tokens:
-            raise ValueError(f"audio encoder produced {out.shape[0]} rows for {item.num_tokens} placeholders")
+        if item.modality == "image":
+            out = self.thinker.get_image_features(item.data.to(self.device), item.grid_thw[None].to(self.device),
+                                                  return_dict=True)
+            rows, deep = out.pooler_output[0].to(self.dtype), [f[0].to(self.dtype) for f in out.deepstack_features]
+        else:
+            feats = item.data.to(self.device, self.thinker.model.audio_tower.dtype)[None]
+            mask = torch.ones(1, feats.shape[-1], dtype=torch.long, device=self.device)
+            out = self.thinker.get_audio_features(feats, feature_attention_mask=mask, return_dict=True)
+            rows, deep = out.last_hidden_state.to(self.dtype), None
+        if rows.shape[0] != item.num_tokens:
+            raise ValueError(f"{item.modality} encoder produced {rows.shape[0]} rows for {item.num_tokens} placeholders")
         self.encoder_runs += 1
-        self.encoder_cache[item.mm_hash] = out
+        self.encoder_cache[item.mm_hash] = (rows, deep)
         while len(self.encoder_cache) > self.encoder_cache_size:
             self.encoder_cache.popitem(last=False)
-        return out
+        return rows, deep
 
     def stats(self) -> dict[str, int]:
         return {"encoder_runs": self.encoder_runs, "encoder_cache_hits": self.encoder_cache_hits,
@@ -233,21 +280,64 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
 
     def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # Without images: the same position on the three rotary axes (interleaved mrope reduces to 1-D rope).
+        pos3 = positions.view(1, 1, -1).expand(3, 1, -1)
+        kwargs: dict[str, Any] = {}
         if self._requests:
             ctx = get_forward_context()
+            cpu_pos = None
+            vis_rows: list[torch.Tensor] = []
+            deep_parts: list[list[torch.Tensor]] = []
             for rid, a, start, end in ctx.request_spans():
-                for item in self._requests.get(rid, ()):
+                st = self._requests.get(rid)
+                if st is None:
+                    continue
+                if st.positions is not None:
+                    if cpu_pos is None:
+                        cpu_pos = positions.detach().cpu().long().unsqueeze(0).repeat(3, 1)
+                    fill_mrope_positions(cpu_pos, a, start, end, st.positions, st.delta)
+                for item in st.items:  # sorted by offset: visual rows come in packed order
                     lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
-                    if lo < hi:
-                        if embeds is inputs_embeds:  # never write into the caller's tensor
-                            embeds = embeds.clone()
-                        embeds[a + lo - start : a + hi - start] = self.encode(item)[lo - item.offset : hi - item.offset]
-        # Text-only: the same position on the three rotary axes (interleaved mrope reduces to 1-D rope).
-        pos3 = positions.view(1, 1, -1).expand(3, 1, -1)
-        out = self.lm(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False, output_hidden_states=True)
+                    if lo >= hi:
+                        continue
+                    if embeds is inputs_embeds:  # never write into the caller's tensor
+                        embeds = embeds.clone()
+                    rows, deep = self.encode(item)
+                    embeds[a + lo - start : a + hi - start] = rows[lo - item.offset : hi - item.offset]
+                    if deep is not None:
+                        vis_rows.append(torch.arange(a + lo - start, a + hi - start))
+                        deep_parts = deep_parts or [[] for _ in deep]
+                        for k, d in enumerate(deep):
+                            deep_parts[k].append(d[lo - item.offset : hi - item.offset])
+            if cpu_pos is not None:
+                pos3 = cpu_pos[:, None].to(embeds.device)
+            if vis_rows:
+                # Deepstack: image features added to the hidden states after the first decoder layers, at the
+                # image rows of this step (transformers' visual_pos_masks / deepstack_visual_embeds).
+                mask = torch.zeros(1, embeds.shape[0], dtype=torch.bool, device=embeds.device)
+                mask[0, torch.cat(vis_rows).to(embeds.device)] = True
+                kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": [torch.cat(p) for p in deep_parts]}
+        out = self.lm(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False, output_hidden_states=True,
+                      **kwargs)
         hs = out.hidden_states  # [embeds, layer 1 out, ..., final normed]: transformers' own indexing
         return {"hidden_states": out.last_hidden_state[0], "embeds": hs[0][0],
-                "accept_hidden": hs[self.accept_hidden_layer][0]}
+                "accept_hidden": hs[self.accept_hidden_layer][0], "mm_meta": self._mm_meta(embeds.shape[0])}
+
+    def _mm_meta(self, num_tokens: int) -> torch.Tensor:
+        """Per token [grid t, grid h, grid w, audio feature frames] of the input whose placeholder it is (zeros
+        elsewhere): the talker's 3-D positions need the images' grids and the clips' lengths, and as rows they
+        reach it through the tensor cache like every other per-token output."""
+        meta = torch.zeros((num_tokens, 4), dtype=torch.float32)
+        if self._requests:
+            for rid, a, start, end in get_forward_context().request_spans():
+                st = self._requests.get(rid)
+                for item in st.items if st is not None else ():
+                    lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
+                    if lo < hi:
+                        value = (item.grid_thw.tolist() + [0] if item.modality == "image"
+                                 else [0, 0, 0, item.data.shape[1]])
+                        meta[a + lo - start : a + hi - start] = torch.tensor(value, dtype=torch.float32)
+        return meta.to(self.device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()

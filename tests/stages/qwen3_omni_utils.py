@@ -30,11 +30,16 @@ def audio(seed: int = 0, seconds: float = 1.0) -> np.ndarray:
 
 
 def cases() -> list[StageInput]:
-    """The text prompts above, and an audio clip with a question."""
+    """The text prompts above, an audio clip with a question and an image with a question."""
     from omni.outputs import MultiModalInput
 
     return [StageInput(name, prompt=p) for name, p in PROMPTS.items()] + [
-        StageInput("audio", prompt="What do you hear?", mm_inputs=[MultiModalInput("audio", audio(0), 16000)])]
+        StageInput("audio", prompt="What do you hear?", mm_inputs=[MultiModalInput("audio", audio(0), 16000)]),
+        StageInput("image", prompt="What is in this picture?", mm_inputs=[MultiModalInput("image", image(0))])]
+
+
+def image(seed: int = 0, h: int = 64, w: int = 96) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +67,8 @@ def hf_model(variant: str):
 
 
 def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_max: int, speaker: str,
-                 features: torch.Tensor | None = None):
+                 features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
+                 grid: torch.Tensor | None = None):
     model = hf_model(variant)
     frames: list[np.ndarray] = []
     orig = model.code2wav.chunked_decode
@@ -76,6 +82,8 @@ def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_ma
         x = torch.tensor([list(ids)])
         kw = {} if features is None else {
             "input_features": features[None], "feature_attention_mask": torch.ones(1, features.shape[1], dtype=torch.long)}
+        if pixels is not None:
+            kw.update(pixel_values=pixels, image_grid_thw=grid[None])
         with torch.inference_mode():
             seq, wav = model.generate(input_ids=x, **kw, thinker_max_new_tokens=thinker_max, thinker_do_sample=False,
                                       talker_max_new_tokens=talker_max, talker_do_sample=False,
@@ -89,23 +97,28 @@ _HF_RESULTS: dict[tuple, tuple[list[int], np.ndarray, np.ndarray]] = {}
 
 
 def hf_generate(variant: str, ids: list[int], *, thinker_max: int = THINKER_MAX, talker_max: int = TALKER_MAX,
-                speaker: str = "Ethan", features: torch.Tensor | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+                speaker: str = "Ethan", features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
+                grid: torch.Tensor | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
     """transformers' Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True), greedy thinker and talker,
     with an audio clip's log-mel `features` [mel, frames] if given: (thinker tokens, the codec frames [N, G] it
     decodes, waveform). Memoized: the same request is generated once per process."""
     key = (variant, tuple(ids), thinker_max, talker_max, speaker,
-           None if features is None else features.numpy().tobytes())
+           None if features is None else features.numpy().tobytes(), None if pixels is None else pixels.numpy().tobytes())
     if key not in _HF_RESULTS:
-        _HF_RESULTS[key] = _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker, features)
+        _HF_RESULTS[key] = _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker, features, pixels, grid)
     return _HF_RESULTS[key]
 
 
 def hf_reference(variant: str, inp: StageInput, **kw) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """hf_generate on the prompt ids and the audio features our thinker builds for `inp` (at most one clip)."""
+    """hf_generate on the prompt ids, audio features and pixel values our thinker builds for `inp` (at most one
+    clip and one image)."""
     prepared = stages(variant)[0].preprocess(inp)
-    items = prepared.extra.get("audio") or []
-    assert len(items) <= 1, "the reference feeds one clip"
-    return hf_generate(variant, prepared.token_ids, features=items[0].data if items else None, **kw)
+    items = prepared.extra["thinker"].items
+    clips = [it for it in items if it.modality == "audio"]
+    images = [it for it in items if it.modality == "image"]
+    assert len(clips) <= 1 and len(images) <= 1, "the reference feeds one clip and one image"
+    return hf_generate(variant, prepared.token_ids, features=clips[0].data if clips else None,
+                       pixels=images[0].data if images else None, grid=images[0].grid_thw if images else None, **kw)
 
 
 def make_chain(variant: str, *, caching: bool = True, block_size: int = 4, chunk: int = 512, code2wav_kwargs=None):

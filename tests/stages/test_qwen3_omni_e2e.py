@@ -11,7 +11,7 @@ import pytest
 
 from omni.errors import RequestError
 from omni.outputs import StageInput
-from tests.stages.qwen3_omni_utils import (THINKER_LAYERS, VARIANTS, audio, cases, frames_of, hf_reference,
+from tests.stages.qwen3_omni_utils import (THINKER_LAYERS, VARIANTS, audio, cases, frames_of, hf_reference, image,
                                            make_chain, run_chain, stages)
 from tests.tolerances import assert_rows_close, decoder_atol
 
@@ -39,17 +39,19 @@ def test_pipeline_matches_transformers_generate(variant, caching):
     assert all(np.abs(r[2].audio).max() > 1e-3 for r in results.values()), "a silent waveform proves little"
 
 
-def test_three_turn_conversation_hits_the_caches_and_matches_transformers():
-    """Each turn's prompt is the conversation so far: from turn 2 on the thinker and the talker (whose
-    prompt holds every user turn) hit their prefix caches, and still equal transformers' generate; the
-    thinker's per-token rows handed to the talker equal an uncached run's."""
+@pytest.mark.parametrize("modality", ["audio", "image"])
+def test_three_turn_conversation_hits_the_caches_and_matches_transformers(modality):
+    """Each turn's prompt is the conversation so far (an audio clip or an image in turn 1): from turn 2 on the
+    thinker and the talker (whose prompt holds every user turn) hit their prefix caches, and still equal
+    transformers' generate; the thinker's per-token rows handed to the talker equal an uncached run's."""
     from omni.outputs import MultiModalInput
 
     variant = "tiny"
     cached, uncached = make_chain(variant, caching=True), make_chain(variant, caching=False)
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
-    clip = [MultiModalInput("audio", audio(1), 16000)]  # in turn 1, so in every later turn's prompt
-    user_turns = [[{"type": "audio"}, {"type": "text", "text": "Hello, what is this sound?"}],
+    # In turn 1, so in every later turn's prompt (an image: 3-D positions in both decoders, deepstack rows).
+    clip = [MultiModalInput("audio", audio(1), 16000) if modality == "audio" else MultiModalInput("image", image(1))]
+    user_turns = [[{"type": modality}, {"type": "text", "text": "Hello, what is this?"}],
                   "Tell me about the sea, and the ships that sail on it.", "And the stars?"]
     thinker = stages(variant)[0]
     before = thinker.stats()
@@ -69,7 +71,7 @@ def test_three_turn_conversation_hits_the_caches_and_matches_transformers():
         np.testing.assert_array_equal(on[2].audio, off[2].audio)
         messages = messages + [{"role": "assistant", "content": on[0].text}]
     after = thinker.stats()
-    # The clip is encoded at most once (the encoder cache is keyed by its content); the uncached chain re-reads it.
+    # The input is encoded at most once (the encoder cache is keyed by its content); the uncached chain re-reads it.
     assert after["encoder_runs"] - before["encoder_runs"] <= 1
     assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
 
@@ -135,12 +137,12 @@ def test_refusals_name_the_field():
     thinker, talker, code2wav = stages("tiny")
     from omni.outputs import MultiModalInput
 
-    picture = np.zeros((32, 32, 3), np.uint8)
+    frames = np.zeros((4, 32, 32, 3), np.uint8)
     with pytest.raises(RequestError) as e:
-        thinker.preprocess(StageInput("r", prompt="hi", mm_inputs=[MultiModalInput("image", picture)]))
-    assert e.value.field == "multi_modal_data" and "image" in str(e.value)
+        thinker.preprocess(StageInput("r", prompt="hi", mm_inputs=[MultiModalInput("video", frames)]))
+    assert e.value.field == "multi_modal_data" and "video" in str(e.value)
     with pytest.raises(RequestError) as e:
-        thinker.preprocess(StageInput("r", prompt=[{"role": "user", "content": [{"type": "image"}]}]))
+        thinker.preprocess(StageInput("r", prompt=[{"role": "user", "content": [{"type": "video"}]}]))
     assert e.value.field == "prompt[0].content[0].type"
     with pytest.raises(RequestError) as e:
         talker.preprocess(StageInput("r"))
