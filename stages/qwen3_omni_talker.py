@@ -34,9 +34,10 @@ step j waits until trailing[j] exists (`compute_limit`: the row of g_{j+1} count
 since the thinker's last token has no row in transformers) or the thinker has finished (then tts_eos
 and tts_pad follow). The rows and positions are the one-shot path's, so the frames are too.
 
-Not yet: video, an image and a clip in one conversation (transformers' talker cannot place them), sampled residual codes (they are greedy even
-when c0 is sampled), and block hashes over the residual codes of generated positions: those are
-greedy functions of the hashed prefix and c0 here, so equal block hashes still mean equal frames.
+Not yet: video, an image and a clip in one conversation (transformers' talker cannot place them),
+sampled residual codes (they are greedy even when c0 is sampled), and block hashes over the residual
+codes of generated positions: those are greedy functions of the hashed prefix and c0 here, so equal
+block hashes still mean equal frames.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def _register_talker_expert_conversion() -> None:
     30B release does; transformers fuses them on load for the full model and the thinker (their model types
     map to qwen2_moe's conversion) but not for the talker's decoder loaded alone, whose fused expert tensors
     would stay uninitialized. Register the same conversion for its model type (once per process)."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 register_checkpoint_conversion_mapping)
 
     if get_checkpoint_conversion_mapping(TALKER_TEXT_MODEL_TYPE) is None:
         register_checkpoint_conversion_mapping(TALKER_TEXT_MODEL_TYPE, get_checkpoint_conversion_mapping("qwen2_moe"))
@@ -116,8 +118,8 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         self.prompt_token_id = int(cfg.codec_pad_id)
         self.thinker_hidden_size = int(cfg.thinker_hidden_size)
         # transformers' generate: every id of the top 1024 but codec eos is suppressed.
-        self.suppressed = torch.tensor([i for i in range(tc.vocab_size - 1024, tc.vocab_size) if i != self.eos_token_id],
-                                       dtype=torch.long, device=device)
+        top = range(tc.vocab_size - 1024, tc.vocab_size)
+        self.suppressed = torch.tensor([i for i in top if i != self.eos_token_id], dtype=torch.long, device=device)
         tcfg = full_config.thinker_config
         self.mm_token_ids = (tcfg.audio_token_id, tcfg.image_token_id, tcfg.video_token_id)
         self._requests: dict[str, _TalkerRequest] = {}

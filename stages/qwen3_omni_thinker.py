@@ -57,7 +57,7 @@ AUDIO_CONFIG = {"audio_sampling_rate": 16000, "num_mel_bins": 128}  # Qwen3-Omni
 
 def load_qwen3_omni_part(model_path: Path, part: str, cls: type, dtype: torch.dtype, device: torch.device,
                          attn: str = "sdpa", **kwargs: Any):
-    """Load one part ("thinker" / "talker" / "code2wav") of a full Qwen3-Omni checkpoint; returns (part, full config)."""
+    """Load one part ("thinker" / "talker" / "code2wav") of a full Qwen3-Omni checkpoint: (part, full config)."""
     from transformers import Qwen3OmniMoeConfig
     from transformers.utils import logging as hf_logging
 
@@ -173,7 +173,8 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
         names = media_names(inp.mm_inputs)
-        refused = [(m.modality, where) for m, where in zip(inp.mm_inputs, names) if m.modality not in ("audio", "image")]
+        refused = [(m.modality, where) for m, where in zip(inp.mm_inputs, names)
+                   if m.modality not in ("audio", "image")]
         if refused:
             raise RequestError(f"multi_modal_data: the Qwen3-Omni thinker stage takes text, image and audio; "
                                f"{refused[0][0]} inputs ({refused[0][1]}) are not supported yet",
@@ -189,7 +190,8 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
                                field="prompt")
         ids = expand_placeholders(ids, items, self.image_token_id, self.audio_token_id)
         positions, delta = self.rope_index(ids, items) if any(it.modality == "image" for it in items) else (None, 0)
-        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items), key=lambda f: f.offset)
+        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items),
+                       key=lambda f: f.offset)
         return PreparedPrompt(ids, feats, None, {"thinker": _ThinkerRequest(sorted(items, key=lambda it: it.offset),
                                                                            positions, delta)})
 
@@ -263,7 +265,8 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
             out = self.thinker.get_audio_features(feats, feature_attention_mask=mask, return_dict=True)
             rows, deep = out.last_hidden_state.to(self.dtype), None
         if rows.shape[0] != item.num_tokens:
-            raise ValueError(f"{item.modality} encoder produced {rows.shape[0]} rows for {item.num_tokens} placeholders")
+            raise ValueError(f"{item.modality} encoder produced {rows.shape[0]} rows for {item.num_tokens} "
+                             "placeholders")
         self.encoder_runs += 1
         self.encoder_cache[item.mm_hash] = (rows, deep)
         while len(self.encoder_cache) > self.encoder_cache_size:

@@ -80,8 +80,8 @@ def _hf_generate(variant: str, ids: tuple[int, ...], thinker_max: int, talker_ma
     model.code2wav.chunked_decode = spy
     try:
         x = torch.tensor([list(ids)])
-        kw = {} if features is None else {
-            "input_features": features[None], "feature_attention_mask": torch.ones(1, features.shape[1], dtype=torch.long)}
+        kw = {} if features is None else {"input_features": features[None],
+                                          "feature_attention_mask": torch.ones(1, features.shape[1], dtype=torch.long)}
         if pixels is not None:
             kw.update(pixel_values=pixels, image_grid_thw=grid[None])
         with torch.inference_mode():
@@ -103,7 +103,8 @@ def hf_generate(variant: str, ids: list[int], *, thinker_max: int = THINKER_MAX,
     with an audio clip's log-mel `features` [mel, frames] if given: (thinker tokens, the codec frames [N, G] it
     decodes, waveform). Memoized: the same request is generated once per process."""
     key = (variant, tuple(ids), thinker_max, talker_max, speaker,
-           None if features is None else features.numpy().tobytes(), None if pixels is None else pixels.numpy().tobytes())
+           None if features is None else features.numpy().tobytes(),
+           None if pixels is None else pixels.numpy().tobytes())
     if key not in _HF_RESULTS:
         _HF_RESULTS[key] = _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker, features, pixels, grid)
     return _HF_RESULTS[key]

@@ -23,7 +23,8 @@ def test_configs_validate_and_wire_the_registered_stages(monkeypatch):
     for path in (TINY, REAL):
         cfg = load_config(path)
         assert [s.model for s in cfg.stages] == ["qwen3_omni_thinker", "qwen3_omni_talker", "qwen3_omni_code2wav"]
-        assert [s.input_processor for s in cfg.stages[1:]] == ["qwen3_omni_thinker2talker", "qwen3_omni_talker2code2wav"]
+        assert [s.input_processor for s in cfg.stages[1:]] == ["qwen3_omni_thinker2talker",
+                                                               "qwen3_omni_talker2code2wav"]
     real = load_config(REAL)
     assert {s.model_path for s in real.stages} == {str(checkpoint("tiny"))}
     assert real.stages[2].inputs[0].stream  # audio streams with real weights
@@ -38,7 +39,8 @@ def test_real_weights_config_runs_on_a_save_pretrained_directory(tmp_path, capsy
     small = {"dtype": "float32", "cache": {"memory_budget_mb": 16}}
     overrides = {"thinker": {**small, "sampling": {"temperature": 0.0, "max_tokens": 8}},
                  "talker": {**small, "sampling": {"temperature": 0.0, "max_tokens": 20, "repetition_penalty": 1.05}},
-                 "code2wav": {"model_kwargs": {"first_chunk_frames": 300, "chunk_frames": 300, "left_context_frames": 25}}}
+                 "code2wav": {"model_kwargs": {"first_chunk_frames": 300, "chunk_frames": 300,
+                                               "left_context_frames": 25}}}
     tiny = {"thinker": {"sampling": {"temperature": 0.0, "max_tokens": 8}},
             "talker": {"sampling": {"temperature": 0.0, "max_tokens": 20, "repetition_penalty": 1.05}}}
     results = {}
