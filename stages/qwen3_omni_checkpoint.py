@@ -2,6 +2,11 @@
 
     builtin:tiny-qwen3-omni       (`tiny_qwen3_omni_checkpoint("tiny")`): 4 experts, top-2, 4 code groups
     builtin:tiny-qwen3-omni-k1g2  (`tiny_qwen3_omni_checkpoint("k1g2")`): 2 experts, top-1, 2 code groups
+    builtin:small-qwen3-omni      (`tiny_qwen3_omni_checkpoint("small")`): ~100 M parameters with realistic
+                                  proportions (6-layer MoE thinker with 8 experts top-2, vision and audio
+                                  encoders, 4-layer MoE talker, a 5-layer code predictor over 16 code groups
+                                  of a 2048-entry codebook, a 4-layer code2wav at 1920 samples per frame), for
+                                  benchmarks where prefill, decoding and audio generation cost real time
     (see stages/checkpoints.py for the cache)
 
 A directory exactly as `Qwen3OmniMoeForConditionalGeneration.save_pretrained` writes it (config.json,
@@ -51,7 +56,7 @@ MM_IDS = dict(audio_token_id=151675, image_token_id=151655, video_token_id=15165
               audio_start_token_id=151669)
 
 # name -> (experts, experts per token, code groups)
-VARIANTS = {"tiny": (4, 2, 4), "k1g2": (2, 1, 2)}
+VARIANTS = {"tiny": (4, 2, 4), "k1g2": (2, 1, 2), "small": (8, 2, 16)}
 
 
 def qwen3_omni_tokenizer():
@@ -83,6 +88,8 @@ def tiny_qwen3_omni_config(variant: str = "tiny"):
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     experts, top_k, groups = VARIANTS[variant]
+    if variant == "small":
+        return _small_config()
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3], "interleaved": True}
     text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
@@ -118,6 +125,48 @@ def tiny_qwen3_omni_config(variant: str = "tiny"):
                     num_attention_heads=2, num_key_value_heads=2, sliding_window=72, intermediate_size=64,
                     num_hidden_layers=2, num_quantizers=groups, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
                     decoder_dim=64)
+    return Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
+                              enable_audio_output=True, **SPECIAL_IDS)
+
+
+def _small_config():
+    """The 30B model's layout, narrower and shallower (~100 M parameters, most in the 152k-token embeddings)."""
+    from transformers import Qwen3OmniMoeConfig
+
+    experts, top_k, groups = VARIANTS["small"]
+    codebook = 2048  # the 30B model's
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12], "interleaved": True}
+    text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+                moe_intermediate_size=128, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], rope_parameters=rope, tie_word_embeddings=False,
+                initializer_range=_TEXT_STD, pad_token_id=151643, eos_token_id=151645)
+    vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, in_channels=3, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=256, num_position_embeddings=256,
+                  deepstack_visual_indexes=[1, 2])
+    audio = dict(num_mel_bins=128, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=256, d_model=128,
+                 output_dim=256, n_window=50, n_window_infer=400, max_source_positions=1500,
+                 downsample_hidden_size=64)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio, vision_end_token_id=151653,
+                   audio_end_token_id=151670, seconds_per_chunk=2.0, position_id_per_seconds=25,
+                   user_token_id=872, **MM_IDS)
+    codec = dict(codec_pad_id=codebook + 100, codec_bos_id=codebook + 101, codec_eos_token_id=codebook + 102,
+                 codec_nothink_id=codebook + 107, codec_think_bos_id=codebook + 108, codec_think_eos_id=codebook + 109)
+    talker_text = dict(vocab_size=codebook + 1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+                       moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=experts,
+                       num_experts_per_tok=top_k, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                       rope_parameters=rope, initializer_range=_TEXT_STD)
+    predictor = dict(vocab_size=codebook, hidden_size=256, intermediate_size=512, num_hidden_layers=5,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                     num_code_groups=groups, initializer_range=_TEXT_STD)
+    talker = dict(text_config=talker_text, code_predictor_config=predictor, num_code_groups=groups,
+                  thinker_hidden_size=256, accept_hidden_layer=4, spatial_merge_size=2,
+                  speaker_id={"ethan": codebook + 254, "chelsie": codebook + 255}, **codec, **MM_IDS)
+    code2wav = dict(codebook_size=codebook, hidden_size=128, max_position_embeddings=8000, num_attention_heads=4,
+                    num_key_value_heads=4, sliding_window=72, intermediate_size=256, num_hidden_layers=4,
+                    num_quantizers=groups, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=256)
     return Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
                               enable_audio_output=True, **SPECIAL_IDS)
 
@@ -161,10 +210,10 @@ def _randomize(model, gen) -> None:
 
 
 def tiny_qwen3_omni_checkpoint(variant: str = "tiny", cache_dir: str | os.PathLike | None = None) -> Path:
-    """A tiny random Qwen3-Omni checkpoint directory, built on first use."""
+    """A random Qwen3-Omni checkpoint directory (a VARIANTS name), built on first use."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
-    name = "tiny-qwen3-omni" if variant == "tiny" else f"tiny-qwen3-omni-{variant}"
+    name = {"tiny": "tiny-qwen3-omni", "small": "small-qwen3-omni"}.get(variant, f"tiny-qwen3-omni-{variant}")
 
     def build(tmp: Path) -> dict:
         import torch

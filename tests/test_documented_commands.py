@@ -58,6 +58,8 @@ SUBSTITUTES: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "stage_configs/smollm2_chain.yaml": ("stage_configs/tiny_chain.yaml", dict),
     "stage_configs/qwen2_5_omni_small.yaml": ("stage_configs/qwen2_5_omni_tiny.yaml",
                                               lambda: streaming_edges(REPO / "stage_configs/qwen2_5_omni_small.yaml")),
+    "stage_configs/qwen3_omni_small.yaml": ("stage_configs/qwen3_omni_tiny.yaml",
+                                            lambda: streaming_edges(REPO / "stage_configs/qwen3_omni_small.yaml")),
 }
 SMALL_MAX_TOKENS = "4"
 SERVE_START_TIMEOUT_S = 240

@@ -54,3 +54,33 @@ def test_real_weights_config_runs_on_a_save_pretrained_directory(tmp_path, capsy
     assert results["real"]["outputs"]["thinker"]["token_ids"] == results["tiny"]["outputs"]["thinker"]["token_ids"]
     real_wav = (tmp_path / "real" / "0000_code2wav.wav").read_bytes()
     assert real_wav == (tmp_path / "tiny" / "0000_code2wav.wav").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_small_checkpoint_and_config_stream_audio(tmp_path, capsys):
+    """builtin:small-qwen3-omni (the benchmarks' checkpoint) has the proportions its recipe promises, and
+    stage_configs/qwen3_omni_small.yaml streams text and audio from it end to end."""
+    import wave
+
+    import numpy as np
+
+    from omni.registry import resolve_model_path
+
+    path = resolve_model_path("builtin:small-qwen3-omni")
+    info = json.loads((path / "omni_checkpoint.json").read_text())
+    assert 80e6 < info["parameters"] < 160e6
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg["thinker_config"]["text_config"]
+    assert (text["num_experts"], text["num_experts_per_tok"]) == (8, 2)
+    assert cfg["talker_config"]["num_code_groups"] == 16 and cfg["code2wav_config"]["codebook_size"] == 2048
+    small = REPO / "stage_configs" / "qwen3_omni_small.yaml"
+    rc = cli.main(["run", str(small), "--prompt", "Hello there", "--json", "--backend", "local", "--stream",
+                   "--max-tokens", "12", "--output-dir", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-2000:]
+    [result] = json.loads(captured.out.strip().splitlines()[-1])["results"]
+    assert result["error"] is None and len(result["outputs"]["thinker"]["token_ids"]) == 12
+    with wave.open(str(tmp_path / "0000_code2wav.wav"), "rb") as w:
+        audio = np.frombuffer(w.readframes(w.getnframes()), np.int16) / 32768
+    assert len(audio) > 0 and 1e-3 < np.abs(audio).max() < 0.999  # neither silent nor clipped
