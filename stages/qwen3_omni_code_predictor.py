@@ -14,13 +14,24 @@ Here every inner step is one pass over the whole batch (all frames of a step hav
 so there is no padding and the mask is the plain causal one); the frame's short KV (at most
 `num_code_groups` positions) lives in a transformers DynamicCache per step, never in the paged cache.
 
-transformers mirrors the talker's `do_sample` onto the code predictor; this stage decodes residual
-codes greedily (a request that samples its first codebook still gets greedy residual codes: see
-the talker's docstring).
+transformers mirrors the talker's `do_sample` onto the code predictor: a greedy talker request gets
+greedy residual codes (argmax, as transformers), a sampling one samples them as transformers' code
+predictor `generate(do_sample=True, top_k=50, top_p=0.8)` does (temperature from its generation config),
+through omni's Sampler with the request's own generator (seeded requests are reproducible; the random
+stream is omni's, not torch's global one, so sampled codes are not transformers' draws).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from omni.engine.sampler import Sampler
+from omni.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+# transformers' prepare_inputs_for_generation: code_predictor.generate(do_sample=True, top_k=50, top_p=0.8)
+SAMPLED_TOP_K, SAMPLED_TOP_P = 50, 0.8
 
 
 class CodePredictor:
@@ -28,10 +39,25 @@ class CodePredictor:
         self.cp = code_predictor  # Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration
         self.num_groups = int(code_predictor.config.num_code_groups)
         self.embeddings = code_predictor.model.codec_embedding  # ModuleList, one per residual group
+        self.sampler = Sampler()
+        gen_cfg = getattr(code_predictor, "generation_config", None)
+        self.temperature = float(getattr(gen_cfg, "temperature", None) or 1.0)
+
+    def params_for(self, talker_params: SamplingParams | None) -> tuple[SamplingParams, torch.Generator | None]:
+        """The residual codes' sampling for a talker request: greedy when it is, else transformers' choice;
+        a seeded request gets its own generator (seeded apart from the talker's own stream)."""
+        if talker_params is None or talker_params.is_greedy:
+            return GREEDY, None
+        seed = None if talker_params.seed is None else (talker_params.seed + 1) % 2**63
+        params = SamplingParams(temperature=self.temperature, top_k=SAMPLED_TOP_K, top_p=SAMPLED_TOP_P, seed=seed)
+        return params, None if seed is None else torch.Generator(device=self.cp.device).manual_seed(seed)
 
     @torch.inference_mode()
-    def predict(self, past_hidden: torch.Tensor, c0_embeds: torch.Tensor) -> torch.Tensor:
-        """[B, H] talker hidden states + [B, H] first-codebook embeddings -> [B, G - 1] residual codes."""
+    def predict(self, past_hidden: torch.Tensor, c0_embeds: torch.Tensor,
+                params: Sequence[SamplingParams] | None = None,
+                generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+        """[B, H] talker hidden states + [B, H] first-codebook embeddings -> [B, G - 1] residual codes, one
+        SamplingParams and generator per row (None: all greedy)."""
         from transformers import DynamicCache
 
         batch = past_hidden.shape[0]
@@ -46,7 +72,10 @@ class CodePredictor:
             position_ids = torch.arange(pos, pos + n, device=x.device).unsqueeze(0).expand(batch, -1)
             out = self.cp.model(inputs_embeds=x, position_ids=position_ids, past_key_values=cache, use_cache=True)
             logits = self.cp.lm_head[g](out.last_hidden_state)[:, -1].float()
-            codes[:, g] = logits.argmax(-1)
+            if params is None or all(p.is_greedy for p in params):
+                codes[:, g] = logits.argmax(-1)
+            else:
+                codes[:, g] = self.sampler(logits, params, generators or [None] * batch)
             pos += n
             if g + 1 < self.num_groups - 1:
                 x = self.embeddings[g](codes[:, g : g + 1])

@@ -34,10 +34,15 @@ step j waits until trailing[j] exists (`compute_limit`: the row of g_{j+1} count
 since the thinker's last token has no row in transformers) or the thinker has finished (then tts_eos
 and tts_pad follow). The rows and positions are the one-shot path's, so the frames are too.
 
-Not yet: video, an image and a clip in one conversation (transformers' talker cannot place them),
-sampled residual codes (they are greedy even when c0 is sampled), and block hashes over the residual
-codes of generated positions: those are greedy functions of the hashed prefix and c0 here, so equal
-block hashes still mean equal frames.
+Residual codes follow the request: greedy for a greedy request (transformers' mirror of do_sample),
+sampled with transformers' code-predictor settings otherwise (stages/qwen3_omni_code_predictor.py).
+
+Not yet: video, and an image and a clip in one conversation (transformers' talker cannot place them).
+Block hashes cover each generated position's c0 token, not its residual codes: greedy residual codes
+are functions of the hashed prefix and c0, so equal hashes mean equal frames; for sampled residual
+codes, a generated block is only ever looked up by a request recomputed after preemption (a prompt's
+blocks carry embedding digests, generated ones do not), and it could then take another request's
+block only if both had the same prompt rows and the same c0 tokens but different residual draws.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ from omni.engine.output_head import use_column_major_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import RequestError
 from omni.outputs import StageInput
+from omni.sampling_params import SamplingParams
 
 from .qwen2_5_omni_inputs import fill_mrope_positions
 from .qwen2_5_omni_talker import load_thinker_embedding
@@ -88,6 +94,9 @@ class _TalkerRequest:
     trailing: list[torch.Tensor] = field(default_factory=list)
     positions: torch.Tensor | None = None  # [3, num_prompt] with images; None: plain positions
     delta: int = 0  # generated position p has rotary position p + delta
+    # How the code predictor draws this request's residual codes (greedy for a greedy request).
+    cp_params: Any = None
+    cp_generator: torch.Generator | None = None
     frames: list[list[int]] = field(default_factory=list)  # frame j = [c0, code 1, ...], computed once
     # The talker hidden state the next frame's code predictor starts from: that of position
     # num_prompt + len(frames) - 1, kept from the forward that computed it (a request recomputed after
@@ -273,7 +282,9 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
         if prompt is not None:
-            self._requests[request_id] = prompt.extra["talker"]
+            st = self._requests[request_id] = prompt.extra["talker"]
+            params = inp.sampling_params if isinstance(inp.sampling_params, SamplingParams) else None
+            st.cp_params, st.cp_generator = self.code_predictor.params_for(params)
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -314,7 +325,8 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             rows = torch.tensor([r for _, r, _ in pending], device=embeds.device)
             c0 = ids[rows]
             past = torch.stack([st.next_hidden for st, _, _ in pending])
-            residual = self.code_predictor.predict(past, self.codec_embed(c0))
+            residual = self.code_predictor.predict(past, self.codec_embed(c0), [st.cp_params for st, _, _ in pending],
+                                                   [st.cp_generator for st, _, _ in pending])
             for (st, _, _), first, rest in zip(pending, c0.tolist(), residual.tolist()):
                 st.frames.append([first, *rest])
         if decode_rows:

@@ -68,3 +68,21 @@ def test_prefix_cache_hits_only_on_identical_thinker_rows():
     assert outs["same"].num_cached_tokens > 0
     assert outs["changed"].num_cached_tokens == 0
     assert outs["same"].token_ids == outs["a"].token_ids
+
+
+def test_sampling_talker_samples_residual_codes_too():
+    """transformers mirrors the talker's do_sample onto the code predictor: a sampling request draws its residual
+    codes (seeded: reproducibly), a greedy one takes the argmax. Forcing the first codebook to the greedy run's
+    (top_k=1) isolates the residual codes: they differ from the greedy ones only because they are sampled."""
+    inp, _ = _talker_inputs()["long"]
+
+    def frames(**params):
+        sampling = SamplingParams(max_tokens=12, repetition_penalty=1.05, **params)
+        _, outs = _run_talker([StageInput(inp.request_id, sampling_params=sampling, extra=inp.extra)], caching=False)
+        return frames_of(outs[inp.request_id], inp)
+
+    greedy = frames(temperature=0.0)
+    a, b = frames(temperature=1.0, top_k=1, seed=3), frames(temperature=1.0, top_k=1, seed=3)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a[0, 0], greedy[0, 0])  # the same first frame's c0 (top_k=1)...
+    assert not np.array_equal(a[0, 1:], greedy[0, 1:])  # ...but its residual codes were sampled
