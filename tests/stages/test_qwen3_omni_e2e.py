@@ -162,3 +162,25 @@ def test_refusals_name_the_field():
     with pytest.raises(RequestError) as e:
         code2wav.prepare_generation(StageInput("r", extra={"codes": np.zeros((3, 1), np.int64)}), 0)
     assert e.value.field == "extra.codes"
+
+
+def test_streaming_edges_with_an_image_equal_one_shot():
+    """Through Omni (local backend): both edges streaming, an image prompt (3-D positions, the grids reaching the
+    talker as mm_meta rows in the first chunks) gives the non-streamed pipeline's text and waveform."""
+    from pathlib import Path
+
+    from omni import Omni
+    from omni.config_loader import load_config
+
+    config = Path(__file__).resolve().parents[2] / "stage_configs" / "qwen3_omni_tiny.yaml"
+    streaming = {"talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": 1}]},
+                 "code2wav": {"inputs": [{"stage": "talker", "stream": True, "chunk_tokens": 2}]}}
+    prompts = [{"prompt": "What is in this picture?", "multi_modal_data": {"image": image(2)}}]
+    results = []
+    for overrides in (None, streaming):
+        with Omni(load_config(config, overrides), backend="local") as omni:
+            [r] = omni.generate(prompts, use_tqdm=False)
+        assert r.error is None
+        results.append(r.outputs)
+    assert results[0]["thinker"].token_ids == results[1]["thinker"].token_ids
+    np.testing.assert_array_equal(results[0]["code2wav"].audio, results[1]["code2wav"].audio)
