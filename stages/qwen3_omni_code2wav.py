@@ -31,7 +31,7 @@ from omni.engine.stage_model import OneShotStageModel
 from omni.errors import RequestError
 from omni.outputs import StageInput
 
-from .qwen3_omni_thinker import load_qwen3_omni_part
+from .qwen3_omni_loading import load_qwen3_omni_part
 
 
 @dataclass(slots=True)

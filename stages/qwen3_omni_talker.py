@@ -65,22 +65,9 @@ from omni.sampling_params import SamplingParams
 from .qwen2_5_omni_inputs import fill_mrope_positions
 from .qwen2_5_omni_talker import load_thinker_embedding
 from .qwen3_omni_code_predictor import CodePredictor
-from .qwen3_omni_thinker import load_qwen3_omni_part
+from .qwen3_omni_loading import load_qwen3_omni_part, register_talker_expert_conversion
 
 DEFAULT_SPEAKER = "Ethan"  # transformers' generate default
-TALKER_TEXT_MODEL_TYPE = "qwen3_omni_moe_talker_text"
-
-
-def _register_talker_expert_conversion() -> None:
-    """Checkpoints store the talker's experts one by one (experts.N.gate_proj / up_proj / down_proj), as the
-    30B release does; transformers fuses them on load for the full model and the thinker (their model types
-    map to qwen2_moe's conversion) but not for the talker's decoder loaded alone, whose fused expert tensors
-    would stay uninitialized. Register the same conversion for its model type (once per process)."""
-    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
-                                                 register_checkpoint_conversion_mapping)
-
-    if get_checkpoint_conversion_mapping(TALKER_TEXT_MODEL_TYPE) is None:
-        register_checkpoint_conversion_mapping(TALKER_TEXT_MODEL_TYPE, get_checkpoint_conversion_mapping("qwen2_moe"))
 
 
 @dataclass(slots=True)
@@ -144,7 +131,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
 
-        _register_talker_expert_conversion()
+        register_talker_expert_conversion()
         talker, full = load_qwen3_omni_part(Path(model_path), "talker", Qwen3OmniMoeTalkerForConditionalGeneration,
                                             dtype, device, **dict(model_kwargs or {}))
         # Paged attention for the MoE decoder only; the code predictor keeps sdpa over its short frames.

@@ -46,59 +46,11 @@ from omni.errors import RequestError
 from omni.outputs import StageInput
 
 from .media import media_names
-from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, mm_hash, preprocess_audio,
-                                  preprocess_image)
+from .qwen2_5_omni_inputs import MMItem, expand_placeholders, fill_mrope_positions
+from .qwen3_omni_inputs import chat_messages, image_config, media_item, render_chatml
+from .qwen3_omni_loading import load_qwen3_omni_part
 
 THINKER_EOS = 151645  # <|im_end|>
-AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-AUDIO_CONFIG = {"audio_sampling_rate": 16000, "num_mel_bins": 128}  # Qwen3-Omni's Whisper feature extractor
-
-
-def load_qwen3_omni_part(model_path: Path, part: str, cls: type, dtype: torch.dtype, device: torch.device,
-                         attn: str = "sdpa", **kwargs: Any):
-    """Load one part ("thinker" / "talker" / "code2wav") of a full Qwen3-Omni checkpoint: (part, full config)."""
-    from transformers import Qwen3OmniMoeConfig
-    from transformers.utils import logging as hf_logging
-
-    full = Qwen3OmniMoeConfig.from_pretrained(str(model_path))
-    config = getattr(full, f"{part}_config")
-    # The other parts' weights are "unexpected" for this one: keep transformers' load report quiet.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = cls.from_pretrained(str(model_path), config=config, dtype=dtype, attn_implementation=attn,
-                                    key_mapping={rf"^{part}\.": ""}, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return model.to(device).eval(), full
-
-
-def render_chatml(messages: list[dict[str, Any]], system_prompt: str | None) -> str:
-    """Qwen3-Omni's chat format for text messages, ending with the assistant's generation prompt."""
-    parts = []
-    if system_prompt and (not messages or messages[0].get("role") != "system"):
-        parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
-    for i, msg in enumerate(messages):
-        content = msg.get("content", "")
-        if isinstance(content, list):
-            text = ""
-            for j, item in enumerate(content):
-                kind = item.get("type", "text")
-                if kind == "audio":
-                    text += AUDIO_PLACEHOLDER
-                elif kind == "image":
-                    text += IMAGE_PLACEHOLDER
-                elif kind == "text":
-                    text += item.get("text", "")
-                else:
-                    raise RequestError(f"prompt[{i}].content[{j}].type: the Qwen3-Omni thinker takes text, image and "
-                                       f"audio (got {kind!r}; video inputs are not supported yet)",
-                                       field=f"prompt[{i}].content[{j}].type")
-            content = text
-        parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
 
 
 @dataclass(slots=True)
@@ -131,11 +83,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         self.system_prompt = system_prompt
         self.audio_token_id = thinker.config.audio_token_id
         self.image_token_id = thinker.config.image_token_id
-        vc = thinker.config.vision_config
-        # Qwen3-Omni's image processor: Qwen2-VL's with the vision tower's patching, mean/std 0.5.
-        self.image_cfg = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": vc.patch_size,
-                          "temporal_patch_size": vc.temporal_patch_size, "merge_size": vc.spatial_merge_size,
-                          "min_pixels": 56 * 56, "max_pixels": max_pixels}
+        self.image_cfg = image_config(thinker.config.vision_config, max_pixels)
         self.audio_n_window = int(thinker.config.audio_config.n_window)
         self.encoder_cache_size = encoder_cache_size
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -183,7 +131,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         if inp.prompt_token_ids is not None:
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:
-            ids = list(self.tokenizer(render_chatml(self.messages(inp.prompt, [it.modality for it in items]),
+            ids = list(self.tokenizer(render_chatml(chat_messages(inp.prompt, [it.modality for it in items]),
                                                     self.system_prompt))["input_ids"])
         else:
             raise RequestError("prompt: the thinker needs `prompt` (text or chat messages) or `prompt_token_ids`",
@@ -195,40 +143,8 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         return PreparedPrompt(ids, feats, None, {"thinker": _ThinkerRequest(sorted(items, key=lambda it: it.offset),
                                                                            positions, delta)})
 
-    @staticmethod
-    def messages(prompt: Any, modalities: list[str]) -> list[dict[str, Any]]:
-        """Chat messages of a prompt; media with no placeholder part go first in the last user turn."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise RequestError("prompt: give a string or a list of chat messages ({'role', 'content'})", field="prompt")
-        placed = sum(1 for m in messages if isinstance(m.get("content"), list)
-                     for part in m["content"] if isinstance(part, dict) and part.get("type") in ("audio", "image"))
-        if modalities and not placed:
-            users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-            if not users:
-                raise RequestError("multi_modal_data: the messages have no user turn to attach the media to",
-                                   field="multi_modal_data")
-            messages = [dict(m) for m in messages]
-            content = messages[users[-1]].get("content", "")
-            text = content if isinstance(content, list) else [{"type": "text", "text": content}]
-            messages[users[-1]]["content"] = [{"type": m} for m in modalities] + text
-        return messages
-
     def mm_item(self, inp, where: str) -> MMItem:
-        """An input's encoder inputs and its number of placeholder tokens (the encoder's output rows)."""
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
-
-        if inp.modality == "image":
-            pixels, grid = preprocess_image(inp.data, self.image_cfg, where)
-            item = MMItem("image", mm_hash(inp), int(grid.prod()) // self.image_cfg["merge_size"] ** 2, pixels, grid)
-        else:
-            feats = preprocess_audio(inp.data, inp.sampling_rate, AUDIO_CONFIG, where)
-            n = int(_get_feat_extract_output_lengths(torch.tensor(feats.shape[1]), self.audio_n_window))
-            item = MMItem("audio", mm_hash(inp), n, feats)
-        if item.num_tokens > self.max_model_len:
-            raise RequestError(f"{where}: the input takes {item.num_tokens} placeholder tokens, more than the model's "
-                               f"{self.max_model_len} positions", field=where)
-        return item
+        return media_item(inp, where, self.image_cfg, self.audio_n_window, self.max_model_len)
 
     def rope_index(self, ids: list[int], items: list[MMItem]) -> tuple[torch.Tensor, int]:
         """transformers' own 3-D rotary positions of a prompt with images: ([3, L] int64, delta)."""

@@ -56,7 +56,7 @@ def test_omni_run_matches_transformers_generate(tmp_path, capsys):
     assert wav_on == wav_off
     from transformers import AutoTokenizer
 
-    from stages.qwen3_omni_thinker import render_chatml
+    from stages.qwen3_omni_inputs import render_chatml
     from tests.stages.qwen3_omni_utils import checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
@@ -84,7 +84,7 @@ def test_omni_run_streams_code2wav_chunks(tmp_path, capsys):
         assert w.readframes(w.getnframes()) == streamed
     from transformers import AutoTokenizer
 
-    from stages.qwen3_omni_thinker import render_chatml
+    from stages.qwen3_omni_inputs import render_chatml
     from tests.stages.qwen3_omni_utils import checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
@@ -119,7 +119,7 @@ def test_omni_run_streams_thinker_to_talker(tmp_path, capsys):
     assert result["error"] is None
     from transformers import AutoTokenizer
 
-    from stages.qwen3_omni_thinker import render_chatml
+    from stages.qwen3_omni_inputs import render_chatml
     from tests.stages.qwen3_omni_utils import checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))

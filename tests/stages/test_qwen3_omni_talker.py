@@ -86,3 +86,18 @@ def test_sampling_talker_samples_residual_codes_too():
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a[0, 0], greedy[0, 0])  # the same first frame's c0 (top_k=1)...
     assert not np.array_equal(a[0, 1:], greedy[0, 1:])  # ...but its residual codes were sampled
+
+
+def test_each_stage_loads_its_part_exactly_as_the_full_model():
+    """A stage loads its part of the checkpoint alone; its weights equal the full model's (the talker's experts
+    are stored one by one and must be fused on load, as transformers does for the full model)."""
+    import torch
+
+    from tests.stages.qwen3_omni_utils import hf_model
+
+    thinker, talker, code2wav = stages("tiny")
+    full = hf_model("tiny")
+    for ours, ref in ((thinker.thinker, full.thinker), (talker.talker, full.talker), (code2wav.code2wav, full.code2wav)):
+        theirs = dict(ref.named_parameters())
+        for name, p in ours.named_parameters():
+            assert torch.equal(p, theirs[name]), name
