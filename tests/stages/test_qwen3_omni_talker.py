@@ -97,7 +97,8 @@ def test_each_stage_loads_its_part_exactly_as_the_full_model():
 
     thinker, talker, code2wav = stages("tiny")
     full = hf_model("tiny")
-    for ours, ref in ((thinker.thinker, full.thinker), (talker.talker, full.talker), (code2wav.code2wav, full.code2wav)):
+    pairs = ((thinker.thinker, full.thinker), (talker.talker, full.talker), (code2wav.code2wav, full.code2wav))
+    for ours, ref in pairs:
         theirs = dict(ref.named_parameters())
         for name, p in ours.named_parameters():
             assert torch.equal(p, theirs[name]), name
