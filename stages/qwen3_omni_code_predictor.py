@@ -12,7 +12,8 @@ then generates that frame's remaining `num_code_groups - 1` codes from scratch, 
 
 Here every inner step is one pass over the whole batch (all frames of a step have the same length,
 so there is no padding and the mask is the plain causal one); the frame's short KV (at most
-`num_code_groups` positions) lives in a transformers DynamicCache per step, never in the paged cache.
+`num_code_groups` positions) lives in preallocated tensors (a transformers StaticCache per batch size,
+made once and reset for every frame), never in the paged cache.
 
 transformers mirrors the talker's `do_sample` onto the code predictor: a greedy talker request gets
 greedy residual codes (argmax, as transformers), a sampling one samples them as transformers' code
@@ -40,6 +41,7 @@ class CodePredictor:
         self.num_groups = int(code_predictor.config.num_code_groups)
         self.embeddings = code_predictor.model.codec_embedding  # ModuleList, one per residual group
         self.sampler = Sampler()
+        self._caches: dict[int, object] = {}  # batch size -> StaticCache of num_code_groups positions
         gen_cfg = getattr(code_predictor, "generation_config", None)
         self.temperature = float(getattr(gen_cfg, "temperature", None) or 1.0)
 
@@ -58,13 +60,11 @@ class CodePredictor:
                 generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
         """[B, H] talker hidden states + [B, H] first-codebook embeddings -> [B, G - 1] residual codes, one
         SamplingParams and generator per row (None: all greedy)."""
-        from transformers import DynamicCache
-
         batch = past_hidden.shape[0]
         codes = torch.empty((batch, self.num_groups - 1), dtype=torch.long, device=past_hidden.device)
         if self.num_groups == 1:
             return codes
-        cache = DynamicCache(config=self.cp.config)
+        cache = self._cache(batch)
         x = torch.stack([past_hidden, c0_embeds], dim=1)  # [B, 2, H]
         pos = 0
         for g in range(self.num_groups - 1):
@@ -80,6 +80,17 @@ class CodePredictor:
             if g + 1 < self.num_groups - 1:
                 x = self.embeddings[g](codes[:, g : g + 1])
         return codes
+
+    def _cache(self, batch: int):
+        """The KV tensors for a batch of `batch` frames: allocated on first use, zeroed for every frame."""
+        from transformers import StaticCache
+
+        cache = self._caches.get(batch)
+        if cache is None:
+            cache = self._caches[batch] = StaticCache(config=self.cp.config, max_cache_len=self.num_groups)
+        else:
+            cache.reset()
+        return cache
 
     def residual_embeds(self, codes: torch.Tensor) -> list[torch.Tensor]:
         """[B, G - 1] residual codes -> their input embeddings, each [B, H] (what the talker sums)."""
