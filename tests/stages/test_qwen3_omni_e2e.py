@@ -164,6 +164,7 @@ def test_refusals_name_the_field():
     assert e.value.field == "extra.codes"
 
 
+@pytest.mark.slow
 def test_streaming_edges_with_an_image_equal_one_shot():
     """Through Omni (local backend): both edges streaming, an image prompt (3-D positions, the grids reaching the
     talker as mm_meta rows in the first chunks) gives the non-streamed pipeline's text and waveform."""
