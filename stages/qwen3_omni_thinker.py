@@ -86,7 +86,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         self.image_cfg = image_config(thinker.config.vision_config, max_pixels)
         self.audio_n_window = int(thinker.config.audio_config.n_window)
         self.encoder_cache_size = encoder_cache_size
-        self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoder_cache: OrderedDict[str, tuple[torch.Tensor, list[torch.Tensor] | None]] = OrderedDict()
         self.encoder_runs = 0
         self.encoder_cache_hits = 0
         self._requests: dict[str, _ThinkerRequest] = {}
@@ -236,8 +236,9 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
                 mask = torch.zeros(1, embeds.shape[0], dtype=torch.bool, device=embeds.device)
                 mask[0, torch.cat(vis_rows).to(embeds.device)] = True
                 kwargs = {"visual_pos_masks": mask, "deepstack_visual_embeds": [torch.cat(p) for p in deep_parts]}
-        out = self.lm(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False, output_hidden_states=True,
-                      **kwargs)
+        # Only the two hidden states the talker reads are kept (not every layer's: 48 of them in the 30B model).
+        out = self.lm(inputs_embeds=embeds[None], position_ids=pos3, use_cache=False,
+                      output_hidden_states=[0, self.accept_hidden_layer], **kwargs)
         hs = out.hidden_states  # [embeds, layer 1 out, ..., final normed]: transformers' own indexing
         return {"hidden_states": out.last_hidden_state[0], "embeds": hs[0][0],
                 "accept_hidden": hs[self.accept_hidden_layer][0], "mm_meta": self._mm_meta(embeds.shape[0])}
