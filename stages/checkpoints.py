@@ -67,7 +67,8 @@ TINY_ARCHS = {
     "llama": 4,
     "qwen2": 3,
 }
-BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2", "tiny-qwen2_5-omni", "small-qwen2_5-omni")
+BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2", "tiny-qwen2_5-omni", "small-qwen2_5-omni",
+                  "tiny-qwen3-omni", "tiny-qwen3-omni-k1g2", "small-qwen3-omni")
 
 
 # ----------------------------------------------------------------------------- cache plumbing
@@ -310,6 +311,11 @@ def builtin_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         from stages.qwen2_5_omni_checkpoint import small_omni_checkpoint
 
         return small_omni_checkpoint(cache_dir)
+    if name in ("tiny-qwen3-omni", "tiny-qwen3-omni-k1g2", "small-qwen3-omni"):
+        from stages.qwen3_omni_checkpoint import tiny_qwen3_omni_checkpoint
+
+        variant = {"tiny-qwen3-omni": "tiny", "small-qwen3-omni": "small"}.get(name, "k1g2")
+        return tiny_qwen3_omni_checkpoint(variant, cache_dir)
     raise AssertionError(f"builtin:{name} is listed in BUILTIN_MODELS but has no recipe")
 
 

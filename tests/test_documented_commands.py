@@ -58,6 +58,8 @@ SUBSTITUTES: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "stage_configs/smollm2_chain.yaml": ("stage_configs/tiny_chain.yaml", dict),
     "stage_configs/qwen2_5_omni_small.yaml": ("stage_configs/qwen2_5_omni_tiny.yaml",
                                               lambda: streaming_edges(REPO / "stage_configs/qwen2_5_omni_small.yaml")),
+    "stage_configs/qwen3_omni_small.yaml": ("stage_configs/qwen3_omni_tiny.yaml",
+                                            lambda: streaming_edges(REPO / "stage_configs/qwen3_omni_small.yaml")),
 }
 SMALL_MAX_TOKENS = "4"
 SERVE_START_TIMEOUT_S = 240
@@ -339,6 +341,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^make test(-fast)?( PYTEST_ARGS=.*)?$", skip("the test suite itself (or its fast tier): this test runs inside it")),
     (r"qwen2_5_omni_7b\.yaml", skip("real Qwen2.5-Omni-7B weights ($QWEN2_5_OMNI_PATH); the same graph runs "
                                     "on the tiny checkpoint (qwen2_5_omni_tiny.yaml)")),
+    (r"qwen3_omni_30b_a3b\.yaml", skip("real Qwen3-Omni-30B-A3B weights ($QWEN3_OMNI_PATH); the same graph runs on a "
+                                        "tiny save_pretrained directory in tests/stages/test_qwen3_omni_configs.py")),
     (r"^pytest\b", skip("the GPU half of the suite (TRITON_INTERPRET=0, real Triton kernels): " + CUDA)),
     (r"--device cuda|^omni bench tensor-cache --dtype bfloat16$|^omni bench kernels --sweep", skip(CUDA)),
     (r"^omni bench kv --compare-vllm", skip("needs an unpacked vLLM outside the project; `omni bench kv` "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +219,9 @@ class StageEngine:
             req.append_output_token_ids(forced[:-1])
         self.scheduler.add_request(req)  # raises for an id still running: nothing else is touched
         try:
-            self.model.add_request(rid, prepared, inp)
+            # The model sees the request's resolved sampling parameters (a talker that samples inside its
+            # forward, e.g. Qwen3-Omni's code predictor, follows the request's temperature and seed).
+            self.model.add_request(rid, prepared, replace(inp, sampling_params=params))
             self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
             if inp.stream or not inp.input_complete:
                 req.input_complete = inp.input_complete

@@ -131,7 +131,8 @@ class AutoregressiveStageModel(StageModel):
         return None
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: "StageInput") -> None:
-        """Called once per admitted request, before its first forward pass."""
+        """Called once per admitted request, before its first forward pass; `inp.sampling_params` is the
+        request's resolved SamplingParams (the stage's defaults filled in)."""
 
     def remove_request(self, request_id: str) -> None:
         """Called once when a request leaves the stage (finished, aborted or failed)."""
