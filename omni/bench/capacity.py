@@ -14,7 +14,12 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    one after another, in this process with this machine's cores (hf_omni.py): vs_hf_audio_s_per_s_c4 (omni
    at concurrency 4 over transformers), vs_hf_ttfp_c1 (transformers' time to its waveform / omni's TTFP,
    p50), and audio_identical: 1 when, for every request, omni's thinker tokens and codec tokens equal
-   transformers' and the waveforms agree. The waveform omni streams is made in chunked DiT windows (one
+   transformers' and the waveforms agree, on the local backend (audio_identical_ray: the same on Ray; and
+   hf.{local,ray}.codes_first_difference, per request). Why both: the talker takes the thinker's rows as
+   they stream in, so on Ray how its prompt is cut into forward passes follows the actors' timing; fp32
+   sums cut differently differ in the last bits, and where two codec logits nearly tie, a greedy code
+   late in a long reply can flip (measured: 1 request in 16 from code 227 of 250 on, with transformers'
+   own codes the same at 1 and 2 threads). The local backend steps the stages in a fixed order. The waveform omni streams is made in chunked DiT windows (one
    block of context each side): the same math in other shapes, so equal to the one-shot waveform up to
    the blocking of fp32 sums (the README's 122-139 dB); "agree" is an SNR >= 100 dB, and
    audio_bitwise_equal says whether they are bit for bit equal.
@@ -112,8 +117,8 @@ def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10 * float(np.log10(float((ref.astype(np.float64) ** 2).sum()) / noise))
 
 
-def _hf(args, path, prompts: list[list[int]], omni_c1: list[Any]) -> dict[str, Any]:
-    """transformers one request after another on the c1 prompts, and its replies against omni's."""
+def _hf(args, path, prompts: list[list[int]]) -> tuple[dict[str, Any], list[Any]]:
+    """transformers one request after another on the c1 prompts: its timing, and its replies."""
     import torch
 
     from omni.pipeline.threads import available_cores
@@ -127,22 +132,29 @@ def _hf(args, path, prompts: list[list[int]], omni_c1: list[Any]) -> dict[str, A
     hf_omni.reply(model, prompts[0], 2, 4, seed=args.seed)  # one-time costs out of the timing
     replies = [hf_omni.reply(model, p, args.thinker_tokens, codes, seed=args.seed) for p in prompts]
     total = sum(r.seconds for r in replies)
-    tokens_same, codes_same, bitwise, snrs = True, True, True, []
-    for r, rec in zip(replies, omni_c1):
+    times = [r.seconds * 1000 for r in replies]
+    return {"threads": threads, "requests": len(replies), "audio_s": sum(r.audio_s for r in replies),
+            "wall_s": total, "audio_s_per_s": sum(r.audio_s for r in replies) / total,
+            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99)}, replies
+
+
+def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:
+    """omni's c1 replies against transformers': tokens, codes (and where they first differ), waveforms."""
+    tokens_same, codes_same, bitwise, snrs, first_diff = True, True, True, [], []
+    for r, rec in zip(replies, records):
         wav, thinker = rec.outputs["token2wav"], rec.outputs["thinker"]
         tokens_same &= list(thinker.token_ids) == r.thinker_ids
-        codes_same &= list(wav.prompt_token_ids or []) == r.codes
+        codes = list(wav.prompt_token_ids or [])
+        codes_same &= codes == r.codes
+        first_diff.append(next((i for i, (a, b) in enumerate(zip(codes, r.codes)) if a != b),
+                               None if len(codes) == len(r.codes) else min(len(codes), len(r.codes))))
         got = np.asarray(wav.audio, dtype=np.float32)
         same_len = got.shape == r.audio.shape
         bitwise &= same_len and bool(np.array_equal(got, r.audio))
         snrs.append(_snr_db(r.audio, got) if same_len else float("-inf"))
-    times = [r.seconds * 1000 for r in replies]
-    return {"threads": threads, "requests": len(replies), "audio_s": sum(r.audio_s for r in replies),
-            "wall_s": total, "audio_s_per_s": sum(r.audio_s for r in replies) / total,
-            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99),
-            "thinker_tokens_identical": int(tokens_same), "codes_identical": int(codes_same),
-            "audio_bitwise_equal": int(bitwise), "audio_snr_db_min": min(snrs),
-            "audio_identical": int(tokens_same and codes_same and min(snrs) >= AGREE_SNR_DB)}
+    return {"thinker_tokens_identical": int(tokens_same), "codes_identical": int(codes_same),
+            "codes_first_difference": first_diff, "audio_bitwise_equal": int(bitwise),
+            "audio_snr_db_min": min(snrs), "audio_identical": int(tokens_same and codes_same and min(snrs) >= AGREE_SNR_DB)}
 
 
 def run(args) -> dict[str, Any]:
@@ -158,11 +170,14 @@ def run(args) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(path))
     levels = {c: _prompts(tok, args.requests, f"c{c}") for c in sorted({1, *args.concurrency})}
     ray, ray_c1 = asyncio.run(_sweep(args, "ray", levels))
-    local, _ = asyncio.run(_sweep(args, "local", {1: levels[1]}))
-    hf = _hf(args, path, levels[1], ray_c1)
+    local, local_c1 = asyncio.run(_sweep(args, "local", {1: levels[1]}))
+    hf, replies = _hf(args, path, levels[1])
+    hf["local"], hf["ray"] = _agreement(replies, local_c1), _agreement(replies, ray_c1)
     print(f"transformers: {hf['audio_s_per_s']:.3f} audio-s/s, {hf['ttfp_p50_ms']:.0f} ms per reply "
-          f"({hf['threads']} threads); audio identical {hf['audio_identical']} "
-          f"(SNR {hf['audio_snr_db_min']:.0f} dB, bitwise {hf['audio_bitwise_equal']})", flush=True)
+          f"({hf['threads']} threads); audio identical: local {hf['local']['audio_identical']} "
+          f"(SNR {hf['local']['audio_snr_db_min']:.0f} dB), ray {hf['ray']['audio_identical']} "
+          f"(SNR {hf['ray']['audio_snr_db_min']:.0f} dB; codes differ from {hf['ray']['codes_first_difference']})",
+          flush=True)
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None or b == 0 else a / b
@@ -183,7 +198,7 @@ def run(args) -> dict[str, Any]:
         "local_c1": local[1], "ray_over_local_e2e_c1": ratio(ray[1]["e2e_mean_s"], local[1]["e2e_mean_s"]),
         "hf": hf, "vs_hf_audio_s_per_s_c4": ratio(at(4, "audio_s_per_s"), hf["audio_s_per_s"]),
         "vs_hf_ttfp_c1": ratio(hf["ttfp_p50_ms"], ray[1]["ttfp_p50_ms"]),
-        "audio_identical": hf["audio_identical"],
+        "audio_identical": hf["local"]["audio_identical"], "audio_identical_ray": hf["ray"]["audio_identical"],
     }
     if args.plot:
         result["plot"] = plot(ray, hf["audio_s_per_s"], args.plot)

@@ -43,6 +43,9 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
                 "vs_hf_audio_s_per_s_c4", "vs_hf_ttfp_c1"):
         assert res[key] > 0, key
     assert res["local_c1"]["requests"] == 4 and res["hf"]["requests"] == 4
-    assert res["hf"]["thinker_tokens_identical"] == 1 and res["hf"]["codes_identical"] == 1
-    assert res["audio_identical"] == 1, res["hf"]
+    for backend in ("local", "ray"):  # 20 codes: far from the near ties a long reply can meet on Ray
+        agree = res["hf"][backend]
+        assert agree["thinker_tokens_identical"] == 1 and agree["codes_identical"] == 1, (backend, agree)
+        assert agree["codes_first_difference"] == [None] * 4, (backend, agree)
+    assert res["audio_identical"] == 1 and res["audio_identical_ray"] == 1, res["hf"]
     assert Path(res["plot"]).stat().st_size > 1000
