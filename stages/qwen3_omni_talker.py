@@ -94,6 +94,9 @@ class _TalkerRequest:
 
 class Qwen3OmniTalkerStage(AutoregressiveStageModel):
     checkpoint_prefix = "talker."
+    # An image and an audio clip in one conversation are refused (see "Not yet"): benchmarks read this to
+    # choose their media.
+    mixed_media = False
     tokenizer = None
     decodes_before_input_complete = True  # one trailing thinker row per step (compute_limit says how far)
 

@@ -39,7 +39,7 @@ def audio_chain(cfg: Any) -> AudioChain:
                          f"{[s.name for s in audio]}")
 
     def only_input(stage: Any, role: str) -> Any:
-        edges = stage.input_edges()
+        edges = stage.input_edges
         if len(edges) != 1:
             raise ValueError(f"config {cfg.name!r}: the {role} stage {stage.name!r} must have exactly one input, "
                              f"got {[e.stage for e in edges]}")
@@ -49,7 +49,7 @@ def audio_chain(cfg: Any) -> AudioChain:
     thinker = only_input(talker, "talker")
     if thinker.inputs:
         raise ValueError(f"config {cfg.name!r}: the thinker stage {thinker.name!r} must take no inputs, got "
-                         f"{[e.stage for e in thinker.input_edges()]}")
+                         f"{[e.stage for e in thinker.input_edges]}")
     if len(cfg.stages) != 3:
         raise ValueError(f"config {cfg.name!r}: expected the three stages {thinker.name} -> {talker.name} -> "
                          f"{audio[0].name}, got {[s.name for s in cfg.stages]}")

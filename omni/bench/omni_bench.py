@@ -1,7 +1,8 @@
 """Multi-turn omni conversation (thinker -> talker -> token2wav / code2wav), prefix caching on vs off.
 
 Every turn re-sends the whole conversation (an image and an audio clip in turn 1, the assistant's
-earlier replies, a new user message), as a chat client does. Per turn we time:
+earlier replies, a new user message), as a chat client does. (Qwen3-Omni's talker refuses an image and a
+clip in one conversation: `--media auto`, the default, then sends the image only; `--media audio` the clip.) Per turn we time:
 
     turn latency   submission -> waveform ready (all three stages)
     first audio    submission -> the talker's first codec token (what a streaming vocoder needs
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinker-max-tokens", type=int, default=16)
     parser.add_argument("--talker-max-tokens", type=int, default=32)
     parser.add_argument("--no-media", action="store_true", help="text-only conversation (no image/audio in turn 1)")
+    parser.add_argument("--media", choices=["auto", "image+audio", "image", "audio"], default="auto",
+                        help="what turn 1 carries next to its text (auto: an image and an audio clip, or only the "
+                             "image where the talker refuses both in one conversation: Qwen3-Omni's)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="run each conversation this often on fresh pipelines; per turn, the fastest run counts")
     parser.add_argument("--seed", type=int, default=0)
@@ -87,6 +91,18 @@ def _turn(omni: Any, chain: AudioChain, rid: str, prompt: list[dict], mm: dict[s
             "outputs": tuple(r.outputs[s] for s in chain.names)}
 
 
+def _media(args, talker: Any) -> list[str]:
+    """The modalities of turn 1: --media, or with `auto` both unless the talker's model refuses them together."""
+    from omni import registry
+
+    if args.no_media:
+        return []
+    if args.media != "auto":
+        return args.media.split("+")
+    mixed = getattr(registry.resolve_stage_model(talker.model), "mixed_media", True)
+    return ["image", "audio"] if mixed else ["image"]
+
+
 def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     from omni.registry import resolve_model_path
 
@@ -95,9 +111,9 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     omni = _pipeline(args, caching, chain)
     try:
         rng = np.random.default_rng(args.seed)
-        mm = {} if args.no_media else {
-            "image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
-            "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+        media = {"image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
+                 "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+        mm = {k: media[k] for k in _media(args, omni.config.stage(chain.talker))}
         first = [{"type": modality} for modality in mm]
         doc = ""
         if args.doc_tokens:
@@ -129,7 +145,7 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     thinker = stages[chain.thinker]
     encoder = {k: thinker[k] for k in encoder_keys} if "encoder_runs" in thinker else None
     return {"turn_latency_s": latency, "first_audio_s": first_audio, "stage_s": stage_s, "cached_tokens": hits,
-            "stats": stats, "encoder": encoder, "_outputs": outputs}
+            "media": sorted(mm), "stats": stats, "encoder": encoder, "_outputs": outputs}
 
 
 def _best_of(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
