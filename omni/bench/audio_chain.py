@@ -16,6 +16,8 @@ class AudioChain:
     thinker: str
     talker: str
     audio: str  # the stage whose final output is the waveform
+    # whether the talker takes an image and an audio clip in one conversation (Qwen3-Omni's refuses them)
+    mixed_media: bool = True
 
     @property
     def names(self) -> list[str]:
@@ -24,6 +26,20 @@ class AudioChain:
     def plain_edges(self) -> dict[str, Any]:
         """Stage overrides making both edges plain (non-streaming); the input processors stay."""
         return {self.talker: {"inputs": [self.thinker]}, self.audio: {"inputs": [self.talker]}}
+
+    def media(self, rng: Any, kinds: list[str] | None = None) -> dict[str, Any]:
+        """multi_modal_data for a first turn: `kinds` of an image and an audio clip (drawn from `rng`); by
+        default both, or the image only where the talker refuses both in one conversation."""
+        import numpy as np
+
+        mm = {"image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
+              "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+        if kinds is None:
+            kinds = list(mm) if self.mixed_media else ["image"]
+        if not self.mixed_media and len(kinds) > 1:
+            raise ValueError(f"media {'+'.join(kinds)}: the talker stage {self.talker!r} refuses an image and an "
+                             "audio clip in one conversation; choose one")
+        return {k: mm[k] for k in kinds}
 
 
 def audio_chain(cfg: Any) -> AudioChain:
@@ -53,4 +69,7 @@ def audio_chain(cfg: Any) -> AudioChain:
     if len(cfg.stages) != 3:
         raise ValueError(f"config {cfg.name!r}: expected the three stages {thinker.name} -> {talker.name} -> "
                          f"{audio[0].name}, got {[s.name for s in cfg.stages]}")
-    return AudioChain(thinker.name, talker.name, audio[0].name)
+    from omni import registry
+
+    mixed = bool(getattr(registry.resolve_stage_model(talker.model), "mixed_media", True))
+    return AudioChain(thinker.name, talker.name, audio[0].name, mixed)

@@ -91,16 +91,11 @@ def _turn(omni: Any, chain: AudioChain, rid: str, prompt: list[dict], mm: dict[s
             "outputs": tuple(r.outputs[s] for s in chain.names)}
 
 
-def _media(args, talker: Any) -> list[str]:
-    """The modalities of turn 1: --media, or with `auto` both unless the talker's model refuses them together."""
-    from omni import registry
-
+def _media(args, chain: AudioChain, rng: Any) -> dict[str, Any]:
+    """turn 1's media: --media, or with `auto` both unless the talker refuses them together (AudioChain.media)."""
     if args.no_media:
-        return []
-    if args.media != "auto":
-        return args.media.split("+")
-    mixed = getattr(registry.resolve_stage_model(talker.model), "mixed_media", True)
-    return ["image", "audio"] if mixed else ["image"]
+        return {}
+    return chain.media(rng, None if args.media == "auto" else args.media.split("+"))
 
 
 def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
@@ -111,9 +106,7 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     omni = _pipeline(args, caching, chain)
     try:
         rng = np.random.default_rng(args.seed)
-        media = {"image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
-                 "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
-        mm = {k: media[k] for k in _media(args, omni.config.stage(chain.talker))}
+        mm = _media(args, chain, rng)
         first = [{"type": modality} for modality in mm]
         doc = ""
         if args.doc_tokens:
