@@ -29,7 +29,9 @@ def test_qwen3_vs_hf_on_the_tiny_pipeline(tiny_streamed_qwen3_omni):
     for level in ("omni_c1", "omni_c4"):
         assert 0 < res[level]["ttfp_p50_ms"] <= res[level]["ttfp_p99_ms"]
     assert hf["thinker_tokens_identical"] == 1 and hf["first_codebook_identical"] == 1
-    assert hf["waveform_bitwise_equal"] == 1 and res["audio_identical"] == 1, hf
+    # transformers' code2wav on its frames in omni's windows: the same waveform up to the blocking of fp32 sums (bit
+    # for bit where the thread counts match; on Ray the stage's actor has its own)
+    assert hf["audio_snr_db_min"] >= 100 and res["audio_identical"] == 1, hf
 
 
 def test_qwen3_vs_hf_refuses_a_pipeline_without_audio():
