@@ -59,8 +59,18 @@ def test_omni_bench_on_qwen3_omni_finds_code2wav():
 def test_audio_chain_is_found_from_the_edges():
     from omni.bench.audio_chain import AudioChain, audio_chain
 
-    assert audio_chain("stage_configs/qwen3_omni_tiny.yaml") == AudioChain("thinker", "talker", "code2wav")
-    assert audio_chain("stage_configs/qwen2_5_omni_tiny.yaml") == AudioChain("thinker", "talker", "token2wav")
+    import numpy as np
+
+    qwen3 = audio_chain("stage_configs/qwen3_omni_tiny.yaml")
+    assert qwen3 == AudioChain("thinker", "talker", "code2wav", mixed_media=False)
+    qwen2_5 = audio_chain("stage_configs/qwen2_5_omni_tiny.yaml")
+    assert qwen2_5 == AudioChain("thinker", "talker", "token2wav", mixed_media=True)
+    # turn 1's media: both where the talker takes them together, else the image (or what is asked for)
+    assert list(qwen2_5.media(np.random.default_rng(0))) == ["image", "audio"]
+    assert list(qwen3.media(np.random.default_rng(0))) == ["image"]
+    assert list(qwen3.media(np.random.default_rng(0), ["audio"])) == ["audio"]
+    with pytest.raises(ValueError, match="refuses an image and an audio clip"):
+        qwen3.media(np.random.default_rng(0), ["image", "audio"])
     assert audio_chain("stage_configs/qwen3_omni_small.yaml").plain_edges() == {
         "talker": {"inputs": ["thinker"]}, "code2wav": {"inputs": ["talker"]}}
     with pytest.raises(ValueError, match="config 'tiny_chain': expected exactly one stage with final_output: audio"):
