@@ -51,6 +51,7 @@ class _CodeStream:
 
 
 class Qwen3OmniCode2WavStage(OneShotStageModel):
+    checkpoint_prefix = "code2wav."  # its tensors in the full checkpoint (the planner reads their headers)
     streams_input = True
     tokenizer = None
     eos_token_id = None
@@ -122,6 +123,16 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         x = torch.from_numpy(np.ascontiguousarray(codes.T))[None].to(self.device)
         wav = self.code2wav.chunked_decode(x, chunk_size=self.chunk_frames, left_context_size=self.left_context_frames)
         return wav.reshape(-1).float().cpu().numpy()
+
+    def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
+        """Requests of `lengths` codec frames (at most max_model_len), as qwen3_omni_talker2code2wav hands them
+        over: omni plan's profile step (the default inputs carry token ids only, no frames)."""
+        out = []
+        for i, n in enumerate(lengths):
+            frames = np.zeros((max(1, min(n, self.max_model_len)), self.num_groups), np.int64)
+            out.append(StageInput(f"__profile_code2wav_{i}", prompt_token_ids=frames[:, 0].tolist(),
+                                  extra={"codes": frames}))
+        return out
 
     # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> np.ndarray:

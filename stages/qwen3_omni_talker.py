@@ -93,6 +93,10 @@ class _TalkerRequest:
 
 
 class Qwen3OmniTalkerStage(AutoregressiveStageModel):
+    checkpoint_prefix = "talker."
+    # An image and an audio clip in one conversation are refused (see "Not yet"): benchmarks read this to
+    # choose their media.
+    mixed_media = False
     tokenizer = None
     decodes_before_input_complete = True  # one trailing thinker row per step (compute_limit says how far)
 
@@ -156,6 +160,23 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             raise RequestError(f"extra.{name}: expected [tokens, {self.thinker_hidden_size}] thinker rows, "
                                f"got shape {list(arr.shape)}", field=f"extra.{name}")
         return torch.from_numpy(arr).to(self.device, self.dtype)
+
+    def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
+        """Requests whose talker prompts have `lengths` rows, shaped as qwen3_omni_thinker2talker builds them:
+        omni plan's profile step. The talker's prompt is the user turn's positions plus 9 rows of the
+        assistant turn (preprocess), so a thinker prompt `<|im_start|> user x..x <|im_start|> assistant \\n`
+        with n - 9 user positions and two thinker tokens gives n rows."""
+        full = self.full_config
+        out = []
+        for i, n in enumerate(lengths):
+            user = [full.im_start_token_id, full.user_token_id] + [0] * max(0, n - 9 - 2)
+            prompt = user + [full.im_start_token_id, full.assistant_token_id, 0]
+            gen = [0, 0]
+            rows = np.zeros((len(prompt) + len(gen) - 1, self.thinker_hidden_size), np.float32)
+            out.append(StageInput(f"__profile_talker_{i}", sampling_params={"max_tokens": 1, "ignore_eos": True},
+                                  extra={"thinker_prompt_ids": prompt, "thinker_output_ids": gen,
+                                         "thinker_embeds": rows, "thinker_accept_hidden": rows[: len(prompt)]}))
+        return out
 
     @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:

@@ -61,6 +61,7 @@ class _ThinkerRequest:
 
 
 class Qwen3OmniThinkerStage(AutoregressiveStageModel):
+    checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int,
                  system_prompt: str | None = None, encoder_cache_size: int = 128, max_pixels: int = 12845056):

@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _overrides(args) -> dict[str, Any]:
     from .omni_streaming import omni_overrides
 
-    ov = omni_overrides(streaming=True, caching=True, audio_codes=_codes(args))
+    from .audio_chain import audio_chain
+
+    ov = omni_overrides(audio_chain(args.config), streaming=True, caching=True, audio_codes=_codes(args))
     n = args.thinker_tokens
     ov["thinker"]["sampling"] = {"temperature": 0.0, "max_tokens": n, "min_tokens": n}
     return ov
@@ -99,7 +101,7 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tupl
             before = (await o.stats())["stages"]
             recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c, id_prefix=f"c{c}-")
             after = (await o.stats())["stages"]
-            out[c] = _level(audio_times(recs), wall)
+            out[c] = _level(audio_times(recs, "token2wav"), wall)
             split = {s: window(before[s], after[s], wall) for s in after}
             out[c]["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
             out[c]["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}

@@ -1,7 +1,8 @@
-"""Multi-turn Qwen2.5-Omni conversation (thinker -> talker -> token2wav), prefix caching on vs off.
+"""Multi-turn omni conversation (thinker -> talker -> token2wav / code2wav), prefix caching on vs off.
 
 Every turn re-sends the whole conversation (an image and an audio clip in turn 1, the assistant's
-earlier replies, a new user message), as a chat client does. Per turn we time:
+earlier replies, a new user message), as a chat client does. (Qwen3-Omni's talker refuses an image and a
+clip in one conversation: `--media auto`, the default, then sends the image only; `--media audio` the clip.) Per turn we time:
 
     turn latency   submission -> waveform ready (all three stages)
     first audio    submission -> the talker's first codec token (what a streaming vocoder needs
@@ -9,14 +10,17 @@ earlier replies, a new user message), as a chat client does. Per turn we time:
 
 and report the mean over turns 2+ (turn 1 cannot hit), caching on vs off:
     turn_latency_speedup = mean(latency off) / mean(latency on), likewise first_audio_speedup.
-`stage_s` splits each turn's time between thinker, talker and token2wav (from the submission to the
-thinker's output, then to the talker's, then to the waveform).
+`stage_s` splits each turn's time between thinker, talker and the audio stage (from the submission to the
+thinker's output, then to the talker's, then to the waveform). The three stages are found from the config
+(audio_chain.py: the stage whose final output is audio, its input, that one's input), so Qwen2.5-Omni
+(token2wav) and Qwen3-Omni (code2wav) run the same benchmark.
 The YAML pipeline runs through `Omni`, as a user runs it, on the local backend by default (every stage
 in this process, as the numbers in README were taken; --backend ray for one actor per stage), with plain
 edges (this benchmark is about the caches, `omni bench streaming` about streaming) and the talker's
 tokens returned too (final_output: tokens), for its cache hits and the outputs check.
 
-The default is the small random Qwen2.5-Omni (~95 M parameters) and a first message carrying a
+The default is the small random Qwen2.5-Omni (~95 M parameters; `--config
+stage_configs/qwen3_omni_small.yaml` for the small Qwen3-Omni) and a first message carrying a
 ~1,000-token document next to the image and the audio clip, so that from turn 2 on each stage
 re-reads over 1,000 tokens of conversation: the prefill that prefix caching saves.
 
@@ -30,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .audio_chain import AudioChain, audio_chain
+
 _USER_TURNS = [
     "Please describe the picture and the sound in as much detail as you can, then tell me a story.",
     "That is interesting. Can you tell me more about the colours and the shapes you noticed?",
@@ -40,7 +46,7 @@ _USER_TURNS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="stage_configs/qwen2_5_omni_small.yaml", help="Qwen2.5-Omni stage config")
+    parser.add_argument("--config", default="stage_configs/qwen2_5_omni_small.yaml", help="an omni stage config (thinker -> talker -> audio stage)")
     parser.add_argument("--backend", choices=["local", "ray"], default="local",
                         help="the pipeline's backend (default: local, every stage in this process)")
     parser.add_argument("--doc-tokens", type=int, default=1000,
@@ -49,55 +55,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinker-max-tokens", type=int, default=16)
     parser.add_argument("--talker-max-tokens", type=int, default=32)
     parser.add_argument("--no-media", action="store_true", help="text-only conversation (no image/audio in turn 1)")
+    parser.add_argument("--media", choices=["auto", "image+audio", "image", "audio"], default="auto",
+                        help="what turn 1 carries next to its text (auto: an image and an audio clip, or only the "
+                             "image where the talker refuses both in one conversation: Qwen3-Omni's)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="run each conversation this often on fresh pipelines; per turn, the fastest run counts")
     parser.add_argument("--seed", type=int, default=0)
 
 
-_STAGES = ["thinker", "talker", "token2wav"]
-
-
-def _pipeline(args, caching: bool) -> Any:
+def _pipeline(args, caching: bool, chain: AudioChain) -> Any:
     from omni import Omni
     from omni.config_loader import load_config
 
-    overrides = {"thinker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.thinker_max_tokens}},
-                 "talker": {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.talker_max_tokens},
-                            "inputs": ["thinker"], "final_output": "tokens"},
-                 "token2wav": {"inputs": ["talker"]}}
-    cfg = load_config(args.config, stage_overrides=overrides)
-    names = [s.name for s in cfg.stages]
-    if names != _STAGES:
-        raise ValueError(f"--config: expected stages thinker, talker, token2wav; got {names}")
-    return Omni(cfg, backend=args.backend)
+    overrides = {chain.thinker: {"enable_prefix_caching": caching,
+                                 "sampling": {"max_tokens": args.thinker_max_tokens}},
+                 chain.talker: {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.talker_max_tokens},
+                                "final_output": "tokens"}}
+    for stage, edges in chain.plain_edges().items():
+        overrides.setdefault(stage, {}).update(edges)
+    return Omni(load_config(args.config, stage_overrides=overrides), backend=args.backend)
 
 
-def _turn(omni: Any, rid: str, prompt: list[dict], mm: dict[str, Any]) -> dict[str, Any]:
+def _turn(omni: Any, chain: AudioChain, rid: str, prompt: list[dict], mm: dict[str, Any]) -> dict[str, Any]:
     from .workloads import stream_timed
 
     [r] = stream_timed(omni, [{"prompt": prompt, "multi_modal_data": mm, "request_id": rid}])
     if r.error:
         raise RuntimeError(f"stage {r.error_stage}: {r.error}")
-    t_talker, t_wav, t_end = (r.output_s[s] for s in _STAGES)
+    t_talker, t_wav, t_end = (r.output_s[s] for s in chain.names)
     return {"latency": t_end,
             # the talker's first codec token: what a streaming vocoder needs to start playing
-            "first_audio": r.first_token_s["talker"],
+            "first_audio": r.first_token_s[chain.talker],
             # where the turn's time went (plain edges: the stages run one after the other)
-            "stage_s": {"thinker": t_talker, "talker": t_wav - t_talker, "token2wav": t_end - t_wav},
-            "outputs": tuple(r.outputs[s] for s in _STAGES)}
+            "stage_s": {chain.thinker: t_talker, chain.talker: t_wav - t_talker, chain.audio: t_end - t_wav},
+            "outputs": tuple(r.outputs[s] for s in chain.names)}
 
 
-def _conversation(args, caching: bool) -> dict[str, Any]:
+def _media(args, chain: AudioChain, rng: Any) -> dict[str, Any]:
+    """turn 1's media: --media, or with `auto` both unless the talker refuses them together (AudioChain.media)."""
+    if args.no_media:
+        return {}
+    return chain.media(rng, None if args.media == "auto" else args.media.split("+"))
+
+
+def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     from omni.registry import resolve_model_path
 
     from .workloads import Conversation
 
-    omni = _pipeline(args, caching)
+    omni = _pipeline(args, caching, chain)
     try:
         rng = np.random.default_rng(args.seed)
-        mm = {} if args.no_media else {
-            "image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
-            "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+        mm = _media(args, chain, rng)
         first = [{"type": modality} for modality in mm]
         doc = ""
         if args.doc_tokens:
@@ -105,34 +114,35 @@ def _conversation(args, caching: bool) -> dict[str, Any]:
 
             from .workloads import long_document
 
-            path = resolve_model_path(omni.config.stage("thinker").model_path)
+            path = resolve_model_path(omni.config.stage(chain.thinker).model_path)
             doc = long_document(AutoTokenizer.from_pretrained(str(path)), args.doc_tokens, args.seed) + "\n"
         conv = Conversation(messages=[])
         latency, first_audio, stage_s, hits, outputs = [], [], [], [], []
         for turn in range(args.turns):
             text = (doc if turn == 0 else "") + _USER_TURNS[turn % len(_USER_TURNS)]
             content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
-            res = _turn(omni, f"turn{turn}", conv.ask(content), mm)
+            res = _turn(omni, chain, f"turn{turn}", conv.ask(content), mm)
             t_out, k_out, w_out = res["outputs"]
             latency.append(res["latency"])
             first_audio.append(res["first_audio"])
             stage_s.append({k: round(v, 4) for k, v in res["stage_s"].items()})
-            hits.append({"thinker": t_out.num_cached_tokens, "talker": k_out.num_cached_tokens})
+            hits.append({chain.thinker: t_out.num_cached_tokens, chain.talker: k_out.num_cached_tokens})
             outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
             conv.answer(t_out.text or "")
         stages = omni.stats()["stages"]
     finally:
         omni.close()
     keys = ("prefix_cache_hits", "prefix_cache_queries", "prefix_cache_hit_rate")
-    stats = {name: {k: stages[name].get(k) for k in keys} for name in _STAGES}
+    stats = {name: {k: stages[name].get(k) for k in keys} for name in chain.names}
     encoder_keys = ("encoder_runs", "encoder_cache_hits", "encoder_cache_entries")  # the thinker model's counters
-    encoder = {k: stages["thinker"][k] for k in encoder_keys} if "encoder_runs" in stages["thinker"] else None
+    thinker = stages[chain.thinker]
+    encoder = {k: thinker[k] for k in encoder_keys} if "encoder_runs" in thinker else None
     return {"turn_latency_s": latency, "first_audio_s": first_audio, "stage_s": stage_s, "cached_tokens": hits,
-            "stats": stats, "encoder": encoder, "_outputs": outputs}
+            "media": sorted(mm), "stats": stats, "encoder": encoder, "_outputs": outputs}
 
 
-def _best_of(args, caching: bool) -> dict[str, Any]:
-    runs = [_conversation(args, caching) for _ in range(max(1, args.repeats))]
+def _best_of(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
+    runs = [_conversation(args, caching, chain) for _ in range(max(1, args.repeats))]
     best = runs[-1]
     for key in ("turn_latency_s", "first_audio_s"):
         best[key] = [min(r[key][t] for r in runs) for t in range(args.turns)]
@@ -144,8 +154,9 @@ def _best_of(args, caching: bool) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.turns < 2:
         raise ValueError(f"--turns must be >= 2 (turn 1 cannot hit the cache), got {args.turns}")
-    off = _best_of(args, caching=False)
-    on = _best_of(args, caching=True)
+    chain = audio_chain(args.config)
+    off = _best_of(args, caching=False, chain=chain)
+    on = _best_of(args, caching=True, chain=chain)
     same = all(a[0] == b[0] and a[1] == b[1] and np.array_equal(a[2], b[2])
                for a, b in zip(on.pop("_outputs"), off.pop("_outputs")))
 
@@ -155,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "omni",
         "config": args.config,
+        "stages": chain.names,
         "turns": args.turns,
         "caching_on": on,
         "caching_off": off,

@@ -1,19 +1,22 @@
-"""The Qwen2.5-Omni half of `omni bench streaming`: time to first audio and real-time factor.
+"""The omni half of `omni bench streaming`: time to first audio and real-time factor.
 
-The small random Qwen2.5-Omni (stage_configs/qwen2_5_omni_small.yaml: thinker ~> talker ~> token2wav,
-~95 M parameters) on the Ray backend, with its streaming edges vs the same pipeline with plain
-edges, one run:
+The small random Qwen2.5-Omni (`--pipeline omni`, stage_configs/qwen2_5_omni_small.yaml: thinker ~> talker ~>
+token2wav, ~95 M parameters) or Qwen3-Omni (`--pipeline qwen3-omni`, stage_configs/qwen3_omni_small.yaml:
+thinker ~> talker ~> code2wav, ~120 M parameters; the three stages found from the config, audio_chain.py)
+on the Ray backend, with its streaming edges vs the same pipeline with plain edges, one run:
 
 - concurrency 1 (--omni-repeats requests in a row) and 4 (distinct prompts, submitted together): per
   request TTFP (submission -> the first audio samples: the first token2wav delta when streaming, the
   finished waveform otherwise), end to end, and RTF = end to end / seconds of audio. Every reply has
-  --omni-audio-codes codec tokens (the talker's min_tokens = max_tokens; 250 = 5 s of audio): a
-  random checkpoint's replies end at random, and streaming gains with the length of the reply;
-- a multi-turn conversation (turn 1: a long message, an image and an audio clip; later turns resend
+  --omni-audio-codes talker tokens (the talker's min_tokens = max_tokens; by default 5 s of audio: 250
+  Qwen2.5-Omni codec tokens, 63 Qwen3-Omni frames): a random checkpoint's replies end at random, and
+  streaming gains with the length of the reply;
+- a multi-turn conversation (turn 1: a long message, an image and an audio clip, the image only for
+  Qwen3-Omni whose talker refuses both in one conversation; later turns resend
   the conversation) for each of streaming on/off x prefix caching on/off: TTFP per turn (`--plot`
   draws it).
 
-Keys: ttfp_speedup (non-streaming / streaming TTFP, concurrency 1; target >= 5), rtf_streaming
+Keys: ttfp_speedup (non-streaming / streaming TTFP, concurrency 1; target >= 5, >= 8 for Qwen3-Omni), rtf_streaming
 (< 1: faster than real time), e2e_ratio (streaming / non-streaming end to end; target <= 1.10), the
 same with _c4, and ttfp_per_turn.
 """
@@ -24,62 +27,63 @@ from typing import Any
 
 import numpy as np
 
+from .audio_chain import AudioChain, audio_chain
+
 TOPICS = ["the sea", "a lighthouse", "the mountains", "a city at night", "an old library", "a rainy day",
            "the desert", "a forest in autumn"]
 
 
-def plain_edges() -> dict[str, Any]:
-    return {"talker": {"inputs": ["thinker"]}, "token2wav": {"inputs": ["talker"]}}
+# --omni-audio-codes by default: 5 s of audio (Qwen2.5-Omni: 50 codec tokens a second; Qwen3-Omni: 12.5 frames)
+DEFAULT_AUDIO_CODES = {"omni": 250, "qwen3-omni": 63}
+DEFAULT_CONFIG = {"omni": "stage_configs/qwen2_5_omni_small.yaml", "qwen3-omni": "stage_configs/qwen3_omni_small.yaml"}
 
 
-def omni_overrides(streaming: bool, caching: bool, audio_codes: int) -> dict[str, Any]:
-    ov: dict[str, Any] = {} if streaming else plain_edges()
-    for stage in ("thinker", "talker"):
+def omni_overrides(chain: AudioChain, streaming: bool, caching: bool, audio_codes: int) -> dict[str, Any]:
+    ov: dict[str, Any] = {} if streaming else chain.plain_edges()
+    for stage in (chain.thinker, chain.talker):
         ov.setdefault(stage, {})["enable_prefix_caching"] = caching
     if audio_codes:
         # Every reply the same length (min_tokens = max_tokens masks the codec eos): a random checkpoint
         # stops at random, and a TTFP ratio means little unless both modes make the same audio.
-        ov["talker"]["sampling"] = {"max_tokens": audio_codes, "min_tokens": audio_codes}
+        ov[chain.talker]["sampling"] = {"max_tokens": audio_codes, "min_tokens": audio_codes}
     return ov
 
 
-def _run(omni, prompts: list[Any]) -> list[dict[str, float]]:
+def _run(omni, chain: AudioChain, prompts: list[Any]) -> list[dict[str, float]]:
     """Submit all prompts at once; per request: ttfp, e2e, audio seconds, rtf (audio_times)."""
     from .workloads import stream_timed
 
-    return audio_times(stream_timed(omni, prompts))
+    return audio_times(stream_timed(omni, prompts), chain.audio)
 
 
-def audio_times(records: list[Any]) -> list[dict[str, float]]:
+def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
     """Per timed request (workloads.TimedRequest) of the omni pipeline: ttfp (the first audio samples: a
-    token2wav delta when streaming, the finished waveform otherwise), e2e, audio seconds, rtf. A failed
+    delta of `audio_stage` when streaming, the finished waveform otherwise), e2e, audio seconds, rtf. A failed
     request raises, naming the stage."""
     out = []
     for r in records:
         if r.error:
             raise RuntimeError(f"request {r.request_id} failed at stage {r.error_stage}: {r.error}")
-        wav, e2e = r.outputs["token2wav"], r.output_s["token2wav"]
+        wav, e2e = r.outputs[audio_stage], r.output_s[audio_stage]
         audio_s = len(wav.audio) / int(wav.passthrough.get("sampling_rate", 24000))
         out.append({"ttfp_s": e2e if r.first_audio_s is None else r.first_audio_s, "e2e_s": e2e, "audio_s": audio_s,
                     "rtf": e2e / max(audio_s, 1e-9)})
     return out
 
 
-def _conversation(omni, tokenizer, args) -> list[float]:
-    """TTFP per turn of one conversation (turn 1 carries a long document, an image and audio)."""
+def _conversation(omni, chain: AudioChain, tokenizer, args) -> list[float]:
+    """TTFP per turn of one conversation (turn 1 carries a long document, an image and audio: AudioChain.media)."""
     from .workloads import Conversation, long_document
 
-    rng = np.random.default_rng(args.seed)
-    mm = {"image": rng.integers(0, 256, (112, 112, 3), dtype=np.uint8),
-          "audio": ((0.1 * rng.standard_normal(32000)).astype(np.float32), 16000)}
+    mm = chain.media(np.random.default_rng(args.seed))
     doc = long_document(tokenizer, args.omni_doc_tokens, args.seed)
     conv = Conversation(messages=[])
     ttfp = []
     for turn in range(args.omni_turns):
         text = f"{doc}\nPlease describe the picture and the sound, then the table." if turn == 0 else \
             f"Thank you. Tell me more, part {turn}."
-        content: Any = [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": text}] if turn == 0 else text
-        [r] = _run(omni, [{"prompt": conv.ask(content), "multi_modal_data": mm}])
+        content: Any = [{"type": kind} for kind in mm] + [{"type": "text", "text": text}] if turn == 0 else text
+        [r] = _run(omni, chain, [{"prompt": conv.ask(content), "multi_modal_data": mm}])
         ttfp.append(r["ttfp_s"])
         conv.answer(f"Reply {turn}.")
     return ttfp
@@ -92,32 +96,36 @@ def run_omni(args) -> dict[str, Any]:
     from omni.config_loader import load_config
     from omni.registry import resolve_model_path
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(load_config(args.omni_config).stage("thinker")
-                                                               .model_path)))
+    config = args.omni_config or DEFAULT_CONFIG[_pipeline(args)]
+    codes = DEFAULT_AUDIO_CODES[_pipeline(args)] if args.omni_audio_codes is None else args.omni_audio_codes
+    cfg = load_config(config)
+    chain = audio_chain(cfg)
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.stage(chain.thinker).model_path)))
     conc: dict[bool, dict[int, list[dict[str, float]]]] = {}
     turns: dict[str, list[float]] = {}
     for streaming in (False, True):
         for caching in (True, False):
-            with Omni(args.omni_config, backend=args.backend,
-                      stage_overrides=omni_overrides(streaming, caching, args.omni_audio_codes)) as o:
-                _run(o, ["Warm up, please."])  # one-time costs out of the timing
+            with Omni(config, backend=args.backend,
+                      stage_overrides=omni_overrides(chain, streaming, caching, codes)) as o:
+                _run(o, chain, ["Warm up, please."])  # one-time costs out of the timing
                 if caching:  # distinct prompts: no prefix hits in the concurrency runs
                     conc[streaming] = {}
                     for c in args.concurrency:
                         # concurrency 1: --omni-repeats requests one after the other (one is too noisy)
                         rounds = args.omni_repeats if c == 1 else 1
-                        conc[streaming][c] = [r for k in range(rounds) for r in _run(o, [
+                        conc[streaming][c] = [r for k in range(rounds) for r in _run(o, chain, [
                             f"Tell me a story about {TOPICS[(i + c + k) % len(TOPICS)]}, number {c}-{i}-{k}."
                             for i in range(c)])]
                 key = f"{'streaming' if streaming else 'non_streaming'}_caching_{'on' if caching else 'off'}"
-                turns[key] = _conversation(o, tok, args)
+                turns[key] = _conversation(o, chain, tok, args)
                 print(f"omni {key}: TTFP per turn {[round(t, 2) for t in turns[key]]}", flush=True)
 
     def mean(streaming: bool, c: int, key: str) -> float:
         return statistics.mean(r[key] for r in conc[streaming][c])
 
-    result: dict[str, Any] = {"omni_config": args.omni_config, "omni_turns": args.omni_turns,
-                              "omni_audio_codes": args.omni_audio_codes, "ttfp_per_turn": turns}
+    result: dict[str, Any] = {"omni_config": config, "omni_stages": chain.names, "omni_turns": args.omni_turns,
+                              "omni_audio_codes": codes, "omni_media": sorted(chain.media(np.random.default_rng(0))),
+                              "ttfp_per_turn": turns}
     for c in args.concurrency:
         sfx = "" if c == 1 else f"_c{c}"
         result[f"omni_c{c}"] = {mode: {**{k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf")},
@@ -130,11 +138,16 @@ def run_omni(args) -> dict[str, Any]:
               f"e2e {mean(False, c, 'e2e_s'):.2f}s -> {mean(True, c, 'e2e_s'):.2f}s, "
               f"RTF streaming {mean(True, c, 'rtf'):.2f}", flush=True)
     if args.plot:
-        result["plot"] = plot_ttfp(turns, args.plot)
+        result["plot"] = plot_ttfp(turns, args.plot, cfg.name)
     return result
 
 
-def plot_ttfp(turns: dict[str, list[float]], path: str) -> str:
+def _pipeline(args) -> str:
+    """`omni` (Qwen2.5-Omni) or `qwen3-omni`: the pipeline whose defaults apply (`both` runs Qwen2.5-Omni's)."""
+    return "qwen3-omni" if getattr(args, "pipeline", "omni") == "qwen3-omni" else "omni"
+
+
+def plot_ttfp(turns: dict[str, list[float]], path: str, name: str = "small Qwen2.5-Omni") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +160,7 @@ def plot_ttfp(turns: dict[str, list[float]], path: str) -> str:
     ax.set_ylabel("time to first audio (s)")
     ax.set_yscale("log")
     ax.set_xticks(range(1, max(len(v) for v in turns.values()) + 1))
-    ax.set_title("small Qwen2.5-Omni: TTFP per turn")
+    ax.set_title(f"{name}: TTFP per turn")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -17,7 +17,10 @@ for) and the end. Concurrency 1 and 4, both modes. JSON keys:
     thinker_tokens_identical    1 when the thinker's greedy tokens are the same in both modes
 
 `--pipeline omni` (or `both`, the default) adds the small Qwen2.5-Omni with audio: time to first
-audio and real-time factor, streaming vs not (omni_streaming.py).
+audio and real-time factor, streaming vs not (omni_streaming.py); `--pipeline qwen3-omni` runs that part
+alone on the small Qwen3-Omni (thinker ~> talker ~> code2wav):
+
+    omni bench streaming --pipeline qwen3-omni [--omni-config stage_configs/qwen3_omni_small.yaml]
 """
 from __future__ import annotations
 
@@ -35,12 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pipeline", choices=["chain", "omni", "both"], default="both")
-    p.add_argument("--omni-config", default="stage_configs/qwen2_5_omni_small.yaml")
+    p.add_argument("--pipeline", choices=["chain", "omni", "qwen3-omni", "both"], default="both",
+                   help="chain (SmolLM2), omni (Qwen2.5-Omni), both of these, or qwen3-omni (Qwen3-Omni alone)")
+    p.add_argument("--omni-config", default=None,
+                   help="the omni pipeline's config (default: stage_configs/qwen2_5_omni_small.yaml, "
+                        "stage_configs/qwen3_omni_small.yaml with --pipeline qwen3-omni)")
     p.add_argument("--omni-turns", type=int, default=3, help="turns of the TTFP-per-turn conversation")
     p.add_argument("--omni-doc-tokens", type=int, default=1000, help="tokens of the first message's document")
-    p.add_argument("--omni-audio-codes", type=int, default=250,
-                   help="codec tokens of every omni reply (50 per second of audio; 0: as the model stops)")
+    p.add_argument("--omni-audio-codes", type=int, default=None,
+                   help="talker tokens of every omni reply (default 5 s of audio: 250 Qwen2.5-Omni codec tokens, "
+                        "50 a second; 63 Qwen3-Omni frames, 12.5 a second; 0: as the model stops)")
     p.add_argument("--omni-repeats", type=int, default=5,
                    help="omni requests timed at concurrency 1 (two cores shared by three stages: TTFP varies ~1.5x)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw TTFP per turn (omni) into this PNG file")
@@ -102,7 +109,7 @@ def run(args) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if args.pipeline in ("chain", "both"):
         result.update(run_chain(args))
-    if args.pipeline in ("omni", "both"):
+    if args.pipeline in ("omni", "qwen3-omni", "both"):
         from .omni_streaming import run_omni
 
         result.update(run_omni(args))

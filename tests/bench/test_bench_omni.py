@@ -28,3 +28,50 @@ def test_omni_bench_reports_speedups_and_hits(tiny_omni):
             assert sum(stages.values()) == pytest.approx(latency, abs=3 * 0.5e-4 + 1e-9)
     with pytest.raises(ValueError, match="turns"):
         omni_bench.run(parser.parse_args(["--turns", "1"]))
+
+
+@pytest.mark.slow
+def test_omni_bench_on_qwen3_omni_finds_code2wav():
+    """The Qwen3-Omni chain (thinker -> talker -> code2wav, found from the config: no stage named token2wav), with
+    an image and an audio clip in turn 1: the second turn hits both decoders' caches, the outputs are identical."""
+    parser = argparse.ArgumentParser()
+    omni_bench.add_arguments(parser)
+    args = parser.parse_args(["--config", "stage_configs/qwen3_omni_tiny.yaml", "--turns", "2", "--doc-tokens", "40",
+                              "--thinker-max-tokens", "4", "--talker-max-tokens", "6", "--repeats", "1"])
+    res = omni_bench.run(args)
+    assert res["stages"] == ["thinker", "talker", "code2wav"]
+    assert res["turn_latency_speedup"] > 0 and res["first_audio_speedup"] > 0
+    assert res["outputs_identical"] is True
+    on, off = res["caching_on"], res["caching_off"]
+    assert on["cached_tokens"][1]["thinker"] > 0 and on["cached_tokens"][1]["talker"] > 0
+    assert off["cached_tokens"][1] == {"thinker": 0, "talker": 0}
+    assert on["media"] == ["image"]  # auto: the Qwen3 talker refuses an image and a clip in one conversation
+    # The image is encoded once per conversation: with caching on turn 2's prefix hit skips it, with caching off
+    # turn 2 re-prefills it from the encoder cache.
+    assert on["encoder"]["encoder_runs"] == 1 and off["encoder"]["encoder_runs"] == 1
+    assert off["encoder"]["encoder_cache_hits"] >= 1
+    for run in (on, off):
+        for latency, stages in zip(run["turn_latency_s"], run["stage_s"]):
+            assert set(stages) == {"thinker", "talker", "code2wav"} and min(stages.values()) > 0
+            assert sum(stages.values()) == pytest.approx(latency, abs=3 * 0.5e-4 + 1e-9)
+
+
+def test_audio_chain_is_found_from_the_edges():
+    from omni.bench.audio_chain import AudioChain, audio_chain
+
+    import numpy as np
+
+    qwen3 = audio_chain("stage_configs/qwen3_omni_tiny.yaml")
+    assert qwen3 == AudioChain("thinker", "talker", "code2wav", mixed_media=False)
+    qwen2_5 = audio_chain("stage_configs/qwen2_5_omni_tiny.yaml")
+    assert qwen2_5 == AudioChain("thinker", "talker", "token2wav", mixed_media=True)
+    # turn 1's media: both where the talker takes them together, else the image (or what is asked for)
+    assert list(qwen2_5.media(np.random.default_rng(0))) == ["image", "audio"]
+    assert list(qwen3.media(np.random.default_rng(0))) == ["image"]
+    assert list(qwen3.media(np.random.default_rng(0), ["audio"])) == ["audio"]
+    with pytest.raises(ValueError, match="refuses an image and an audio clip"):
+        qwen3.media(np.random.default_rng(0), ["image", "audio"])
+    assert audio_chain("stage_configs/qwen3_omni_small.yaml").plain_edges() == {
+        "talker": {"inputs": ["thinker"]}, "code2wav": {"inputs": ["talker"]}}
+    with pytest.raises(ValueError, match="config 'tiny_chain': expected exactly one stage with final_output: audio"):
+        audio_chain("stage_configs/tiny_chain.yaml")

@@ -145,17 +145,28 @@ class RayBackend:
     # it wait behind the gate (the orchestrator's request timeout still applies; its router
     # sends a gated replica nothing while another one serves). A gate that fails for good
     # marks the replica dead: its requests then fail at once with a clear error.
+    # A submission that streams into a gated replica waits behind that gate too: its chunks go actor
+    # to actor, fire and forget, and Ray fails a call made to an actor while it restarts, so chunks
+    # sent then would be lost and the consumer would wait for them until its chunk timeout.
     def submit(self, sub: Submission) -> None:
-        stage, replica = key = (sub.stage, sub.replica)
         with self._lock:
-            if key in self._dead:
-                self._events.append(StageEvent(stage, sub.request_id, error_output(
-                    stage, sub.request_id, self._where(stage, replica) + self._dead[key]),
-                    replica=replica, replica_lost=True))
-            elif key in self._gates:
-                self._deferred[key].append(sub)
-            else:
-                self._send(sub)
+            self._route(sub)
+
+    def _route(self, sub: Submission) -> None:
+        stage, replica = key = (sub.stage, sub.replica)
+        peer = next(((t.stage, t.replica) for t in sub.stream_to if (t.stage, t.replica) in self._dead), None)
+        if key in self._dead or peer is not None:
+            dead = key if key in self._dead else peer
+            self._events.append(StageEvent(stage, sub.request_id, error_output(
+                stage, sub.request_id, self._blame(key, dead) + self._dead[dead]),
+                replica=replica, replica_lost=key in self._dead))
+        elif key in self._gates:
+            self._deferred[key].append(sub)
+        elif (gated := next(((t.stage, t.replica) for t in sub.stream_to if (t.stage, t.replica) in self._gates),
+                            None)) is not None:
+            self._deferred[gated].append(sub)
+        else:
+            self._send(sub)
 
     def replica_states(self, stage: str) -> list[str]:
         with self._lock:
@@ -181,8 +192,9 @@ class RayBackend:
             for gen, a in list(self._pending.items()):
                 if a.stage == stage and a.replica == replica and a.request_id == request_id:
                     del self._pending[gen]
-            if key in self._deferred:
-                self._deferred[key] = [a for a in self._deferred[key] if a.request_id != request_id]
+            for k in self._deferred:  # (a submission waits behind its own gate or a stream consumer's)
+                self._deferred[k] = [a for a in self._deferred[k] if (a.stage, a.replica, a.request_id)
+                                     != (stage, replica, request_id)]
             if stage in self.replica_actors and key not in self._dead and key not in self._gates:
                 self.replica_actors[stage][replica].abort.remote(request_id)  # fire and forget
 
@@ -295,15 +307,22 @@ class RayBackend:
                                f"(max_restarts={restarts}): {describe(e)}")
             return self._fail_deferred(key, self._dead[key])
         for a in self._deferred.pop(key, []):
-            self._send(a)
+            self._route(a)  # another gate may hold it now (its own, or a stream consumer's)
         return []
 
     def _fail_deferred(self, key: tuple[str, int], error: str) -> list[StageEvent]:
-        stage, replica = key
-        return [StageEvent(stage, a.request_id,
-                           error_output(stage, a.request_id, self._where(stage, replica) + error),
-                           replica=replica, replica_lost=True)
+        """Fail what waited behind the gate of `key` (the message names it): its own submissions, and
+        those of the stages streaming into it (each reported as its own stage's event)."""
+        return [StageEvent(a.stage, a.request_id,
+                           error_output(a.stage, a.request_id, self._blame((a.stage, a.replica), key) + error),
+                           replica=a.replica, replica_lost=(a.stage, a.replica) == key)
                 for a in self._deferred.pop(key, [])]
+
+    def _blame(self, own: tuple[str, int], failed: tuple[str, int]) -> str:
+        """The start of an error's message: the failed replica, named when it is not the submission's own."""
+        if own == failed:
+            return self._where(*failed)
+        return f"the stage it streams into, {failed[0]!r}, failed: {self._where(*failed)}"
 
     def stats(self) -> dict[str, dict[str, Any]]:
         refs = {name: [actor.stats.remote() for actor in actors] for name, actors in self.replica_actors.items()}
