@@ -2,6 +2,8 @@
 the three engines wired like stage_configs/qwen3_omni_tiny.yaml, and transformers' reference."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 
 import numpy as np
@@ -98,16 +100,34 @@ _HF_RESULTS: dict[tuple, tuple[list[int], np.ndarray, np.ndarray]] = {}
 
 def hf_generate(variant: str, ids: list[int], *, thinker_max: int = THINKER_MAX, talker_max: int = TALKER_MAX,
                 speaker: str = "Ethan", features: torch.Tensor | None = None, pixels: torch.Tensor | None = None,
-                grid: torch.Tensor | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+                grid: torch.Tensor | None = None, threads: int | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
     """transformers' Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True), greedy thinker and talker,
     with an audio clip's log-mel `features` [mel, frames] if given: (thinker tokens, the codec frames [N, G] it
-    decodes, waveform). Memoized: the same request is generated once per process."""
+    decodes, waveform). Memoized: the same request is generated once per process (and thread count).
+
+    `threads`: torch's intra-op threads for the call (default: the caller's). A waveform is bit for bit the
+    pipeline's only when both sum in the same order, i.e. on as many threads as the stages that made it
+    ran on: the local backend runs its stages on its own count (omni/pipeline/threads.py)."""
+    threads = threads or torch.get_num_threads()
     key = (variant, tuple(ids), thinker_max, talker_max, speaker,
            None if features is None else features.numpy().tobytes(),
-           None if pixels is None else pixels.numpy().tobytes())
+           None if pixels is None else pixels.numpy().tobytes(), threads)
     if key not in _HF_RESULTS:
-        _HF_RESULTS[key] = _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker, features, pixels, grid)
+        with torch_threads(threads):
+            _HF_RESULTS[key] = _hf_generate(variant, tuple(ids), thinker_max, talker_max, speaker, features, pixels,
+                                            grid)
     return _HF_RESULTS[key]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to `n` in this thread for the block, the caller's count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def hf_reference(variant: str, inp: StageInput, **kw) -> tuple[list[int], np.ndarray, np.ndarray]:

@@ -14,13 +14,18 @@ import torch
 import yaml
 
 from omni import cli
+from omni.config_loader import load_config
+from omni.pipeline.threads import local_threads
 from omni.serve.audio import to_pcm16
-from tests.stages.qwen3_omni_utils import hf_generate, hf_model
+from tests.stages.qwen3_omni_utils import hf_generate, hf_model, torch_threads
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"
 PROMPT = "Hello there, who are you? Tell me about the sea, the ships that sail on it and the stars above them at night."
 NO_CACHING = {"thinker": {"enable_prefix_caching": False}, "talker": {"enable_prefix_caching": False}}
+# The local backend runs the stages on this many torch threads; transformers' reference runs on as many, so
+# that both sum in the same order and the waveforms can be compared bit for bit on any machine.
+THREADS = local_threads(load_config(TINY).stages)
 
 
 def _limits() -> tuple[int, int]:
@@ -61,7 +66,7 @@ def test_omni_run_matches_transformers_generate(tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
     ids = tok(render_chatml([{"role": "user", "content": PROMPT}], None))["input_ids"]
-    ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max)
+    ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max, threads=THREADS)
     assert on["outputs"]["thinker"]["token_ids"] == ref_tokens
     assert on["outputs"]["thinker"]["text"] == tok.decode(ref_tokens, skip_special_tokens=True)
     assert wav_on == to_pcm16(ref_wav)
@@ -89,12 +94,12 @@ def test_omni_run_streams_code2wav_chunks(tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
     ids = tok(render_chatml([{"role": "user", "content": PROMPT}], None))["input_ids"]
-    _, frames, _ = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max)
+    _, frames, _ = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max, threads=THREADS)
     model = hf_model("tiny").code2wav
     x = torch.from_numpy(frames.T.copy())[None]
     bounds = [0, 4] + list(range(12, len(frames), 8)) + [len(frames)]
     spf = int(model.total_upsample)
-    with torch.inference_mode():
+    with torch.inference_mode(), torch_threads(THREADS):
         ref = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             c = 25 if s - 25 > 0 else s  # chunked_decode's left context rule
@@ -124,7 +129,7 @@ def test_omni_run_streams_thinker_to_talker(tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
     ids = tok(render_chatml([{"role": "user", "content": PROMPT}], None))["input_ids"]
-    ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max)
+    ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max, threads=THREADS)
     assert result["outputs"]["thinker"]["token_ids"] == ref_tokens
     with wave.open(str(out / "0000_code2wav.wav"), "rb") as w:
         assert w.readframes(w.getnframes()) == to_pcm16(ref_wav)
