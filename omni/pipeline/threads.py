@@ -23,11 +23,15 @@ from omni.config import StageConfig
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS says, else the CPU count)."""
+    """The cores this process may run on (its CPU affinity where the OS says, else the CPU count), and no
+    more than OMP_NUM_THREADS where the environment sets it: a process given a thread budget (a test
+    worker beside others, a container's share) keeps to it, as torch's own default count does."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no affinity on this OS
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    return min(cores, int(budget)) if budget.isdigit() and int(budget) > 0 else cores
 
 
 def stage_threads(num_cpus: float, cores: int | None = None) -> int:

@@ -59,6 +59,19 @@ def test_local_threads_are_the_pipelines_cpus_at_most_the_cores():
     assert local_threads(load_config(data).stages, cores=16) == 4
 
 
+def test_available_cores_keep_to_the_environments_thread_budget(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = available_cores()
+    assert cores >= 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # e.g. one pytest-xdist worker's share
+    assert available_cores() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 8))  # a budget past the cores gives the cores
+    assert available_cores() == cores
+    for unset in ("", "0", "auto"):  # no budget
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert available_cores() == cores
+
+
 def test_threads_per_caller_sets_each_thread_once_and_restores_the_closing_thread():
     before = torch.get_num_threads()
     target = 2 if before != 2 else 3
