@@ -28,6 +28,7 @@ from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPr
 from omni.errors import RequestError
 from omni.outputs import StageInput
 
+from .checkpoint_parts import load_part
 from .media import media_names
 from .qwen2_5_omni_inputs import (MMItem, expand_placeholders, fill_mrope_positions, load_preprocess_config, messages_for,
                                   mm_num_tokens, preprocess_mm, render_chat)
@@ -37,21 +38,10 @@ THINKER_EOS = 151645  # <|im_end|>
 
 def load_omni_part(model_path: Path, part: str, cls: type, dtype: torch.dtype, device: torch.device,
                    attn: str = "sdpa", **kwargs: Any):
-    """Load one part ("thinker" / "talker" / "token2wav") of a full Qwen2.5-Omni checkpoint."""
+    """Load one part ("thinker" / "talker" / "token2wav") of a full Qwen2.5-Omni checkpoint: (part, full config)."""
     from transformers import Qwen2_5OmniConfig
-    from transformers.utils import logging as hf_logging
 
-    full = Qwen2_5OmniConfig.from_pretrained(str(model_path))
-    config = getattr(full, f"{part}_config")
-    # The other parts' weights are "unexpected" for this one: keep transformers' load report quiet.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = cls.from_pretrained(str(model_path), config=config, dtype=dtype, attn_implementation=attn,
-                                    key_mapping={rf"^{part}\.": ""}, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return model.to(device).eval(), full
+    return load_part(Qwen2_5OmniConfig, model_path, part, cls, dtype, device, attn, **kwargs)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from .checkpoint_parts import load_part
+
 TALKER_TEXT_MODEL_TYPE = "qwen3_omni_moe_talker_text"
 
 
@@ -13,19 +15,8 @@ def load_qwen3_omni_part(model_path: Path, part: str, cls: type, dtype: torch.dt
                          attn: str = "sdpa", **kwargs: Any):
     """Load one part ("thinker" / "talker" / "code2wav") of a full Qwen3-Omni checkpoint: (part, full config)."""
     from transformers import Qwen3OmniMoeConfig
-    from transformers.utils import logging as hf_logging
 
-    full = Qwen3OmniMoeConfig.from_pretrained(str(model_path))
-    config = getattr(full, f"{part}_config")
-    # The other parts' weights are "unexpected" for this one: keep transformers' load report quiet.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = cls.from_pretrained(str(model_path), config=config, dtype=dtype, attn_implementation=attn,
-                                    key_mapping={rf"^{part}\.": ""}, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return model.to(device).eval(), full
+    return load_part(Qwen3OmniMoeConfig, model_path, part, cls, dtype, device, attn, **kwargs)
 
 
 def register_talker_expert_conversion() -> None:

@@ -144,21 +144,26 @@ def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=
     return t, k, w
 
 
-def run_chain(chain, inputs: list[StageInput]):
-    """Run requests through thinker -> talker -> token2wav; returns {rid: (thinker, talker, wav) outputs}."""
-    from stages.qwen2_5_omni import talker2wav, thinker2talker
+def run_chain(chain, inputs: list[StageInput], processors=None):
+    """Run requests through thinker -> talker -> the audio stage; returns {rid: (thinker, talker, audio) outputs}.
+    `processors`: (thinker -> talker, talker -> audio) input processors (default: Qwen2.5-Omni's)."""
     from tests.engine_utils import run_to_completion
 
+    if processors is None:
+        from stages.qwen2_5_omni import talker2wav, thinker2talker
+
+        processors = (thinker2talker, talker2wav)
+    to_talker, to_audio = processors
     t, k, w = chain
     for inp in inputs:
         t.add_request(inp)
     t_out = run_to_completion(t)
     by_id = {inp.request_id: inp for inp in inputs}
     for rid, o in t_out.items():
-        k.add_request(thinker2talker({"thinker": o}, by_id[rid]))
+        k.add_request(to_talker({"thinker": o}, by_id[rid]))
     k_out = run_to_completion(k)
     for rid, o in k_out.items():
-        w.add_request(talker2wav({"talker": o}, by_id[rid]))
+        w.add_request(to_audio({"talker": o}, by_id[rid]))
     w_out = {}
     while w.has_unfinished():
         for o in w.step().finished:

@@ -160,23 +160,9 @@ def make_chain(variant: str, *, caching: bool = True, block_size: int = 4, chunk
 def run_chain(chain, inputs: list[StageInput]):
     """Run requests through thinker -> talker -> code2wav; returns {rid: (thinker, talker, code2wav) outputs}."""
     from stages.qwen3_omni import talker2code2wav, thinker2talker
-    from tests.engine_utils import run_to_completion
+    from tests.stages import omni_utils
 
-    t, k, w = chain
-    for inp in inputs:
-        t.add_request(inp)
-    t_out = run_to_completion(t)
-    by_id = {inp.request_id: inp for inp in inputs}
-    for rid, o in t_out.items():
-        k.add_request(thinker2talker({"thinker": o}, by_id[rid]))
-    k_out = run_to_completion(k)
-    for rid, o in k_out.items():
-        w.add_request(talker2code2wav({"talker": o}, by_id[rid]))
-    w_out = {}
-    while w.has_unfinished():
-        for o in w.step().finished:
-            w_out[o.request_id] = o
-    return {rid: (t_out[rid], k_out[rid], w_out[rid]) for rid in by_id}
+    return omni_utils.run_chain(chain, inputs, (thinker2talker, talker2code2wav))
 
 
 def frames_of(talker_out, request: StageInput) -> np.ndarray:
