@@ -11,6 +11,17 @@ from omni.errors import OmniError
 from omni.outputs import StageDelta, StageInput, StageOutput
 
 
+def single_upstream(upstream: dict[str, StageOutput], edge: str) -> StageOutput:
+    """The one upstream output an edge `edge` takes: a ValueError (the request fails, naming the edge) when
+    there is not exactly one, or when that stage failed."""
+    if len(upstream) != 1:
+        raise ValueError(f"{edge}: expects exactly one upstream stage, got {sorted(upstream)}")
+    out = next(iter(upstream.values()))
+    if out.error is not None:
+        raise ValueError(f"{edge}: upstream stage {out.stage} failed: {out.error}")
+    return out
+
+
 def hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
     """The upstream stage's last hidden states become the downstream prompt embeddings.
 

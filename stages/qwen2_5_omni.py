@@ -17,6 +17,7 @@ import numpy as np
 
 from omni.outputs import StageDelta, StageInput, StageOutput
 
+from .processors import single_upstream
 from .qwen2_5_omni_talker import Qwen2_5OmniTalkerStage
 from .qwen2_5_omni_thinker import Qwen2_5OmniThinkerStage
 from .qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
@@ -28,18 +29,9 @@ __all__ = ["Qwen2_5OmniThinkerStage", "Qwen2_5OmniTalkerStage", "Qwen2_5OmniToke
 CODEC_EOS_TOKENS = (8292, 8294)
 
 
-def _single(upstream: dict[str, StageOutput], edge: str) -> StageOutput:
-    if len(upstream) != 1:
-        raise ValueError(f"{edge}: expects exactly one upstream stage, got {sorted(upstream)}")
-    out = next(iter(upstream.values()))
-    if out.error is not None:
-        raise ValueError(f"{edge}: upstream stage {out.stage} failed: {out.error}")
-    return out
-
-
 def thinker2talker(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
     """Thinker output -> talker input: token ids, last hidden states and 3-D rotary positions."""
-    out = _single(upstream, "thinker2talker")
+    out = single_upstream(upstream, "thinker2talker")
     if out.hidden_states is None or "mrope_positions" not in out.mm_outputs:
         raise ValueError("thinker2talker: the thinker output carries no hidden states / mrope_positions "
                          "(is the upstream a qwen2_5_omni_thinker stage?)")
@@ -57,7 +49,7 @@ def thinker2talker(upstream: dict[str, StageOutput], request: StageInput) -> Sta
 
 def talker2wav(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
     """Talker codec tokens (cut before the first codec eos) -> token2wav input."""
-    out = _single(upstream, "talker2wav")
+    out = single_upstream(upstream, "talker2wav")
     codes = list(out.token_ids)
     for i, c in enumerate(codes):
         if c in CODEC_EOS_TOKENS:

@@ -16,6 +16,7 @@ import numpy as np
 
 from omni.outputs import StageDelta, StageInput, StageOutput
 
+from .processors import single_upstream
 from .qwen3_omni_code2wav import Qwen3OmniCode2WavStage
 from .qwen3_omni_talker import Qwen3OmniTalkerStage
 from .qwen3_omni_thinker import Qwen3OmniThinkerStage
@@ -24,18 +25,9 @@ __all__ = ["Qwen3OmniThinkerStage", "Qwen3OmniTalkerStage", "Qwen3OmniCode2WavSt
            "thinker2talker_chunk", "talker2code2wav", "talker2code2wav_chunk"]
 
 
-def _single(upstream: dict[str, StageOutput], edge: str) -> StageOutput:
-    if len(upstream) != 1:
-        raise ValueError(f"{edge}: expects exactly one upstream stage, got {sorted(upstream)}")
-    out = next(iter(upstream.values()))
-    if out.error is not None:
-        raise ValueError(f"{edge}: upstream stage {out.stage} failed: {out.error}")
-    return out
-
-
 def thinker2talker(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
     """Thinker output -> talker input: token ids and the per-token embeds / accept_hidden rows."""
-    out = _single(upstream, "qwen3_omni_thinker2talker")
+    out = single_upstream(upstream, "qwen3_omni_thinker2talker")
     rows = out.mm_outputs or {}
     if "embeds" not in rows or "accept_hidden" not in rows:
         raise ValueError("qwen3_omni_thinker2talker: the thinker output carries no embeds / accept_hidden rows "
@@ -109,7 +101,7 @@ def _frames(rows: dict, num_prompt: int | None) -> np.ndarray:
 def talker2code2wav(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
     """Talker output -> code2wav input: every frame the talker generated (all codebooks), as transformers
     hands them to code2wav (the frame of the last sampled token, the codec eos, is never computed)."""
-    out = _single(upstream, "qwen3_omni_talker2code2wav")
+    out = single_upstream(upstream, "qwen3_omni_talker2code2wav")
     frames = _frames(out.mm_outputs or {}, len(out.prompt_token_ids))
     if not len(frames):
         raise ValueError("qwen3_omni_talker2code2wav: the talker produced no codec frames before its eos")
