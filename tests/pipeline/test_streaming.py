@@ -17,6 +17,7 @@ import pytest
 
 from omni import AsyncOmni, Omni, SamplingParams, StageDelta
 from omni.errors import ConfigError, StageError
+from tests.serve.server_utils import held
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -169,17 +170,21 @@ def test_cancelled_async_streams_release_every_stage():
                         break
                 return n
 
-            slow = asyncio.create_task(o.generate("cancel me", SamplingParams(temperature=0.0, max_tokens=200,
-                                                                              ignore_eos=True)))
-            # Cancel once the slow request runs in the thinker (a condition, not a guessed delay): with
-            # 200 tokens to go and no EOS, it is still in flight when the cancel lands, on any machine.
-            deadline = time.monotonic() + 60
-            while (await o.stats())["stages"]["thinker"]["running"] == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            tasks = [asyncio.create_task(consume(i, 3 + i)) for i in range(6)]
-            await asyncio.sleep(0)  # the streams are submitted before the cancel
-            assert not slow.done()
-            slow.cancel()
+            # The talker is held until the cancel has landed, so the request to cancel cannot finish first
+            # however fast the machine is; it is cancelled once it runs in the thinker (a condition, not a
+            # guessed delay), and the streams go on once the talker is released.
+            with held(o, "talker") as release:
+                slow = asyncio.create_task(o.generate("cancel me", SamplingParams(temperature=0.0, max_tokens=200,
+                                                                                  ignore_eos=True)))
+                deadline = time.monotonic() + 60
+                while (await o.stats())["stages"]["thinker"]["running"] == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                tasks = [asyncio.create_task(consume(i, 3 + i)) for i in range(6)]
+                await asyncio.sleep(0)  # the streams are submitted before the cancel
+                assert not slow.done()
+                slow.cancel()
+                await asyncio.sleep(0)  # the cancel reaches the request before the talker goes on
+                release.set()
             assert await asyncio.gather(*tasks) == [3 + i for i in range(6)]
             with pytest.raises(asyncio.CancelledError):
                 await slow
