@@ -4,6 +4,7 @@
                                          activations      a profile step's peak (profile.py), else estimated
                                          encoder cache    entries x the largest item's rows (multimodal stages)
                                          working memory   a one-shot stage's peak at its batch size (profiled)
+                                         allocator        freed heap glibc keeps resident (host stages; below)
     per KV block (on the stage's device) KV              2 x layers x block_size x kv_heads x head_dim x dtype
     per KV block (host RAM)              tensor cache    block_size x the per-token outputs' bytes per token
                                                           (hidden states; the profile step discovers the rest)
@@ -12,6 +13,16 @@
 A measurement (profile.py) is kept in the profile store (profile_store.py), so the arithmetic plan
 that `omni validate`, `omni run` and `omni serve` make without loading anything uses the numbers the
 last `omni plan` measured; where there is none, activations are estimated (and the report says so).
+
+The allocator term. A profile step measures the live peak (it trims the heap first). A serving process
+holds more: glibc's malloc raises its mmap threshold to the size of the largest mmapped buffer freed so
+far (up to 32 MiB on 64-bit) and its trim threshold to twice that, so after the first step the freed
+activations stay in the heap, resident, up to 2 x that size, instead of going back to the OS. That is
+what keeps steps from page-faulting their buffers in again (pinning the threshold, MALLOC_MMAP_THRESHOLD_,
+made `omni bench throughput` 16% slower), so it is planned rather than avoided: 2 x min(32 MiB, the
+step's peak), the peak being an upper bound of the step's largest buffer. Measured on the tiny chain's
+soak (tests/planning/test_plan_soak.py): a thinker grew 17-27 MiB over runs with the default thresholds,
+13-15 MiB with a pinned one, for a 23 MiB live peak.
 """
 from __future__ import annotations
 
@@ -25,6 +36,14 @@ from omni.errors import ConfigError
 
 from .profile_store import ProfileRecord, ProfileStore, profile_key
 from .weights import checkpoint_weights
+
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the dynamic threshold's cap
+
+
+def allocator_retention(peak: int) -> int:
+    """Freed heap a host process may keep resident after steps whose live peak is `peak` bytes: glibc's
+    trim threshold, 2 x its mmap threshold, which follows the largest freed buffer (<= peak) up to 32 MiB."""
+    return 2 * min(GLIBC_MMAP_THRESHOLD_MAX, max(0, peak))
 
 
 @dataclass(slots=True)
@@ -49,6 +68,7 @@ class StageNeeds:
     pool_per_block: int = 0
     encoder_cache: int = 0
     working: int = 0  # one-shot stages: working memory at their batch size (in `activations` for AR stages)
+    allocator: int = 0  # host stages: freed heap malloc keeps resident (allocator_retention)
     hand_blocks: int | None = None  # blocks fixed by the config (num_blocks, or a memory_budget_mb number)
     hand_field: str | None = None
     profile_key: str = ""
@@ -60,7 +80,7 @@ class StageNeeds:
     @property
     def fixed(self) -> int:
         """Bytes on the stage's device that do not depend on the block count."""
-        return self.weights + self.activations + self.encoder_cache + self.working
+        return self.weights + self.activations + self.encoder_cache + self.working + self.allocator
 
     def device_per_block(self) -> int:
         """Bytes one KV block costs on the stage's device (everything, when that device is the host)."""
@@ -152,7 +172,7 @@ def stage_needs(config: PipelineConfig, stage: StageConfig, *, cuda_available: b
     if not entry.autoregressive:
         if record is not None:
             needs.working, needs.activations_source = record.activations, "measured by omni plan"
-        return needs
+        return _with_allocator(needs)
     reader = getattr(model_cls, "checkpoint_geometry", None)
     geometry = reader(Path(path)) if reader is not None else None
     if geometry is None:
@@ -177,4 +197,12 @@ def stage_needs(config: PipelineConfig, stage: StageConfig, *, cuda_available: b
         item_rows = min(sched.max_num_batched_tokens, needs.max_model_len or sched.max_num_batched_tokens)
         needs.encoder_cache = int(encoder(dict(stage.model_kwargs), geometry, dtype_bytes, item_rows))
     needs.hand_blocks, needs.hand_field = _hand_blocks(stage, needs.kv_per_block)
+    return _with_allocator(needs)
+
+
+def _with_allocator(needs: StageNeeds) -> StageNeeds:
+    """A host stage's allocator term (the module's docstring); a CUDA stage's activations are counted by
+    torch's caching allocator, whose reserve the device budget's headroom covers."""
+    if needs.device == "cpu":
+        needs.allocator = allocator_retention(needs.activations + needs.working)
     return needs

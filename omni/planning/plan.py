@@ -1,7 +1,7 @@
 """The memory plan: every device's budget split over the stage copies placed on it.
 
     per device:   budget
-                - fixed needs of every copy there      (weights, activations, encoder cache, working memory)
+                - fixed needs of every copy there      (weights, activations, encoder cache, working memory, allocator)
                 - blocks set by hand x their cost      (cache.num_blocks / a memory_budget_mb number: honoured)
                 - host side of GPU stages' blocks      (tensor cache + block pool live in host RAM)
                 = what the 'auto' stages share
@@ -194,6 +194,7 @@ def _refusal(config: PipelineConfig, dev: DevicePlan, plans: dict[str, StagePlan
     detail = (f"weights {size(n.weights)}, activations {size(n.activations)} ({n.activations_source})"
               + (f", encoder cache {size(n.encoder_cache)}" if n.encoder_cache else "")
               + (f", working memory {size(n.working)}" if n.working else "")
+              + (f", allocator {size(n.allocator)}" if n.allocator else "")
               + (f", {culprit.num_blocks:,} KV blocks x {size(_cost(culprit, name))}" if n.autoregressive else ""))
     return MemoryPlanError(
         f"stage {n.stage!r} does not fit on {name}: the stages there need at least {size(running)} "

@@ -16,6 +16,7 @@ def render(plan: MemoryPlan) -> str:
         f": {plan.workload['concurrent_conversations']} conversations x {plan.workload['context_tokens']} tokens"
         if plan.workload else "")]
     head = ["stage", "copies", "weights", "activations", "KV blocks", "KV", "tensor cache", "encoder",
+            "allocator",
             "total", "share", "convs", "verdict"]
     for d, dev in plan.devices.items():
         rows = []
@@ -38,6 +39,7 @@ def render(plan: MemoryPlan) -> str:
                 "-" if gpu_side_elsewhere or not n.autoregressive else size(p.kv_bytes),
                 size(p.rows_bytes) if (d == "cpu") and n.autoregressive else "-",
                 size(n.encoder_cache) if n.encoder_cache and not gpu_side_elsewhere else "-",
+                size(n.allocator) if n.allocator and not gpu_side_elsewhere else "-",
                 size(count * mine), f"{count * mine / dev.budget.budget:.0%}" if dev.budget.budget else "-",
                 "-" if conv is None else str(conv), p.verdict])
         lines.append("")
@@ -65,6 +67,7 @@ def as_dict(plan: MemoryPlan) -> dict[str, Any]:
             "weights_bytes": n.weights, "weights_source": n.weights_source,
             "activations_bytes": n.activations, "activations_source": n.activations_source,
             "encoder_cache_bytes": n.encoder_cache, "working_bytes": n.working,
+            "allocator_bytes": n.allocator,
             "kv_blocks": p.num_blocks, "block_size": n.block_size, "kv_bytes_per_block": n.kv_per_block,
             "kv_bytes": p.kv_bytes, "tensor_cache_bytes_per_token": n.rows_per_token,
             "tensor_cache_bytes": p.rows_bytes, "block_pool_bytes": p.pool_bytes,

@@ -53,7 +53,7 @@ def test_refused_plan_exits_2_naming_the_stage(tmp_path, store, capsys):
 
 
 def test_run_with_a_budget_and_a_workload(tmp_path, store, capsys):
-    path = _write(tmp_path, budget_gb=0.3, plan={"concurrent_conversations": 2, "context_tokens": 32})
+    path = _write(tmp_path, budget_gb=0.5, plan={"concurrent_conversations": 2, "context_tokens": 32})
     rc = cli.main(["run", path, "--prompt", "Hello", "--backend", "local", "--json", "--max-tokens", "4"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["results"][0]["error"] is None

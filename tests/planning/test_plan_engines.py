@@ -41,7 +41,7 @@ def _allocated(engine):
 
 
 def test_planned_numbers_equal_the_engines_allocations(store):
-    cfg = _auto("stage_configs/tiny_chain.yaml", 0.3, plan={"concurrent_conversations": 4, "context_tokens": 64})
+    cfg = _auto("stage_configs/tiny_chain.yaml", 0.45, plan={"concurrent_conversations": 4, "context_tokens": 64})
     with Omni(cfg, backend="local") as o:
         plan = o.memory_plan
         assert plan is not None and plan.fits

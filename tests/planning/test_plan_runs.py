@@ -68,7 +68,7 @@ def test_smollm2_chain_runs_within_its_plan(store, smollm2):
 
 
 def test_replicated_config_runs_within_its_plan(store):
-    cfg = _planned("stage_configs/tiny_chain.yaml", 0.4, 8, 64,
+    cfg = _planned("stage_configs/tiny_chain.yaml", 0.6, 8, 64,
                    talker={"replicas": 2, "routing": "round_robin"})
     with Omni(cfg, backend="local") as o:
         outs = o.generate(["Hello", "Bonjour", "Hallo"], {"thinker": {"max_tokens": 4}}, use_tqdm=False)
