@@ -102,3 +102,24 @@ def test_each_stage_loads_its_part_exactly_as_the_full_model():
         theirs = dict(ref.named_parameters())
         for name, p in ours.named_parameters():
             assert torch.equal(p, theirs[name]), name
+
+
+def test_batched_code_predictor_equals_transformers_generate_per_frame():
+    """The code predictor's own pass (stages/qwen3_omni_code_predictor.py: transformers' modules without its
+    generic forward) over a batch of frames gives each frame the codes transformers' `generate` gives it alone,
+    bitwise, frame after frame with the same preallocated K/V (4 code groups: a two-position first pass, then
+    single positions)."""
+    import torch
+
+    _, talker, _ = stages("tiny")
+    cp = talker.code_predictor
+    groups = cp.num_groups - 1
+    rng = torch.Generator().manual_seed(0)
+    for batch in (1, 3, 2, 3):  # a batch size seen before reuses its K/V, overwritten
+        past = torch.randn(batch, talker.hidden_size, generator=rng)
+        c0 = torch.randn(batch, talker.hidden_size, generator=rng)
+        ours = cp.predict(past, c0)
+        for i in range(batch):
+            x = torch.stack([past[i:i + 1], c0[i:i + 1]], dim=1)
+            ref = cp.cp.generate(inputs_embeds=x, max_new_tokens=groups, min_new_tokens=groups, do_sample=False)
+            assert ours[i].tolist() == ref[0, -groups:].tolist(), (batch, i)
