@@ -305,9 +305,13 @@ def _attend_one(query, key_cache, value_cache, block_tables, out, seq, start, en
     k = _gather_kv(key_cache, blocks, 0)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
     v = _gather_kv(value_cache, blocks, 1)[:seq_len].transpose(0, 1)
     q = query[start:end]
+    # SDPA gets 4-D tensors ([1, heads, L, D]): on a CPU, 3-D ones take its math path (the whole score
+    # matrix, softmax apart), 4-D ones its flash kernel: 4x faster on a 1,024-token causal prefill, 2x on
+    # 128 queries after a cached prefix (omni bench kernels --sdpa-layouts; torch 2.13, 2 threads).
     if q_len == seq_len:
         # No cached prefix: plain causal attention (top-left == bottom-right).
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=scale, enable_gqa=g > 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale,
+                                           enable_gqa=g > 1)[0]
         out[start:end] = o.transpose(0, 1)
         return
     # Cached prefix: query i sits at position (seq_len - q_len + i). Folding the
@@ -317,7 +321,7 @@ def _attend_one(query, key_cache, value_cache, block_tables, out, seq, start, en
     if g > 1:
         mask = mask.repeat(g, 1)
     qf = q.view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=mask[None, None], scale=scale)[0]
     out[start:end] = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
 
 
