@@ -119,14 +119,35 @@ def _hf_generate(model, reqs, device) -> tuple[float, int]:
     return t.elapsed, sum(r.max_tokens for r in reqs)
 
 
+def _cb_limits(reqs) -> dict:
+    """transformers' continuous batching with omni's engine limits here (64 sequences, 2,048 tokens a batch)
+    and a KV cache the workload fits in: left to itself it sizes its cache from the device's free memory
+    (on a CPU, most of the machine's RAM, faulted in while the first request waits: 13 s for one request
+    of the tiny model). transformers without ContinuousBatchingConfig (before 5.2x) keeps its own sizing."""
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        return {}
+    page = 256
+    blocks = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page) for r in reqs) + len(reqs) + 1
+    return {"continuous_batching_config": ContinuousBatchingConfig(
+        page_size=page, num_blocks=blocks, max_batch_tokens=2048, max_requests_per_batch=64)}
+
+
 def _hf_generate_batch(model, reqs) -> tuple[float, int]:
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs),
                            eos_token_id=None, pad_token_id=model.config.eos_token_id)
-    manager = model.init_continuous_batching(generation_config=cfg)
+    manager = model.init_continuous_batching(generation_config=cfg, **_cb_limits(reqs))
     manager.start()
     try:
+        # Warm-up (as for `generate`): the manager's thread builds its cache and first batch outside the timing.
+        warm = manager.add_request(list(reqs[0].prompt_token_ids[:16]), max_new_tokens=2)
+        while (res := manager.get_result(timeout=600)) is not None and not (res.request_id == warm and res.is_finished()):
+            pass
+        if res is None:
+            raise RuntimeError("transformers continuous batching stopped without a result")
         produced = 0
         with Timer() as t:
             ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens) for r in reqs]
