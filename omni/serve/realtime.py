@@ -12,6 +12,11 @@
                 answers to client events never interleave inside a frame)
     idle        no client event for --session-idle-timeout-s and no response running: an `error` event
                 saying so, close 1000
+    draining    (shutdown.py) a response in progress counts as in flight: it may finish within the
+                grace period; a new one is refused with an `error` event (code shutting_down)
+    shut down   once the drain is over (grace period out, or nothing left in flight): the response still
+                running is cancelled (response.done, reason shutting_down), an `error` event (code
+                shutting_down), close 1001 (going away)
     end         the client closes or disconnects, or the server shuts down: the response in progress is
                 cancelled, its request aborted on every stage (their blocks freed); the session is gone
 """
@@ -35,6 +40,7 @@ from omni.serve.realtime_session import Session
 logger = logging.getLogger(__name__)
 CLOSE_POLICY = 1008  # a wrong model: retrying the same request cannot help
 CLOSE_TRY_AGAIN = 1013
+CLOSE_GOING_AWAY = 1001
 
 
 @dataclass
@@ -85,6 +91,16 @@ async def _close_with_error(ws: WebSocket, code: int, message: str, param: str |
     await ws.close(code=code, reason=message[:120])
 
 
+async def _close_when_stopped(hub: RealtimeHub, session: Session, ws: WebSocket) -> None:
+    """Once the server's drain is over, end the session: its response cancelled, an error event, close 1001
+    (the receive loop then sees the socket closed)."""
+    await hub.drain.stopping.wait()
+    await session.cancel_response("shutting_down")
+    with contextlib.suppress(Exception):  # the client may be gone already
+        await session.error("the server is shutting down", None, "shutting_down", kind="server_error")
+        await ws.close(code=CLOSE_GOING_AWAY, reason="the server is shutting down")
+
+
 async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     settings = hub.settings
     if not _authorized(ws, settings.api_key):
@@ -117,6 +133,7 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     hub.sessions.add(session)
     hub.realtime_metrics.open.inc()
     outcome = "closed"
+    closer = asyncio.create_task(_close_when_stopped(hub, session, ws))
     try:
         await session.start()
         while True:
@@ -147,6 +164,9 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
             if ws.application_state == WebSocketState.CONNECTED:
                 await ws.close(code=1011, reason="internal error")
     finally:
+        closer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closer
         await session.close()
         hub.sessions.discard(session)
         hub.realtime_metrics.open.dec()

@@ -320,6 +320,10 @@ class Session:
             self.response = None
 
     async def _create_response(self, params: E.ResponseParams | None, event_id: str | None) -> None:
+        drain = self.server.drain
+        if drain.draining:  # the server is shutting down: what runs may finish, nothing new starts
+            raise RealtimeEventError("the server is shutting down: it starts no new response", None,
+                                     "shutting_down", event_id)
         modality = self.modality
         instructions = self.instructions
         voice, max_tokens = self.voice, self.max_output_tokens
@@ -338,6 +342,10 @@ class Session:
         resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)
         self.response = resp
+        # In flight for the server's drain until it ends (RealtimeResponse.end): a shutdown waits for it
+        # up to the grace period, as for an HTTP request.
+        drain.enter()
+        resp.in_drain = drain
         resp.task = asyncio.create_task(resp.run(job))
 
     async def close(self) -> None:

@@ -7,7 +7,8 @@ Once `drain` starts, new `/v1/*` requests are answered 503 `shutting_down` (and 
 already in flight run on for up to `grace_s`. If some are still running then, `stopping` is set: each
 open stream sends an error event (`shutting_down`) and `[DONE]`, and a non-streamed request still
 waiting is answered 503 `shutting_down`. `drain` returns once no response is in flight: True when
-everything finished within the grace period. The server's own code ends the streams, so the drain
+everything finished within the grace period; `stopping` is set then either way (a Realtime session,
+which outlives its responses, closes on it). The server's own code ends the streams, so the drain
 does not depend on how the ASGI server (uvicorn) or sse-starlette treat open connections at exit.
 """
 from __future__ import annotations
@@ -68,8 +69,10 @@ class Drain:
         finally:
             stop.cancel()
         clean = idle.done() and not self.stopping.is_set()
+        # Set either way: what is left ends now. After a clean drain that is only the connections that
+        # outlive their requests (a Realtime session between responses closes with 1001, realtime.py).
+        self.stopping.set()
         if not clean:
-            self.stopping.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(idle, END_TIMEOUT_S)
         idle.cancel()

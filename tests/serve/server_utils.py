@@ -12,6 +12,7 @@ New server tests: a module-scoped fixture `with serve_in_process(CHAIN, "--backe
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -44,6 +45,15 @@ class Server:
     omni: Any = None  # serve_in_process: the AsyncOmni under the app
     proc: subprocess.Popen | None = None  # omni_serve: the process and its log
     log: Path | None = None
+    app: Any = None  # serve_in_process: the app, and uvicorn's event loop it runs in
+    loop: Any = None
+
+    def drain(self, grace_s: float) -> Any:
+        """serve_in_process: start the app's drain (what `omni serve` does on SIGTERM) in the server's loop;
+        returns a concurrent Future of its result (True: everything finished within `grace_s`)."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self.app.state.omni.drain.drain(grace_s), self.loop)
 
     @property
     def v1(self) -> str:
@@ -131,10 +141,16 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
     try:
         sock.bind(("127.0.0.1", 0))
         # log_config=None: uvicorn leaves logging alone (its records reach pytest's capture)
-        server = uvicorn.Server(uvicorn.Config(create_app(omni, settings), lifespan="off", log_config=None,
+        app = create_app(omni, settings)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None,
                                                timeout_graceful_shutdown=UVICORN_SHUTDOWN_S))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="omni-serve-test",
-                                  daemon=True)
+        loops: list[Any] = []
+
+        async def serve() -> None:  # uvicorn's Server.run, keeping its loop for Server.drain
+            loops.append(asyncio.get_running_loop())
+            await server.serve(sockets=[sock])
+
+        thread = threading.Thread(target=asyncio.run, args=(serve(),), name="omni-serve-test", daemon=True)
         thread.start()
         deadline = time.monotonic() + 60
         while not server.started:
@@ -142,7 +158,7 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
                 pytest.fail("the in-process server did not start (see the captured log)")
             time.sleep(0.02)
         try:
-            yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", omni=omni)
+            yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", omni=omni, app=app, loop=loops[0])
         finally:
             server.should_exit = True
             thread.join(UVICORN_SHUTDOWN_S + 10)
