@@ -15,8 +15,10 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,15 +51,29 @@ PREPROCESS_DEFAULTS = {
 
 @dataclass(slots=True)
 class MMItem:
-    """One preprocessed multimodal input of a prompt."""
+    """One preprocessed multimodal input of a prompt.
+
+    An audio clip's log-mel features are made when the encoder first reads them (`data`), not when the
+    prompt is prepared: a clip whose rows the encoder cache holds, or whose tokens the prefix cache already
+    covers, never needs them, and a conversation re-sends every earlier clip each turn (Whisper's features
+    of a clip padded to 30 s cost ~7.5 ms whatever its length). What the prompt needs, its token count and
+    frame count, comes from the clip's length; the clip was checked when the item was made."""
 
     modality: str  # "image" | "audio"
     mm_hash: str
     num_tokens: int  # placeholder tokens in the prompt
-    # image: pixel_values [patches, C*T*P*P] + grid_thw [3]; audio: features [mel, frames]
-    data: torch.Tensor
+    # image: pixel_values [patches, C*T*P*P] + grid_thw [3]; audio: features [mel, frames], or None until read
+    _data: torch.Tensor | None
     grid_thw: torch.Tensor | None = None
     offset: int = -1  # first placeholder token in the prompt, set by expand_placeholders
+    frames: int = 0  # audio: valid mel frames (one per hop started)
+    _make: Callable[[], torch.Tensor] | None = None  # audio: makes the features (a picklable partial)
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            self._data, self._make = self._make(), None
+        return self._data
 
 
 def load_preprocess_config(model_path: Path) -> dict[str, Any]:
@@ -150,28 +166,59 @@ def preprocess_image(image: np.ndarray, cfg: dict[str, Any],
 _FEATURE_EXTRACTORS: dict[int, Any] = {}
 
 
-def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any],
-                     where: str = "multi_modal_data.audio") -> torch.Tensor:
-    """Waveform (mono, at the model's sampling rate) -> log-mel features [mel, valid frames]."""
+def _feature_extractor(cfg: dict[str, Any]) -> Any:
     from transformers import WhisperFeatureExtractor
 
-    sr = cfg["audio_sampling_rate"]
-    # one Whisper window (n_fft) at least
-    wave = check_audio(wave, sampling_rate, sr, 400, where)
     fe = _FEATURE_EXTRACTORS.get(cfg["num_mel_bins"])
     if fe is None:
         fe = _FEATURE_EXTRACTORS[cfg["num_mel_bins"]] = WhisperFeatureExtractor(
-            feature_size=cfg["num_mel_bins"], sampling_rate=sr, return_attention_mask=True)
+            feature_size=cfg["num_mel_bins"], sampling_rate=cfg["audio_sampling_rate"], return_attention_mask=True)
+    return fe
+
+
+def checked_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any],
+                  where: str = "multi_modal_data.audio") -> np.ndarray:
+    """The waveform as the encoder takes it (mono float32 at the model's rate, one Whisper window of
+    n_fft samples up to 30 s), or the RequestError / ValueError naming what is wrong."""
+    sr = cfg["audio_sampling_rate"]
+    # one Whisper window (n_fft) at least
+    wave = check_audio(wave, sampling_rate, sr, 400, where)
+    limit = _feature_extractor(cfg).n_samples
     # The encoder sees one window (30 s): the extractor would silently drop the rest, so longer audio is
     # refused, by its length alone, before any copy or mel frame of it is made.
-    if wave.shape[0] > fe.n_samples:
+    if wave.shape[0] > limit:
         raise ValueError(f"{where}: {wave.shape[0] / sr:g} s of audio ({wave.shape[0]} samples at {sr} Hz), longer "
-                         f"than the {fe.n_samples / sr:g} s ({fe.n_samples} samples) the audio encoder takes; "
+                         f"than the {limit / sr:g} s ({limit} samples) the audio encoder takes; "
                          "send it as several clips")
-    wave = wave.astype(np.float32)
-    out = fe(wave, sampling_rate=sr, padding="max_length", return_attention_mask=True, return_tensors="np")
+    return wave.astype(np.float32)
+
+
+def audio_frames(wave: np.ndarray) -> int:
+    """Valid log-mel frames of a checked clip (the extractor's attention mask: one per hop started)."""
+    return -(-wave.shape[0] // WHISPER_HOP)
+
+
+def audio_features(wave: np.ndarray, cfg: dict[str, Any]) -> torch.Tensor:
+    """A checked clip -> log-mel features [mel, valid frames], as transformers' processor makes them."""
+    fe = _feature_extractor(cfg)
+    out = fe(wave, sampling_rate=cfg["audio_sampling_rate"], padding="max_length", return_attention_mask=True,
+             return_tensors="np")
     n = int(out["attention_mask"][0].sum())
     return torch.from_numpy(out["input_features"][0, :, :n].copy())
+
+
+def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any],
+                     where: str = "multi_modal_data.audio") -> torch.Tensor:
+    """Waveform (mono, at the model's sampling rate) -> log-mel features [mel, valid frames]."""
+    return audio_features(checked_audio(wave, sampling_rate, cfg, where), cfg)
+
+
+def audio_item(inp: MultiModalInput, cfg: dict[str, Any], num_tokens: Callable[[int], int], where: str) -> MMItem:
+    """An audio input checked now, its features made when the encoder reads them (MMItem)."""
+    wave = checked_audio(inp.data, inp.sampling_rate, cfg, where)
+    frames = audio_frames(wave)
+    return MMItem("audio", mm_hash(inp), num_tokens(frames), None, frames=frames,
+                  _make=functools.partial(audio_features, wave, cfg))
 
 
 WHISPER_HOP = 160  # samples per mel frame of WhisperFeatureExtractor (its hop_length)
@@ -204,8 +251,7 @@ def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi
         n = int(grid.prod()) // cfg["merge_size"] ** 2
         return MMItem("image", mm_hash(inp), n, pixels, grid)
     if inp.modality == "audio":
-        feats = preprocess_audio(inp.data, inp.sampling_rate, cfg, where)
-        return MMItem("audio", mm_hash(inp), audio_num_tokens(feats.shape[1]), feats)
+        return audio_item(inp, cfg, audio_num_tokens, where)
     raise RequestError(f"{where}: modality must be 'image' or 'audio', got {inp.modality!r}", field=where)
 
 

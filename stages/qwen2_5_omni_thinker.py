@@ -151,7 +151,7 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
         """transformers' own 3-D rotary positions of one prompt: ([3, L] int64, delta)."""
         x = torch.tensor([ids], dtype=torch.long)
         grids = [it.grid_thw for it in items if it.modality == "image"]
-        audio_lens = [it.data.shape[1] for it in items if it.modality == "audio"]
+        audio_lens = [it.frames for it in items if it.modality == "audio"]
         pos, delta = self.thinker.get_rope_index(
             x, torch.stack(grids) if grids else None, None, torch.ones_like(x), False,
             torch.tensor(audio_lens, dtype=torch.long) if audio_lens else None, None)

@@ -19,7 +19,7 @@ import torch
 from omni.errors import RequestError
 from omni.outputs import MultiModalInput
 
-from .qwen2_5_omni_inputs import MMItem, mm_hash, preprocess_audio, preprocess_image
+from .qwen2_5_omni_inputs import MMItem, audio_item, mm_hash, preprocess_image
 
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -88,9 +88,8 @@ def media_item(inp: MultiModalInput, where: str, image_cfg: dict[str, Any], audi
         pixels, grid = preprocess_image(inp.data, image_cfg, where)
         item = MMItem("image", mm_hash(inp), int(grid.prod()) // image_cfg["merge_size"] ** 2, pixels, grid)
     else:
-        feats = preprocess_audio(inp.data, inp.sampling_rate, AUDIO_CONFIG, where)
-        n = int(_get_feat_extract_output_lengths(torch.tensor(feats.shape[1]), audio_n_window))
-        item = MMItem("audio", mm_hash(inp), n, feats)
+        item = audio_item(inp, AUDIO_CONFIG, lambda frames: int(_get_feat_extract_output_lengths(
+            torch.tensor(frames), audio_n_window)), where)
     if item.num_tokens > max_model_len:
         raise RequestError(f"{where}: the input takes {item.num_tokens} placeholder tokens, more than the model's "
                            f"{max_model_len} positions", field=where)

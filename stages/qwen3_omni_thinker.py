@@ -151,7 +151,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         """transformers' own 3-D rotary positions of a prompt with images: ([3, L] int64, delta)."""
         x = torch.tensor([ids], dtype=torch.long)
         grids = [it.grid_thw for it in items if it.modality == "image"]
-        audio_lens = [it.data.shape[1] for it in items if it.modality == "audio"]
+        audio_lens = [it.frames for it in items if it.modality == "audio"]
         pos, delta = self.thinker.model.get_rope_index(
             x, torch.stack(grids), None, torch.ones_like(x), False,
             torch.tensor(audio_lens, dtype=torch.long) if audio_lens else None, None)
@@ -256,7 +256,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
                     lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
                     if lo < hi:
                         value = (item.grid_thw.tolist() + [0] if item.modality == "image"
-                                 else [0, 0, 0, item.data.shape[1]])
+                                 else [0, 0, 0, item.frames])
                         meta[a + lo - start : a + hi - start] = torch.tensor(value, dtype=torch.float32)
         return meta.to(self.device)
 

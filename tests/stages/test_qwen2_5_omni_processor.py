@@ -92,3 +92,22 @@ def test_grey_and_rgba_images_become_the_rgb_image_the_processor_sees(thinker_st
     _, (from_grey_rgb,) = _ours(thinker_stage, "x", [MultiModalInput("image", np.repeat(grey[..., None], 3, -1))])
     assert torch.equal(from_rgba.data, from_rgb.data)
     assert torch.equal(from_grey.data, from_grey_rgb.data)
+
+
+def test_audio_features_are_made_only_when_the_encoder_reads_them(thinker_stage):
+    """A clip's log-mel features wait for the encoder (MMItem.data): a conversation that re-sends a clip whose
+    rows the encoder cache holds never computes them again, and the ones made late equal the processor's."""
+    wave = audio(2, 1.5)
+    chat = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what is this?"}]}]
+    mm = [MultiModalInput("audio", wave, 16000)]
+    _, (first,) = _ours(thinker_stage, chat, mm)
+    assert first._data is None and first.frames == -(-wave.shape[0] // 160)  # known from the length
+    rows = thinker_stage.encode(first)  # a miss: the features are made now
+    ref = _reference_processor(thinker_stage)(text=[_rendered(thinker_stage, chat, mm)], audio=[wave],
+                                              return_tensors="pt")
+    valid = int(ref["feature_attention_mask"][0].sum())
+    assert first.frames == valid
+    np.testing.assert_array_equal(first.data.numpy(), ref["input_features"][0, :, :valid].numpy())
+    _, (again,) = _ours(thinker_stage, chat, mm)
+    assert torch.equal(thinker_stage.encode(again), rows)  # the encoder cache's rows
+    assert again._data is None  # never computed
