@@ -306,9 +306,8 @@ def _attend_one(query, key_cache, value_cache, block_tables, out, seq, start, en
     v = _gather_kv(value_cache, blocks, 1)[:seq_len].transpose(0, 1)
     q = query[start:end]
     # SDPA gets 4-D tensors ([1, heads, L, D]): on a CPU, 3-D ones take its math path (the whole score
-    # matrix, softmax apart), 4-D ones its flash kernel: 4x faster on a 1,024-token causal prefill, 2x on
-    # 128 queries after a cached prefix (torch 2.13, 2 threads). In the benchmarks: `omni bench prefix`'s
-    # uncached TTFT on a 2,237-token document 9.6 s -> 3.8 s, `omni bench throughput` +14% (README).
+    # matrix, softmax apart), 4-D ones its flash kernel: `omni bench prefix`'s uncached TTFT on a
+    # 2,237-token document 9.6 s -> 3.8 s, `omni bench throughput` +14% (README).
     if q_len == seq_len:
         # No cached prefix: plain causal attention (top-left == bottom-right).
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale,

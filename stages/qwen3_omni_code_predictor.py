@@ -17,9 +17,10 @@ once and overwritten by every frame), never in the paged cache.
 
 The pass is the code predictor's own modules and transformers' own functions (apply_rotary_pos_emb,
 sdpa_attention_forward) called in the order its decoder does, without the model's `forward` around
-them: at batch 1 a frame is 15 passes of 5 layers whose matmuls take ~6 ms, and the generic forward
-(a causal mask and the rotary table per call, the cache object's updates, output capture) added
-~5 ms to each frame's ~22 ms on the small checkpoint. The attention reads the frame's keys so far
+them: at batch 1 a frame is 15 passes of 5 small layers, and the generic forward (a causal mask and
+the rotary table per call, the cache object's updates, output capture) cost about as much as the
+layers' own small ops (`omni bench omni --config stage_configs/qwen3_omni_small.yaml`: the talker's
+share of a cached turn, `stage_s`, 0.90-0.96 s before, 0.62-0.77 s after). The attention reads the frame's keys so far
 (positions 0..p) with no mask, as transformers' generate does with its growing cache: the codes are
 transformers' bitwise (tests/stages/test_qwen3_omni_*: every codebook against `generate`).
 
@@ -40,6 +41,8 @@ from omni.engine.sampler import Sampler
 from omni.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+# transformers' prepare_inputs_for_generation: code_predictor.generate(do_sample=True, top_k=50, top_p=0.8)
+SAMPLED_TOP_K, SAMPLED_TOP_P = 50, 0.8
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,8 +89,6 @@ class _LayerWeights:
                    a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
                    a.o_proj.weight, a.o_proj.bias, a.q_norm.weight, a.k_norm.weight,
                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mlp.act_fn)
-# transformers' prepare_inputs_for_generation: code_predictor.generate(do_sample=True, top_k=50, top_p=0.8)
-SAMPLED_TOP_K, SAMPLED_TOP_P = 50, 0.8
 
 
 class CodePredictor:
@@ -100,13 +101,13 @@ class CodePredictor:
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
             raise ValueError("the code predictor's config has sliding-window layers (layer_types); omni's pass "
                              "attends over the whole frame and supports full attention only")
-        self.layers = list(code_predictor.model.layers)[: cfg.num_hidden_layers]
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.kv_heads = int(code_predictor.config.num_key_value_heads)
+        # Each layer's parameters (the modules' own tensors, not copies), looked up once: the modules'
+        # attribute lookups and calls, per layer and inner pass, were a measurable part of a frame at batch 1.
+        self.layers = [_LayerWeights.of(layer) for layer in code_predictor.model.layers[: cfg.num_hidden_layers]]
+        self.head_dim = self.layers[0].attn.head_dim
+        self.kv_heads = int(cfg.num_key_value_heads)
         self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # batch size -> per layer (K, V)
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0..num_groups
-        self._layer_weights: list[_LayerWeights] | None = None
         gen_cfg = getattr(code_predictor, "generation_config", None)
         self.temperature = float(getattr(gen_cfg, "temperature", None) or 1.0)
 
@@ -132,13 +133,14 @@ class CodePredictor:
         kv = self._kv_for(batch, past_hidden)
         x = torch.stack([past_hidden, c0_embeds], dim=1)  # [B, 2, H]
         cos_all, sin_all = self._rotary_table(x)
+        greedy = params is None or all(p.is_greedy for p in params)
         pos = 0
         for g in range(self.num_groups - 1):
             n = x.shape[1]
             rotary = (cos_all[:, pos:pos + n].expand(batch, -1, -1), sin_all[:, pos:pos + n].expand(batch, -1, -1))
             hidden = self.cp.model.norm(self._layers(x, rotary, kv, pos))
             logits = self.cp.lm_head[g](hidden)[:, -1].float()
-            if params is None or all(p.is_greedy for p in params):
+            if greedy:
                 codes[:, g] = logits.argmax(-1)
             else:
                 codes[:, g] = self.sampler(logits, params, generators or [None] * batch)
@@ -159,7 +161,7 @@ class CodePredictor:
         batch, n = x.shape[:2]
         heads = (batch, n, -1, self.head_dim)
         hidden = x
-        for w, (keys, values) in zip(self._weights(), kv):
+        for w, (keys, values) in zip(self.layers, kv):
             residual = hidden
             h = _rms_norm(hidden, w.input_norm, w.eps)
             q = _rms_norm(linear(h, w.q, w.q_bias).view(heads), w.q_norm, w.eps).transpose(1, 2)
@@ -176,13 +178,6 @@ class CodePredictor:
             h = _rms_norm(hidden, w.post_norm, w.eps)
             hidden = residual + linear(w.act(linear(h, w.gate)) * linear(h, w.up), w.down)
         return hidden
-
-    def _weights(self) -> list[_LayerWeights]:
-        """Each layer's parameters (the modules' own tensors, not copies), looked up once: at batch 1 the
-        modules' attribute lookups and calls were a third of a frame's time."""
-        if self._layer_weights is None:
-            self._layer_weights = [_LayerWeights.of(layer) for layer in self.layers]
-        return self._layer_weights
 
     def _kv_for(self, batch: int, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's K and V for a batch of `batch` frames, made on first use; a frame overwrites

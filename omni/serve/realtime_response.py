@@ -41,7 +41,7 @@ class RealtimeResponse:
         self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
         self.cancel_reason: str | None = None
         self.t_turn: float | None = None  # commit / speech stop of the turn it answers
-        self.in_drain: Any = None  # the server's Drain while this response counts as in flight there
+        self.in_flight = False  # counted in the server's drain (shutdown.py) until it ends
         self.ids = {"response_id": rid, "item_id": item.id, "output_index": 0, "content_index": 0}
 
     def job(self, instructions: str | None) -> Job:
@@ -140,9 +140,9 @@ class RealtimeResponse:
             item.truncate_at(sent_ms)  # the text sent with the audio sent
         item.status = "completed" if status == "completed" else "incomplete"
         self.session.response_ended(self)
-        if self.in_drain is not None:
-            self.in_drain.leave()
-            self.in_drain = None
+        if self.in_flight:
+            self.in_flight = False
+            self.session.server.drain.leave()
         self.session.server.realtime_metrics.turns.labels(status=status).inc()
         with contextlib.suppress(Exception):  # the socket may be gone (a disconnect cancels the response)
             if not self.started:  # it never began: announce it, so that its done has a created

@@ -345,7 +345,7 @@ class Session:
         # In flight for the server's drain until it ends (RealtimeResponse.end): a shutdown waits for it
         # up to the grace period, as for an HTTP request.
         drain.enter()
-        resp.in_drain = drain
+        resp.in_flight = True
         resp.task = asyncio.create_task(resp.run(job))
 
     async def close(self) -> None:
