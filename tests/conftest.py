@@ -63,18 +63,27 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
     Serve, embedded Ray in this process or in a CLI process) are one unit, so no two of them start a head
     at the same time (on 2 cores, a head that starts while another is starting can miss its GCS deadline).
 
-    The units are handed out in collection order (`--no-loadscope-reorder`): the longest first, so that
-    the last unit to finish is a short one: the own-cluster unit (minutes of cluster starts, one after
-    another), then the other Ray modules, then the rest. Within a unit the order is kept, but a test
-    that shuts the shared cluster down (`own_ray`) runs after the unit's other tests."""
-    def rank(item: pytest.Item) -> tuple[int, bool]:
+    The units are handed out in this order (`--no-loadscope-reorder`), the longest first, so that the
+    last units to finish are short ones and both workers finish together: the own-cluster unit (minutes of
+    cluster starts, one after another), then the other Ray modules, then the rest, each kind by its
+    number of slow tests. Within a module the order is kept, but a test that shuts the shared cluster
+    down (`own_ray`) runs after the unit's other tests."""
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    slow: dict[str, int] = {}  # a module's length, roughly: its tests marked slow
+    for item in items:
+        slow[module(item)] = slow.get(module(item), 0) + (item.get_closest_marker("slow") is not None)
+
+    def rank(item: pytest.Item) -> tuple[int, int, bool]:
         fixtures = getattr(item, "fixturenames", ())
         ray = item.get_closest_marker("ray") is not None
-        return (0 if ray and "ray_cluster" not in fixtures else 1 if ray else 2, "own_ray" in fixtures)
+        kind = 0 if ray and "ray_cluster" not in fixtures else 1 if ray else 2
+        return kind, -slow[module(item)] if kind else 0, "own_ray" in fixtures
 
     items.sort(key=rank)
     for item in items:
-        group = OWN_CLUSTER_GROUP if rank(item)[0] == 0 else item.nodeid.split("::", 1)[0]
+        group = OWN_CLUSTER_GROUP if rank(item)[0] == 0 else module(item)
         item.add_marker(pytest.mark.xdist_group(group))
 
 
