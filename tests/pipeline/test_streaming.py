@@ -258,9 +258,15 @@ def test_bad_streaming_edges_are_config_errors(change, match):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference, ray_cluster):
+def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference, ray_cluster, tmp_path):
+    from tests.gated import GatedFactory, engaged, gate_files, released
+
     ray = ray_cluster
-    with Omni(CONFIG, stage_overrides=streaming(3)) as o:
+    hold, _ = gate_files(tmp_path)
+    # The thinker is held by the test after 10 steps of the long request (10 tokens streamed, 190 to go), so
+    # the kill lands while it streams into the talker, however fast the machine is (tests/gated.py).
+    factory = GatedFactory("thinker", hold, after_steps=10)
+    with Omni(CONFIG, stage_overrides=streaming(3), engine_factory=factory) as o:
         deltas, finals = collect(o, PROMPTS)
         for ref in reference:
             assert finals[(ref.request_id, "talker")].token_ids == ref.outputs["talker"].token_ids
@@ -269,6 +275,7 @@ def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference
         # Kill the thinker while a long request streams into the talker.
         results = {}
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # no early EOS: still streaming
+        engaged(hold)
         t = threading.Thread(target=lambda: results.update(out=o.generate(["a long one"], long, use_tqdm=False)))
         t.start()
         deadline = time.monotonic() + 60
@@ -276,6 +283,7 @@ def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference
             time.sleep(0.05)
         assert o.stats()["stages"]["talker"]["running"] == 1  # streaming into the talker: kill now
         ray.kill(o._backend.actors["thinker"], no_restart=False)
+        released(hold)
         t.join(120)
         assert not t.is_alive()
         err = results["out"][0].error
