@@ -113,17 +113,22 @@ def test_paths_on_a_cluster_are_left_to_its_nodes(tmp_path, capsys):
 
 # ------------------------------------------------------------------ signals
 # A terminal delivers Ctrl-C to a process whose SIGINT is Python's default handler; a process
-# started in the background of a non-interactive shell inherits SIGINT ignored, so restore it.
+# started in the background of a non-interactive shell inherits SIGINT ignored, so restore it. The
+# pipeline's engines are the fake ones (tests/fakes.py, in the stage actors too: Omni's engine_factory
+# defaults to fake_factory in this process) and the prompts "__hang__": they never finish, so the
+# signal comes while they run however fast the machine is.
 _LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "import omni.api, tests.fakes; _init = omni.api.Omni.__init__; "
+           "omni.api.Omni.__init__ = lambda self, *a, **kw: _init(self, *a, **{'engine_factory': "
+           "tests.fakes.fake_factory, **kw}); "
            "from omni.cli import main; sys.exit(main(sys.argv[1:]))")
-_LONG = json.dumps({s: {"sampling": {"ignore_eos": True, "max_tokens": 1000}, "cache": {"num_blocks": 1024},
-                        "scheduler": {"max_model_len": 2048}} for s in ("thinker", "talker")})
 
 
 def run_and_signal(sig: int, backend: str) -> tuple[int, str, float]:
-    """Start a long `omni run`, send `sig` once it is generating; (exit status, stderr, seconds to exit)."""
+    """Start `omni run` on requests that never finish, send `sig` once it is generating; (exit status,
+    stderr, seconds to exit)."""
     args = [sys.executable, "-c", _LAUNCH, "run", "stage_configs/tiny_chain.yaml", "--backend", backend,
-            "--stage-overrides", _LONG, *[a for i in range(8) for a in ("--prompt", f"prompt {i}")]]
+            *[a for i in range(8) for a in ("--prompt", f"__hang__ {i}")]]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -133,7 +138,6 @@ def run_and_signal(sig: int, backend: str) -> tuple[int, str, float]:
         while "Processed prompts" not in err and time.monotonic() < deadline:
             err += proc.stderr.read(1)  # the progress bar shows once generate() runs
             assert err or proc.poll() is None
-        time.sleep(1.0)
         t0 = time.monotonic()
         proc.send_signal(sig)
         _, rest = proc.communicate(timeout=60)
