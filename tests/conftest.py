@@ -34,9 +34,9 @@ REPO = str(Path(__file__).resolve().parents[1])
 _MARKED_BY_FIXTURE = {"ray_cluster": "ray", "own_ray": "ray", "smollm2": "real_weights"}
 
 
-# tryfirst: xdist's worker marks each item with its group in its own modifyitems hook, so the groups must be
-# set before it runs (the initial conftest registers before xdist's worker plugin, so without tryfirst its
-# hook would run after xdist's and no test would be grouped).
+# tryfirst: xdist's worker reads each item's group in its own modifyitems hook, so the groups are marked
+# before any other plugin's hook runs. (xdist writes the group into the item's node id, which pytest 9.2 no
+# longer reads: requirements.txt pins pytest 8.4, under which the groups reach the scheduler.)
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
