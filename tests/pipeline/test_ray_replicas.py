@@ -80,6 +80,14 @@ def cluster(own_ray):
             if procs[1].poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the second node did not join:\n{tail(root / 'node2.log')}")
             time.sleep(0.5)
+        # A node is alive in the GCS before the scheduler's view of the cluster's resources has its CPUs:
+        # an actor placed then (SPREAD is best effort) goes to the nodes it sees, all on one when loaded.
+        # A condition wait: returns once the scheduler sees both nodes' CPUs free.
+        while not (ray.available_resources().get("CPU", 0) >= 4 and
+                   {"head_node", "second_node"} <= set(ray.available_resources())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the scheduler never saw both nodes' CPUs: {ray.available_resources()}")
+            time.sleep(0.1)
         nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: "head_node" not in n["Resources"])
         yield [n["NodeID"] for n in nodes]
     finally:
