@@ -127,8 +127,8 @@ def save_tokenizer(tok, directory: Path) -> None:
     """`tok.save_pretrained(directory)`, plus the added tokens in tokenizer_config.json
     (`added_tokens_decoder`), as the hub's checkpoints (Qwen2.5-Omni's, Qwen3-Omni's, SmolLM2's) carry them.
     transformers 5.23 writes them only into tokenizer.json; a config without them sends its loader down a
-    legacy path that parses the whole tokenizer.json once more in Python on every load (0.6 s of the
-    1.3 s a Qwen2 vocabulary takes, in every process that loads one: each stage actor, server, CLI)."""
+    legacy path that parses the whole tokenizer.json (18 MB for Qwen2's vocabulary) once more in Python, on
+    every load, in every process that loads one (each stage actor, server, CLI)."""
     tok.save_pretrained(directory)
     config_path = Path(directory) / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
