@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 OWN_CLUSTER_GROUP = "own-ray-cluster"
-OWN_RAY_GROUP = "own-ray-last"
+OWN_RAY_GROUP = "own-ray"
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
@@ -66,11 +66,10 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
 
     The units are handed out in this order (`--no-loadscope-reorder`), the longest first, so that the
     last units to finish are short ones and both workers finish together: the own-cluster unit (minutes of
-    cluster starts, one after another), then the other Ray modules, then the rest, each kind by its
-    number of slow tests. The tests that take this process's Ray for themselves (`own_ray`: the two-node
-    replicas, embedded Ray) are a unit handed out last, beside the end of the other worker's: the two-node placement
-    and routing assertions held there in every run, while at the start of the suite, beside the other
-    worker's start-up, a fresh clone saw a replica placement and a router prediction go astray."""
+    cluster starts, one after another), then the other Ray modules, then the tests that take this
+    process's Ray for themselves (`own_ray`: the two-node replicas, embedded Ray; one unit, after which
+    that worker needs no Ray), then the rest, each kind by its number of slow tests. (Handed out last, that
+    36 s unit ran alone while the other worker had nothing left: 35 s of one idle core.)"""
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 
@@ -82,14 +81,14 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         ray = item.get_closest_marker("ray") is not None
         if "own_ray" in fixtures:
-            return 3, 0
-        kind = 0 if ray and "ray_cluster" not in fixtures else 1 if ray else 2
-        return kind, -slow[module(item)] if kind in (1, 2) else 0
+            return 2, 0
+        kind = 0 if ray and "ray_cluster" not in fixtures else 1 if ray else 3
+        return kind, -slow[module(item)] if kind in (1, 3) else 0
 
     items.sort(key=rank)
     for item in items:
         kind = rank(item)[0]
-        group = OWN_CLUSTER_GROUP if kind == 0 else OWN_RAY_GROUP if kind == 3 else module(item)
+        group = OWN_CLUSTER_GROUP if kind == 0 else OWN_RAY_GROUP if kind == 2 else module(item)
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -11,7 +11,8 @@ so here the events are files the test creates and removes (the actor runs on thi
                  so the actor stays "restarting" for as long as the test needs
 
 `GatedFactory` is an `engine_factory` (picklable: the Ray backend sends it to the actors) that builds every
-stage's engine as the config says (omni's own `build_engine`) and gates the named stage's.
+stage's engine as the config says (omni's own `build_engine`, or its `inner` factory: another GatedFactory
+gates a second stage) and gates the named stage's.
 """
 from __future__ import annotations
 
@@ -58,10 +59,11 @@ class GatedFactory:
     hold_file: str
     start_file: str | None = None
     after_steps: int = 1
+    inner: Any = None  # builds the other stages' engines (default: build_engine)
 
     def __call__(self, stage: Any) -> Any:
         if stage.name != self.stage:
-            return build_engine(stage)
+            return (self.inner or build_engine)(stage)
         deadline = time.monotonic() + START_WAIT_S
         while self.start_file and os.path.exists(self.start_file):
             if time.monotonic() > deadline:

@@ -105,7 +105,9 @@ def test_replicas_spread_over_both_nodes_and_conversations_keep_their_hit_rate(c
         for name in ("thinker", "talker"):
             placed = [r["node_id"] for r in stats[name]["replicas"]]
             assert sorted(placed) == sorted(cluster), (name, placed)  # one replica on each node (SPREAD)
-        convs = conversations(o, num=4, turns=3)
+        after_turn_1: dict = {}
+        convs = conversations(o, num=4, turns=3,
+                              after_turn=lambda t: t == 0 and after_turn_1.update(o.stats()["stages"]))
         stats = o.stats()["stages"]
     block = 4  # tiny_chain's block size
     for conv in convs:
@@ -113,11 +115,17 @@ def test_replicas_spread_over_both_nodes_and_conversations_keep_their_hit_rate(c
             # Every follow-up turn found the whole previous prompt in the cache of the replica it went to.
             prompt = len(prev.outputs["thinker"].prompt_token_ids)
             assert turn.outputs["thinker"].num_cached_tokens >= prompt // block * block
-    router = stats["thinker"]["router"]
-    assert router["decisions"]["affinity"] == 8 and router["shortfalls"] == 0
     assert all(r["finished"] > 0 for r in stats["thinker"]["replicas"])  # both replicas served
-    router = stats["talker"]["router"]  # routed by the conversation's lineage
-    assert router["decisions"]["affinity"] == 8 and router["shortfalls"] == 0
+    for name in ("thinker", "talker"):  # the talker routed by the conversation's lineage
+        first, last = after_turn_1[name]["router"], stats[name]["router"]
+        assert first["decisions"].get("affinity", 0) == 0 and last["decisions"]["affinity"] == 8, (name, last)
+        # Turns 2 and 3 are predicted from finished turns, which their replica cached: exactly right. (Turn 1's
+        # conversations share a system prompt: a second one routed to the replica of a first one still in
+        # flight is predicted to hit that prompt, which it does only if it reaches the actor after the first's
+        # prefill step, not with it: timing this test does not assert.)
+        assert last["shortfalls"] == first["shortfalls"], (name, first, last)
+        predicted = last["predicted_hit_blocks"] - first["predicted_hit_blocks"]
+        assert last["obtained_hit_blocks"] - first["obtained_hit_blocks"] == predicted > 0, (name, first, last)
 
 
 def test_killing_a_replica_mid_run_loses_no_request(cluster):

@@ -185,37 +185,3 @@ def test_streaming_edges_with_an_image_equal_one_shot():
         results.append(r.outputs)
     assert results[0]["thinker"].token_ids == results[1]["thinker"].token_ids
     np.testing.assert_array_equal(results[0]["code2wav"].audio, results[1]["code2wav"].audio)
-
-
-def test_streamed_pipeline_on_ray_actor_to_actor(ray_cluster):
-    """Three stage actors (on the session's shared cluster): the thinker's rows reach the talker and the talker's
-    frames reach code2wav actor to actor, streamed; text and waveform equal transformers' generate."""
-    from pathlib import Path
-
-    from omni import Omni
-    from omni.config_loader import load_config
-    from omni.pipeline.threads import stage_threads
-
-    config = Path(__file__).resolve().parents[2] / "stage_configs" / "qwen3_omni_tiny.yaml"
-    streaming = {"thinker": {"sampling": {"temperature": 0.0, "max_tokens": 10}},
-                 "talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": 1}],
-                            "sampling": {"temperature": 0.0, "max_tokens": 30, "repetition_penalty": 1.05}},
-                 "code2wav": {"inputs": [{"stage": "talker", "stream": True, "chunk_tokens": 2}]}}
-    inputs = [inp for inp in cases() if inp.request_id in ("short", "audio")]
-    prompts = [{"prompt": inp.prompt, "request_id": inp.request_id,
-                **({"multi_modal_data": {"audio": (inp.mm_inputs[0].data, 16000)}} if inp.mm_inputs else {})}
-               for inp in inputs]
-    data = load_config(config, streaming)
-    with Omni(data) as omni:
-        outs = {r.request_id: r for r in omni.generate(prompts, use_tqdm=False)}
-    # The waveform is bit for bit transformers' when both sum in the same order: on as many torch threads as
-    # the code2wav actor runs (its num_cpus), whatever this process's count (`make test` workers: 1; one
-    # process, PYTEST_WORKERS=0: every core).
-    [c2w] = [s for s in data.stages if s.name == "code2wav"]
-    threads = stage_threads(c2w.resources.num_cpus)
-    for inp in inputs:
-        r = outs[inp.request_id]
-        assert r.error is None, r.error
-        ref_tokens, _, ref_wav = hf_reference("tiny", inp, threads=threads)
-        assert r.outputs["thinker"].token_ids == ref_tokens
-        np.testing.assert_array_equal(r.outputs["code2wav"].audio, ref_wav)
