@@ -16,15 +16,14 @@ def replicated(n: int, policy: str = "prefix_affinity") -> dict:
     return {s: {"replicas": n, "routing": policy} for s in ("thinker", "talker")}
 
 
-def conversations(o: Omni, num: int, turns: int, seed: int = 0, after_turn=None) -> list[list]:
+def conversations(o: Omni, num: int, turns: int, seed: int = 0) -> list[list]:
     """`num` conversations sharing a system prompt, their turns interleaved in a shuffled order; each turn
-    resends the conversation so far (replies included). Returns each conversation's outputs per turn;
-    `after_turn(t)` is called once turn t (0-based) has finished."""
+    resends the conversation so far (replies included). Returns each conversation's outputs per turn."""
     rng = random.Random(seed)
     system = [rng.randrange(100, 1000) for _ in range(32)]
     convs = [system + [rng.randrange(100, 1000) for _ in range(40)] for _ in range(num)]
     outs: list[list] = [[] for _ in range(num)]
-    for turn in range(turns):
+    for _ in range(turns):
         order = list(range(num))
         rng.shuffle(order)
         prompts = [{"prompt_token_ids": convs[c]} for c in order]
@@ -32,8 +31,6 @@ def conversations(o: Omni, num: int, turns: int, seed: int = 0, after_turn=None)
             assert out.error is None, out.error
             outs[c].append(out)
             convs[c] = convs[c] + out.outputs["thinker"].token_ids + [rng.randrange(100, 1000) for _ in range(12)]
-        if after_turn is not None:
-            after_turn(turn)
     return outs
 
 

@@ -91,6 +91,25 @@ def test_a_hit_shorter_than_predicted_trims_the_summary():
     assert r.summaries[0].match(keys(7, 8, 9, 10)) == 0
 
 
+def test_only_blocks_a_finished_request_left_are_a_predicted_hit():
+    r = router(min_match_ratio=0.5)
+    first = keys(1, 2, 3, 4)
+    r.started(0, first)  # in flight: its blocks may not be computed when the next request is scheduled
+    r.started(1, None)  # replica 1 busier: the next request follows the prefix, not the load
+    d = r.choose(keys(1, 2, 3, 4, 5), UP2)
+    assert (d.replica, d.reason, d.matched, d.expected) == (0, "affinity", 4, 0)
+    r.started(0, keys(1, 2, 3, 4, 5))
+    # Both were scheduled in one step: the second hit nothing, as predicted; nothing is trimmed for it.
+    r.finished(0, predicted=d.expected, obtained=0, keys=keys(1, 2, 3, 4, 5), aligned=True)
+    assert r.stats()["shortfalls"] == 0 and r.summaries[0].match(first) == 4
+    r.finished(0, predicted=0, obtained=0, keys=first, aligned=True)
+    # Finished: confirmed, so the next turn's hit is predicted (and a shorter one would be a shortfall).
+    d = r.choose(keys(1, 2, 3, 4, 5, 6), UP2)
+    assert (d.replica, d.matched, d.expected) == (0, 5, 5)
+    r.started(0, keys(1, 2, 3, 4, 5, 6, 7))  # recorded again in flight: still confirmed
+    assert r.summaries[0].confirmed(keys(1, 2, 3, 4, 5, 6, 7)) == 5
+
+
 def test_summary_is_bounded_lru():
     r = router(capacity=6)
     a, b = keys(1, 2, 3, 4), keys(5, 6, 7, 8)

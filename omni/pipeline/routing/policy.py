@@ -15,6 +15,12 @@
 A replica's *summary* is what the router believes its prefix cache holds: the block
 hashes of the requests it was sent (recorded when routed, and again, over the whole
 sequence, when they finish), least recently used forgotten first past `capacity`.
+A block recorded by a finished request is *confirmed*: the replica computed it and keeps
+it until it reports it evicted. One recorded only by a request still in flight is not: a
+request that follows it there hits it only if it is scheduled after that block is computed,
+not in the same step, which depends on when it reaches the replica. The hit the router
+*predicts* (and checks) is the confirmed part of the match; routing uses the whole match, so
+requests sharing a prefix in flight still go together.
 What the replicas report corrects it:
 
     evicted block hashes  (CacheReport on a finished request's summary)  -> forgotten
@@ -53,15 +59,17 @@ class RouterSettings:
 class Decision:
     replica: int
     reason: str  # one of REASONS
-    matched: int = 0  # blocks the chosen replica is believed to hold (the predicted hit)
+    matched: int = 0  # blocks the chosen replica is believed to hold or to be computing
+    expected: int = 0  # of those, the confirmed ones (a finished request left them): the predicted hit
 
 
 class ReplicaSummary:
-    """The block hashes one replica is believed to cache; an LRU (most recent last)."""
+    """The block hashes one replica is believed to cache; an LRU (most recent last). Each hash maps to
+    whether it is confirmed (recorded by a finished request)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lru: OrderedDict[bytes, bool] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -78,11 +86,21 @@ class ReplicaSummary:
             n += 1
         return n
 
-    def record(self, keys: Sequence[bytes]) -> None:
-        """`keys` are cached now (most recently used); the least recently used go past capacity."""
+    def confirmed(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of `keys` held and confirmed."""
+        n = 0
+        for k in keys:
+            if not self._lru.get(k, False):
+                break
+            n += 1
+        return n
+
+    def record(self, keys: Sequence[bytes], confirmed: bool = False) -> None:
+        """`keys` are cached now, or being computed (`confirmed` False: a request in flight); most recently
+        used. A confirmed hash stays confirmed. The least recently used go past capacity."""
         lru = self._lru
         for k in keys:
-            lru[k] = None
+            lru[k] = confirmed or lru.get(k, False)
             lru.move_to_end(k)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
@@ -180,14 +198,17 @@ class Router:
         best = max(matches.values())
         if not keys or best == 0 or best < self.settings.min_match_ratio * len(keys):
             r = self._two_choices(candidates)
-            return Decision(r, "short_match", matches[r])
-        r = self._least_loaded([i for i in candidates if matches[i] == best])
-        return Decision(r, "affinity", best)
+            reason = "short_match"
+        else:
+            r = self._least_loaded([i for i in candidates if matches[i] == best])
+            reason = "affinity"
+        expected = self.summaries[r].confirmed(keys)
+        return Decision(r, reason, matches[r], expected)
 
     # ------------------------------------------------------------ feedback
     def started(self, replica: int, keys: Sequence[bytes] | None) -> None:
-        """A request was sent to `replica`: it counts as load, and its prefix as cached there
-        (so that requests sharing it, routed before it finishes, follow it)."""
+        """A request was sent to `replica`: it counts as load, and its prefix as being computed there
+        (so that requests sharing it, routed before it finishes, follow it; not confirmed)."""
         self.load[replica] += 1
         if keys and self.uses_prefixes:
             self.summaries[replica].record(keys)
@@ -198,9 +219,10 @@ class Router:
 
     def finished(self, replica: int, *, predicted: int, obtained: int | None, keys: Sequence[bytes] | None,
                  aligned: bool) -> None:
-        """A request finished on `replica`. `obtained`: blocks it hit there (None: not reported);
-        `keys`: its whole sequence, now cached there; `aligned`: keys[i] stands for the replica's block i,
-        so a hit shorter than `predicted` says the summary believed blocks the cache no longer had."""
+        """A request finished on `replica`. `predicted`: its decision's `expected` hit; `obtained`: blocks it
+        hit there (None: not reported); `keys`: its whole computed sequence, now cached there (confirmed);
+        `aligned`: keys[i] stands for the replica's block i, so a hit shorter than `predicted` says the
+        summary believed blocks the cache no longer had."""
         if not self.uses_prefixes:
             return
         summary = self.summaries[replica]
@@ -212,7 +234,7 @@ class Router:
                 c.shortfalls += 1
                 summary.trim(predicted - obtained)
         if keys:
-            summary.record(keys)
+            summary.record(keys, confirmed=True)
 
     def cache_report(self, replica: int, evicted: Sequence[bytes], overflow: bool) -> None:
         """The replica's cache dropped `evicted` (overflow: more than it logged, or it was reset)."""

@@ -130,7 +130,7 @@ class PipelineRouting:
         if p is None or not router.uses_prefixes or not summary.ok:
             return
         bs = self.graph.stages[stage].cache.block_size
-        predicted = min(p.decision.matched, p.keys.max_hit) if p.keys is not None else 0
+        predicted = min(p.decision.expected, p.keys.max_hit) if p.keys is not None else 0
         after = self.keys(lin, stage, computed_only=True)
         router.finished(p.replica, predicted=predicted, obtained=summary.num_cached_tokens // bs,
                         keys=after.hashes if after else None, aligned=bool(p.keys and p.keys.aligned))
