@@ -54,11 +54,22 @@ def pipeline(ray_cluster, gates):
         yield o
 
 
-def held_in_talker(o: Omni) -> None:
+def killed_mid_request(ray, o: Omni, hold: str, victim: str) -> StageError:
+    """Run a long request with `hold` engaged; once it runs (held) in the talker, kill `victim`'s actor and
+    release the hold. The request's error."""
+    results = {}
+    engaged(hold)
+    t = threading.Thread(target=lambda: results.update(out=o.generate(["a long one"], LONG, use_tqdm=False)))
+    t.start()
     deadline = time.monotonic() + 60  # a condition wait: returns once the request runs (held) in the talker
     while o.stats()["stages"]["talker"].get("running", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert o.stats()["stages"]["talker"]["running"] == 1
+    ray.kill(o._backend.actors[victim], no_restart=False)
+    released(hold)
+    t.join(120)
+    assert not t.is_alive()
+    return results["out"][0].error
 
 
 def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference, pipeline, gates, ray_cluster):
@@ -68,16 +79,7 @@ def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference
         assert finals[(ref.request_id, "talker")].token_ids == ref.outputs["talker"].token_ids
         assert "".join(d.text for d in deltas[(ref.request_id, "thinker")]) == finals[(ref.request_id, "thinker")].text
     # Kill the thinker while a long request streams into the talker (held after 10 tokens, 190 to go).
-    results = {}
-    engaged(hold)
-    t = threading.Thread(target=lambda: results.update(out=o.generate(["a long one"], LONG, use_tqdm=False)))
-    t.start()
-    held_in_talker(o)  # streaming into the talker: kill now
-    ray.kill(o._backend.actors["thinker"], no_restart=False)
-    released(hold)
-    t.join(120)
-    assert not t.is_alive()
-    err = results["out"][0].error
+    err = killed_mid_request(ray, o, hold, "thinker")
     assert isinstance(err, StageError) and err.stage == "thinker", repr(err)
     assert "stage 'thinker' failed" in err.message and "thinker -> talker" in err.message, err
     # The abort reaches the talker's actor asynchronously: a condition wait, returns once it has.
@@ -92,17 +94,8 @@ def test_streaming_on_ray_matches_local_and_survives_a_killed_upstream(reference
 
 def test_a_request_submitted_while_the_streamed_consumer_restarts_waits_for_it(reference, pipeline, gates, ray_cluster):
     ray, o, (_, hold, start) = ray_cluster, pipeline, gates
-    results = {}
-    engaged(hold)
-    t = threading.Thread(target=lambda: results.update(out=o.generate(["a long one"], LONG, use_tqdm=False)))
-    t.start()
-    held_in_talker(o)
-    engaged(start)  # the restarted talker waits before it builds its engine
-    ray.kill(o._backend.actors["talker"], no_restart=False)
-    released(hold)
-    t.join(120)
-    assert not t.is_alive()
-    err = results["out"][0].error
+    engaged(start)  # the restarted talker will wait before it builds its engine
+    err = killed_mid_request(ray, o, hold, "talker")
     assert isinstance(err, StageError) and err.stage == "talker", repr(err)
     assert err.message.startswith("stage 'talker' failed: the stage's Ray actor died"), err
     assert o._backend.replica_states("talker") == ["restarting"]
