@@ -221,13 +221,14 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         vllm = req.omni_stream_format == "vllm-omni"
         text_mod = "text" if vllm else None
         audio_id = R.new_id("audio")
+        speaks = run.job.audio_stage is not None and not vllm  # the text is also the audio's transcript
         chunk = lambda delta, **kw: R.chat_chunk(rid, model, created, delta, **kw)  # noqa: E731
         yield chunk({"role": "assistant", "content": ""}, modality=text_mod)
         async with contextlib.aclosing(run.events()) as evs:
             async for ev in evs:
                 if isinstance(ev, TextEvent):
                     if ev.text:
-                        yield chunk({"content": ev.text}, modality=text_mod)
+                        yield chunk(R.text_delta(ev.text, audio_id if speaks else None), modality=text_mod)
                     continue
                 per_chunk = max(1, round(ev.rate * state.settings.audio_chunk_ms / 1000))
                 for pcm in pcm16_chunks(ev.samples, per_chunk):

@@ -4,7 +4,9 @@ Non-streaming: a `chat.completion` whose message has `content` (the text) and `a
 `data` as WAV or pcm16, `transcript`, `expires_at`), or a `text_completion`. Streaming: one
 `chat.completion.chunk` / `text_completion` per piece; audio as base64 pcm16 in `delta.audio.data`
 (or, for vLLM-Omni clients, in `delta.content` with a top-level `modality: "audio"`), then a chunk
-with the finish reason, then (stream_options.include_usage) one with the usage.
+with the finish reason, then (stream_options.include_usage) one with the usage. A text piece of a
+reply that also speaks is in `delta.content` and, as OpenAI streams an audio reply's text, in
+`delta.audio.transcript` (the non-streamed message has both too), with an empty `data`.
 """
 from __future__ import annotations
 
@@ -62,6 +64,14 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None,
     if modality is not None:
         chunk["modality"] = modality
     return chunk
+
+
+def text_delta(text: str, audio_id: str | None) -> dict[str, Any]:
+    """A text piece; `audio_id`: the reply speaks, so the piece is its audio's transcript too (with no
+    samples: `data` is empty, so a client that decodes every `delta.audio.data` gets zero bytes)."""
+    if audio_id is None:
+        return {"content": text}
+    return {"content": text, "audio": {"id": audio_id, "transcript": text, "data": ""}}
 
 
 def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, Any], str | None]:

@@ -47,13 +47,16 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     samples, rate = wav_samples(base64.b64decode(msg.audio.data))
     assert rate == 24000 and samples.size > 0 and np.abs(samples).max() > 0
 
-    text, chunks = "", []
+    text, transcript, chunks, ids = "", "", [], set()
     for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, stream=True, **PCM_OUT):
         delta = chunk.choices[0].delta
         text += delta.content or ""
         if delta.audio is not None:
-            chunks.append(np.frombuffer(base64.b64decode(delta.audio.data), "<i2"))
-    assert text == msg.content
+            ids.add(delta.audio.id)
+            transcript += getattr(delta.audio, "transcript", None) or ""  # as OpenAI streams an audio reply's text
+            if getattr(delta.audio, "data", None):
+                chunks.append(np.frombuffer(base64.b64decode(delta.audio.data), "<i2"))
+    assert text == msg.content and transcript == msg.content and len(ids) == 1
     assert len(chunks) >= 2 and all(c.size <= 120 for c in chunks)  # 5 ms at 24 kHz
     # Both replies come from the same streamed run (a non-streamed reply collects the same audio events),
     # so the pcm16 chunks concatenate to exactly the WAV's samples, one-shot or codec-chunked token2wav alike.
