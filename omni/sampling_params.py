@@ -79,6 +79,21 @@ class SamplingParams(BaseModel):
         description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "
         "divided by it and negative ones multiplied. 1 turns it off.",
     )
+    presence_penalty: float = Field(
+        0.0,
+        description="OpenAI / vLLM presence penalty, -2..2: subtracted from the logit of every token the output "
+        "so far holds (the prompt does not count). 0 turns it off.",
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        description="OpenAI / vLLM frequency penalty, -2..2: subtracted from a token's logit once per time the "
+        "output so far holds it (the prompt does not count). 0 turns it off.",
+    )
+    min_p: float = Field(
+        0.0,
+        description="HF / vLLM min-p sampling, 0..1: after temperature, top-k and top-p, drop the tokens whose "
+        "probability is below min_p times the most likely token's (which always stays). 0 turns it off.",
+    )
 
     forced_token_ids: list[int] | None = Field(
         None,
@@ -177,6 +192,24 @@ class SamplingParams(BaseModel):
         if not math.isfinite(v) or v <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {v}")
         return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, v: float, info: ValidationInfo) -> float:
+        if not (-2.0 <= v <= 2.0):  # also rejects NaN
+            raise ValueError(f"{info.field_name} must be in [-2, 2] (0 = off), got {v}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _check_min_p(cls, v: float) -> float:
+        if not (0.0 <= v <= 1.0):  # also rejects NaN
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {v}")
+        return v
+
+    @property
+    def uses_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:

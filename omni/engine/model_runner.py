@@ -290,7 +290,10 @@ class ModelRunner:
             # tokens may be sampled (ignore_eos or not).
             banned = [[*p.stop_token_ids, *(() if st.request.eos_token_id is None else (st.request.eos_token_id,))]
                       if st.request.num_output_tokens < p.min_tokens else [] for st, p in zip(states, params)]
-        tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned)
+        outputs = None
+        if any(p.uses_output_penalties for p in params):
+            outputs = [st.request.output_token_ids for st in states]
+        tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned, outputs)
         sampled = {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}
         self.profile.sampling_s += time.perf_counter() - t_sampler
         return sampled

@@ -3,8 +3,12 @@
 The sampler follows Hugging Face `generate` semantics so that our engine's tokens can be compared
 against transformers' token for token:
 
-    logits -> banned tokens (min_tokens) -> repetition penalty -> greedy: argmax
-                                  \\-> random: / temperature -> top-k -> top-p -> sample
+    logits -> banned tokens (min_tokens) -> repetition penalty -> presence / frequency penalties
+           -> greedy: argmax
+           \\-> random: / temperature -> top-k -> top-p -> min-p -> sample
+
+(transformers has no presence / frequency penalty: they are OpenAI's and vLLM's, applied after the
+repetition penalty as vLLM does, over the output tokens only.)
 
 Random rows are sampled with an "exponential race" (argmax of probs / Exponential(1) noise), which is
 an exact draw from the categorical distribution and lets every seeded request draw its noise from its
@@ -43,9 +47,11 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         token_histories: Sequence[Sequence[int]] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
+        outputs: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """logits [N, V]; params/generators one per row; token_histories (prompt + output ids per row)
-        are needed only when some row has a repetition penalty; banned (token ids per row that must not
+        are needed only when some row has a repetition penalty, outputs (the output ids so far per row)
+        only when some row has a presence or frequency penalty; banned (token ids per row that must not
         be sampled: a request short of its min_tokens bans its eos and stop tokens). Returns int64
         token ids [N]."""
         if logits.dim() != 2:
@@ -68,6 +74,10 @@ class Sampler:
             if token_histories is None or len(token_histories) != n:
                 raise ValueError("repetition_penalty != 1 needs token_histories, one list per row")
             logits = apply_repetition_penalty(logits, penalties, token_histories)
+        if any(p.uses_output_penalties for p in params):
+            if outputs is None or len(outputs) != n:
+                raise ValueError("presence_penalty / frequency_penalty != 0 need outputs, one list per row")
+            logits = apply_output_penalties(logits, params, outputs)
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):
@@ -88,6 +98,8 @@ class Sampler:
             scores = apply_top_k_top_p(
                 scores, [p.top_k for p in rparams], [p.top_p for p in rparams]
             )
+        if any(p.min_p > 0 for p in rparams):
+            scores = apply_min_p(scores, [p.min_p for p in rparams])
         probs = scores.softmax(dim=-1)
         out[r_idx] = _exponential_race(probs, [generators[i] for i in rand_rows])
         return out
@@ -132,6 +144,40 @@ def apply_repetition_penalty(
     out = logits.clone()
     out[row_idx] = torch.where(seen, penalised, sub)
     return out
+
+
+def apply_output_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """vLLM's presence and frequency penalties on the rows that have one (returns a new tensor): a token
+    the row's output holds c > 0 times loses frequency_penalty * c + presence_penalty. Ids >= vocab size
+    cannot be sampled and are ignored."""
+    n, vocab = logits.shape
+    rows = [i for i, p in enumerate(params) if p.uses_output_penalties]
+    outs = [outputs[i] for i in rows]
+    lengths = torch.tensor([len(o) for o in outs])
+    flat = torch.tensor(list(itertools.chain.from_iterable(outs)), dtype=torch.long)
+    # One extra column absorbs the out-of-vocabulary ids (clamped to `vocab`), then is dropped.
+    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype)
+    counts.index_put_((torch.repeat_interleave(torch.arange(len(rows)), lengths), flat.clamp(0, vocab)),
+                      torch.ones(len(flat), dtype=logits.dtype), accumulate=True)
+    counts = counts[:, :vocab].to(logits.device)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype, device=logits.device)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=logits.device)
+    row_idx = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[row_idx] = logits[row_idx] - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return out
+
+
+def apply_min_p(scores: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """HF MinPLogitsWarper per row: tokens whose probability is below min_p times the row's largest are
+    set to -inf; the most likely token always stays (min_p 0: nothing is dropped)."""
+    probs = scores.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    drop = probs < torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1) * top
+    drop.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+    return scores.masked_fill(drop, -math.inf)
 
 
 def apply_top_k_top_p(scores: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

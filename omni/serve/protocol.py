@@ -2,7 +2,8 @@
 
 Chat completions and completions as OpenAI documents them, plus the extensions vLLM / vLLM-Omni
 clients send in `extra_body`: `sampling_params_list` (one entry per stage, config order),
-`cache_salt`, `top_k`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`.
+`cache_salt`, `top_k`, `min_p`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`.
+OpenAI's `presence_penalty` and `frequency_penalty` apply to the text stage (vLLM's semantics).
 
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
 completion_create_params.py). A field this server does not implement (tools, logprobs, logit_bias, n > 1,
@@ -38,8 +39,6 @@ def _same(value: Any, accepted: Any) -> bool:
 # OpenAI fields this server does not implement -> the values that ask for nothing (null first, then the
 # default). Anything else is refused naming the field.
 _SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
     "logit_bias": (None, {}),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -179,8 +178,11 @@ class _Common(_Strict):
     stream: bool | None = Field(None, description="Reply as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (stream only).")
     user: str | None = Field(None, description="Accepted; not used.")
-    frequency_penalty: Any = Field(None, description="Not implemented: null or 0.")
-    presence_penalty: Any = Field(None, description="Not implemented: null or 0.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="-2..2: minus this times a token's "
+                                            "count in the output so far (the text stage).")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="-2..2: minus this for every token "
+                                           "the output so far holds (the text stage).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Min-p sampling, 0..1; 0: off (the text stage).")
     logit_bias: Any = Field(None, description="Not implemented: null or {}.")
     ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence (the text stage).")
     min_tokens: int | None = Field(None, ge=0, description="Tokens to generate before end-of-sequence or a stop "
@@ -194,7 +196,7 @@ class _Common(_Strict):
         None, min_length=1, description="Prefix-cache isolation: requests only share cached blocks with requests "
         "of the same salt (one tenant's prefix cache, and its timing side channel, stays its own).")
 
-    @field_validator("temperature", "top_p", "repetition_penalty")
+    @field_validator("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):

@@ -221,6 +221,45 @@ def test_failed_forward_fails_its_requests_and_leaves_no_unwritten_cached_blocks
     assert_no_leak(engine)
 
 
+class _OutputPenalties:
+    """A transformers logits processor with OpenAI's (vLLM's) presence and frequency penalties, over the tokens
+    generated after the prompt (transformers has neither)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
+            for t in set(ids):
+                scores[row, t] -= ids.count(t) * self.frequency + self.presence
+        return scores
+
+
+def test_presence_and_frequency_penalties_match_transformers_with_them(tiny_qwen2):
+    """Greedy with the penalties (and the repetition penalty first, as vLLM orders them): the tokens
+    transformers' generate gives with the same penalties as a logits processor; and not the tokens
+    without them."""
+    from transformers import LogitsProcessorList
+
+    engine = make_engine(tiny_qwen2)
+    prompts = _prompts(engine.model.vocab_size, [6, 19, 33], seed=5)
+    # Negative: rewards the tokens already said (the random tiny model seldom repeats one by itself).
+    kw = {"presence_penalty": -0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.1}
+    plain = generate(engine, prompts, prefix="plain", max_tokens=24)
+    ours = generate(engine, prompts, prefix="pen", max_tokens=24, **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for p, o in zip(prompts, ours):
+            ids = torch.tensor([p])
+            procs = LogitsProcessorList([_OutputPenalties(len(p), kw["presence_penalty"], kw["frequency_penalty"])])
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                 repetition_penalty=kw["repetition_penalty"], logits_processor=procs,
+                                 pad_token_id=engine.model.eos_token_id)[0, len(p):].tolist()
+            assert o.token_ids == _trim_at_eos(ref, engine.model.eos_token_id)
+    assert [o.token_ids for o in ours] != [o.token_ids for o in plain]  # the penalties changed the replies
+    assert_no_leak(engine)
+
+
 def test_min_tokens_matches_transformers_min_new_tokens(tiny_llama):
     """vLLM's min_tokens = transformers' min_new_tokens: the eos and the stop tokens cannot be sampled
     before that many tokens; afterwards they stop the request as usual. A stop token taken from the free

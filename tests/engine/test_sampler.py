@@ -3,9 +3,11 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
-from omni.engine.sampler import Sampler, apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator
+from omni.engine.sampler import (Sampler, apply_min_p, apply_output_penalties, apply_repetition_penalty,
+                                 apply_top_k_top_p, ban_tokens, make_generator)
 from omni.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -99,6 +101,82 @@ def test_repetition_penalty_flips_greedy_choice():
 def test_repetition_penalty_needs_histories():
     with pytest.raises(ValueError, match="token_histories"):
         sampler(_logits(1, 10), [SamplingParams(repetition_penalty=1.2)], [None])
+
+
+# ------------------------------------------------------------- presence / frequency penalties
+
+
+def vllm_output_penalties(logits_row, output, presence, frequency):
+    """OpenAI's definition (vLLM's): mu[j] - c[j] * frequency - (c[j] > 0) * presence, c[j] the count of
+    token j in the output so far, one token at a time."""
+    out = logits_row.clone()
+    for j in set(output):
+        if j < out.shape[0]:
+            c = output.count(j)
+            out[j] = out[j] - c * frequency - presence
+    return out
+
+
+def test_output_penalties_match_the_openai_definition():
+    v = 300
+    logits = _logits(4, v, seed=6)
+    outputs = [[5, 5, 5, 9], [], [1, 2, 3, 299, 299, 400], [7]]  # 400 >= vocab: ignored
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(presence_penalty=2.0),  # no output yet: nothing to penalise
+              SamplingParams(frequency_penalty=-1.5, presence_penalty=-0.5),
+              SamplingParams()]  # off: untouched
+    ours = apply_output_penalties(logits, params, outputs)
+    for i, (p, o) in enumerate(zip(params, outputs)):
+        ref = vllm_output_penalties(logits[i], o, p.presence_penalty, p.frequency_penalty)
+        # One subtraction per term in both: the same fp32 ops, so the same bits.
+        assert torch.equal(ours[i], ref), i
+    assert torch.equal(ours[3], logits[3]) and torch.equal(ours[1], logits[1])
+
+
+def test_penalties_apply_to_the_output_only_and_after_the_repetition_penalty():
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]])
+    # Token 1 is in the prompt only: no presence penalty for it (the repetition penalty sees it).
+    p = SamplingParams(temperature=0, presence_penalty=1.0)
+    assert sampler(logits, [p], [None], outputs=[[]]).item() == 1
+    assert sampler(logits, [p], [None], outputs=[[1]]).item() == 2  # 3.0 - 1.0 < 2.5
+    # vLLM's order: the repetition penalty first (3.0 / 2 = 1.5), then the frequency penalty (1.5 - 2 * 0.5).
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5)
+    ours = apply_output_penalties(apply_repetition_penalty(logits, [2.0], [[1, 1]]), [p], [[1, 1]])
+    assert ours[0, 1].item() == 0.5
+    assert sampler(logits, [p], [None], [[1, 1]], outputs=[[1, 1]]).item() == 2
+    with pytest.raises(ValueError, match="outputs"):
+        sampler(logits, [p], [None], [[1, 1]])
+
+
+# --------------------------------------------------------------------- min-p
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_min_p_matches_hf_after_temperature_top_k_top_p(seed):
+    """transformers' warpers in its order (temperature, top-k, top-p, min-p) leave exactly the tokens ours
+    leaves, with the same scores."""
+    v = 200
+    rows = [(0.7, 0, 1.0, 0.05), (1.3, 50, 1.0, 0.2), (1.0, 0, 0.9, 0.1), (0.5, 20, 0.8, 0.0), (1.0, 0, 1.0, 1.0)]
+    logits = _logits(len(rows), v, seed=seed, scale=2.0)
+    for i, (t, k, p, m) in enumerate(rows):
+        scores = logits[i : i + 1] / t
+        ours = apply_min_p(apply_top_k_top_p(scores, [k], [p]), [m])[0]
+        ref = TemperatureLogitsWarper(t)(None, logits[i : i + 1].clone())
+        ref = _hf_mask(ref, k, p)
+        if m > 0:
+            ref = MinPLogitsWarper(m)(None, ref)
+        ref = ref[0]
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref)), (i, t, k, p, m)
+        assert torch.allclose(ours[~torch.isinf(ref)], ref[~torch.isinf(ref)], rtol=0, atol=0), i
+    assert int((~torch.isinf(apply_min_p(logits, [1.0] * len(rows)))).sum(-1).max()) == 1  # 1: the top only
+
+
+def test_min_p_sampling_never_draws_a_dropped_token():
+    base = torch.tensor([[2.0, 1.9, 0.0, -1.0]])  # probabilities ~0.45, 0.41, 0.06, 0.02
+    p = SamplingParams(temperature=1.0, min_p=0.2, seed=3)  # drops those below 0.2 * 0.45
+    g = make_generator(p)
+    drawn = {sampler(base, [p], [g]).item() for _ in range(500)}
+    assert drawn == {0, 1}
 
 
 # --------------------------------------------------------------------- top-k / top-p
@@ -272,6 +350,10 @@ def test_defaults_and_descriptions():
         ({"temprature": 0.5}, r"temprature\n  Extra inputs are not permitted"),
         ({"min_tokens": -1}, r"min_tokens must be an integer >= 0, got -1"),
         ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must be <= max_tokens \(4\)"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\] \(0 = off\), got 2.5"),
+        ({"frequency_penalty": math.nan}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"min_p": -0.1}, r"min_p must be in \[0, 1\] \(0 = off\), got -0.1"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
     ],
 )
 def test_validation_errors(kwargs, message):

@@ -245,8 +245,10 @@ def test_null_or_default_openai_fields_are_accepted(extra):
     ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
     ({"logit_bias": {"1": 2}}, "logit_bias", "unsupported_parameter"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
-    ({"frequency_penalty": False}, "frequency_penalty", "unsupported_parameter"),  # not JSON's 0
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),  # OpenAI's range: -2..2
+    ({"frequency_penalty": False}, "frequency_penalty", "invalid_value"),  # not JSON's 0
+    ({"presence_penalty": "high"}, "presence_penalty", "invalid_value"),
+    ({"min_p": 1.5}, "min_p", "invalid_value"),
     ({"store": True}, "store", "unsupported_parameter"),
     ({"n": 2}, "n", "invalid_value"),
     ({"logprob": True}, "logprob", "unknown_parameter"),
@@ -257,6 +259,25 @@ def test_openai_fields_asking_for_a_missing_feature_are_refused_by_name(extra, p
     with pytest.raises(ApiError) as e:
         parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
     assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.body()
+
+
+def test_penalties_and_min_p_reach_the_text_stage():
+    """OpenAI's presence / frequency penalties and vLLM's min_p are the text stage's sampling (the engine's
+    sampler applies them: tests/engine/test_sampler.py, test_engine.py), like the other top-level fields."""
+    import json
+
+    from omni.config_loader import load_config
+    from omni.sampling_params import SamplingParams
+    from omni.serve.settings import ServeSettings
+    from omni.serve.translate import PipelineInfo, chat_job
+
+    info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
+    body = {**CHAT_MIN, "presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8}
+    job = chat_job(parse(ChatCompletionRequest, json.dumps(body).encode()), info, ServeSettings(), "r")
+    fields = {"presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8}
+    assert {k: job.sampling[info.text_stage][k] for k in fields} == fields
+    SamplingParams(**job.sampling[info.text_stage])  # what the stage will build: valid
+    assert all(k not in job.sampling.get(s, {}) for s in info.stages if s != info.text_stage for k in fields)
 
 
 @pytest.mark.parametrize("extra,param", [
