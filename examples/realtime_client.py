@@ -91,6 +91,13 @@ async def converse(args: argparse.Namespace) -> None:
                 elif event.type == "response.done":
                     usage = event.response.usage
                     print()
+                    if args.vad and kind == "speak" and event.response.status == "cancelled":
+                        # A pause in the speech ended the turn and the speech went on (a barge-in): the
+                        # server cancelled that response and answers again once the speech ends.
+                        print(f"[turn {n}] (the speech went on: that response was cut, the next one follows)")
+                        print(f"[turn {n}] assistant: ", end="", flush=True)
+                        audio = b""
+                        continue
                     if event.response.status != "completed":
                         raise SystemExit(f"[turn {n}] the response ended {event.response.status}")
                     out = args.out_dir / f"turn-{n}.wav"
