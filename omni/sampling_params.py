@@ -89,6 +89,12 @@ class SamplingParams(BaseModel):
         description="OpenAI / vLLM frequency penalty, -2..2: subtracted from a token's logit once per time the "
         "output so far holds it (the prompt does not count). 0 turns it off.",
     )
+    logit_bias: dict[int, float] | None = Field(
+        None,
+        description="OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before the "
+        "penalties and sampling (-100 in effect bans the token, 100 forces it). Ids must be in the stage's "
+        "vocabulary.",
+    )
     min_p: float = Field(
         0.0,
         description="HF / vLLM min-p sampling, 0..1: after temperature, top-k and top-p, drop the tokens whose "
@@ -199,6 +205,16 @@ class SamplingParams(BaseModel):
         if not (-2.0 <= v <= 2.0):  # also rejects NaN
             raise ValueError(f"{info.field_name} must be in [-2, 2] (0 = off), got {v}")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return v
+        bad = {t: b for t, b in v.items() if t < 0 or not (-100.0 <= b <= 100.0)}  # NaN fails the range
+        if bad:
+            raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {bad}")
+        return v or None  # {} asks for nothing
 
     @field_validator("min_p")
     @classmethod

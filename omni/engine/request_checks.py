@@ -48,6 +48,8 @@ class RequestChecker:
         """Parameters that name tokens name tokens of this stage's vocabulary."""
         if params.stop_token_ids:
             self.token_ids(params.stop_token_ids, "sampling_params.stop_token_ids")
+        if params.logit_bias:
+            self.token_ids(params.logit_bias, "sampling_params.logit_bias")
 
     def fits(self, num_prompt: int, max_tokens: int) -> None:
         """Admission: what cannot fit is refused now, never left waiting for room that cannot come."""

@@ -3,12 +3,13 @@
 The sampler follows Hugging Face `generate` semantics so that our engine's tokens can be compared
 against transformers' token for token:
 
-    logits -> banned tokens (min_tokens) -> repetition penalty -> presence / frequency penalties
+    logits -> banned tokens (min_tokens) -> logit bias -> repetition penalty -> presence / frequency penalties
            -> greedy: argmax
            \\-> random: / temperature -> top-k -> top-p -> min-p -> sample
 
-(transformers has no presence / frequency penalty: they are OpenAI's and vLLM's, applied after the
-repetition penalty as vLLM does, over the output tokens only.)
+(transformers has no logit bias or presence / frequency penalty: they are OpenAI's and vLLM's, applied
+where vLLM applies them: the bias with the other logits processors, before the penalties; the presence
+and frequency penalties after the repetition penalty, over the output tokens only.)
 
 Random rows are sampled with an "exponential race" (argmax of probs / Exponential(1) noise), which is
 an exact draw from the categorical distribution and lets every seeded request draw its noise from its
@@ -69,6 +70,8 @@ class Sampler:
         if banned is not None and any(banned):
             logits = ban_tokens(logits, banned)
 
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         penalties = [p.repetition_penalty for p in params]
         if any(p != 1.0 for p in penalties):
             if token_histories is None or len(token_histories) != n:
@@ -143,6 +146,20 @@ def apply_repetition_penalty(
     penalised = torch.where(sub < 0, sub * pen, sub / pen)
     out = logits.clone()
     out[row_idx] = torch.where(seen, penalised, sub)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | None]) -> torch.Tensor:
+    """Add each row's biases to its logits (returns a new tensor; ids past the vocabulary are ignored:
+    the stage refuses them at admission, request_checks.py)."""
+    vocab = logits.shape[1]
+    rows = [i for i, b in enumerate(biases) if b for t in b if 0 <= t < vocab]
+    cols = [t for b in biases if b for t in b if 0 <= t < vocab]
+    vals = [v for b in biases if b for t, v in b.items() if 0 <= t < vocab]
+    out = logits.clone()
+    if rows:
+        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        out[idx] = out[idx] + torch.tensor(vals, dtype=logits.dtype, device=logits.device)
     return out
 
 

@@ -6,7 +6,7 @@ clients send in `extra_body`: `sampling_params_list` (one entry per stage, confi
 OpenAI's `presence_penalty` and `frequency_penalty` apply to the text stage (vLLM's semantics).
 
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
-completion_create_params.py). A field this server does not implement (tools, logprobs, logit_bias, n > 1,
+completion_create_params.py). A field this server does not implement (tools, logprobs, n > 1,
 ...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
 `"tool_choice": null`, `"response_format": {"type": "text"}`), as clients that serialise their unset
 fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
@@ -38,9 +38,7 @@ def _same(value: Any, accepted: Any) -> bool:
 
 # OpenAI fields this server does not implement -> the values that ask for nothing (null first, then the
 # default). Anything else is refused naming the field.
-_SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
-}
+_SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {}
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     **_SHARED_UNSUPPORTED,
     "logprobs": (None, False),
@@ -183,7 +181,8 @@ class _Common(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="-2..2: minus this for every token "
                                            "the output so far holds (the text stage).")
     min_p: float | None = Field(None, ge=0, le=1, description="Min-p sampling, 0..1; 0: off (the text stage).")
-    logit_bias: Any = Field(None, description="Not implemented: null or {}.")
+    logit_bias: dict[int, float] | None = Field(None, description="Token id (a JSON string key) -> bias in "
+                                                "[-100, 100] added to its logit (the text stage).")
     ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence (the text stage).")
     min_tokens: int | None = Field(None, ge=0, description="Tokens to generate before end-of-sequence or a stop "
                                    "token may be sampled, <= max_tokens (the text stage).")
@@ -201,6 +200,14 @@ class _Common(_Strict):
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        bad = {t: b for t, b in (v or {}).items() if t < 0 or not -100 <= b <= 100}  # NaN fails the range
+        if bad:
+            raise ValueError(f"token ids >= 0 map to biases in [-100, 100], got {bad}")
         return v
 
     @field_validator("n")

@@ -166,6 +166,8 @@ def test_abort_frees_blocks(tiny_llama):
     (StageInput("bad", prompt_token_ids=[5] * 300), "max_model_len"),
     (StageInput("bad", prompt_token_ids=[5, 6], sampling_params={"temperature": -1}), "temperature"),
     (StageInput("bad", prompt_token_ids=[5, 6], sampling_params={"top_p": 0}), "top_p"),
+    (StageInput("bad", prompt_token_ids=[5, 6], sampling_params={"logit_bias": {10**7: 5.0}}),
+     "sampling_params.logit_bias: token id 10000000 is out of vocabulary"),
     (StageInput("bad"), "prompt"),
 ])
 def test_bad_input_rejected_engine_keeps_serving(tiny_llama, inp, match):
@@ -257,6 +259,32 @@ def test_presence_and_frequency_penalties_match_transformers_with_them(tiny_qwen
                                  pad_token_id=engine.model.eos_token_id)[0, len(p):].tolist()
             assert o.token_ids == _trim_at_eos(ref, engine.model.eos_token_id)
     assert [o.token_ids for o in ours] != [o.token_ids for o in plain]  # the penalties changed the replies
+    assert_no_leak(engine)
+
+
+def test_logit_bias_steers_greedy_decoding(tiny_qwen2):
+    """+100 on a token makes greedy decoding pick it at every step; -100 on the free run's first token
+    makes greedy decoding pick the runner-up there (what transformers' generate picks with that token's
+    logit lowered by 100, `sequence_bias`), and the other requests of the batch are untouched."""
+    engine = make_engine(tiny_qwen2)
+    prompts = _prompts(engine.model.vocab_size, [9, 14], seed=8)
+    free = generate(engine, prompts, prefix="free", max_tokens=6)
+    forced = 1234
+    biased = generate(engine, prompts[:1], prefix="up", max_tokens=6, logit_bias={forced: 100.0})
+    assert biased[0].token_ids == [forced] * 6
+    first = free[0].token_ids[0]
+    engine.add_request(StageInput("down", prompt_token_ids=prompts[0],
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=6, logit_bias={first: -100})))
+    engine.add_request(StageInput("other", prompt_token_ids=prompts[1], sampling_params=SamplingParams(
+        temperature=0, max_tokens=6)))
+    outs = run_to_completion(engine)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompts[0]])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             sequence_bias={(first,): -100.0}, pad_token_id=engine.model.eos_token_id)
+    assert outs["down"].token_ids == _trim_at_eos(ref[0, len(prompts[0]):].tolist(), engine.model.eos_token_id)
+    assert outs["down"].token_ids[0] != first and outs["other"].token_ids == free[1].token_ids
     assert_no_leak(engine)
 
 

@@ -6,8 +6,8 @@ from pydantic import ValidationError
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from omni.engine.sampler import (Sampler, apply_min_p, apply_output_penalties, apply_repetition_penalty,
-                                 apply_top_k_top_p, ban_tokens, make_generator)
+from omni.engine.sampler import (Sampler, apply_logit_bias, apply_min_p, apply_output_penalties,
+                                 apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator)
 from omni.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -101,6 +101,23 @@ def test_repetition_penalty_flips_greedy_choice():
 def test_repetition_penalty_needs_histories():
     with pytest.raises(ValueError, match="token_histories"):
         sampler(_logits(1, 10), [SamplingParams(repetition_penalty=1.2)], [None])
+
+
+# ------------------------------------------------------------- logit bias
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_its_row_only():
+    logits = _logits(3, 50, seed=9)
+    biases = [{3: 2.5, 49: -100.0, 70: 1.0}, None, {0: 0.5}]  # 70 >= vocab: ignored (the stage refuses it)
+    ours = apply_logit_bias(logits, biases)
+    ref = logits.clone()
+    ref[0, 3] += 2.5
+    ref[0, 49] += -100.0
+    ref[2, 0] += 0.5
+    assert torch.equal(ours, ref)
+    top = int(logits[1].argmin())
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={top: 100.0})]
+    assert sampler(logits[:2], params, [None, None]).tolist() == [int(logits[0].argmax()), top]
 
 
 # ------------------------------------------------------------- presence / frequency penalties
@@ -354,6 +371,8 @@ def test_defaults_and_descriptions():
         ({"frequency_penalty": math.nan}, r"frequency_penalty must be in \[-2, 2\]"),
         ({"min_p": -0.1}, r"min_p must be in \[0, 1\] \(0 = off\), got -0.1"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"logit_bias": {5: 101.0}}, r"logit_bias maps token ids >= 0 to biases in \[-100, 100\], got \{5: 101.0\}"),
+        ({"logit_bias": {-1: 1.0}}, r"logit_bias maps token ids >= 0"),
     ],
 )
 def test_validation_errors(kwargs, message):

@@ -153,7 +153,8 @@ GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
 BAD_REQUESTS = [
     # (what, body, status, param, code)
     ("unknown field", {**GOOD, "logit_bias_x": {"1": 2}}, 400, "logit_bias_x", "unknown_parameter"),
-    ("an OpenAI feature omni lacks", {**GOOD, "logit_bias": {"1": 2}}, 400, "logit_bias", "unsupported_parameter"),
+    ("an OpenAI feature omni lacks", {**GOOD, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("a logit bias outside the vocabulary", {**GOOD, "logit_bias": {"999999": 2}}, 400, "logit_bias", "invalid_value"),
     ("unknown field in a message", {**GOOD, "messages": [{"role": "user", "content": "hi", "x": 1}]}, 400,
      "messages[0].x", "unknown_parameter"),
     ("not JSON", b"{model: nope", 400, None, "invalid_value"),

@@ -244,7 +244,8 @@ def test_null_or_default_openai_fields_are_accepted(extra):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-    ({"logit_bias": {"1": 2}}, "logit_bias", "unsupported_parameter"),
+    ({"logit_bias": {"1": 200}}, "logit_bias", "invalid_value"),  # OpenAI's range: -100..100
+    ({"logit_bias": {"one": 2}}, "logit_bias.one", "invalid_value"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),  # OpenAI's range: -2..2
     ({"frequency_penalty": False}, "frequency_penalty", "invalid_value"),  # not JSON's 0
     ({"presence_penalty": "high"}, "presence_penalty", "invalid_value"),
@@ -261,8 +262,8 @@ def test_openai_fields_asking_for_a_missing_feature_are_refused_by_name(extra, p
     assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.body()
 
 
-def test_penalties_and_min_p_reach_the_text_stage():
-    """OpenAI's presence / frequency penalties and vLLM's min_p are the text stage's sampling (the engine's
+def test_penalties_min_p_and_logit_bias_reach_the_text_stage():
+    """OpenAI's presence / frequency penalties and logit bias, and vLLM's min_p are the text stage's sampling (the engine's
     sampler applies them: tests/engine/test_sampler.py, test_engine.py), like the other top-level fields."""
     import json
 
@@ -272,9 +273,11 @@ def test_penalties_and_min_p_reach_the_text_stage():
     from omni.serve.translate import PipelineInfo, chat_job
 
     info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
-    body = {**CHAT_MIN, "presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8}
+    body = {**CHAT_MIN, "presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8,
+            "logit_bias": {"17": -100, "42": 2.5}}
     job = chat_job(parse(ChatCompletionRequest, json.dumps(body).encode()), info, ServeSettings(), "r")
-    fields = {"presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8}
+    fields = {"presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8,
+              "logit_bias": {17: -100.0, 42: 2.5}}  # OpenAI's keys are JSON strings: token ids here
     assert {k: job.sampling[info.text_stage][k] for k in fields} == fields
     SamplingParams(**job.sampling[info.text_stage])  # what the stage will build: valid
     assert all(k not in job.sampling.get(s, {}) for s in info.stages if s != info.text_stage for k in fields)
