@@ -3,7 +3,7 @@
 Chat completions and completions as OpenAI documents them, plus the extensions vLLM / vLLM-Omni
 clients send in `extra_body`: `sampling_params_list` (one entry per stage, config order),
 `cache_salt`, `top_k`, `min_p`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`.
-OpenAI's `presence_penalty` and `frequency_penalty` apply to the text stage (vLLM's semantics).
+OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` apply to the text stage (vLLM's semantics).
 
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
 completion_create_params.py). A field this server does not implement (tools, logprobs, n > 1,
@@ -38,9 +38,7 @@ def _same(value: Any, accepted: Any) -> bool:
 
 # OpenAI fields this server does not implement -> the values that ask for nothing (null first, then the
 # default). Anything else is refused naming the field.
-_SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {}
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **_SHARED_UNSUPPORTED,
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "tools": (None, []),
@@ -60,7 +58,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_cache_retention": (None,),
 }
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    **_SHARED_UNSUPPORTED,
     "logprobs": (None,),
     "best_of": (None, 1),
     "echo": (None, False),
