@@ -65,6 +65,18 @@ class CacheReport:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely tokens at its step (SamplingParams.logprobs:
+    how many), from the model's raw logits (before penalties, bias and temperature: vLLM's default). `token`
+    is the token's text decoded alone (None on a stage without a tokenizer)."""
+
+    token_id: int
+    logprob: float
+    token: str | None = None
+    top: list[tuple[int, float, str | None]] = field(default_factory=list)  # (id, logprob, text), best first
+
+
+@dataclass(slots=True)
 class StageOutput:
     """What a stage emits for one request (finished, or a streamed chunk)."""
 
@@ -89,6 +101,7 @@ class StageOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s, ...
     cache_report: CacheReport | None = None  # on summaries for the driver (stage_worker.py)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
 
     @property
     def ok(self) -> bool:
@@ -115,6 +128,7 @@ class StageDelta:
     # A piece of waveform (float32, mono) ready now (a stage that streams audio out).
     audio: np.ndarray | None = None
     sampling_rate: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when the request asked for them
 
 
 def error_output(stage: str, request_id: str, error: OmniError | str, reason: str = "error") -> StageOutput:

@@ -95,6 +95,12 @@ class SamplingParams(BaseModel):
         "penalties and sampling (-100 in effect bans the token, 100 forces it). Ids must be in the stage's "
         "vocabulary.",
     )
+    logprobs: int | None = Field(
+        None,
+        description="Return each generated token's log-probability and those of the `logprobs` most likely "
+        "tokens at its step (0: the generated token's only), 0..20, from the model's raw logits (before "
+        "penalties, bias and temperature, as vLLM). None: no log-probabilities.",
+    )
     min_p: float = Field(
         0.0,
         description="HF / vLLM min-p sampling, 0..1: after temperature, top-k and top-p, drop the tokens whose "
@@ -215,6 +221,13 @@ class SamplingParams(BaseModel):
         if bad:
             raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {bad}")
         return v or None  # {} asks for nothing
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= 20):
+            raise ValueError(f"logprobs must be None or 0..20 (the most likely tokens to return), got {v}")
+        return v
 
     @field_validator("min_p")
     @classmethod

@@ -65,6 +65,23 @@ def decoder_atol(reference, *, layers: int, widest_sum: int, dtype=np.float32) -
     return reorder_atol(widest_sum, magnitude, depth=layers * SUMS_PER_DECODER_LAYER + 1, dtype=dtype)
 
 
+def logprobs_atol(hidden_ref, head_weight, *, layers: int, widest_sum: int, dtype=np.float32) -> float:
+    """Bound for log-softmax(hidden @ head_weight.T) computed two ways from final hidden states that differ
+    by at most decoder_atol (the same sums, ordered differently).
+
+    A logit is a sum of H = hidden-size terms h_i * w_ji: the hidden states' error contributes at most
+    decoder_atol * max_j sum_i |w_ji|, the sum's own order at most reorder_atol(H, max|h| * max_j sum_i |w_ji|).
+    log-softmax moves by at most twice the largest logit error (x_j - logsumexp(x): logsumexp is 1-Lipschitz
+    in the max norm), plus its own rounding: a sum of V terms exp(x - max) <= 1, relative error gamma(V).
+    """
+    hidden_ref = np.asarray(hidden_ref, dtype=np.float64)
+    w = np.abs(np.asarray(head_weight, dtype=np.float64))
+    row_l1 = float(w.sum(axis=1).max())
+    h_err = decoder_atol(hidden_ref, layers=layers, widest_sum=widest_sum, dtype=dtype)
+    logit_err = h_err * row_l1 + reorder_atol(w.shape[1], float(np.abs(hidden_ref).max()) * row_l1, dtype=dtype)
+    return 2 * logit_err + gamma(w.shape[0], dtype)
+
+
 def assert_rows_close(got, ref, atol: float, what: str = "rows") -> None:
     """|got - ref| <= atol everywhere, and `atol` is tight enough to see one row taken for another.
 

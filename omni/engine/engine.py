@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from omni.errors import RequestError, StageError
-from omni.outputs import StageInput, StageOutput
+from omni.outputs import StageInput, StageOutput, TokenLogprob
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 
 from .interface import EngineStepOutput, StageStats
@@ -365,6 +365,8 @@ class StageEngine:
             if result.rows is not None or result.other_outputs:
                 self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
             finished = self.scheduler.update(result.sampled)
+            if result.logprobs:
+                self._record_logprobs(result.logprobs, finished)
             rows = {}
             if finished:
                 # Block tables as scheduled this step (update() has freed them already).
@@ -380,6 +382,19 @@ class StageEngine:
             self._num_steps += 1
         self._release_finished()
         return out
+
+    def _record_logprobs(self, logprobs: dict[str, tuple[float, list[tuple[int, float]]]],
+                         finished: list[Request]) -> None:
+        """The sampled tokens' log-probabilities, on the requests that took their token this step (not an
+        aborted one, nor a forced reply, whose tokens were not sampled), with the tokens' texts."""
+        done = {r.request_id: r for r in finished}
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        for rid, (lp, top) in logprobs.items():
+            req = self.scheduler.requests.get(rid) or done.get(rid)
+            if req is None or req.forced_token_ids is not None or len(req.output_logprobs) >= req.num_output_tokens:
+                continue
+            token = req.output_token_ids[len(req.output_logprobs)]
+            req.output_logprobs.append(TokenLogprob(token, lp, text(token), [(t, p, text(t)) for t, p in top]))
 
     def _release_finished(self) -> None:
         """The one release point: drop the runner's, the model's and the rows' state of every request
@@ -405,6 +420,7 @@ class StageEngine:
             finish_reason=_FINISH_REASONS.get(req.status, "stop"),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics={"ttft_s": ttft or 0.0, "e2e_s": time.monotonic() - req.arrival_time},
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
         )
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

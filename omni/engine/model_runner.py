@@ -28,7 +28,7 @@ from .forward_context import AttentionMetadata, ForwardContext, set_forward_cont
 from .input_batch import InputBatch
 from .request import Request
 from .rows_to_host import RowStager, StagedRows
-from .sampler import Sampler
+from .sampler import Sampler, raw_logprobs
 from .scheduler import SchedulerOutput
 from .step_profile import StepProfile
 from .stage_model import StageModel
@@ -76,6 +76,8 @@ class RunnerOutput:
     # (req_id, first row in the batch, number of rows) in scheduled order.
     row_ranges: list[tuple[str, int, int]] = field(default_factory=list)
     num_tokens: int = 0
+    # Of the sampled requests that asked (SamplingParams.logprobs): (logprob, [(id, logprob)] most likely first).
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -166,12 +168,12 @@ class ModelRunner:
         prep = self._prepare(sched)
         t0 = time.perf_counter()
         outputs = self._forward(sched, prep)
-        sampled = self._sample(outputs["hidden_states"], prep, t0)
+        sampled, logprobs = self._sample(outputs["hidden_states"], prep, t0)
         n = prep.num_tokens
         per_token = {k: v for k, v in outputs.items() if is_per_token(v, n)}
         other = {k: v for k, v in outputs.items() if k not in per_token}
         return RunnerOutput(sampled, self.stager.stage(per_token) if self.stager else None, other,
-                            self.batch.np["slot_mapping"][:n].copy(), prep.row_ranges, n)
+                            self.batch.np["slot_mapping"][:n].copy(), prep.row_ranges, n, logprobs)
 
     def _prepare(self, sched: SchedulerOutput) -> _Prepared:
         """Fill the host side of the input buffers for this step."""
@@ -262,11 +264,12 @@ class ModelRunner:
     def _graph_context(self, size: int) -> ForwardContext:
         return self._context(size, size)
 
-    def _sample(self, hidden: torch.Tensor, prep: _Prepared, t_forward: float) -> dict[str, int]:
-        """Tokens of the rows that sample; the time since `t_forward` up to the sampler is the forward's."""
+    def _sample(self, hidden: torch.Tensor, prep: _Prepared, t_forward: float) -> tuple[dict[str, int], dict]:
+        """Tokens of the rows that sample, and the log-probabilities of those that asked; the time since
+        `t_forward` up to the sampler is the forward's."""
         if not prep.sample_rows:
             self.profile.forward_s += time.perf_counter() - t_forward
-            return {}
+            return {}, {}
         k = len(prep.sample_rows)
         if prep.sample_rows != list(range(prep.num_tokens)):
             self.batch.np["sample_idx"][:k] = prep.sample_rows
@@ -295,5 +298,12 @@ class ModelRunner:
             outputs = [st.request.output_token_ids for st in states]
         tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned, outputs)
         sampled = {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}
+        logprobs = {}
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if asked:  # from the raw logits (the sampler never modifies them), as vLLM's default
+            idx = torch.tensor(asked, device=logits.device)
+            lps = raw_logprobs(logits.index_select(0, idx), tokens.index_select(0, idx.to(tokens.device)),
+                               [params[i].logprobs for i in asked])
+            logprobs = {states[i].request.request_id: lp for i, lp in zip(asked, lps)}
         self.profile.sampling_s += time.perf_counter() - t_sampler
-        return sampled
+        return sampled, logprobs

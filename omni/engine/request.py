@@ -86,6 +86,9 @@ class Request:
             prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
         )
         self.output_token_ids: list[int] = []
+        # One omni.outputs.TokenLogprob per output token when sampling_params.logprobs is set (the engine fills
+        # it; this module imports nothing of the outputs, the KV manager's side needs none of it).
+        self.output_logprobs: list[Any] = []
         # prompt + output in one list, so that hashing and the runner never
         # concatenate on the hot path.
         self.all_token_ids: list[int] = self.prompt_token_ids.copy()

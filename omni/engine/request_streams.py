@@ -103,6 +103,8 @@ class RequestStreams:
             if done and st.detok is not None:
                 text += st.detok.flush()
             delta = StageDelta(rid, self.name, new, text, req.num_prompt_tokens, req.num_computed_tokens, done)
+            if req.sampling_params.logprobs is not None:
+                delta.logprobs = req.output_logprobs[st.sent_tokens - len(new):st.sent_tokens]
             if not st.sent_prompt:
                 delta.prompt_token_ids, st.sent_prompt = list(req.prompt_token_ids), True
             out.append(delta)

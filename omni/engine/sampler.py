@@ -108,6 +108,17 @@ class Sampler:
         return out
 
 
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row: the log-probability of its token under the row's raw logits (fp32 log-softmax) and the
+    `top[i]` most likely (id, log-probability), best first."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1).to(logp.device)).view(-1).tolist()
+    k = max(top, default=0)
+    best_lp, best_id = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    best_lp, best_id = best_lp.tolist(), best_id.tolist()
+    return [(chosen[i], list(zip(best_id[i][:top[i]], best_lp[i][:top[i]]))) for i in range(len(top))]
+
+
 def ban_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     """Set the banned token ids of each row to -inf (returns a new tensor; ids past the vocabulary
     are ignored: a stop token the model cannot produce needs no mask)."""

@@ -227,8 +227,9 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         async with contextlib.aclosing(run.events()) as evs:
             async for ev in evs:
                 if isinstance(ev, TextEvent):
-                    if ev.text:
-                        yield chunk(R.text_delta(ev.text, audio_id if speaks else None), modality=text_mod)
+                    if ev.text or ev.logprobs:
+                        yield chunk(R.text_delta(ev.text, audio_id if speaks else None), modality=text_mod,
+                                    logprobs=R.chat_logprobs(ev.logprobs))
                     continue
                 per_chunk = max(1, round(ev.rate * state.settings.audio_chunk_ms / 1000))
                 for pcm in pcm16_chunks(ev.samples, per_chunk):
@@ -259,10 +260,13 @@ async def completions(state: ServerState, request: Request) -> Response:
         return JSONResponse(R.completion(rid, model, created, run))
 
     async def stream(run: Run) -> AsyncIterator[dict[str, Any]]:
+        offset = 0  # text_offset of the next token, over the whole completion
         async with contextlib.aclosing(run.events()) as evs:
             async for ev in evs:
-                if isinstance(ev, TextEvent) and ev.text:
-                    yield R.completion_chunk(rid, model, created, ev.text)
+                if isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
+                    yield R.completion_chunk(rid, model, created, ev.text,
+                                             logprobs=R.completion_logprobs(ev.logprobs, offset))
+                    offset += sum(len(e.token or "") for e in ev.logprobs or ())
         yield R.completion_chunk(rid, model, created, "", finish_reason=run.finish_reason)
         if req.include_usage:
             yield R.completion_chunk(rid, model, created, None, usage_=R.usage(run))

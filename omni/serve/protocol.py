@@ -3,10 +3,11 @@
 Chat completions and completions as OpenAI documents them, plus the extensions vLLM / vLLM-Omni
 clients send in `extra_body`: `sampling_params_list` (one entry per stage, config order),
 `cache_salt`, `top_k`, `min_p`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`.
-OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` apply to the text stage (vLLM's semantics).
+OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `logprobs` apply to the text stage
+(vLLM's semantics).
 
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
-completion_create_params.py). A field this server does not implement (tools, logprobs, n > 1,
+completion_create_params.py). A field this server does not implement (tools, n > 1, echo,
 ...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
 `"tool_choice": null`, `"response_format": {"type": "text"}`), as clients that serialise their unset
 fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
@@ -39,8 +40,6 @@ def _same(value: Any, accepted: Any) -> bool:
 # OpenAI fields this server does not implement -> the values that ask for nothing (null first, then the
 # default). Anything else is refused naming the field.
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),  # "auto" with no tools picks none
     "parallel_tool_calls": (None, True, False),  # no tools: nothing runs in parallel either way
@@ -58,7 +57,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_cache_retention": (None,),
 }
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None,),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -245,8 +243,9 @@ class ChatCompletionRequest(_Common):
     audio: AudioOutput | None = Field(None, description="Audio reply options (with modalities audio).")
     # OpenAI's fields this server does not implement (see _CHAT_UNSUPPORTED for what each accepts) and
     # ones it takes as hints with no effect here (metadata, prompt_cache_key, safety_identifier).
-    logprobs: Any = Field(None, description="Not implemented: null or false.")
-    top_logprobs: Any = Field(None, description="Not implemented: null or 0.")
+    logprobs: bool | None = Field(None, description="Return each reply token's log-probability (the text stage).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: also the 0..20 most likely "
+                                     "tokens at each position.")
     tools: Any = Field(None, description="Not implemented: null or [].")
     tool_choice: Any = Field(None, description='Not implemented: null, "none" or "auto".')
     parallel_tool_calls: Any = Field(None, description="Accepted: there are no tools.")
@@ -275,6 +274,17 @@ class ChatCompletionRequest(_Common):
         return self
 
     @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise field_error("top_logprobs", "needs logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (not asked), else how many most likely tokens per position."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
     def _audio_needs_audio_modality(self) -> "ChatCompletionRequest":
         if self.audio is not None and "audio" not in self.output_modalities:
             raise field_error("audio", 'set modalities to ["text", "audio"] to get audio')
@@ -293,7 +303,8 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(description="The prompt: text, or token ids.")
-    logprobs: Any = Field(None, description="Not implemented: null.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Return each token's log-probability and those "
+                                 "of the 0..5 most likely tokens at its position (the text stage).")
     best_of: Any = Field(None, description="Not implemented: null or 1.")
     echo: Any = Field(None, description="Not implemented: null or false.")
     suffix: Any = Field(None, description='Not implemented: null or "".')
@@ -316,3 +327,8 @@ class CompletionRequest(_Common):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (not asked), else how many most likely tokens per position."""
+        return self.logprobs

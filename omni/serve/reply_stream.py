@@ -26,7 +26,7 @@ import numpy as np
 
 from omni.async_api import AsyncOmni
 from omni.errors import BackendClosedError, OmniError
-from omni.outputs import StageDelta, StageOutput
+from omni.outputs import StageDelta, StageOutput, TokenLogprob
 from omni.serve.errors import ApiError, bad_request, from_omni_error, internal
 from omni.serve.translate import Job
 
@@ -34,6 +34,7 @@ from omni.serve.translate import Job
 @dataclass(slots=True)
 class TextEvent:
     text: str  # may be "" (tokens whose text is not final yet): still a sign of progress
+    logprobs: list[TokenLogprob] | None = None  # of the tokens this piece came with, when the request asked
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class Run:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens: int | None = None  # known once the text stage finished
+        self.logprobs: list[TokenLogprob] | None = None  # the reply tokens', when the request asked
         self._stop = StopMatcher(job.stops)
         self._agen: Any = None
         self._first: StageDelta | StageOutput | None = None
@@ -159,7 +161,9 @@ class Run:
             if item.stage == job.usage_stage:
                 self.prompt_tokens = item.num_prompt_tokens or self.prompt_tokens
                 self.completion_tokens += len(item.token_ids)
-                out += self._text(self._stop.feed(item.text))
+                if item.logprobs is not None:
+                    self.logprobs = (self.logprobs or []) + item.logprobs
+                out += self._text(self._stop.feed(item.text), item.logprobs)
                 if self._stop.stopped:
                     self.finish_reason = "stop"
             audio = getattr(item, "audio", None)  # stages that stream their waveform (codec chunks)
@@ -176,14 +180,16 @@ class Run:
             self.prompt_tokens = len(item.prompt_token_ids)
             self.completion_tokens = len(item.token_ids)
             self.cached_tokens = item.num_cached_tokens
+            if item.logprobs is not None:
+                self.logprobs = item.logprobs  # all of them (deltas carried them too, when it streamed)
         if item.stage == job.audio_stage and item.audio is not None:
             full = np.asarray(item.audio, dtype=np.float32).reshape(-1)
             out += self._audio(full[self._audio_sent:], item.passthrough.get("sampling_rate"))
         return out
 
-    def _text(self, text: str) -> list[TextEvent]:
+    def _text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[TextEvent]:
         self.text += text
-        return [TextEvent(text)] if self.job.text_stage is not None else []
+        return [TextEvent(text, logprobs)] if self.job.text_stage is not None else []
 
     def _audio(self, samples: np.ndarray, rate: Any) -> list[AudioEvent]:
         if samples.size == 0:

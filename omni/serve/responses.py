@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from omni.outputs import TokenLogprob
 from omni.serve.audio import encode_wav, to_pcm16
 from omni.serve.reply_stream import Run
 
@@ -42,23 +43,58 @@ def audio_message(samples: list[np.ndarray], rate: int, fmt: str, transcript: st
             "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": transcript}
 
 
+_MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def _token_entry(token: str | None, logprob: float) -> dict[str, Any]:
+    text = token or ""
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs`: per token its text, log-probability, UTF-8 bytes and `top_logprobs`."""
+    if entries is None:
+        return None
+    return {"content": [{**_token_entry(e.token, e.logprob),
+                         "top_logprobs": [_token_entry(t, lp) for _, lp, t in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs (text -> log-probability)
+    and text_offset (each token's first character in the text, from `offset`)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token or "")
+    return {"tokens": [e.token or "" for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t in e.top} for e in entries], "text_offset": offsets}
+
+
 def chat_completion(rid: str, model: str, created: int, run: Run, audio: dict[str, Any] | None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant",
                                "content": run.text if run.job.text_stage is not None else None}
     if audio is not None:
         message["audio"] = audio
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason,
+                         "logprobs": chat_logprobs(run.logprobs)}],
             "usage": usage(run)}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None, *,
                finish_reason: str | None = None, usage_: dict[str, Any] | None = None,
-               modality: str | None = None) -> dict[str, Any]:
+               modality: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One chunk; `delta` None: the usage chunk (no choices). `modality`: vLLM-Omni's top-level field."""
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                              "choices": [] if delta is None else [
-                                 {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+                                 {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
     if usage_ is not None:
         chunk["usage"] = usage_
     if modality is not None:
@@ -84,15 +120,16 @@ def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, A
 
 def completion(rid: str, model: str, created: int, run: Run) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": run.text, "finish_reason": run.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "text": run.text, "finish_reason": run.finish_reason,
+                         "logprobs": completion_logprobs(run.logprobs)}],
             "usage": usage(run)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, *, finish_reason: str | None = None,
-                     usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+                     usage_: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": [] if text is None else [
-                                 {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+                                 {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

@@ -84,6 +84,8 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
     top = {name: getattr(req, name) for name in _TOP_LEVEL if getattr(req, name) is not None}
     if req.token_limit is not None:
         top["max_tokens"] = req.token_limit
+    if req.num_logprobs is not None:
+        top["logprobs"] = req.num_logprobs
     if top:
         stage = info.text_stage or info.entry_stage
         job.sampling[stage] = {**job.sampling.get(stage, {}), **top}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -285,6 +286,54 @@ def test_logit_bias_steers_greedy_decoding(tiny_qwen2):
                              sequence_bias={(first,): -100.0}, pad_token_id=engine.model.eos_token_id)
     assert outs["down"].token_ids == _trim_at_eos(ref[0, len(prompts[0]):].tolist(), engine.model.eos_token_id)
     assert outs["down"].token_ids[0] != first and outs["other"].token_ids == free[1].token_ids
+    assert_no_leak(engine)
+
+
+def test_logprobs_are_transformers_raw_log_softmax(tiny_qwen2):
+    """SamplingParams.logprobs: each generated token's log-probability and the k most likely at its step,
+    from the raw logits (vLLM's default): transformers' forward over the same sequence, log-softmaxed, within
+    the bound the two evaluation orders allow (tests/tolerances.py), the same k tokens in the same order
+    where their gaps exceed it; in the stream's deltas the same entries as in the final output; a request
+    of the batch that did not ask gets none, and the penalties do not change them (raw)."""
+    from tests.tolerances import logprobs_atol
+
+    engine = make_engine(tiny_qwen2)
+    prompts = _prompts(engine.model.vocab_size, [7, 20], seed=11)
+    engine.add_request(StageInput("lp", prompt_token_ids=prompts[0], stream=True, sampling_params=SamplingParams(
+        temperature=0, max_tokens=6, logprobs=3, repetition_penalty=1.3)))
+    engine.add_request(StageInput("plain", prompt_token_ids=prompts[1], stream=True,
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=6)))
+    deltas, outs = {}, {}
+    while len(outs) < 2:
+        step = engine.step()
+        for d in step.deltas:
+            deltas.setdefault(d.request_id, []).append(d)
+        outs.update({o.request_id: o for o in step.finished})
+    out = outs["lp"]
+    assert outs["plain"].logprobs is None and all(d.logprobs is None for d in deltas["plain"])
+    assert [e for d in deltas["lp"] for e in d.logprobs] == out.logprobs
+    assert [e.token_id for e in out.logprobs] == out.token_ids
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.float32).eval()
+    seq = prompts[0] + out.token_ids
+    with torch.inference_mode():
+        ref = model(torch.tensor([seq]), output_hidden_states=True)
+    steps = range(len(prompts[0]) - 1, len(seq) - 1)  # the positions whose logits chose the output tokens
+    ref_lp = ref.logits[0].log_softmax(-1)[list(steps)].numpy()
+    hidden = ref.hidden_states[-1][0][list(steps)].numpy()
+    atol = logprobs_atol(hidden, model.lm_head.weight.detach().numpy(), layers=TINY_ARCHS["qwen2"], widest_sum=128)
+    # The bound tells raw from processed log-probabilities: at a temperature of 0.7 those of the same tokens
+    # lie further than it from the raw ones.
+    scaled = (ref.logits[0] / 0.7).log_softmax(-1)[list(steps)].numpy()
+    assert max(abs(scaled[i, e.token_id] - ref_lp[i, e.token_id]) for i, e in enumerate(out.logprobs)) > 4 * atol
+    for i, e in enumerate(out.logprobs):
+        assert abs(e.logprob - ref_lp[i, e.token_id]) <= atol, (i, e.logprob, ref_lp[i, e.token_id], atol)
+        assert len(e.top) == 3 and e.top[0][0] == e.token_id == int(ref_lp[i].argmax())  # greedy: the best
+        assert all(a[1] >= b[1] for a, b in zip(e.top, e.top[1:]))
+        order = np.argsort(-ref_lp[i])[:4]
+        for rank, (tid, lp, text) in enumerate(e.top):
+            assert abs(lp - ref_lp[i, tid]) <= atol and text == engine.tokenizer.decode([tid])
+            if ref_lp[i, order[rank]] - ref_lp[i, order[rank + 1]] > 2 * atol:
+                assert tid == order[rank], (i, rank)
     assert_no_leak(engine)
 
 

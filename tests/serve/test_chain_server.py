@@ -41,6 +41,44 @@ def png_data_url(h: int = 8, w: int = 8) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _check_chat_logprobs(content, k: int, n: int) -> None:
+    assert len(content) == n
+    for e in content:
+        assert e.logprob <= 0 and bytes(e.bytes) == e.token.encode("utf-8")
+        assert len(e.top_logprobs) == k and [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy
+
+
+def test_logprobs_chat_and_completions_streamed_and_not(client):
+    """logprobs / top_logprobs (chat) and logprobs=k (completions), OpenAI's shapes, one entry per reply token;
+    the streamed entries name the non-streamed ones' tokens (greedy: the same tokens). Their values against
+    transformers: tests/engine/test_engine.py."""
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = full.choices[0].logprobs.content
+    _check_chat_logprobs(content, 2, full.usage.completion_tokens)
+    streamed = [e for ch in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, logprobs=True,
+                                                            top_logprobs=2, stream=True)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    # The same tokens and top tokens; the values as the engine computes them (this request hits the last one's
+    # prefix-cache blocks: its sums are ordered otherwise, a rounding apart; values: tests/engine/test_engine.py).
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, [t.token for t in e.top_logprobs]) for e in content]
+    _check_chat_logprobs(streamed, 2, len(content))
+    plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == full.choices[0].message.content
+
+    comp = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(0 < len(top) <= 3 and max(top.values()) == p for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+    chunks = [ch.choices[0] for ch in client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4,
+                                                                logprobs=3, stream=True) if ch.choices]
+    got = [(t, o) for c in chunks if c.logprobs for t, o in zip(c.logprobs.tokens, c.logprobs.text_offset)]
+    assert got == list(zip(lp.tokens, lp.text_offset))
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, _, body = server.get("/health")
@@ -153,7 +191,9 @@ GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
 BAD_REQUESTS = [
     # (what, body, status, param, code)
     ("unknown field", {**GOOD, "logit_bias_x": {"1": 2}}, 400, "logit_bias_x", "unknown_parameter"),
-    ("an OpenAI feature omni lacks", {**GOOD, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("an OpenAI feature omni lacks", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools", "unsupported_parameter"),
+    ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ("a logit bias outside the vocabulary", {**GOOD, "logit_bias": {"999999": 2}}, 400, "logit_bias", "invalid_value"),
     ("unknown field in a message", {**GOOD, "messages": [{"role": "user", "content": "hi", "x": 1}]}, 400,
      "messages[0].x", "unknown_parameter"),
