@@ -12,7 +12,8 @@ downstream side, on the upstream outputs it was handed.
 
 Streaming edges (streaming.py): a submission with `stream_from` waits here (not in the
 engine) for its first chunk, then grows chunk by chunk; one submitted with `stream_to` yields
-chunks for its consumers as it runs.
+chunks for its consumers as it runs. Chunks that come before their submission are kept for it
+(on Ray they come actor to actor, the submission from the driver: nothing orders the two).
 
 Engine calls happen in tick() alone, so one thread at a time touches the engine. A
 request is in flight here from its add until the engine step that finishes it (its id
@@ -132,6 +133,8 @@ class StageWorker:
         self._chunk_fn = (registry.resolve_incremental_processor(stage.input_processor or "passthrough_tokens")
                           if any(e.stream for e in stage.input_edges) else None)
         self._incoming: dict[str, Incoming] = {}  # waiting for (more) chunks
+        # Chunks whose request's submission has not reached this worker yet -> (expiry, chunks in arrival order).
+        self._early: dict[str, tuple[float, list[_Chunk]]] = {}
         self._outgoing: dict[str, Outgoing] = {}  # feeding streaming consumers
         self._stream_out: set[str] = set()  # the caller wants deltas
         self._rows_sent: dict[str, int] = {}  # rows already attached to a caller's deltas
@@ -163,22 +166,32 @@ class StageWorker:
 
     def drain(self) -> None:
         touched: set[str] = set()
+        now = time.monotonic()
+        for rid in [r for r, (expiry, _) in self._early.items() if expiry < now]:
+            del self._early[rid]  # an aborted or failed request's late chunks: its submission never comes
         while self._inbox:
             item = self._inbox.popleft()
             if isinstance(item, _Abort):
                 # No output: whoever aborts has already finished the request on its side.
                 rid = item.request_id
                 self._incoming.pop(rid, None)
+                self._early.pop(rid, None)
                 self._drop_streams(rid)
                 if self._in_flight.pop(rid, None) is not None:
                     self.engine.abort(rid)
                 continue
             if isinstance(item, _Chunk):
                 inc = self._incoming.get(item.request_id)
-                if inc is not None:  # else: aborted or failed meanwhile
+                if inc is not None:
                     inc.receive(item.seq, item.chunk)
                     touched.add(item.request_id)
-                continue
+                elif item.request_id not in self._in_flight:
+                    # Its submission has not come yet: on Ray the producer pushes its chunks actor to actor
+                    # while the submission comes from the driver, and nothing orders the two. Kept until it
+                    # comes (or for the chunk timeout: an aborted request's late chunks).
+                    expiry = time.monotonic() + self.chunk_timeout_s
+                    self._early.setdefault(item.request_id, (expiry, []))[1].append(item)
+                continue  # else: a request that no longer waits for chunks here (failed meanwhile)
             sub = item
             rid = sub.request_id
             if sub.stream_out:
@@ -186,8 +199,11 @@ class StageWorker:
             if sub.stream_to:
                 self._outgoing[rid] = Outgoing(self.name, rid, list(sub.stream_to))
             if sub.stream_from is not None:
-                self._incoming[rid] = Incoming(sub, self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s)
+                inc = self._incoming[rid] = Incoming(sub, self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s)
                 self._in_flight[rid] = sub.keep_hidden
+                for early in self._early.pop(rid, (0.0, []))[1]:
+                    inc.receive(early.seq, early.chunk)
+                    touched.add(rid)
                 continue
             try:
                 inp = build_stage_input(self.processor, sub.request, sub.upstream, sub.sampling)

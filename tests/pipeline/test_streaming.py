@@ -201,6 +201,32 @@ def test_cancelled_async_streams_release_every_stage():
     assert_clean(o._omni)
 
 
+def test_chunks_that_reach_the_consumer_before_its_submission_are_kept(reference):
+    """On Ray a producer pushes its chunks actor to actor while the consumer's submission comes from the driver:
+    nothing orders the two, so a fast producer's first chunks can reach the consumer first (a Ray pipeline lost
+    them and its request waited out the chunk timeout). Here every request's submission reaches the consumer
+    only after its first chunk: the same tokens, nothing left behind."""
+    with Omni(CONFIG, backend="local", stage_overrides=streaming(3)) as o:
+        talker = o._backend.workers["talker"]
+        late: dict[str, object] = {}
+        real_submit, real_push = talker.submit, talker.push_chunk
+
+        def push(rid, seq, chunk):
+            real_push(rid, seq, chunk)  # the chunk first...
+            if rid in late:
+                real_submit(late.pop(rid))  # ...then its submission
+
+        talker.submit = lambda sub: late.__setitem__(sub.request_id, sub)
+        talker.push_chunk = push
+        deltas, finals = collect(o, PROMPTS)
+        assert not late
+        for ref in reference:
+            assert finals[(ref.request_id, "talker")].token_ids == ref.outputs["talker"].token_ids
+        del talker.submit, talker.push_chunk
+        assert_clean(o)
+        assert not talker._early
+
+
 def test_a_chunk_that_never_comes_fails_naming_the_edge():
     with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=1.0), backend="local") as o:
         talker = o._backend.workers["talker"]
