@@ -162,7 +162,9 @@ class Run:
                 self.prompt_tokens = item.num_prompt_tokens or self.prompt_tokens
                 self.completion_tokens += len(item.token_ids)
                 if item.logprobs is not None:
-                    self.logprobs = (self.logprobs or []) + item.logprobs
+                    if self.logprobs is None:
+                        self.logprobs = []
+                    self.logprobs.extend(item.logprobs)
                 out += self._text(self._stop.feed(item.text), item.logprobs)
                 if self._stop.stopped:
                     self.finish_reason = "stop"
