@@ -69,7 +69,7 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
     cluster starts, one after another), then the other Ray modules, then the tests that take this
     process's Ray for themselves (`own_ray`: the two-node replicas, embedded Ray; one unit, after which
     that worker needs no Ray), then the rest, each kind by its number of slow tests. (Handed out last, that
-    36 s unit ran alone while the other worker had nothing left: 35 s of one idle core.)"""
+    unit, among the longest, ran alone after the other worker had nothing left, one core idle meanwhile.)"""
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 

@@ -302,7 +302,7 @@ class ModelRunner:
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asked:  # from the raw logits (the sampler never modifies them), as vLLM's default
             idx = torch.tensor(asked, device=logits.device)
-            lps = raw_logprobs(logits.index_select(0, idx), tokens.index_select(0, idx.to(tokens.device)),
+            lps = raw_logprobs(logits.index_select(0, idx), tokens.index_select(0, idx),
                                [params[i].logprobs for i in asked])
             logprobs = {states[i].request.request_id: lp for i, lp in zip(asked, lps)}
         self.profile.sampling_s += time.perf_counter() - t_sampler

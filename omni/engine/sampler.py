@@ -109,10 +109,10 @@ class Sampler:
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per row: the log-probability of its token under the row's raw logits (fp32 log-softmax) and the
-    `top[i]` most likely (id, log-probability), best first."""
+    """Per row: the log-probability of its token (`tokens`, on the logits' device) under the row's raw logits
+    (fp32 log-softmax) and the `top[i]` most likely (id, log-probability), best first."""
     logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens.view(-1, 1).to(logp.device)).view(-1).tolist()
+    chosen = logp.gather(1, tokens.view(-1, 1)).view(-1).tolist()
     k = max(top, default=0)
     best_lp, best_id = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     best_lp, best_id = best_lp.tolist(), best_id.tolist()
@@ -130,6 +130,18 @@ def ban_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.T
     return out
 
 
+def _token_counts(histories: Sequence[Sequence[int]], vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """[len(histories), vocab] on the CPU: how often each token id occurs in each history. Ids >= vocab size
+    (an embedding larger than the LM head) cannot be sampled and are not counted."""
+    lengths = torch.tensor([len(h) for h in histories])
+    flat = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.long)
+    # One extra column absorbs the out-of-vocabulary ids (clamped to `vocab`), then is dropped.
+    counts = torch.zeros(len(histories), vocab + 1, dtype=dtype)
+    counts.index_put_((torch.repeat_interleave(torch.arange(len(histories)), lengths), flat.clamp(0, vocab)),
+                      torch.ones(len(flat), dtype=dtype), accumulate=True)
+    return counts[:, :vocab]
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor, penalties: Sequence[float], token_histories: Sequence[Sequence[int]]
 ) -> torch.Tensor:
@@ -143,13 +155,7 @@ def apply_repetition_penalty(
     rows = [i for i, p in enumerate(penalties) if p != 1.0]
     if not rows:
         return logits
-    hist = [token_histories[i] for i in rows]
-    lengths = torch.tensor([len(h) for h in hist])
-    flat = torch.tensor(list(itertools.chain.from_iterable(hist)), dtype=torch.long)
-    # One extra column absorbs the out-of-vocabulary ids (clamped to `vocab`), then is dropped.
-    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool)
-    seen[torch.repeat_interleave(torch.arange(len(rows)), lengths), flat.clamp(0, vocab)] = True
-    seen = seen[:, :vocab].to(logits.device)
+    seen = _token_counts([token_histories[i] for i in rows], vocab, logits.dtype).to(logits.device) > 0
 
     row_idx = torch.tensor(rows, device=logits.device)
     sub = logits[row_idx]
@@ -182,14 +188,7 @@ def apply_output_penalties(
     cannot be sampled and are ignored."""
     n, vocab = logits.shape
     rows = [i for i, p in enumerate(params) if p.uses_output_penalties]
-    outs = [outputs[i] for i in rows]
-    lengths = torch.tensor([len(o) for o in outs])
-    flat = torch.tensor(list(itertools.chain.from_iterable(outs)), dtype=torch.long)
-    # One extra column absorbs the out-of-vocabulary ids (clamped to `vocab`), then is dropped.
-    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype)
-    counts.index_put_((torch.repeat_interleave(torch.arange(len(rows)), lengths), flat.clamp(0, vocab)),
-                      torch.ones(len(flat), dtype=logits.dtype), accumulate=True)
-    counts = counts[:, :vocab].to(logits.device)
+    counts = _token_counts([outputs[i] for i in rows], vocab, logits.dtype).to(logits.device)
     freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype, device=logits.device)
     pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=logits.device)
     row_idx = torch.tensor(rows, device=logits.device)

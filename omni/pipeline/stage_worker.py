@@ -189,8 +189,7 @@ class StageWorker:
                     # Its submission has not come yet: on Ray the producer pushes its chunks actor to actor
                     # while the submission comes from the driver, and nothing orders the two. Kept until it
                     # comes (or for the chunk timeout: an aborted request's late chunks).
-                    expiry = time.monotonic() + self.chunk_timeout_s
-                    self._early.setdefault(item.request_id, (expiry, []))[1].append(item)
+                    self._early.setdefault(item.request_id, (now + self.chunk_timeout_s, []))[1].append(item)
                 continue  # else: a request that no longer waits for chunks here (failed meanwhile)
             sub = item
             rid = sub.request_id

@@ -197,14 +197,6 @@ class _Common(_Strict):
             raise ValueError("must be a finite number")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _biases(cls, v: dict[int, float] | None) -> dict[int, float] | None:
-        bad = {t: b for t, b in (v or {}).items() if t < 0 or not -100 <= b <= 100}  # NaN fails the range
-        if bad:
-            raise ValueError(f"token ids >= 0 map to biases in [-100, 100], got {bad}")
-        return v
-
     @field_validator("n")
     @classmethod
     def _one(cls, v: int | None) -> int | None:

@@ -195,6 +195,7 @@ BAD_REQUESTS = [
      "tools", "unsupported_parameter"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ("a logit bias outside the vocabulary", {**GOOD, "logit_bias": {"999999": 2}}, 400, "logit_bias", "invalid_value"),
+    ("a logit bias out of OpenAI's range", {**GOOD, "logit_bias": {"1": 200}}, 400, "logit_bias", "invalid_value"),
     ("unknown field in a message", {**GOOD, "messages": [{"role": "user", "content": "hi", "x": 1}]}, 400,
      "messages[0].x", "unknown_parameter"),
     ("not JSON", b"{model: nope", 400, None, "invalid_value"),

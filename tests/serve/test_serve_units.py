@@ -244,7 +244,6 @@ def test_null_or_default_openai_fields_are_accepted(extra):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-    ({"logit_bias": {"1": 200}}, "logit_bias", "invalid_value"),  # OpenAI's range: -100..100
     ({"logit_bias": {"one": 2}}, "logit_bias.one", "invalid_value"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),  # OpenAI's range: -2..2
     ({"frequency_penalty": False}, "frequency_penalty", "invalid_value"),  # not JSON's 0
