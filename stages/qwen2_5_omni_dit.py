@@ -10,11 +10,16 @@ parts that depend only on the request, not on the ODE time or state:
     (kept in the additive form SDPA turns a boolean mask into, one [frames, frames] per layer kind,
     broadcast over the CFG rows and heads).
 
-`DiTVelocity` computes them once per request and then runs, per evaluation, exactly the tensor ops
-transformers runs on the same inputs, so the mel is bitwise the one `dit.sample` gives (tested: the
-velocity with `torch.equal` against the DiT's forward, the one-shot waveform with `array_equal`
-against transformers' token2wav). On the small checkpoint token2wav runs 1.4-1.5x faster
-(`omni bench token2wav`; the speaker encoder is most of the saving).
+`DiTVelocity` computes them once per request and then runs, per evaluation, the tensor ops transformers
+runs on the same inputs, but for attention: where a request spans more DiT blocks than a layer's window
+(its block, look_backward_block before it, look_ahead_block after it), that layer attends block by
+block over the window only (qwen2_5_omni_dit_attention.py) instead of computing all frames x frames
+scores and masking most of them. A request inside one window is therefore bitwise `dit.sample`'s mel
+(tested: the velocity with `torch.equal` against the DiT's forward, the waveform with `array_equal`
+against transformers' token2wav); a longer one is the same math with its attention sums in another
+order (tested against the derived bound). On the small checkpoint the hoisted constants (mostly the
+speaker encoder) made token2wav 1.4-1.5x faster; block-local attention takes a 250-code request's DiT
+from 1.66 s to 0.90 s (attention was 49% of it; one thread), `omni bench token2wav`.
 
 Several requests (or streamed windows of several requests) integrate in lockstep: their frames are
 *packed* along the time axis, [2 (guided, null), frames of request 1 + frames of request 2 + ..., D],
@@ -39,6 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .qwen2_5_omni_dit_attention import BlockLocalAttention, needs_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +88,11 @@ class DiTVelocity:
         self.guidance_scale = guidance_scale
         self.batch = 2 if self.cfg else 1
         self.attention = ALL_ATTENTION_FUNCTIONS[dit.transformer_blocks[0].attn.config._attn_implementation]
+        self.blocks = BlockLocalAttention(dit.block_size)
         constants, cos, sin, self.bounds = [], [], [], []
         masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (frames, look back, look ahead) -> mask
-        self.masks: list[list[torch.Tensor]] = []  # per request, per layer
+        # per request, per layer: the full attention's mask, or None where the layer runs block-local
+        self.masks: list[list[torch.Tensor | None]] = []
         start = 0
         for r in requests:
             constant = _request_constant(dit, r.conditioning, r.reference_mel, r.code, self.cfg)
@@ -102,8 +111,10 @@ class DiTVelocity:
         self.position_embeddings = ((cos[0], sin[0]) if len(requests) == 1
                                     else (torch.cat(cos, dim=1), torch.cat(sin, dim=1)))
 
-    def _mask(self, masks: dict, frames: int, layer, like: torch.Tensor) -> torch.Tensor:
+    def _mask(self, masks: dict, frames: int, layer, like: torch.Tensor) -> torch.Tensor | None:
         key = (frames, layer.look_backward_block, layer.look_ahead_block)
+        if needs_blocks(frames, self.dit.block_size, key[1], key[2]):
+            return None  # block-local (qwen2_5_omni_dit_attention.py): no [frames, frames] mask at all
         if key not in masks:
             dit = self.dit
             blocks = torch.arange(frames, device=like.device) // dit.block_size
@@ -137,7 +148,14 @@ class DiTVelocity:
         query[:, :1], key[:, :1] = apply_rotary_pos_emb(
             deinterleave_head_dim(query[:, :1]), deinterleave_head_dim(key[:, :1]), cos, sin)
         outs = []
+        layer = self.dit.transformer_blocks[index]
         for (lo, hi), masks in zip(self.bounds, self.masks):
+            if masks[index] is None:
+                # [batch, frames, heads, head_dim], as the attention function returns it
+                outs.append(self.blocks(query[:, :, lo:hi].transpose(1, 2), key[:, :, lo:hi].transpose(1, 2),
+                                        value[:, :, lo:hi].transpose(1, 2), layer.look_backward_block,
+                                        layer.look_ahead_block, getattr(attn, "scaling", None)))
+                continue
             out, _ = self.attention(attn, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi],
                                     attention_mask=masks[index], is_causal=False)
             outs.append(out)

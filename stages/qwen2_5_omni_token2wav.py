@@ -16,10 +16,14 @@ BigVGAN runs on the window's mel and the chunk's samples are cut out. The ODE st
 noise the one-shot path draws for those frames (one seeded draw per request, sliced), so a request
 that fits in one chunk gives exactly the one-shot waveform and longer ones differ only by the
 context each window lacks (measured in tests: max |diff| and SNR). The first chunk is smaller
-(`first_chunk_codes`) for a short time to first audio.
+(`first_chunk_codes`) for a short time to first audio; the later ones start at `chunk_codes` and
+double up to `max_chunk_codes` (default: `chunk_codes`, a fixed size). Each window computes its
+chunk plus its context again (one block each side), so longer later chunks spend less of the DiT on
+context: for a 250-code reply with first 8 / chunks 50 the windows sum to 382 codes of DiT work (1.53x
+the one-shot request), with 50 growing to 100 to 330 (1.32x), while the first audio comes as soon.
 
-    model_kwargs: chunk_codes (25), first_chunk_codes (10), left_context_codes (1 DiT block),
-                  lookahead_codes (1 DiT block)
+    model_kwargs: chunk_codes (25), first_chunk_codes (10), max_chunk_codes (chunk_codes),
+                  left_context_codes (1 DiT block), lookahead_codes (1 DiT block)
 
 Batched (the engine's optional hooks `run_generation_batch` / `next_outputs`): the requests of one
 engine step, or the windows of different streams ready in the same step, integrate the DiT's ODE in
@@ -75,7 +79,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def __init__(self, token2wav, speakers: dict, device: torch.device, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_codes: int = 25,
                  first_chunk_codes: int = 10, left_context_codes: int | None = None,
-                 lookahead_codes: int | None = None):
+                 lookahead_codes: int | None = None, max_chunk_codes: int | None = None):
         self.token2wav = token2wav
         self.speakers = speakers
         self.device = device
@@ -94,11 +98,15 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self.block_codes = block
         self.chunk_codes = int(chunk_codes)
         self.first_chunk_codes = int(first_chunk_codes)
+        self.max_chunk_codes = self.chunk_codes if max_chunk_codes is None else int(max_chunk_codes)
         self.left_context_codes = block if left_context_codes is None else int(left_context_codes)
         self.lookahead_codes = block if lookahead_codes is None else int(lookahead_codes)
         for name in ("chunk_codes", "first_chunk_codes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model_kwargs.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_chunk_codes < self.chunk_codes:
+            raise ValueError(f"model_kwargs.max_chunk_codes: must be >= chunk_codes ({self.chunk_codes}), "
+                             f"got {self.max_chunk_codes}")
         for name in ("left_context_codes", "lookahead_codes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model_kwargs.{name}: must be >= 0, got {getattr(self, name)}")
@@ -112,7 +120,8 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
         kwargs = dict(model_kwargs or {})
         gen = {k: kwargs.pop(k) for k in ("num_steps", "guidance_scale", "sway_coefficient", "chunk_codes",
-                                          "first_chunk_codes", "left_context_codes", "lookahead_codes")
+                                          "first_chunk_codes", "max_chunk_codes", "left_context_codes",
+                                          "lookahead_codes")
                if k in kwargs}
         model, _ = load_omni_part(Path(model_path), "token2wav", Qwen2_5OmniToken2WavModel, torch.float32,
                                   device, **kwargs)
@@ -212,13 +221,21 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         if state.finished:
             return None
         total, start = len(state.codes), state.done
-        end = start + (self.first_chunk_codes if start == 0 else self.chunk_codes)
+        size = self.chunk_size(len(state.pieces))
+        end = start + size
         if state.complete:
             if start >= total:
                 return total  # everything was emitted before the end was known: an empty last piece
             # Never leave a sliver for a last chunk: fold it into this one.
-            return total if total - end < self.chunk_codes // 2 else end
+            return total if total - end < self.chunk_size(len(state.pieces) + 1) // 2 else end
         return end if total >= end + self.lookahead_codes else None
+
+    def chunk_size(self, index: int) -> int:
+        """Codes in a stream's chunk number `index`: the first chunk, then chunk_codes doubling up to
+        max_chunk_codes."""
+        if index == 0:
+            return self.first_chunk_codes
+        return min(self.max_chunk_codes, self.chunk_codes << min(index - 1, 30))
 
     def stream_ready(self, state: _WavStream) -> bool:
         return not state.finished and self._next_end(state) is not None

@@ -27,12 +27,14 @@ def talker_atol(ref) -> float:
     return decoder_atol(ref, layers=THINKER_LAYERS + TALKER_LAYERS, widest_sum=max(128, len(ref)))
 
 
-def _dit_chain(stage, frames: int, num_steps: int | None = None) -> tuple[int, int]:
+def _dit_chain(stage, frames: int, num_steps: int | None = None, evaluations: int | None = None) -> tuple[int, int]:
     """(longest sum, sums in sequence) from the ODE's initial state to the mel: 4 DiT evaluations per
-    Runge-Kutta step (transformers' RungeKutta4ODESolver), each its decoder layers' sums plus the input
-    and output projections; the longest sum is the input projection's, the MLP's or an attention row."""
+    Runge-Kutta step (transformers' RungeKutta4ODESolver), or `evaluations`, each its decoder layers' sums
+    plus the input and output projections; the longest sum is the input projection's, the MLP's or an
+    attention row."""
     dit = stage.token2wav.code2wav_dit_model
-    evaluations = 4 * ((num_steps or stage.kwargs["num_steps"]) - 1)
+    if evaluations is None:
+        evaluations = 4 * ((num_steps or stage.kwargs["num_steps"]) - 1)
     depth = evaluations * (len(dit.transformer_blocks) * SUMS_PER_DECODER_LAYER + 2)
     longest = max(dit.input_embed.proj.in_features, dit.transformer_blocks[0].ff.ff[3].in_features, frames)
     return longest, depth
@@ -44,6 +46,14 @@ def mel_atol(stage, ref, num_steps: int | None = None) -> float:
     the mel's largest value as in the streaming test."""
     ref = np.asarray(ref)
     longest, depth = _dit_chain(stage, ref.shape[-1], num_steps)
+    return reorder_atol(longest, float(np.abs(ref).max()), depth=depth)
+
+
+def velocity_atol(stage, ref) -> float:
+    """One DiT evaluation (the ODE's velocity) computed two ways that differ only in how its fp32 sums are
+    blocked (block-local vs full masked attention), relative to the velocity's largest value."""
+    ref = np.asarray(ref)
+    longest, depth = _dit_chain(stage, ref.shape[-2], evaluations=1)
     return reorder_atol(longest, float(np.abs(ref).max()), depth=depth)
 
 

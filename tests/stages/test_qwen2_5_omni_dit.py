@@ -1,4 +1,5 @@
-"""The DiT sampler with the request's constants hoisted gives bitwise transformers' own results."""
+"""The DiT sampler with the request's constants hoisted gives transformers' own results: bitwise while every
+layer attends to the whole request, within a reordered-sum bound once attention runs block-local."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from stages.qwen2_5_omni_dit import DiTRequest, DiTVelocity
-from tests.stages.omni_utils import mel_atol
+from tests.stages.omni_utils import mel_atol, velocity_atol, wave_atol
 from stages.qwen2_5_omni_talker import speaker_params
 from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
 
@@ -24,19 +25,38 @@ def _speaker(stage, name):
     return spk["cond"].float().expand(1, -1), spk["ref_mel"].float().expand(1, -1, -1)
 
 
+def _layer_windows(dit) -> set[tuple[int, int]]:
+    return {(layer.look_backward_block, layer.look_ahead_block) for layer in dit.transformer_blocks}
+
+
+def _takes_blocks(dit, num_codes: int) -> bool:
+    """Whether some layer runs block-local attention for a request of `num_codes` codes."""
+    from stages.qwen2_5_omni_dit_attention import needs_blocks
+
+    frames = num_codes * dit.repeats
+    return any(needs_blocks(frames, dit.block_size, b, a) for b, a in _layer_windows(dit))
+
+
+# 11 codes: 22 frames, inside one DiT block (every layer attends to the whole request: the full
+# attention, bitwise transformers'); 37: 74 frames over 4 blocks, not a multiple of the block
+# (block-local attention, a padded last block).
+@pytest.mark.parametrize("num_codes", [11, 37])
 @pytest.mark.parametrize("guidance_scale", [0.5, 0.0])
-def test_velocity_equals_the_dit_forward(stage, guidance_scale):
-    """One ODE evaluation, guided and plain, equals transformers' DiT forward exactly."""
+def test_velocity_equals_the_dit_forward(stage, guidance_scale, num_codes):
+    """One ODE evaluation, guided and plain, equals transformers' DiT forward: exactly while every layer
+    sees the whole request, within the bound of reordered fp32 sums once attention runs block by block."""
     dit = stage.token2wav.code2wav_dit_model
+    assert _takes_blocks(dit, num_codes) == (num_codes == 37)
     cond, ref = _speaker(stage, None)
     gen = torch.Generator().manual_seed(1)
-    code = torch.randint(0, stage.num_codes, (1, 37), generator=gen)  # not a multiple of the DiT block
+    code = torch.randint(0, stage.num_codes, (1, num_codes), generator=gen)
     frames = code.shape[1] * dit.repeats
     x = torch.randn(1, frames, dit.mel_dim, generator=gen)
     speaker = cond.unsqueeze(1).repeat(1, frames, 1)
     velocity = DiTVelocity(dit, [DiTRequest(cond, ref, code, x)], guidance_scale)
     with torch.inference_mode():
         for t in (torch.tensor(0.0), torch.tensor(0.37), torch.tensor(1.0)):
+            got = velocity(t, x)
             got = velocity(t, x)
             if guidance_scale:
                 out = dit(hidden_states=x, quantized_code=code, speaker_embedding=speaker, condition_vector=ref,
@@ -46,13 +66,19 @@ def test_velocity_equals_the_dit_forward(stage, guidance_scale):
             else:
                 want = dit(hidden_states=x, speaker_embedding=speaker, condition_vector=ref, quantized_code=code,
                            time_step=t, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
-            assert torch.equal(got, want)
+            if num_codes == 11:
+                assert torch.equal(got, want)
+            else:
+                diff, atol = (got - want).abs().max().item(), velocity_atol(stage, want)
+                assert diff <= atol, f"t={t.item()}: max |diff| {diff:.3g} > {atol:.3g}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_codes,seed,speaker", [(1, 0, None), (12, 0, None), (40, 7, "Ethan")])
+@pytest.mark.parametrize("num_codes,seed,speaker", [(1, 0, None), (12, 0, None), (40, 7, "Ethan"), (160, 3, None)])
 def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker):
-    """The stage's waveform is bitwise transformers' Qwen2_5OmniToken2WavModel.forward under the same seed."""
+    """The stage's waveform is transformers' Qwen2_5OmniToken2WavModel.forward under the same seed: bitwise
+    for a request inside one DiT block, within the bound of reordered fp32 sums (omni_utils.wave_atol)
+    for longer ones, whose attention runs block-local (qwen2_5_omni_dit_attention.py)."""
     if speaker not in (None, *stage.speakers):
         speaker = None
     codes = np.random.default_rng(num_codes).integers(0, stage.num_codes, num_codes).tolist()
@@ -63,7 +89,11 @@ def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker)
         want = stage.token2wav(torch.tensor([codes]), conditioning=cond, reference_mel=ref, **stage.kwargs)
     want = want.reshape(-1).float().numpy()
     assert got.dtype == np.float32 and got.shape == want.shape and got.size > 0
-    np.testing.assert_array_equal(got, want)
+    if not _takes_blocks(stage.token2wav.code2wav_dit_model, num_codes):
+        np.testing.assert_array_equal(got, want)
+    else:
+        diff, atol = float(np.abs(got - want).max()), wave_atol(stage, want, num_codes * stage.repeats)
+        assert diff <= atol, f"max |diff| {diff:.3g} > {atol:.3g}"
 
 
 def test_noise_of_the_wrong_length_is_refused(stage):

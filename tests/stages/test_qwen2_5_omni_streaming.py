@@ -174,6 +174,40 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
         model.extend_stream(st, StageInput("r", prompt_token_ids=[1]), last=True)
 
 
+# 62 codes: 3 + 4 + 8 + 16 + 16, then the 15 left (at least half a chunk) go on their own; 52: after
+# 3 + 4 + 8 + 16, a 16-code chunk would leave 5 (under half a chunk): they fold into it.
+@pytest.mark.parametrize("length,sizes", [(62, [3, 4, 8, 16, 16, 15]), (52, [3, 4, 8, 16, 21])])
+def test_token2wav_chunks_grow_to_max_chunk_codes(length, sizes):
+    """After the first chunk, chunks start at chunk_codes and double up to max_chunk_codes; a short tail
+    folds into the chunk before it; the pieces still make the one-shot waveform."""
+    import torch
+
+    from stages.checkpoints import builtin_path
+    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+
+    path = builtin_path("tiny-qwen2_5-omni")
+    cpu = torch.device("cpu")
+    model = Qwen2_5OmniToken2WavStage.load(path, dtype=torch.float32, device=cpu, model_kwargs={
+        "first_chunk_codes": 3, "chunk_codes": 4, "max_chunk_codes": 16})
+    assert [model.chunk_size(i) for i in range(6)] == [3, 4, 8, 16, 16, 16]
+    codes = [int(c) for c in np.random.default_rng(2).integers(0, 8000, length)]
+    st = model.prepare_stream(StageInput("r", prompt_token_ids=codes, input_complete=True), 0)
+    model.extend_stream(st, StageInput("r", prompt_token_ids=[]), last=True)
+    got, pieces = [], []
+    while model.stream_ready(st):
+        before = st.done
+        piece, _ = model.next_output(st)
+        got.append(st.done - before)
+        pieces.append(piece["audio"])
+    assert got == sizes and st.finished
+    wav = np.concatenate(pieces)
+    ref = model.generate(codes, None, 0)
+    assert wav.shape == ref.shape and snr_db(ref, wav) >= MIN_SNR_DB
+    with pytest.raises(ValueError, match="max_chunk_codes: must be >= chunk_codes"):
+        Qwen2_5OmniToken2WavStage.load(path, dtype=torch.float32, device=cpu,
+                                       model_kwargs={"chunk_codes": 8, "max_chunk_codes": 4})
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_streamed_audio_on_ray_actor_to_actor(one_shot, ray_cluster):

@@ -1,0 +1,80 @@
+"""The DiT's block-local attention, computed block by block instead of as a full masked attention.
+
+Qwen2.5-Omni's DiT cuts the mel frames into blocks of `block_size` and lets each layer's queries of
+block i attend only to the keys of blocks i - look_backward_block .. i + look_ahead_block (most layers:
+their own block only). transformers builds that as a [frames, frames] additive mask and runs one full
+attention: every score of every frame pair is computed, and all but a few blocks' worth are thrown
+away. The cost and the mask grow with the square of the request's length (on the small checkpoint one
+250-code request (500 frames) spent 49% of the DiT's time in attention; a 30 s reply is 3,000 frames).
+
+Here each query block attends to its window of (back + 1 + ahead) blocks only: the keys and values are
+padded by `back` blocks in front and `ahead` blocks behind (plus the last block's padding), and the
+window of block i is a strided view of them (no copy), so one SDPA call per guidance row takes
+[blocks, heads, block_size, window] scores. Window positions outside the request (the padding) are
+masked; nothing else is. The result is the same attention, summed in another order: within the bound
+of a reordered fp32 sum of the attended positions (tests/stages/test_qwen2_5_omni_dit_attention.py,
+with keys outside a block's window shown to have no influence at all). Where the request has no more
+blocks than a window holds, the full attention computes nothing wasted and the caller keeps it
+(qwen2_5_omni_dit.py), as transformers does.
+
+    attention over 500 frames (2 guidance rows, 4 heads of 32, block 24; one thread):
+        full masked 4.1 ms, block-local 0.6 ms; 3,000 frames: 190 ms vs 4-5 ms
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def needs_blocks(frames: int, block_size: int, back: int, ahead: int) -> bool:
+    """Whether some query block cannot see the whole request: only then is a block-local pass less work."""
+    return -(-frames // block_size) > back + 1 + ahead
+
+
+class BlockLocalAttention:
+    """Block-local attention for one DiT (its block size); window masks cached by (frames, back, ahead)."""
+
+    def __init__(self, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block = block_size
+        self._masks: dict[tuple[int, int, int], torch.Tensor | None] = {}
+
+    def _mask(self, frames: int, back: int, ahead: int, like: torch.Tensor) -> torch.Tensor | None:
+        """[blocks, 1, 1, window] additive mask (0 / -inf) over each block's window: -inf on the padding
+        before the first frame and after the last; None when no window reaches outside the request."""
+        key = (frames, back, ahead)
+        if key not in self._masks:
+            bs = self.block
+            blocks, width = -(-frames // bs), (back + 1 + ahead) * bs
+            # frame index of each window position: block i's window starts at frame (i - back) * bs
+            pos = (torch.arange(blocks, device=like.device)[:, None] - back) * bs + torch.arange(width, device=like.device)
+            valid = (pos >= 0) & (pos < frames)
+            self._masks[key] = None if bool(valid.all()) else torch.zeros(
+                (blocks, 1, 1, width), dtype=like.dtype, device=like.device).masked_fill_(
+                    ~valid[:, None, None, :], float("-inf"))
+        return self._masks[key]
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, back: int, ahead: int,
+                 scale: float | None = None) -> torch.Tensor:
+        """query/key/value [batch, frames, heads, head_dim] -> [batch, frames, heads, head_dim]: each frame
+        attends to the frames of blocks (its block - back) .. (its block + ahead) of the same row."""
+        batch, frames, heads, dim = query.shape
+        bs = self.block
+        blocks = -(-frames // bs)
+        tail = blocks * bs - frames  # the last block's padding
+        width = (back + 1 + ahead) * bs
+        # F.pad's pairs run from the last dimension: (head_dim), (heads), (frames).
+        q = F.pad(query, (0, 0, 0, 0, 0, tail)) if tail else query.contiguous()
+        k = F.pad(key, (0, 0, 0, 0, back * bs, tail + ahead * bs))
+        v = F.pad(value, (0, 0, 0, 0, back * bs, tail + ahead * bs))
+        mask = self._mask(frames, back, ahead, query)
+        outs = []
+        for row in range(batch):  # the guidance rows (the window views cannot merge them with the blocks)
+            qb = q[row].view(blocks, bs, heads, dim).transpose(1, 2)  # [blocks, heads, bs, dim]
+            step, head, _ = k[row].stride()
+            windows = (blocks, heads, width, dim), (bs * step, head, step, 1)
+            out = F.scaled_dot_product_attention(qb, k[row].as_strided(*windows), v[row].as_strided(*windows),
+                                                 attn_mask=mask, scale=scale)
+            outs.append(out.transpose(1, 2).reshape(blocks * bs, heads, dim)[:frames])
+        return torch.stack(outs)
