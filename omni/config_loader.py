@@ -51,6 +51,16 @@ def parse_stage_overrides(overrides: str | Mapping[str, Any] | None) -> dict[str
     return {str(k): dict(v) for k, v in overrides.items()}
 
 
+def merge_stage_overrides(base: Mapping[str, Mapping[str, Any]],
+                          update: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Two override sets in one: `update`'s fields over `base`'s, nested mappings merged (a benchmark's
+    own overrides, then the user's --stage-overrides)."""
+    out = {k: dict(v) for k, v in base.items()}
+    for stage, fields in update.items():
+        out[stage] = _deep_merge(out.get(stage, {}), fields)
+    return out
+
+
 def _unwrap(ann: Any) -> Any:
     """list[X] -> X, X | None -> X."""
     while typing.get_origin(ann) in (list, typing.Union, types.UnionType):

@@ -362,3 +362,14 @@ def test_bad_replica_settings_name_the_field(fields, msg):
     data = chain_config()
     data["stages"][0].update(fields)
     assert msg in err(data)
+
+
+def test_merge_stage_overrides_puts_the_users_fields_over_a_benchmarks():
+    from omni.config_loader import merge_stage_overrides
+
+    base = {"thinker": {"sampling": {"temperature": 0.0, "max_tokens": 8}}, "talker": {"replicas": 1}}
+    update = {"thinker": {"sampling": {"max_tokens": 16}}, "token2wav": {"replicas": 2}}
+    merged = merge_stage_overrides(base, update)
+    assert merged == {"thinker": {"sampling": {"temperature": 0.0, "max_tokens": 16}}, "talker": {"replicas": 1},
+                      "token2wav": {"replicas": 2}}
+    assert base["thinker"]["sampling"]["max_tokens"] == 8  # the inputs are left as they were

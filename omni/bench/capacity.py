@@ -8,7 +8,8 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    sending its next one when its last reply ends (AsyncOmni.stream). Per level: audio_s_per_s (audio seconds
    produced / wall seconds), TTFP (submission -> first audio samples) p50/p99 in ms, RTF (end to end / audio
    seconds) p50/p99, and each stage's time split (step_profile.py): stage_busy_fraction and forward /
-   sampling / host / waiting fractions of the level's wall time.
+   sampling / host / waiting fractions of the level's wall time (of a replicated stage: of its replicas x
+   the wall time, the mean replica's).
 2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
 3. The same requests through transformers' Qwen2_5OmniForConditionalGeneration.generate (greedy, with audio),
    one after another, in this process with this machine's cores (hf_omni.py): vs_hf_audio_s_per_s_c4 (omni
@@ -23,6 +24,9 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    block of context each side): the same math in other shapes, so equal to the one-shot waveform up to
    the blocking of fp32 sums (the README's 122-139 dB); "agree" is an SNR >= 100 dB, and
    audio_bitwise_equal says whether they are bit for bit equal.
+
+`--stage-overrides` changes the pipeline on both backends (the JSON's `stage_overrides` echoes it): the
+bottleneck stage scaled out with `'{"token2wav": {"replicas": 2}}'` (README: what bounds capacity).
 
 Also throughput_c4_over_c1 (audio_s_per_s) and ttfp_p99_c4_over_c1_p50. `--plot PNG` draws audio s/s and
 TTFP p99 against concurrency (transformers' audio s/s as a line).
@@ -48,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinker-tokens", type=int, default=32, help="text tokens of every reply")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="PNG", help="draw audio s/s and TTFP p99 vs concurrency")
+    p.add_argument("--stage-overrides", metavar="JSON", default=None,
+                   help='per-stage overrides over the benchmark\'s own, e.g. \'{"token2wav": {"replicas": 2}}\' '
+                        "(both backends)")
 
 
 def _overrides(args) -> dict[str, Any]:
@@ -55,10 +62,12 @@ def _overrides(args) -> dict[str, Any]:
 
     from .audio_chain import audio_chain
 
+    from omni.config_loader import merge_stage_overrides, parse_stage_overrides
+
     ov = omni_overrides(audio_chain(args.config), streaming=True, caching=True, audio_codes=_codes(args))
     n = args.thinker_tokens
     ov["thinker"]["sampling"] = {"temperature": 0.0, "max_tokens": n, "min_tokens": n}
-    return ov
+    return merge_stage_overrides(ov, parse_stage_overrides(getattr(args, "stage_overrides", None)))
 
 
 def _codes(args) -> int:
@@ -102,7 +111,9 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tupl
             recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c, id_prefix=f"c{c}-")
             after = (await o.stats())["stages"]
             out[c] = _level(audio_times(recs, "token2wav"), wall)
-            split = {s: window(before[s], after[s], wall) for s in after}
+            # A replicated stage's counters are replica-seconds: its fractions are of replicas x wall (the mean
+            # replica's).
+            split = {s: window(before[s], after[s], wall * len(after[s].get("replicas") or [0])) for s in after}
             out[c]["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
             out[c]["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
             out[c]["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
@@ -162,7 +173,7 @@ def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:
 def run(args) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from omni.config_loader import load_config
+    from omni.config_loader import load_config, parse_stage_overrides
     from omni.registry import resolve_model_path
 
     if args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1:
@@ -188,7 +199,8 @@ def run(args) -> dict[str, Any]:
         return ray[c][key] if c in ray else None
 
     result: dict[str, Any] = {
-        "bench": "capacity", "config": args.config, "backend": "ray", "concurrency": list(ray),
+        "bench": "capacity", "config": args.config, "stage_overrides": parse_stage_overrides(args.stage_overrides),
+        "backend": "ray", "concurrency": list(ray),
         "requests_per_level": args.requests, "reply_seconds": args.reply_seconds, "codec_tokens": _codes(args),
         "thinker_tokens": args.thinker_tokens,
         **{key: {str(c): lv[key] for c, lv in ray.items()} for key in (
