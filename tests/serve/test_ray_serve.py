@@ -40,8 +40,10 @@ def test_ray_serve_ingress(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
 
-    # a client leaving mid-stream aborts the request on every stage actor
-    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=200, stream=True,
+    # a client leaving mid-stream aborts the request on every stage actor. The reply is as long as the
+    # thinker's context allows (2,048), seconds of decoding on any machine, so it is still running when
+    # the disconnect reaches it through Serve's proxy (200 tokens could all be sent first on a fast one).
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1900, stream=True,
                                             extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it), next(it)
