@@ -8,7 +8,8 @@ parts that depend only on the request, not on the ODE time or state:
     the speaker encoder (an ECAPA-TDNN over the reference mel), the codec embeddings (with and
     without codes), the speaker vector, the rotary tables, and each layer's block attention mask
     (kept in the additive form SDPA turns a boolean mask into, one [frames, frames] per layer kind,
-    broadcast over the CFG rows and heads).
+    broadcast over the CFG rows and heads; built only where the layer attends to the whole request,
+    see below; elsewhere the block-local pass keeps a [blocks, window] one).
 
 `DiTVelocity` computes them once per request and then runs, per evaluation, the tensor ops transformers
 runs on the same inputs, but for attention: where a request spans more DiT blocks than a layer's window
