@@ -426,7 +426,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser(prog=f"omni bench {args.name}", description=module.__doc__)
     module.add_arguments(parser)
     bench_args = parser.parse_args(args.args)
-    result = module.run(bench_args)
+    from omni.errors import ConfigError
+
+    try:
+        result = module.run(bench_args)
+    except ConfigError as e:  # the config or --stage-overrides given: an error message, not a traceback
+        return error(str(e))
     sys.stdout.flush()
     print(dumps(result), flush=True)
     return 0

@@ -158,6 +158,16 @@ def test_bench_errors(monkeypatch, capsys):
     assert "benchmarks:\n  kv " in capsys.readouterr().out
 
 
+def test_bench_with_a_bad_stage_override_says_so_without_a_traceback(capsys):
+    """The stage name is checked when the pipeline is configured, before any stage starts."""
+    assert cli.main(["bench", "capacity", "--config", "stage_configs/qwen2_5_omni_tiny.yaml",
+                     "--stage-overrides", '{"tokn2wav": {"replicas": 2}}']) == 2
+    err = capsys.readouterr().err
+    assert "unknown stage 'tokn2wav' (stages: thinker, talker, token2wav)" in err and "Traceback" not in err
+    assert cli.main(["bench", "capacity", "--stage-overrides", "{bad"]) == 2
+    assert "stage_overrides: not valid JSON" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_bench_help_lists_every_benchmark_with_one_line(flag, capsys):
     assert cli.main(["bench", flag]) == 0

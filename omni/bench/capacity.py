@@ -179,7 +179,8 @@ def run(args) -> dict[str, Any]:
     if args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1:
         raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's "
                          "second token), --reply-seconds > 0 and --concurrency >= 1 are needed")
-    path = resolve_model_path(load_config(args.config).stage("thinker").model_path)
+    # The pipeline as it will run (the overrides checked: a bad one fails here, before any model loads).
+    path = resolve_model_path(load_config(args.config, _overrides(args)).stage("thinker").model_path)
     tok = AutoTokenizer.from_pretrained(str(path))
     levels = {c: _prompts(tok, args.requests, f"c{c}") for c in sorted({1, *args.concurrency})}
     ray, ray_c1 = asyncio.run(_sweep(args, "ray", levels))
