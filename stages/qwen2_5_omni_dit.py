@@ -12,10 +12,11 @@ parts that depend only on the request, not on the ODE time or state:
     see below; elsewhere the block-local pass keeps a [blocks, window] one).
 
 `DiTVelocity` computes them once per request and then runs, per evaluation, the tensor ops transformers
-runs on the same inputs, but for attention: where a request spans more DiT blocks than a layer's window
-(its block, look_backward_block before it, look_ahead_block after it), that layer attends block by
-block over the window only (qwen2_5_omni_dit_attention.py) instead of computing all frames x frames
-scores and masking most of them. A request inside one window is therefore bitwise `dit.sample`'s mel
+runs on the same inputs, but for attention: where a request spans at least two DiT blocks more than a
+layer's window (its block, look_backward_block before it, look_ahead_block after it), that layer attends
+block by block over the window only (qwen2_5_omni_dit_attention.py) instead of computing all frames x
+frames scores and masking most of them. A request of at most two blocks (48 frames: 24 codes, which
+covers a streamed first window of 8 codes plus a block of look-ahead) is therefore bitwise `dit.sample`'s mel
 (tested: the velocity with `torch.equal` against the DiT's forward, the waveform with `array_equal`
 against transformers' token2wav); a longer one is the same math with its attention sums in another
 order (tested against the derived bound). On the small checkpoint the hoisted constants (mostly the

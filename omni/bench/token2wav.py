@@ -6,8 +6,8 @@ stage's `generate` (the same DiT with the request's constants computed once per 
 at each of the 36 ODE evaluations, and attention block by block over each block's window of the
 DiT's block mask instead of over every frame pair), alternating, best of --repeats. Reports per
 length: seconds each, `speedup` (transformers / ours), `rtf` (ours: seconds per second of audio),
-and how the two waveforms agree: `bitwise_equal` (a request inside one DiT block: every layer attends
-to all of it, the same ops), else `snr_db` (null when bitwise; the same math with its fp32 sums in another order);
+and how the two waveforms agree: `bitwise_equal` (a request of up to two DiT blocks: every layer runs the
+full attention, the same ops), else `snr_db` (null when bitwise; the same math with its fp32 sums in another order);
 `outputs_agree` is every length bitwise or at >= 100 dB SNR, as `omni bench capacity` judges.
 
     omni bench token2wav [--model builtin:small-qwen2_5-omni] [--codes 32 250] [--threads 1]

@@ -77,7 +77,7 @@ def test_velocity_equals_the_dit_forward(stage, guidance_scale, num_codes):
 @pytest.mark.parametrize("num_codes,seed,speaker", [(1, 0, None), (12, 0, None), (40, 7, "Ethan"), (160, 3, None)])
 def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker):
     """The stage's waveform is transformers' Qwen2_5OmniToken2WavModel.forward under the same seed: bitwise
-    for a request inside one DiT block, within the bound of reordered fp32 sums (omni_utils.wave_atol)
+    for a request of up to two DiT blocks, within the bound of reordered fp32 sums (omni_utils.wave_atol)
     for longer ones, whose attention runs block-local (qwen2_5_omni_dit_attention.py)."""
     if speaker not in (None, *stage.speakers):
         speaker = None
