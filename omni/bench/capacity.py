@@ -58,11 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args) -> dict[str, Any]:
-    from .omni_streaming import omni_overrides
+    from omni.config_loader import merge_stage_overrides, parse_stage_overrides
 
     from .audio_chain import audio_chain
-
-    from omni.config_loader import merge_stage_overrides, parse_stage_overrides
+    from .omni_streaming import omni_overrides
 
     ov = omni_overrides(audio_chain(args.config), streaming=True, caching=True, audio_codes=_codes(args))
     n = args.thinker_tokens
