@@ -19,9 +19,10 @@ frames scores and masking most of them. A request of at most two blocks (48 fram
 covers a streamed first window of 8 codes plus a block of look-ahead) is therefore bitwise `dit.sample`'s mel
 (tested: the velocity with `torch.equal` against the DiT's forward, the waveform with `array_equal`
 against transformers' token2wav); a longer one is the same math with its attention sums in another
-order (tested against the derived bound). On the small checkpoint the hoisted constants (mostly the
-speaker encoder) made token2wav 1.4-1.5x faster; block-local attention takes a 250-code request's DiT
-from 1.66 s to 0.90 s (attention was 49% of it; one thread), `omni bench token2wav`.
+order (tested against the derived bound). On the small checkpoint (`omni bench token2wav`, one thread)
+the hoisted constants (mostly the speaker encoder) made token2wav 1.4-1.5x faster than transformers';
+block-local attention then took a 250-code request from 1.74 s to 1.04 s (the code before and after it,
+one sitting).
 
 Several requests (or streamed windows of several requests) integrate in lockstep: their frames are
 *packed* along the time axis, [2 (guided, null), frames of request 1 + frames of request 2 + ..., D],

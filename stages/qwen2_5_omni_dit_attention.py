@@ -4,8 +4,8 @@ Qwen2.5-Omni's DiT cuts the mel frames into blocks of `block_size` and lets each
 block i attend only to the keys of blocks i - look_backward_block .. i + look_ahead_block (most layers:
 their own block only). transformers builds that as a [frames, frames] additive mask and runs one full
 attention: every score of every frame pair is computed, and all but a few blocks' worth are thrown
-away. The cost and the mask grow with the square of the request's length (on the small checkpoint one
-250-code request (500 frames) spent 49% of the DiT's time in attention; a 30 s reply is 3,000 frames).
+away. The cost and the mask grow with the square of the request's length (a 30 s reply is 3,000
+frames: 9 M scores per head and layer, of which a few blocks' worth per query are used).
 
 Here each query block attends to its window of (back + 1 + ahead) blocks only: the keys and values are
 padded by `back` blocks in front and `ahead` blocks behind (plus the last block's padding), and the
@@ -15,10 +15,8 @@ masked; nothing else is. The result is the same attention, summed in another ord
 of a reordered fp32 sum of the attended positions (tests/stages/test_qwen2_5_omni_dit_attention.py,
 with keys outside a block's window shown to have no influence at all). Where the request spans fewer
 than two blocks more than a window, the full attention wastes little and is the faster call, and the
-caller keeps it (qwen2_5_omni_dit.py: `needs_blocks`), as transformers does.
-
-    attention over 500 frames (2 guidance rows, 4 heads of 32, block 24; one thread):
-        full masked 4.1 ms, block-local 0.6 ms; 3,000 frames: 190 ms vs 4-5 ms
+caller keeps it (qwen2_5_omni_dit.py: `needs_blocks`), as transformers does. `omni bench token2wav`
+compares the stage with transformers' token2wav by reply length.
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ def needs_blocks(frames: int, block_size: int, back: int, ahead: int) -> bool:
     """Whether the block-local pass is the cheaper one: the request spans at least two blocks more than a
     window. (With one more, e.g. a 2-block first streamed window against own-block layers, the full
     attention computes barely more scores and makes one SDPA call instead of one per guidance row plus
-    the padding: measured slower block-local, 90 us vs 65 us a layer, on the small checkpoint.)"""
+    the padding: slower block-local in a profile of the small checkpoint's first streamed window.)"""
     return -(-frames // block_size) > back + 2 + ahead
 
 
@@ -75,7 +73,7 @@ class BlockLocalAttention:
         mask = self._mask(frames, back, ahead, query)
         outs = []
         for row in range(batch):  # the guidance rows (the window views cannot merge them with the blocks)
-            qr, kr, vr = (t[row] if t[row].is_contiguous() else t[row].contiguous() for t in (q, k, v))
+            qr, kr, vr = (t[row].contiguous() for t in (q, k, v))  # no copy where the row already is
             qb = qr.view(blocks, bs, heads, dim).transpose(1, 2)  # [blocks, heads, bs, dim]
             windows = (blocks, heads, width, dim), (bs * heads * dim, dim, heads * dim, 1)
             out = F.scaled_dot_product_attention(qb, kr.as_strided(*windows), vr.as_strided(*windows),

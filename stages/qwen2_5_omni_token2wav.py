@@ -221,8 +221,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         if state.finished:
             return None
         total, start = len(state.codes), state.done
-        size = self.chunk_size(len(state.pieces))
-        end = start + size
+        end = start + self.chunk_size(len(state.pieces))
         if state.complete:
             if start >= total:
                 return total  # everything was emitted before the end was known: an empty last piece

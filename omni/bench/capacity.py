@@ -66,7 +66,7 @@ def _overrides(args) -> dict[str, Any]:
     ov = omni_overrides(audio_chain(args.config), streaming=True, caching=True, audio_codes=_codes(args))
     n = args.thinker_tokens
     ov["thinker"]["sampling"] = {"temperature": 0.0, "max_tokens": n, "min_tokens": n}
-    return merge_stage_overrides(ov, parse_stage_overrides(getattr(args, "stage_overrides", None)))
+    return merge_stage_overrides(ov, parse_stage_overrides(args.stage_overrides))
 
 
 def _codes(args) -> int:
@@ -110,9 +110,10 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tupl
             recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c, id_prefix=f"c{c}-")
             after = (await o.stats())["stages"]
             out[c] = _level(audio_times(recs, "token2wav"), wall)
-            # A replicated stage's counters are replica-seconds: its fractions are of replicas x wall (the mean
-            # replica's).
-            split = {s: window(before[s], after[s], wall * len(after[s].get("replicas") or [0])) for s in after}
+            # A replicated stage's counters are replica-seconds (replica_stats.py): its fractions are of its
+            # replicas x the wall time, the mean replica's.
+            split = {s: window(before[s], after[s], wall * max(1, len(after[s].get("replicas") or ())))
+                     for s in after}
             out[c]["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
             out[c]["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
             out[c]["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
