@@ -12,6 +12,7 @@ on the model's shapes and threads, measured in the same run: `mfu_vs_sgemm` (tar
 from __future__ import annotations
 
 import argparse
+import resource
 
 import torch
 
@@ -66,6 +67,7 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
         return res
 
     engine.runner.execute = recorded
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with Timer() as t:
         for i, r in enumerate(reqs):
             engine.add_request(StageInput(str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
@@ -75,9 +77,12 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
                 produced += len(out.token_ids)
                 # computed: past the prefix hit, up to the last token fed (the final sampled one is not)
                 spans.append((out.num_cached_tokens, len(out.prompt_token_ids) + len(out.token_ids) - 1))
+    # Page faults while the steps ran: a step that touches fresh pages pays for each (host_allocator.py).
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     stats = engine.stats().as_dict()
     engine.runner.execute = execute
     work = {"model": engine.model, "spans": spans, "sampled_rows": produced, "step_sizes": steps,
+            "minor_page_faults": faults,
             **{k: stats[k] - before[k] for k in ("steps", "forward_time_s", "sampling_time_s")}}
     return t.elapsed, produced, {k: stats[k] for k in ("steps", "step_time_s", "cuda_graph_replays")}, work
 
@@ -95,7 +100,8 @@ def _mfu(work: dict, device: str) -> dict:
     rows = [r for r, _ in work["step_sizes"]]
     return {"forward_gflop": sum(flops) / 1e9, "forward_s": seconds, "forward_gflops_per_s": achieved,
             "sgemm_gflops_per_s": gemm, "steps": len(rows), "rows_per_step_mean": sum(rows) / max(1, len(rows)),
-            "threads": torch.get_num_threads(), "mfu_vs_sgemm": achieved / gemm}
+            "threads": torch.get_num_threads(), "minor_page_faults": work["minor_page_faults"],
+            "mfu_vs_sgemm": achieved / gemm}
 
 
 def _hf_generate(model, reqs, device) -> tuple[float, int]:
@@ -167,6 +173,7 @@ def _hf_generate_batch(model, reqs) -> tuple[float, int]:
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from omni.engine.host_allocator import tune_host_allocator
     from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -191,7 +198,7 @@ def run(args) -> dict:
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "num_requests": len(reqs), "output_tokens": expected,
               "omni_s": t_omni, "omni_tokens_per_s": n_omni / t_omni, "mfu": mfu,
-              "mfu_vs_sgemm": mfu["mfu_vs_sgemm"]}
+              "mfu_vs_sgemm": mfu["mfu_vs_sgemm"], "host_allocator": tune_host_allocator()}
     print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s ({omni_stats})")
     if device == "cuda":
         # The same engine without CUDA graphs: what graph replay buys on this machine.

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .host_allocator import tune_host_allocator
 from .stage_model import StageModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,6 +38,8 @@ def load_stage_model(stage: str, model_cls: type[StageModel], model_path: str | 
                      device: str, model_kwargs: dict[str, Any] | None = None,
                      tokenizer_path: str | Path | None = None) -> StageModel:
     """Load `model_cls` from `model_path` (already resolved to a local path)."""
+    # Every process that runs a stage loads it here first: the step loop's allocations follow (host_allocator.py).
+    tune_host_allocator()
     return model_cls.load(Path(model_path), dtype=resolve_dtype(stage, dtype), device=resolve_device(stage, device),
                           model_kwargs=dict(model_kwargs or {}),
                           tokenizer_path=Path(tokenizer_path) if tokenizer_path else None)
