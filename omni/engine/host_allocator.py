@@ -4,12 +4,14 @@ Why: a CPU forward pass allocates and frees the same activation tensors step aft
 prefill chunk's MLP rows alone are 12 MB each). glibc's malloc serves large blocks with fresh mmaps
 and returns the free top of its heap to the kernel once it exceeds a few MB, so the next step touches
 new pages and page-faults on each 4 KiB of them: `omni bench throughput` (SmolLM2-135M, 32 requests)
-counts 1.39-1.49 million minor faults during the steps by default and 28-33 thousand with the settings
-below (README, "Host memory"; the forward passes' rate before and after is in its "Benchmarks").
+counts 1.68 million minor faults during the steps by default and 27 thousand with the settings below
+(README, "Host memory", with the forward passes' rate before and after).
 PyTorch's CPU performance guides reach for jemalloc or tcmalloc through LD_PRELOAD for the same reason;
 glibc's own knobs (mallopt) get the step loop's share of it with nothing to install:
 
-    M_MMAP_THRESHOLD  64 MiB   blocks below it come from the heap, which is reused, not from new mmaps
+    M_MMAP_THRESHOLD  32 MiB   blocks below it come from the heap, which is reused, not from new mmaps
+                               (glibc's own upper bound for its moving threshold: larger blocks, a
+                               vocoder's waveform-length activations, stay mmapped as by default)
     M_TRIM_THRESHOLD 256 MiB   free heap top kept up to this much before it is returned to the kernel
     M_TOP_PAD         16 MiB   the heap grows in steps of at least this much
 
@@ -27,7 +29,7 @@ import threading
 
 # glibc's mallopt parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-SETTINGS = {"M_MMAP_THRESHOLD": (_M_MMAP_THRESHOLD, 64 << 20), "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, 256 << 20),
+SETTINGS = {"M_MMAP_THRESHOLD": (_M_MMAP_THRESHOLD, 32 << 20), "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, 256 << 20),
             "M_TOP_PAD": (_M_TOP_PAD, 16 << 20)}
 ENV = "OMNI_HOST_ALLOCATOR"
 _GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
