@@ -7,13 +7,21 @@ exactly that:
 
     one shot   chunked_decode(frames, chunk_frames, left_context_frames) (transformers' generate uses
                300 / 25: the default here), bitwise transformers' waveform
-    streaming  (a `stream: true` edge from the talker) the same windows, each decoded as soon as its
-               frames have arrived; the first chunk may be smaller (`first_chunk_frames`) for a short
-               time to first audio. With first_chunk_frames == chunk_frames the concatenated pieces
-               are chunked_decode's waveform, bitwise; any chunking differs from the one-shot
-               `forward` only where a window's left context is shorter than the model's receptive field.
+    streaming  (a `stream: true` edge from the talker) windows decoded as soon as their frames have
+               arrived: the first chunk may be smaller (`first_chunk_frames`) for a short time to first
+               audio, the later ones start at `chunk_frames` and double up to `max_chunk_frames`. With
+               first_chunk_frames == chunk_frames == max_chunk_frames the concatenated pieces are
+               chunked_decode's waveform, bitwise; any chunking differs from the one-shot `forward` only
+               where a window's left context is shorter than the model's receptive field.
 
-    model_kwargs: chunk_frames (300), first_chunk_frames (chunk_frames), left_context_frames (25)
+Why chunks grow: a listener plays the first chunk while the talker makes the next one. A small first
+chunk followed at once by the steady size leaves a silence: on the 2-core CPU the talker makes a frame
+(80 ms of audio) in about 35 ms, so after a 4-frame first chunk (0.32 s) the 25-frame one came ~0.7 s
+after playback ran dry. Doubling keeps each chunk's making shorter than the audio already queued,
+while few windows (each re-decodes its left context) are added: 2, 4, 8, 16, 25, 25, ...
+
+    model_kwargs: chunk_frames (300), first_chunk_frames (chunk_frames), max_chunk_frames (chunk_frames),
+                  left_context_frames (25); the one-shot path decodes in windows of max_chunk_frames
 
 Frames arrive in `StageInput.extra["codes"]` ([N, G] ints; `prompt_token_ids` carries the first codebook
 for the engine's bookkeeping).
@@ -58,7 +66,7 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
     sampling_rate = 24000
 
     def __init__(self, code2wav, device: torch.device, chunk_frames: int = 300, first_chunk_frames: int | None = None,
-                 left_context_frames: int = 25):
+                 left_context_frames: int = 25, max_chunk_frames: int | None = None):
         self.code2wav = code2wav
         self.device = device
         self.dtype = torch.float32
@@ -71,10 +79,14 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         self.samples_per_frame = int(code2wav.total_upsample)
         self.chunk_frames = int(chunk_frames)
         self.first_chunk_frames = self.chunk_frames if first_chunk_frames is None else int(first_chunk_frames)
+        self.max_chunk_frames = self.chunk_frames if max_chunk_frames is None else int(max_chunk_frames)
         self.left_context_frames = int(left_context_frames)
         for name in ("chunk_frames", "first_chunk_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model_kwargs.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_chunk_frames < self.chunk_frames:
+            raise ValueError(f"model_kwargs.max_chunk_frames: must be >= chunk_frames ({self.chunk_frames}), "
+                             f"got {self.max_chunk_frames}")
         if self.left_context_frames < 0:
             raise ValueError(f"model_kwargs.left_context_frames: must be >= 0, got {self.left_context_frames}")
 
@@ -84,8 +96,8 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
         kwargs = dict(model_kwargs or {})
-        chunking = {k: kwargs.pop(k) for k in ("chunk_frames", "first_chunk_frames", "left_context_frames")
-                    if k in kwargs}
+        chunking = {k: kwargs.pop(k) for k in ("chunk_frames", "first_chunk_frames", "max_chunk_frames",
+                                               "left_context_frames") if k in kwargs}
         model, _ = load_qwen3_omni_part(Path(model_path), "code2wav", Qwen3OmniMoeCode2Wav, torch.float32, device,
                                         **kwargs)
         return cls(model, device, **chunking)
@@ -119,9 +131,11 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
 
     @torch.inference_mode()
     def generate(self, codes: np.ndarray) -> np.ndarray:
-        """Frames [N, G] -> float32 waveform: transformers' chunked_decode with this stage's chunking."""
+        """Frames [N, G] -> float32 waveform: transformers' chunked_decode in windows of max_chunk_frames (the
+        steady streamed size; nobody listens to a one-shot waveform before it ends, so no window is small)."""
         x = torch.from_numpy(np.ascontiguousarray(codes.T))[None].to(self.device)
-        wav = self.code2wav.chunked_decode(x, chunk_size=self.chunk_frames, left_context_size=self.left_context_frames)
+        wav = self.code2wav.chunked_decode(x, chunk_size=self.max_chunk_frames,
+                                           left_context_size=self.left_context_frames)
         return wav.reshape(-1).float().cpu().numpy()
 
     def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
@@ -169,10 +183,17 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         if state.finished:
             return None
         start = state.done
-        end = start + (self.first_chunk_frames if start == 0 else self.chunk_frames)
+        end = start + self.chunk_size(len(state.pieces))
         if state.complete:
             return min(end, state.total)
         return end if state.total >= end else None  # causal: a chunk needs no look-ahead
+
+    def chunk_size(self, index: int) -> int:
+        """Frames in a stream's chunk number `index`: the first chunk, then chunk_frames doubling up to
+        max_chunk_frames."""
+        if index == 0:
+            return self.first_chunk_frames
+        return min(self.max_chunk_frames, self.chunk_frames << min(index - 1, 30))
 
     def stream_ready(self, state: _CodeStream) -> bool:
         return self._next_end(state) is not None

@@ -67,20 +67,24 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, frames: int, *
     return HFReply(seq[0, len(prompt_ids):].tolist(), codes, wav.reshape(-1).float().cpu().numpy(), seconds)
 
 
-def windowed_decode(model: Any, frames: np.ndarray, first: int, chunk: int, left: int) -> np.ndarray:
+def windowed_decode(model: Any, frames: np.ndarray, first: int, chunk: int, left: int,
+                    max_chunk: int | None = None) -> np.ndarray:
     """transformers' code2wav on `frames` [N, G] in the windows omni's streaming code2wav decodes: [0, first), then
-    `chunk` frames at a time, each with `left` frames of left context as chunked_decode's loop gives them (with
-    first == chunk this is chunked_decode(chunk, left) itself)."""
+    `chunk` frames doubling up to `max_chunk` (default: chunk, a fixed size), each with `left` frames of left
+    context as chunked_decode's loop gives them (with first == chunk == max_chunk this is chunked_decode(chunk, left)
+    itself)."""
     import torch
 
     c2w = model.code2wav
     spf = int(c2w.total_upsample)
     x = torch.from_numpy(np.ascontiguousarray(frames.T))[None]
+    cap = chunk if max_chunk is None else max_chunk
     pieces, start, end = [], 0, min(first, len(frames))
     with torch.inference_mode():
         while start < len(frames):
             ctx = left if start - left > 0 else start  # chunked_decode's left context rule
             wav = c2w(x[..., start - ctx : end])
             pieces.append(wav[..., ctx * spf :].reshape(-1).float().numpy())
-            start, end = end, min(end + chunk, len(frames))
+            grown = min(cap, chunk << min(len(pieces) - 1, 30))  # chunk, then doubling up to max_chunk
+            start, end = end, min(end + grown, len(frames))
     return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)

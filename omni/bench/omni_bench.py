@@ -7,17 +7,24 @@ clip in one conversation: `--media auto`, the default, then sends the image only
     turn latency   submission -> waveform ready (all three stages)
     first audio    submission -> the talker's first codec token (what a streaming vocoder needs
                    to start playing; the thinker prefill and the talker prefill are on this path)
+    first waveform submission -> the first audio samples reaching the caller (what a listener hears
+                   first: with streaming edges the audio stage's first chunk, with plain ones the
+                   whole waveform)
 
 and report the mean over turns 2+ (turn 1 cannot hit), caching on vs off:
-    turn_latency_speedup = mean(latency off) / mean(latency on), likewise first_audio_speedup.
+    turn_latency_speedup = mean(latency off) / mean(latency on), likewise first_audio_speedup and
+    first_waveform_speedup.
 `stage_s` splits each turn's time between thinker, talker and the audio stage (from the submission to the
-thinker's output, then to the talker's, then to the waveform). The three stages are found from the config
-(audio_chain.py: the stage whose final output is audio, its input, that one's input), so Qwen2.5-Omni
-(token2wav) and Qwen3-Omni (code2wav) run the same benchmark.
-The YAML pipeline runs through `Omni`, as a user runs it, on the local backend by default (every stage
-in this process, as the numbers in README were taken; --backend ray for one actor per stage), with plain
-edges (this benchmark is about the caches, `omni bench streaming` about streaming) and the talker's
-tokens returned too (final_output: tokens), for its cache hits and the outputs check.
+thinker's output, then to the talker's, then to the waveform; with streaming edges the stages overlap, so
+a later stage's share is only what it ran on after the one before had finished). The three stages are found
+from the config (audio_chain.py: the stage whose final output is audio, its input, that one's input), so
+Qwen2.5-Omni (token2wav) and Qwen3-Omni (code2wav) run the same benchmark.
+The YAML pipeline runs through `Omni`, as a user runs it: its own edges (`--edges config`, the default:
+the shipped configs stream thinker ~> talker ~> audio stage; `--edges plain` makes both edges plain, so
+the talker starts once the thinker has finished, as this benchmark ran before 2026-11-24), on the local
+backend by default (every stage in this process, as the numbers in README were taken; --backend ray for one
+actor per stage), and the talker's tokens returned too (final_output: tokens), for its cache hits and the
+outputs check.
 
 The default is the small random Qwen2.5-Omni (~95 M parameters; `--config
 stage_configs/qwen3_omni_small.yaml` for the small Qwen3-Omni) and a first message carrying a
@@ -25,7 +32,7 @@ stage_configs/qwen3_omni_small.yaml` for the small Qwen3-Omni) and a first messa
 re-reads over 1,000 tokens of conversation: the prefill that prefix caching saves.
 
     omni bench omni [--config stage_configs/qwen2_5_omni_small.yaml] [--turns 4] [--doc-tokens 1000]
-                    [--backend local|ray]
+                    [--backend local|ray] [--edges config|plain]
 """
 from __future__ import annotations
 
@@ -49,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="stage_configs/qwen2_5_omni_small.yaml", help="an omni stage config (thinker -> talker -> audio stage)")
     parser.add_argument("--backend", choices=["local", "ray"], default="local",
                         help="the pipeline's backend (default: local, every stage in this process)")
+    parser.add_argument("--edges", choices=["config", "plain"], default="config",
+                        help="the config's own edges (default; the shipped configs stream) or both edges plain")
     parser.add_argument("--doc-tokens", type=int, default=1000,
                         help="tokens of the document in the first message (0: none)")
     parser.add_argument("--turns", type=int, default=4, help="conversation turns (>= 2)")
@@ -72,7 +81,7 @@ def _pipeline(args, caching: bool, chain: AudioChain) -> Any:
                                  "sampling": {"max_tokens": args.thinker_max_tokens}},
                  chain.talker: {"enable_prefix_caching": caching, "sampling": {"max_tokens": args.talker_max_tokens},
                                 "final_output": "tokens"}}
-    for stage, edges in chain.plain_edges().items():
+    for stage, edges in (chain.plain_edges() if args.edges == "plain" else {}).items():
         overrides.setdefault(stage, {}).update(edges)
     return Omni(load_config(args.config, stage_overrides=overrides), backend=args.backend)
 
@@ -87,7 +96,9 @@ def _turn(omni: Any, chain: AudioChain, rid: str, prompt: list[dict], mm: dict[s
     return {"latency": t_end,
             # the talker's first codec token: what a streaming vocoder needs to start playing
             "first_audio": r.first_token_s[chain.talker],
-            # where the turn's time went (plain edges: the stages run one after the other)
+            # what the caller gets first: a streamed chunk, or (plain edges) the whole waveform
+            "first_waveform": t_end if r.first_audio_s is None else r.first_audio_s,
+            # where the turn's time went (each stage's output after the one before)
             "stage_s": {chain.thinker: t_talker, chain.talker: t_wav - t_talker, chain.audio: t_end - t_wav},
             "outputs": tuple(r.outputs[s] for s in chain.names)}
 
@@ -118,7 +129,7 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
             path = resolve_model_path(omni.config.stage(chain.thinker).model_path)
             doc = long_document(AutoTokenizer.from_pretrained(str(path)), args.doc_tokens, args.seed) + "\n"
         conv = Conversation(messages=[])
-        latency, first_audio, stage_s, hits, outputs = [], [], [], [], []
+        latency, first_audio, first_waveform, stage_s, hits, outputs = [], [], [], [], [], []
         for turn in range(args.turns):
             text = (doc if turn == 0 else "") + _USER_TURNS[turn % len(_USER_TURNS)]
             content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
@@ -126,6 +137,7 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
             t_out, k_out, w_out = res["outputs"]
             latency.append(res["latency"])
             first_audio.append(res["first_audio"])
+            first_waveform.append(res["first_waveform"])
             stage_s.append({k: round(v, 4) for k, v in res["stage_s"].items()})
             hits.append({chain.thinker: t_out.num_cached_tokens, chain.talker: k_out.num_cached_tokens})
             outputs.append((t_out.token_ids, k_out.token_ids, w_out.audio))
@@ -138,7 +150,8 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     encoder_keys = ("encoder_runs", "encoder_cache_hits", "encoder_cache_entries")  # the thinker model's counters
     thinker = stages[chain.thinker]
     encoder = {k: thinker[k] for k in encoder_keys} if "encoder_runs" in thinker else None
-    return {"turn_latency_s": latency, "first_audio_s": first_audio, "stage_s": stage_s, "cached_tokens": hits,
+    return {"turn_latency_s": latency, "first_audio_s": first_audio, "first_waveform_s": first_waveform,
+            "stage_s": stage_s, "cached_tokens": hits,
             "media": sorted(mm), "stats": stats, "encoder": encoder, "_outputs": outputs}
 
 
@@ -146,7 +159,7 @@ def _best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per turn, the fastest of `runs` (the same conversation on fresh pipelines)."""
     best = runs[-1]
     turns = len(best["turn_latency_s"])
-    for key in ("turn_latency_s", "first_audio_s"):
+    for key in ("turn_latency_s", "first_audio_s", "first_waveform_s"):
         best[key] = [min(r[key][t] for r in runs) for t in range(turns)]
     # the breakdown of each turn's fastest run
     best["stage_s"] = [min(runs, key=lambda r: r["turn_latency_s"][t])["stage_s"][t] for t in range(turns)]
@@ -180,11 +193,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": args.config,
         "stages": chain.names,
         "turns": args.turns,
+        "edges": args.edges,
         "caching_on": on,
         "caching_off": off,
         "outputs_identical": same,
         "turn_latency_speedup": mean_after_first(off["turn_latency_s"]) / mean_after_first(on["turn_latency_s"]),
         "first_audio_speedup": mean_after_first(off["first_audio_s"]) / mean_after_first(on["first_audio_s"]),
+        "first_waveform_speedup": mean_after_first(off["first_waveform_s"]) / mean_after_first(on["first_waveform_s"]),
     }
 
 

@@ -17,8 +17,9 @@ on the Ray backend, with its streaming edges vs the same pipeline with plain edg
   draws it).
 
 Keys: ttfp_speedup (non-streaming / streaming TTFP, concurrency 1; target >= 5, >= 8 for Qwen3-Omni), rtf_streaming
-(< 1: faster than real time), e2e_ratio (streaming / non-streaming end to end; target <= 1.10), the
-same with _c4, and ttfp_per_turn.
+(< 1: faster than real time), stall_s_streaming (mean seconds of silence a listener playing each chunk as it
+arrives hears after the first: 0 when every chunk comes before the audio queued ahead of it runs out),
+e2e_ratio (streaming / non-streaming end to end; target <= 1.10), the same with _c4, and ttfp_per_turn.
 """
 from __future__ import annotations
 
@@ -59,7 +60,10 @@ def _run(omni, chain: AudioChain, prompts: list[Any]) -> list[dict[str, float]]:
 def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
     """Per timed request (workloads.TimedRequest) of the omni pipeline: ttfp (the first audio samples: a
     delta of `audio_stage` when streaming, the finished waveform otherwise), e2e, audio seconds, rtf. A failed
-    request raises, naming the stage."""
+    request raises, naming the stage. stall_s: the silence a listener playing the chunks as they come hears
+    after the first one (workloads.playback_stall_s; 0 for a one-shot waveform)."""
+    from .workloads import playback_stall_s
+
     out = []
     for r in records:
         if r.error:
@@ -67,7 +71,7 @@ def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
         wav, e2e = r.outputs[audio_stage], r.output_s[audio_stage]
         audio_s = len(wav.audio) / int(wav.passthrough.get("sampling_rate", 24000))
         out.append({"ttfp_s": e2e if r.first_audio_s is None else r.first_audio_s, "e2e_s": e2e, "audio_s": audio_s,
-                    "rtf": e2e / max(audio_s, 1e-9)})
+                    "rtf": e2e / max(audio_s, 1e-9), "stall_s": playback_stall_s(r.audio_deltas)})
     return out
 
 
@@ -128,15 +132,16 @@ def run_omni(args) -> dict[str, Any]:
                               "ttfp_per_turn": turns}
     for c in args.concurrency:
         sfx = "" if c == 1 else f"_c{c}"
-        result[f"omni_c{c}"] = {mode: {**{k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf")},
+        result[f"omni_c{c}"] = {mode: {**{k: mean(s, c, k) for k in ("ttfp_s", "e2e_s", "audio_s", "rtf", "stall_s")},
                                        "ttfp_s_each": [r["ttfp_s"] for r in conc[s][c]]}
                                 for mode, s in (("non_streaming", False), ("streaming", True))}
         result[f"ttfp_speedup{sfx}"] = mean(False, c, "ttfp_s") / mean(True, c, "ttfp_s")
         result[f"rtf_streaming{sfx}"] = mean(True, c, "rtf")
+        result[f"stall_s_streaming{sfx}"] = mean(True, c, "stall_s")
         result[f"e2e_ratio{sfx}"] = mean(True, c, "e2e_s") / mean(False, c, "e2e_s")
         print(f"omni c={c}: TTFP {mean(False, c, 'ttfp_s'):.2f}s -> {mean(True, c, 'ttfp_s'):.2f}s, "
               f"e2e {mean(False, c, 'e2e_s'):.2f}s -> {mean(True, c, 'e2e_s'):.2f}s, "
-              f"RTF streaming {mean(True, c, 'rtf'):.2f}", flush=True)
+              f"RTF streaming {mean(True, c, 'rtf'):.2f}, playback stalls {mean(True, c, 'stall_s'):.2f}s", flush=True)
     if args.plot:
         result["plot"] = plot_ttfp(turns, args.plot, cfg.name)
     return result

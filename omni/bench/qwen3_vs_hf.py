@@ -17,7 +17,7 @@ Keys: ttfp_speedup_c1 (transformers' time to audio / omni's TTFP, p50), e2e_spee
 end / omni's), requests_per_s_speedup_c4 (omni at concurrency 4 over transformers), and audio_identical: 1 when for
 every request omni's thinker tokens equal transformers', its codec frames' first codebook equals transformers' and
 its waveform agrees with transformers' own code2wav on transformers' frames decoded in the windows omni's code2wav
-streams (its first chunk, then chunk_frames, each with chunked_decode's left context; a residual code that differs
+streams (its first chunk, then chunk_frames doubling up to max_chunk_frames, each with chunked_decode's left context; a residual code that differs
 changes the waveform): the same math, but the stage's actor computes with its own thread count (fp32 sums blocked
 otherwise), so "agrees" is an SNR >= 100 dB as in `omni bench capacity`; waveform_bitwise_equal says whether they
 are bit for bit equal (they are where the thread counts match, e.g. on the local backend). generate's own waveform is chunked_decode(300, 25): the same where omni's
@@ -96,16 +96,19 @@ async def _omni(args, chain: AudioChain) -> tuple[dict[int, Any], list[Any]]:
     return out, c1
 
 
-def _windows(stage: Any) -> tuple[int, int, int]:
-    """(first, chunk, left) frames of the windows the audio stage decodes (its model_kwargs, as it reads them;
-    a plain edge decodes one shot: chunked_decode(chunk, left), every window alike)."""
+def _windows(stage: Any) -> tuple[int, int, int, int]:
+    """(first, chunk, left, max_chunk) frames of the windows the audio stage decodes (its model_kwargs, as it reads
+    them; a plain edge decodes one shot: chunked_decode(max_chunk, left), every window alike)."""
     kw = stage.model_kwargs or {}
     chunk = int(kw.get("chunk_frames", 300))
-    streamed = any(e.stream for e in stage.input_edges)
-    return int(kw.get("first_chunk_frames", chunk)) if streamed else chunk, chunk, int(kw.get("left_context_frames", 25))
+    cap = int(kw.get("max_chunk_frames", chunk))
+    left = int(kw.get("left_context_frames", 25))
+    if not any(e.stream for e in stage.input_edges):
+        return cap, cap, left, cap
+    return int(kw.get("first_chunk_frames", chunk)), chunk, left, cap
 
 
-def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int], omni_c1: list[Any]) -> dict[str, Any]:
+def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_c1: list[Any]) -> dict[str, Any]:
     """transformers one request after another on omni's concurrency-1 requests, and its replies against omni's."""
     import torch
 

@@ -112,10 +112,23 @@ class TimedRequest:
     request_id: str
     first_token_s: dict[str, float] = field(default_factory=dict)  # stage -> its first delta with tokens
     first_audio_s: float | None = None  # the first delta carrying audio samples
+    audio_deltas: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds of audio) each
     output_s: dict[str, float] = field(default_factory=dict)  # final stage -> its output
     outputs: dict[str, Any] = field(default_factory=dict)  # final stage -> its StageOutput
     error: str | None = None  # the first error (a failed request ends with one)
     error_stage: str | None = None
+
+
+def playback_stall_s(deltas: list[tuple[float, float]]) -> float:
+    """Silence a listener hears after playback began: a client that plays each audio chunk as soon as it arrives
+    and the one before it has finished (at real time), from the first chunk on. `deltas` are (arrival s, audio s)
+    in arrival order; 0 when every chunk came before the audio queued ahead of it ran out."""
+    stall, plays_until = 0.0, None
+    for arrival, seconds in deltas:
+        if plays_until is not None and arrival > plays_until:
+            stall += arrival - plays_until
+        plays_until = max(arrival, plays_until or arrival) + seconds
+    return stall
 
 
 def _id_order(request_id: str) -> tuple[int, Any]:
@@ -129,8 +142,10 @@ def _record(r: TimedRequest, ev: Any, now: float) -> None:
     if isinstance(ev, StageDelta):
         if ev.token_ids and ev.stage not in r.first_token_s:
             r.first_token_s[ev.stage] = now
-        if ev.audio is not None and len(ev.audio) and r.first_audio_s is None:
-            r.first_audio_s = now
+        if ev.audio is not None and len(ev.audio):
+            if r.first_audio_s is None:
+                r.first_audio_s = now
+            r.audio_deltas.append((now, len(ev.audio) / (ev.sampling_rate or 24000)))
         return
     if ev.error and r.error is None:
         r.error, r.error_stage = ev.error, ev.stage

@@ -13,8 +13,9 @@ def test_omni_bench_reports_speedups_and_hits(tiny_omni):
     parser = argparse.ArgumentParser()
     omni_bench.add_arguments(parser)
     args = parser.parse_args(["--turns", "2", "--thinker-max-tokens", "4", "--talker-max-tokens", "6",
-                              "--repeats", "1"])
+                              "--repeats", "1", "--edges", "plain"])
     res = omni_bench.run(args)
+    assert res["edges"] == "plain"
     assert res["turn_latency_speedup"] > 0 and res["first_audio_speedup"] > 0
     assert res["outputs_identical"] is True
     on = res["caching_on"]
@@ -26,6 +27,9 @@ def test_omni_bench_reports_speedups_and_hits(tiny_omni):
             assert set(stages) == {"thinker", "talker", "token2wav"} and min(stages.values()) > 0
             # (the stage times telescope to the latency exactly; each of the three is rounded to 1e-4 s)
             assert sum(stages.values()) == pytest.approx(latency, abs=3 * 0.5e-4 + 1e-9)
+        # plain edges: the caller's first audio is the finished waveform
+        assert run["first_waveform_s"] == run["turn_latency_s"]
+    assert res["first_waveform_speedup"] == pytest.approx(res["turn_latency_speedup"])
     with pytest.raises(ValueError, match="turns"):
         omni_bench.run(parser.parse_args(["--turns", "1"]))
 
@@ -54,6 +58,25 @@ def test_omni_bench_on_qwen3_omni_finds_code2wav():
         for latency, stages in zip(run["turn_latency_s"], run["stage_s"]):
             assert set(stages) == {"thinker", "talker", "code2wav"} and min(stages.values()) > 0
             assert sum(stages.values()) == pytest.approx(latency, abs=3 * 0.5e-4 + 1e-9)
+
+
+@pytest.mark.slow
+def test_omni_bench_runs_the_configs_own_streaming_edges(tiny_streamed_qwen3_omni):
+    """By default the config's edges as a user runs them: with thinker ~> talker ~> code2wav streamed the talker's
+    first codec token comes before the first waveform chunk, which comes before the turn's end (code2wav's 2-frame
+    windows of a 6-frame reply); caching still changes no output."""
+    parser = argparse.ArgumentParser()
+    omni_bench.add_arguments(parser)
+    res = omni_bench.run(parser.parse_args([
+        "--config", str(tiny_streamed_qwen3_omni), "--turns", "2", "--doc-tokens", "40", "--thinker-max-tokens", "4",
+        "--talker-max-tokens", "6", "--repeats", "1"]))
+    assert res["edges"] == "config" and res["outputs_identical"] is True
+    for key in ("turn_latency_speedup", "first_audio_speedup", "first_waveform_speedup"):
+        assert res[key] > 0, key
+    for run in (res["caching_on"], res["caching_off"]):
+        for codec, first, end in zip(run["first_audio_s"], run["first_waveform_s"], run["turn_latency_s"]):
+            assert 0 < codec < first < end
+    assert res["caching_on"]["cached_tokens"][1]["talker"] > 0
 
 
 def test_audio_chain_is_found_from_the_edges():

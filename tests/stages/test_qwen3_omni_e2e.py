@@ -88,9 +88,10 @@ def test_streamed_code2wav_equals_chunked_decode():
     model = code2wav.code2wav
     x = torch.from_numpy(codes.T.copy())[None]
 
-    def stream(first: int, chunk: int, left: int, pieces: int = 7) -> tuple[np.ndarray, int]:
+    def stream(first: int, chunk: int, left: int, pieces: int = 7,
+               max_chunk: int | None = None) -> tuple[np.ndarray, int]:
         c2w = type(code2wav)(model, code2wav.device, chunk_frames=chunk, first_chunk_frames=first,
-                             left_context_frames=left)
+                             left_context_frames=left, max_chunk_frames=max_chunk)
         parts = np.array_split(codes, pieces)
         state = c2w.prepare_stream(StageInput("s", extra={"codes": parts[0]}), 0)
         out, n = [], 0
@@ -131,6 +132,22 @@ def test_streamed_code2wav_equals_chunked_decode():
         aligned = np.concatenate([one_shot[s * spf : s * spf + len(p)] for (s, _), p in zip(windows, pieces)])
         snr = 10 * np.log10(np.sum(aligned ** 2) / max(np.sum((aligned - got) ** 2), 1e-30))
         assert snr > 30, snr  # measured 44.6 dB on the tiny checkpoint; a misplaced window gives about 0 dB
+
+        # Growing chunks (what a listener needs on a slow machine: each chunk made before the queued audio runs
+        # out): 2 frames, then 3 doubling up to 10, so the windows are [0, 2), [2, 5), [5, 11), [11, 21), [21, 31),
+        # [31, 40), each with chunked_decode's left context; the one-shot path decodes in windows of 10.
+        got, n = stream(2, 3, 25, max_chunk=10)
+        windows = [(0, 2), (2, 5), (5, 11), (11, 21), (21, 31), (31, 40)]
+        ref = np.concatenate([model(x[..., s - (25 if s > 25 else s) : e])[..., (25 if s > 25 else s) * spf :]
+                              .reshape(-1).numpy() for s, e in windows])
+        assert n == len(windows)
+        np.testing.assert_array_equal(got, ref)
+        grown = type(code2wav)(model, code2wav.device, chunk_frames=3, first_chunk_frames=2, max_chunk_frames=10)
+        assert [grown.chunk_size(i) for i in range(6)] == [2, 3, 6, 10, 10, 10]
+        np.testing.assert_array_equal(grown.generate(codes),
+                                      model.chunked_decode(x, chunk_size=10, left_context_size=25).reshape(-1).numpy())
+        with pytest.raises(ValueError, match="max_chunk_frames: must be >= chunk_frames"):
+            type(code2wav)(model, code2wav.device, chunk_frames=8, max_chunk_frames=4)
 
 
 def test_refusals_name_the_field():
