@@ -2,7 +2,7 @@
 
     body -> pydantic request (400 naming the field) -> model check (404) -> admission (503 past
     runtime.max_pending_requests) -> Job (media decoded off the event loop; 400 / 413) ->
-    Run.start (400 when the pipeline refuses it, 504 on timeout) -> reply
+    Choices.start (every choice's Run; 400 when the pipeline refuses it, 504 on timeout) -> reply
 
 A client that disconnects aborts its request on every stage: while it waits for a non-streamed reply
 (a watcher on the connection cancels the run), or mid-stream (the SSE response is cancelled). When a
@@ -32,6 +32,7 @@ from omni.serve.audio import pcm16_chunks
 from omni.serve.errors import ApiError, bad_request, from_validation_error, internal
 from omni.serve.metrics import ServerMetrics
 from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
+from omni.serve.choices import Choices
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
@@ -62,16 +63,21 @@ class ServerState:
     def max_pending(self) -> int:
         return self.omni.config.runtime.max_pending_requests
 
-    def admit(self) -> None:
-        if self.pending >= self.max_pending:
+    def admit(self, count: int = 1) -> None:
+        """Room for `count` pipeline requests (a request's n choices), or 503; more than the limit itself
+        could never fit: 400 naming `n`."""
+        if count > self.max_pending:
+            raise bad_request(f"n: {count} choices are {count} pipeline requests, more than this server runs at "
+                              f"once ({self.max_pending}, runtime.max_pending_requests)", "n")
+        if self.pending + count > self.max_pending:
             raise ApiError(503, f"the server is running {self.pending} requests, its limit "
-                           "(runtime.max_pending_requests); retry later", type="server_error", code="overloaded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
-        self.pending += 1
+                           f"(runtime.max_pending_requests) is {self.max_pending}; retry later", type="server_error",
+                           code="overloaded", headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.pending += count
         self.metrics.pending.set(self.pending)
 
-    def release(self, run: Run | None, finish_reason: str) -> None:
-        self.pending -= 1
+    def release(self, run: Run | Choices | None, finish_reason: str, count: int = 1) -> None:
+        self.pending -= count
         self.metrics.pending.set(self.pending)
         if run is not None:
             self.metrics.request_done(finish_reason, time.monotonic() - run.t0, run.prompt_tokens,
@@ -121,10 +127,12 @@ def _sse(payload: dict[str, Any]) -> dict[str, str]:
 
 async def _serve(state: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest,
                  run_for: Any, reply: Any, stream: Any) -> Response:
-    """Admission, the run, the reply; `run_for(rid) -> Run` builds the run (off the loop), `reply(run) ->
-    Response` collects a non-streamed one, `stream(run) -> async iterator of SSE events` streams."""
-    state.admit()
-    run: Run | None = None
+    """Admission (one slot per choice), the run, the reply; `run_for() -> Choices` builds the run (off the
+    loop), `reply(run) -> Response` collects a non-streamed one, `stream(run) -> async iterator of SSE events`
+    streams."""
+    count = req.choices
+    state.admit(count)
+    run: Choices | None = None
     handed_over = False
     reason = "error"
     try:
@@ -144,7 +152,7 @@ async def _serve(state: ServerState, request: Request, req: ChatCompletionReques
         if not handed_over:
             if run is not None:
                 await run.aclose()
-            state.release(run, reason)
+            state.release(run, reason, count)
 
 
 class _Stream(EventSourceResponse):
@@ -152,7 +160,7 @@ class _Stream(EventSourceResponse):
     [DONE]; so is the end of a shutdown's grace period (`shutting_down`). However the response ends (done, a disconnect, a body that never started because the client
     was gone already), the run is left (aborted where it still runs) and the admission released, once."""
 
-    def __init__(self, state: ServerState, run: Run, events: AsyncIterator[dict[str, Any]]):
+    def __init__(self, state: ServerState, run: Choices, events: AsyncIterator[dict[str, Any]]):
         self._omni_state, self._run, self._finished = state, run, False
         super().__init__(self._body(events), sep="\n", ping=15)
 
@@ -166,7 +174,7 @@ class _Stream(EventSourceResponse):
         if not self._finished:
             self._finished = True
             await self._run.aclose()
-            self._omni_state.release(self._run, reason)
+            self._omni_state.release(self._run, reason, len(self._run.runs))
 
     async def _body(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
         run, reason = self._run, "abort"
@@ -201,41 +209,44 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     rid, created, model = R.new_id("chatcmpl"), int(time.time()), state.info.model
     fmt = req.audio.format if req.audio is not None else "wav"
 
-    def run_for() -> Run:
-        return Run(state.omni, chat_job(req, state.info, state.settings, rid), state.settings.default_audio_rate,
-                   state.metrics)
+    def run_for() -> Choices:
+        return Choices(state.omni, chat_job(req, state.info, state.settings, rid), req.choices,
+                       state.settings.default_audio_rate, state.metrics)
 
-    async def reply(run: Run) -> Response:
+    async def reply(run: Choices) -> Response:
         await run.start()
-        audio: list[np.ndarray] = []
-        rate = state.settings.default_audio_rate
+        audio: list[list[np.ndarray]] = [[] for _ in run.runs]
+        rates = [state.settings.default_audio_rate] * len(run.runs)
         async with contextlib.aclosing(run.events()) as evs:
-            async for ev in evs:
+            async for index, ev in evs:
                 if isinstance(ev, AudioEvent):
-                    audio.append(ev.samples)
-                    rate = ev.rate
-        msg_audio = R.audio_message(audio, rate, fmt, run.text) if run.job.audio_stage else None
-        return JSONResponse(R.chat_completion(rid, model, created, run, msg_audio))
+                    audio[index].append(ev.samples)
+                    rates[index] = ev.rate
+        audios = [R.audio_message(a, rate, fmt, r.text) if r.job.audio_stage else None
+                  for a, rate, r in zip(audio, rates, run.runs)]
+        return JSONResponse(R.chat_completion(rid, model, created, run, audios))
 
-    async def stream(run: Run) -> AsyncIterator[dict[str, Any]]:
+    async def stream(run: Choices) -> AsyncIterator[dict[str, Any]]:
         vllm = req.omni_stream_format == "vllm-omni"
         text_mod = "text" if vllm else None
-        audio_id = R.new_id("audio")
+        audio_ids = [R.new_id("audio") for _ in run.runs]
         speaks = run.job.audio_stage is not None and not vllm  # the text is also the audio's transcript
         chunk = lambda delta, **kw: R.chat_chunk(rid, model, created, delta, **kw)  # noqa: E731
-        yield chunk({"role": "assistant", "content": ""}, modality=text_mod)
+        for index in range(len(run.runs)):
+            yield chunk({"role": "assistant", "content": ""}, modality=text_mod, index=index)
         async with contextlib.aclosing(run.events()) as evs:
-            async for ev in evs:
+            async for index, ev in evs:
                 if isinstance(ev, TextEvent):
                     if ev.text or ev.logprobs:
-                        yield chunk(R.text_delta(ev.text, audio_id if speaks else None), modality=text_mod,
-                                    logprobs=R.chat_logprobs(ev.logprobs))
+                        yield chunk(R.text_delta(ev.text, audio_ids[index] if speaks else None), modality=text_mod,
+                                    logprobs=R.chat_logprobs(ev.logprobs), index=index)
                     continue
                 per_chunk = max(1, round(ev.rate * state.settings.audio_chunk_ms / 1000))
                 for pcm in pcm16_chunks(ev.samples, per_chunk):
-                    delta, modality = R.audio_delta(audio_id, pcm, vllm)
-                    yield chunk(delta, modality=modality)
-        yield chunk({}, finish_reason=run.finish_reason, modality=text_mod)
+                    delta, modality = R.audio_delta(audio_ids[index], pcm, vllm)
+                    yield chunk(delta, modality=modality, index=index)
+        for index, r in enumerate(run.runs):
+            yield chunk({}, finish_reason=r.finish_reason, modality=text_mod, index=index)
         if req.include_usage:
             yield chunk(None, usage_=R.usage(run))
 
@@ -248,26 +259,27 @@ async def completions(state: ServerState, request: Request) -> Response:
     check_model(req.model, state.info)
     rid, created, model = R.new_id("cmpl"), int(time.time()), state.info.model
 
-    def run_for() -> Run:
-        return Run(state.omni, completion_job(req, state.info, rid), state.settings.default_audio_rate,
-                   state.metrics)
+    def run_for() -> Choices:
+        return Choices(state.omni, completion_job(req, state.info, rid), req.choices,
+                       state.settings.default_audio_rate, state.metrics)
 
-    async def reply(run: Run) -> Response:
+    async def reply(run: Choices) -> Response:
         await run.start()
         async with contextlib.aclosing(run.events()) as evs:
             async for _ in evs:
                 pass
         return JSONResponse(R.completion(rid, model, created, run))
 
-    async def stream(run: Run) -> AsyncIterator[dict[str, Any]]:
-        offset = 0  # text_offset of the next token, over the whole completion
+    async def stream(run: Choices) -> AsyncIterator[dict[str, Any]]:
+        offsets = [0] * len(run.runs)  # text_offset of each choice's next token, over its whole completion
         async with contextlib.aclosing(run.events()) as evs:
-            async for ev in evs:
+            async for index, ev in evs:
                 if isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
-                    yield R.completion_chunk(rid, model, created, ev.text,
-                                             logprobs=R.completion_logprobs(ev.logprobs, offset))
-                    offset += sum(len(e.token or "") for e in ev.logprobs or ())
-        yield R.completion_chunk(rid, model, created, "", finish_reason=run.finish_reason)
+                    yield R.completion_chunk(rid, model, created, ev.text, index=index,
+                                             logprobs=R.completion_logprobs(ev.logprobs, offsets[index]))
+                    offsets[index] += sum(len(e.token or "") for e in ev.logprobs or ())
+        for index, r in enumerate(run.runs):
+            yield R.completion_chunk(rid, model, created, "", finish_reason=r.finish_reason, index=index)
         if req.include_usage:
             yield R.completion_chunk(rid, model, created, None, usage_=R.usage(run))
 

@@ -7,7 +7,7 @@ OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `logprobs` ap
 (vLLM's semantics).
 
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
-completion_create_params.py). A field this server does not implement (tools, n > 1, echo,
+completion_create_params.py). A field this server does not implement (tools, echo,
 ...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
 `"tool_choice": null`, `"response_format": {"type": "text"}`), as clients that serialise their unset
 fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
@@ -167,7 +167,8 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=-1, description="Top-k sampling; 0 or -1: off (the text stage).")
     seed: int | None = Field(None, description="Per-request seed (the text stage).")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the text (not included).")
-    n: int | None = Field(None, description="Number of choices; only 1 is supported.")
+    n: int | None = Field(None, ge=1, le=128, description="Number of choices (1-128, as OpenAI): each its own "
+                          "request through the pipeline; with a seed, choice i samples with seed + i.")
     stream: bool | None = Field(None, description="Reply as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (stream only).")
     user: str | None = Field(None, description="Accepted; not used.")
@@ -197,13 +198,6 @@ class _Common(_Strict):
             raise ValueError("must be a finite number")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -217,6 +211,10 @@ class _Common(_Strict):
         if self.stream_options is not None and not self.stream:
             raise field_error("stream_options", "only allowed when stream is true")
         return self
+
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     @property
     def stops(self) -> list[str]:

@@ -21,6 +21,8 @@ from omni.outputs import TokenLogprob
 from omni.serve.audio import encode_wav, to_pcm16
 from omni.serve.reply_stream import Run
 
+Usage = Any  # a Run or a Choices: prompt_tokens, completion_tokens, cached_tokens
+
 AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field; this server keeps nothing)
 
 
@@ -28,7 +30,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(run: Run) -> dict[str, Any]:
+def usage(run: Usage) -> dict[str, Any]:
     u: dict[str, Any] = {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
                          "total_tokens": run.prompt_tokens + run.completion_tokens}
     if run.cached_tokens is not None:  # unknown when a stop string ended the text early
@@ -77,24 +79,30 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
             "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t in e.top} for e in entries], "text_offset": offsets}
 
 
-def chat_completion(rid: str, model: str, created: int, run: Run, audio: dict[str, Any] | None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": run.text if run.job.text_stage is not None else None}
-    if audio is not None:
-        message["audio"] = audio
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason,
-                         "logprobs": chat_logprobs(run.logprobs)}],
-            "usage": usage(run)}
+def chat_completion(rid: str, model: str, created: int, choices: Any,
+                    audios: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The reply of every choice (a Choices: its runs, in order), each with its audio (or None)."""
+    out = []
+    for index, (run, audio) in enumerate(zip(choices.runs, audios)):
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": run.text if run.job.text_stage is not None else None}
+        if audio is not None:
+            message["audio"] = audio
+        out.append({"index": index, "message": message, "finish_reason": run.finish_reason,
+                    "logprobs": chat_logprobs(run.logprobs)})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage(choices)}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None, *,
                finish_reason: str | None = None, usage_: dict[str, Any] | None = None,
-               modality: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chunk; `delta` None: the usage chunk (no choices). `modality`: vLLM-Omni's top-level field."""
+               modality: str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One chunk of choice `index`; `delta` None: the usage chunk (no choices). `modality`: vLLM-Omni's
+    top-level field."""
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                              "choices": [] if delta is None else [
-                                 {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+                                 {"index": index, "delta": delta, "finish_reason": finish_reason,
+                                  "logprobs": logprobs}]}
     if usage_ is not None:
         chunk["usage"] = usage_
     if modality is not None:
@@ -118,18 +126,20 @@ def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, A
     return {"audio": {"id": audio_id, "data": data, "expires_at": int(time.time()) + AUDIO_TTL_S}}, None
 
 
-def completion(rid: str, model: str, created: int, run: Run) -> dict[str, Any]:
+def completion(rid: str, model: str, created: int, choices: Any) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": run.text, "finish_reason": run.finish_reason,
-                         "logprobs": completion_logprobs(run.logprobs)}],
-            "usage": usage(run)}
+            "choices": [{"index": index, "text": run.text, "finish_reason": run.finish_reason,
+                         "logprobs": completion_logprobs(run.logprobs)} for index, run in enumerate(choices.runs)],
+            "usage": usage(choices)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, *, finish_reason: str | None = None,
-                     usage_: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                     usage_: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+                     index: int = 0) -> dict[str, Any]:
     chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": [] if text is None else [
-                                 {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+                                 {"index": index, "text": text, "finish_reason": finish_reason,
+                                  "logprobs": logprobs}]}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

@@ -208,7 +208,7 @@ BAD_REQUESTS = [
     ("temperature out of range", {**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
     ("temperature as a string", {**GOOD, "temperature": "0.5"}, 400, "temperature", "invalid_value"),
     ("max_tokens 0", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
-    ("n=2", {**GOOD, "n": 2}, 400, "n", "invalid_value"),
+    ("n=0", {**GOOD, "n": 0}, 400, "n", "invalid_value"),
     ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "invalid_value"),
     ("audio out of a text pipeline", {**GOOD, "modalities": ["text", "audio"]}, 400, "modalities", None),
@@ -261,6 +261,45 @@ def test_bad_requests_get_openai_errors(server, what, body, status, param, code)
         assert err["error"]["code"] == code, err
     got, _, ok = server.post("/v1/chat/completions", GOOD)  # the server keeps serving
     assert got == 200 and ok["choices"][0]["message"]["content"], ok
+
+
+def test_n_choices_chat_and_completions(client):
+    """n choices: each its own request; with a seed, choice i is what n=1 gives with seed + i (reproducible, and the
+    choices are not copies); usage counts the prompt once and every choice's tokens; greedy choices are equal;
+    streamed, every chunk names its choice and the pieces add up to the non-streamed texts."""
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=6, temperature=1.0, seed=7)
+    three = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    assert [c.message.content for c in three.choices] == [a.choices[0].message.content for a in alone]
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert three.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert len({c.message.content for c in three.choices}) > 1  # 6 tokens sampled at temperature 1, three seeds
+    again = client.chat.completions.create(n=3, **kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in three.choices]
+    greedy = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+    texts, finished, usage = {0: "", 1: "", 2: ""}, {}, None
+    for ch in client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finished[c.index] = c.finish_reason
+    assert [texts[i] for i in range(3)] == [c.message.content for c in three.choices]
+    assert sorted(finished) == [0, 1, 2] and usage.completion_tokens == three.usage.completion_tokens
+
+    ckw = dict(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=3)
+    two = client.completions.create(n=2, **ckw)
+    assert [c.text for c in two.choices] == [client.completions.create(**{**ckw, "seed": 3 + i}).choices[0].text
+                                             for i in range(2)]
+    streamed = {0: "", 1: ""}
+    for ch in client.completions.create(n=2, stream=True, **ckw):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert [streamed[0], streamed[1]] == [c.text for c in two.choices]
 
 
 def test_openai_fields_at_their_defaults_are_accepted(server):

@@ -97,6 +97,16 @@ def test_back_pressure_503_with_retry_after(server):
     assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices[0].message.content
 
 
+def test_choices_take_one_slot_each(server):
+    """n choices are n pipeline requests: past runtime.max_pending_requests (1 here) n is refused by name (400,
+    not a 503 that a retry could never get past); n=1 still runs."""
+    c = server.client(api_key=KEY)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, n=2)
+    assert e.value.body["param"] == "n" and "max_pending_requests" in e.value.body["message"]
+    assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, n=1).choices[0].message.content
+
+
 def test_request_timeout_is_504(timeout_server):
     c = timeout_server.client()
     with held(timeout_server, "thinker"):  # not a single step: it cannot finish within any timeout

@@ -67,6 +67,27 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     wait_idle(server)
 
 
+def test_n_audio_replies(server, client):
+    """n=2 with audio: each choice speaks its own text (its own audio id); greedy choices say the same, with the
+    same waveform as the n=1 reply; streamed, each choice's pcm16 chunks add up to that waveform."""
+    one = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT).choices[0].message
+    two = client.chat.completions.create(model=MODEL, messages=HELLO, n=2, **AUDIO_OUT)
+    assert [c.index for c in two.choices] == [0, 1]
+    ref, _ = wav_samples(base64.b64decode(one.audio.data))
+    for c in two.choices:
+        assert c.message.content == one.content and c.message.audio.transcript == one.content
+        np.testing.assert_array_equal(wav_samples(base64.b64decode(c.message.audio.data))[0], ref)
+    assert two.choices[0].message.audio.id != two.choices[1].message.audio.id
+    chunks: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, n=2, stream=True, **PCM_OUT):
+        for c in chunk.choices:
+            if c.delta.audio is not None and getattr(c.delta.audio, "data", None):
+                chunks[c.index].append(np.frombuffer(base64.b64decode(c.delta.audio.data), "<i2"))
+    for index in (0, 1):
+        np.testing.assert_array_equal(np.concatenate(chunks[index]), ref)
+    wait_idle(server)
+
+
 def test_text_only_reply_skips_the_audio_stages(server, client):
     r = client.chat.completions.create(model=MODEL, messages=HELLO)
     assert r.choices[0].message.content and r.choices[0].message.audio is None

@@ -227,7 +227,7 @@ CHAT_MIN = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 @pytest.mark.parametrize("extra", [
     {"logprobs": False}, {"logprobs": None}, {"tool_choice": None}, {"tool_choice": "none"},
     {"response_format": {"type": "text"}}, {"response_format": None}, {"tools": None}, {"tools": []},
-    {"n": None}, {"n": 1}, {"stream": None}, {"frequency_penalty": 0}, {"presence_penalty": 0.0},
+    {"n": None}, {"n": 1}, {"n": 2}, {"stream": None}, {"frequency_penalty": 0}, {"presence_penalty": 0.0},
     {"logit_bias": None}, {"logit_bias": {}}, {"top_logprobs": 0}, {"parallel_tool_calls": True},
     {"store": False}, {"service_tier": "auto"}, {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"},
     {"safety_identifier": "u"}, {"user": None}, {"stop": None}, {"seed": None},
@@ -250,7 +250,8 @@ def test_null_or_default_openai_fields_are_accepted(extra):
     ({"presence_penalty": "high"}, "presence_penalty", "invalid_value"),
     ({"min_p": 1.5}, "min_p", "invalid_value"),
     ({"store": True}, "store", "unsupported_parameter"),
-    ({"n": 2}, "n", "invalid_value"),
+    ({"n": 0}, "n", "invalid_value"),  # OpenAI's range: 1..128
+    ({"n": 129}, "n", "invalid_value"),
     ({"logprob": True}, "logprob", "unknown_parameter"),
 ])
 def test_openai_fields_asking_for_a_missing_feature_are_refused_by_name(extra, param, code):
