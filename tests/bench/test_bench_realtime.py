@@ -31,3 +31,17 @@ def test_bench_realtime_reports_per_turn_latency_on_and_off():
         assert cached["on"]["1"] == 0 and cached["on"]["2"] > 0 and cached["on"]["3"] > cached["on"]["2"]
     with pytest.raises(ValueError, match="turns"):
         bench.run(parser.parse_args(["--turns", "1"]))
+
+
+def test_bench_realtime_on_qwen3_omni():
+    """`--config` a Qwen3-Omni pipeline: the same sessions through its thinker, talker (code predictor) and code2wav;
+    the cached server hits from turn 2 on."""
+    from tests.serve.server_utils import REPO
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    res = bench.run(parser.parse_args([
+        "--config", str(REPO / "stage_configs" / "qwen3_omni_tiny.yaml"), "--backend", "local", "--sessions", "1",
+        "--turns", "2", "--speech-s", "1.0", "--max-output-tokens", "4", "--instructions-words", "50"]))
+    assert res["config"] == "qwen3_omni_tiny" and res["turn2plus_first_audio_speedup"] > 0
+    assert res["cached_tokens_mean"]["on"]["2"] > 0 and res["cached_tokens_mean"]["off"] == {"1": 0, "2": 0}

@@ -65,3 +65,45 @@ def test_image_and_audio_inputs_and_voice_errors(client):
         client.chat.completions.create(model=MODEL, messages=HELLO, modalities=["text", "audio"],
                                        audio={"voice": "alloy", "format": "wav"})
     assert e.value.body["param"] == "audio.voice", e.value.body
+
+
+def test_realtime_spoken_turns_on_qwen3_omni(server):
+    """`/v1/realtime` on Qwen3-Omni with the real `openai` client: a spoken turn (recorded human speech) answered
+    in speech (pcm16 deltas, their transcript), then a typed turn that hits the thinker's and the talker's prefix
+    caches with the whole first turn."""
+    import asyncio
+
+    from tests.serve.realtime_utils import pcm16, speech_24k, until
+
+    session = {"type": "realtime", "audio": {"input": {"turn_detection": None}, "output": {"voice": "Ethan"}}}
+
+    async def go():
+        conn = await server.async_client().realtime.connect(model=MODEL).enter()
+        try:
+            await until(conn, "session.created")
+            await conn.session.update(session=session)
+            await until(conn, "session.updated")
+            data = pcm16(speech_24k(2.0))
+            for i in range(0, len(data), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(data[i:i + 4800]).decode())
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            seen: list = []
+            first = (await until(conn, "response.done", seen)).response
+            assert first.status == "completed", first.status_details
+            chunks = [base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta"]
+            assert chunks and all(len(c) % 2 == 0 for c in chunks)
+            assert np.abs(np.frombuffer(b"".join(chunks), "<i2")).max() > 0
+            assert "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And then?"}]})
+            await conn.response.create()
+            second = (await until(conn, "response.done")).response
+            assert second.status == "completed"
+            assert second.usage.input_token_details.cached_tokens >= (first.usage.input_tokens // 16 - 1) * 16 > 0
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+    wait_idle(server)
+    assert server.stage_gauges("omni_stage_prefix_cache_hits_total")["talker"] > 0
