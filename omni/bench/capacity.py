@@ -7,7 +7,8 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
 1. Ray backend, closed loop at each `--concurrency` C: C clients share `--requests` distinct prompts, each
    sending its next one when its last reply ends (AsyncOmni.stream). Per level: audio_s_per_s (audio seconds
    produced / wall seconds), TTFP (submission -> first audio samples) p50/p99 in ms, RTF (end to end / audio
-   seconds) p50/p99, and each stage's time split (step_profile.py): stage_busy_fraction and forward /
+   seconds) p50/p99, playback stalls (stall_p50_ms / stall_p99_ms: the silence a listener playing each chunk
+   as it arrives hears after the first, workloads.playback_stall_s), and each stage's time split (step_profile.py): stage_busy_fraction and forward /
    sampling / host / waiting fractions of the level's wall time (of a replicated stage: of its replicas x
    the wall time, the mean replica's).
 2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
@@ -87,10 +88,12 @@ def _pct(xs: list[float], q: float) -> float:
 def _level(times: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
     ttfp = [t["ttfp_s"] * 1000 for t in times]
     rtf = [t["rtf"] for t in times]
+    stall = [t["stall_s"] * 1000 for t in times]  # silence a listener hears after the first chunk
     audio = sum(t["audio_s"] for t in times)
     return {"requests": len(times), "wall_s": wall_s, "audio_s": audio, "audio_s_per_s": audio / wall_s,
             "ttfp_p50_ms": _pct(ttfp, 50), "ttfp_p99_ms": _pct(ttfp, 99), "rtf_p50": _pct(rtf, 50),
-            "rtf_p99": _pct(rtf, 99), "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times]))}
+            "rtf_p99": _pct(rtf, 99), "stall_p50_ms": _pct(stall, 50), "stall_p99_ms": _pct(stall, 99),
+            "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times]))}
 
 
 async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tuple[dict[int, Any], list[Any]]:
@@ -120,7 +123,8 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tupl
             if c == 1:
                 c1 = recs
             print(f"{backend} c={c}: {out[c]['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {out[c]['ttfp_p50_ms']:.0f} ms "
-                  f"p99 {out[c]['ttfp_p99_ms']:.0f} ms, RTF p50 {out[c]['rtf_p50']:.2f}, busy "
+                  f"p99 {out[c]['ttfp_p99_ms']:.0f} ms, RTF p50 {out[c]['rtf_p50']:.2f}, stalls p50 "
+                  f"{out[c]['stall_p50_ms']:.0f} ms, busy "
                   f"{ {s: round(f, 2) for s, f in out[c]['stage_busy_fraction'].items()} }", flush=True)
     return out, c1
 
@@ -205,8 +209,8 @@ def run(args) -> dict[str, Any]:
         "requests_per_level": args.requests, "reply_seconds": args.reply_seconds, "codec_tokens": _codes(args),
         "thinker_tokens": args.thinker_tokens,
         **{key: {str(c): lv[key] for c, lv in ray.items()} for key in (
-            "audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99", "stage_busy_fraction",
-            "stage_profile")},
+            "audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99", "stall_p50_ms", "stall_p99_ms",
+            "stage_busy_fraction", "stage_profile")},
         "levels": {str(c): lv for c, lv in ray.items()},
         "throughput_c4_over_c1": ratio(at(4, "audio_s_per_s"), at(1, "audio_s_per_s")),
         "ttfp_p99_c4_over_c1_p50": ratio(at(4, "ttfp_p99_ms"), at(1, "ttfp_p50_ms")),

@@ -29,10 +29,10 @@ from starlette.responses import JSONResponse, Response
 from omni.async_api import AsyncOmni
 from omni.serve import responses as R
 from omni.serve.audio import pcm16_chunks
+from omni.serve.choices import Choices
 from omni.serve.errors import ApiError, bad_request, from_validation_error, internal
 from omni.serve.metrics import ServerMetrics
 from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
-from omni.serve.choices import Choices
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped

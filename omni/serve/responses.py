@@ -19,9 +19,8 @@ import numpy as np
 
 from omni.outputs import TokenLogprob
 from omni.serve.audio import encode_wav, to_pcm16
-from omni.serve.reply_stream import Run
 
-Usage = Any  # a Run or a Choices: prompt_tokens, completion_tokens, cached_tokens
+Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completion_tokens, cached_tokens
 
 AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field; this server keeps nothing)
 
@@ -79,7 +78,7 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
             "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t in e.top} for e in entries], "text_offset": offsets}
 
 
-def chat_completion(rid: str, model: str, created: int, choices: Any,
+def chat_completion(rid: str, model: str, created: int, choices: Usage,
                     audios: list[dict[str, Any] | None]) -> dict[str, Any]:
     """The reply of every choice (a Choices: its runs, in order), each with its audio (or None)."""
     out = []
@@ -126,7 +125,7 @@ def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, A
     return {"audio": {"id": audio_id, "data": data, "expires_at": int(time.time()) + AUDIO_TTL_S}}, None
 
 
-def completion(rid: str, model: str, created: int, choices: Any) -> dict[str, Any]:
+def completion(rid: str, model: str, created: int, choices: Usage) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": run.text, "finish_reason": run.finish_reason,
                          "logprobs": completion_logprobs(run.logprobs)} for index, run in enumerate(choices.runs)],

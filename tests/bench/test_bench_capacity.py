@@ -37,6 +37,7 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
         assert level["requests"] == 4
         assert level["audio_s"] == audio_s, c
         assert level["ttfp_p50_ms"] <= level["ttfp_p99_ms"]
+        assert 0 <= level["stall_p50_ms"] <= level["stall_p99_ms"]
         assert sorted(res["stage_busy_fraction"][c]) == ["talker", "thinker", "token2wav"]
         for stage, split in res["stage_profile"][c].items():
             assert sum(split[p] for p in PHASES) == pytest.approx(1.0), (c, stage)
