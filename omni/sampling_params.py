@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 from omni.errors import FIELD_ERROR
 
 from omni.strict import no_bool_for_number
+from omni.structured_spec import check_spec
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns
 # the softmax into NaNs, while the limit of temperature -> 0 is exactly argmax.
@@ -120,6 +121,14 @@ class SamplingParams(BaseModel):
         "appends its end-of-sequence token, as a reply the model wrote itself ends. Not with forced_token_ids.",
     )
 
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="Constrain the reply (vLLM's structured outputs, compiled by llguidance against the stage's "
+        "tokenizer): exactly one of {'json': a JSON schema (or its JSON text)}, {'json_object': true}, {'regex': "
+        "str}, {'choice': [str, ...]}. The request finishes ('stop') once the grammar is complete. Not with a forced "
+        "reply nor min_tokens.",
+    )
+
     _no_bool_for_number = field_validator("*", mode="before")(classmethod(no_bool_for_number))
 
     @field_validator("temperature")
@@ -172,6 +181,24 @@ class SamplingParams(BaseModel):
             _check_min_le_max(self.min_tokens, self.max_tokens)
         except ValueError as e:
             raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {"field": "min_tokens", "text": str(e)}) from None
+        return self
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _check_structured_outputs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        return check_spec(v)
+
+    @model_validator(mode="after")
+    def _check_structured_combinations(self) -> SamplingParams:
+        if self.structured_outputs is not None:
+            clash = ("forced_token_ids" if self.forced_token_ids is not None else "forced_text"
+                     if self.forced_text is not None else "min_tokens" if self.min_tokens else None)
+            if clash is not None:
+                raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {
+                    "field": "structured_outputs",
+                    "text": f"cannot be combined with {clash} (the grammar decides where the reply ends)"})
         return self
 
     @field_validator("stop_token_ids")

@@ -44,6 +44,7 @@ from .sampler import make_generator
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
 from .step_profile import StepProfile
+from .structured_output import GrammarCompiler
 from .tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class StageEngine:
         capacity = num_blocks * config.block_size
         # A sequence the cache cannot hold would wait forever (and block the queue behind it).
         self.checks = RequestChecker(self.name, model.vocab_size, self.tokenizer, config.use_chat_template)
+        self.grammars = GrammarCompiler(self.name, self.tokenizer, model.vocab_size, model.eos_token_id)
         if max_len > capacity:
             logger.warning("stage %s: the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len "
                            "%d; max_model_len is lowered to %d (raise cache.num_blocks or cache.memory_budget_mb "
@@ -202,6 +204,7 @@ class StageEngine:
                                "request's input still streams in", stage=self.name,
                                field="sampling_params.forced_token_ids")
         self.checks.fits(n, params.max_tokens if forced is None else len(forced))
+        grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
         embeds, digests, rows = None, None, None
         if prompt_embeds is not None:
             embeds, digests, rows = self._prompt_embeds(prompt_embeds, n)
@@ -222,7 +225,7 @@ class StageEngine:
             # The model sees the request's resolved sampling parameters (a talker that samples inside its
             # forward, e.g. Qwen3-Omni's code predictor, follows the request's temperature and seed).
             self.model.add_request(rid, prepared, replace(inp, sampling_params=params))
-            self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params)))
+            self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params), grammar))
             if inp.stream or not inp.input_complete:
                 req.input_complete = inp.input_complete
                 self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from .rows_to_host import RowStager, StagedRows
 from .sampler import Sampler, raw_logprobs
 from .scheduler import SchedulerOutput
 from .step_profile import StepProfile
+from .structured_output import advance, fill_bitmask
 from .stage_model import StageModel
 from .tensor_cache import is_per_token
 
@@ -47,6 +49,7 @@ class RunnerRequestState:
     request: Request
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
     generator: torch.Generator | None = None
+    grammar: Any = None  # the request's structured-output matcher (structured_output.py), or None
     _embeds_buf: torch.Tensor | None = None  # capacity for a growing prompt (streaming input)
 
     def append_prompt_embeds(self, rows: torch.Tensor) -> None:
@@ -296,8 +299,14 @@ class ModelRunner:
         outputs = None
         if any(p.uses_output_penalties for p in params):
             outputs = [st.request.output_token_ids for st in states]
-        tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned, outputs)
+        grammars = [st.grammar for st in states]
+        allowed = fill_bitmask(grammars, logits.shape[-1]) if any(g is not None for g in grammars) else None
+        tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned, outputs, allowed)
         sampled = {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}
+        if allowed is not None:
+            for st, tok in zip(states, tokens.tolist()):
+                if st.grammar is not None and advance(st.grammar, tok):
+                    st.request.structured_done = True  # the scheduler's stop rule ends it this step
         logprobs = {}
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asked:  # from the raw logits (the sampler never modifies them), as vLLM's default

@@ -125,6 +125,8 @@ class Request:
         # The reply, when forced (SamplingParams.forced_token_ids / forced_text): all but its last token
         # are output tokens from admission on; the scheduler appends the last instead of a sampled one.
         self.forced_token_ids: list[int] | None = None
+        # Set by the runner when the request's structured-output grammar is complete (structured_output.py).
+        self.structured_done = False
         self.num_computed_tokens = 0
         # -1 until the scheduler first schedules the request and records how
         # many prompt tokens came from the prefix cache.

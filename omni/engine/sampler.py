@@ -3,7 +3,7 @@
 The sampler follows Hugging Face `generate` semantics so that our engine's tokens can be compared
 against transformers' token for token:
 
-    logits -> banned tokens (min_tokens) -> logit bias -> repetition penalty -> presence / frequency penalties
+    logits -> allowed tokens (structured outputs) -> banned tokens (min_tokens) -> logit bias -> repetition penalty -> presence / frequency penalties
            -> greedy: argmax
            \\-> random: / temperature -> top-k -> top-p -> min-p -> sample
 
@@ -49,12 +49,14 @@ class Sampler:
         token_histories: Sequence[Sequence[int]] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
         outputs: Sequence[Sequence[int]] | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [N, V]; params/generators one per row; token_histories (prompt + output ids per row)
         are needed only when some row has a repetition penalty, outputs (the output ids so far per row)
         only when some row has a presence or frequency penalty; banned (token ids per row that must not
-        be sampled: a request short of its min_tokens bans its eos and stop tokens). Returns int64
-        token ids [N]."""
+        be sampled: a request short of its min_tokens bans its eos and stop tokens); allowed ([N, words] int32
+        bitmasks, structured_output.py: bit t of row i set when row i may take token t; applied first, so no
+        bias or penalty can bring a disallowed token back). Returns int64 token ids [N]."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [num_rows, vocab_size], got shape {tuple(logits.shape)}")
         n = logits.shape[0]
@@ -67,6 +69,8 @@ class Sampler:
             return torch.empty(0, dtype=torch.long, device=logits.device)
         # Sampling math in fp32 (like HF, which upcasts scores); never modify the caller's tensor.
         logits = logits.float()
+        if allowed is not None:
+            logits = apply_bitmask(logits, allowed)
         if banned is not None and any(banned):
             logits = ban_tokens(logits, banned)
 
@@ -117,6 +121,16 @@ def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int])
     best_lp, best_id = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     best_lp, best_id = best_lp.tolist(), best_id.tolist()
     return [(chosen[i], list(zip(best_id[i][:top[i]], best_lp[i][:top[i]]))) for i in range(len(top))]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's bitmask ([N, words] int32, bit t of word t // 32) has bit t clear; a copy (the caller's
+    fp32 logits are this sampler's own already). Rows whose mask is all ones are left as they are."""
+    n, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [N, words, 32]
+    allowed = bits.reshape(n, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def ban_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -209,7 +209,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED if req.num_output_tokens >= len(req.forced_token_ids) else None
         if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if token in params.stop_token_ids or req.structured_done:
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -9,7 +9,7 @@ OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `logprobs` ap
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
 completion_create_params.py). A field this server does not implement (tools, echo,
 ...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
-`"tool_choice": null`, `"response_format": {"type": "text"}`), as clients that serialise their unset
+`"tool_choice": null`), as clients that serialise their unset
 fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
 ignored. A field OpenAI does not have is a 400 too (`unknown_parameter`).
 """
@@ -45,7 +45,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, True, False),  # no tools: nothing runs in parallel either way
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "prediction": (None,),
     "reasoning_effort": (None,),
     "verbosity": (None,),
@@ -157,6 +156,38 @@ class AudioOutput(_Strict):
                                             "at the pipeline's rate; required when streaming).")
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64, description="The schema's name (OpenAI requires one).")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the reply follows.")
+    description: str | None = Field(None, description="Accepted; not used.")
+    strict: bool | None = Field(None, description="Accepted: the reply always follows the schema (a grammar "
+                                "constrains every token).")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = Field(description="text (default), json_object (any "
+                                                                 "JSON object) or json_schema.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise field_error("json_schema", "type json_schema needs json_schema.schema")  # under response_format
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise field_error("json_schema", f"only with type json_schema (got type {self.type})")
+        return self
+
+    @property
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """SamplingParams.structured_outputs of this format (None: plain text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return {"json": self.json_schema.schema_}
+        return None
+
+
 class _Common(_Strict):
     """Fields chat completions and completions share."""
 
@@ -187,6 +218,9 @@ class _Common(_Strict):
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
         None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
         "that stage's defaults, or null. The top-level fields above then apply to the text stage.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's structured outputs (the text stage): exactly one of {\"json\": schema}, "
+        "{\"json_object\": true}, {\"regex\": str}, {\"choice\": [str, ...]}.")
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache isolation: requests only share cached blocks with requests "
         "of the same salt (one tenant's prefix cache, and its timing side channel, stays its own).")
@@ -241,7 +275,9 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: Any = Field(None, description="Accepted: there are no tools.")
     functions: Any = Field(None, description="Not implemented: null or [].")
     function_call: Any = Field(None, description='Not implemented: null, "none" or "auto".')
-    response_format: Any = Field(None, description='Not implemented: null or {"type": "text"}.')
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text"} (default), {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema"}}: the reply constrained to JSON (the text stage; structured outputs).')
     prediction: Any = Field(None, description="Not implemented: null.")
     reasoning_effort: Any = Field(None, description="Not implemented: null.")
     verbosity: Any = Field(None, description="Not implemented: null.")

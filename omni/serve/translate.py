@@ -24,7 +24,7 @@ from omni.serve.settings import ServeSettings
 
 # request field -> SamplingParams field, applied to the text stage
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
-              "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids")
+              "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "structured_outputs")
 
 
 @dataclass(slots=True)
@@ -86,6 +86,14 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
         top["max_tokens"] = req.token_limit
     if req.num_logprobs is not None:
         top["logprobs"] = req.num_logprobs
+    fmt = getattr(req, "response_format", None)  # chat only
+    if fmt is not None and fmt.structured_outputs is not None:
+        if req.structured_outputs is not None:
+            raise bad_request("response_format: and structured_outputs say the same thing twice; send one",
+                              "response_format")
+        top["structured_outputs"] = fmt.structured_outputs
+        job.fields["structured_outputs"] = ("response_format.json_schema.schema" if fmt.type == "json_schema"
+                                            else "response_format")
     if top:
         stage = info.text_stage or info.entry_stage
         job.sampling[stage] = {**job.sampling.get(stage, {}), **top}

@@ -226,7 +226,7 @@ CHAT_MIN = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
 @pytest.mark.parametrize("extra", [
     {"logprobs": False}, {"logprobs": None}, {"tool_choice": None}, {"tool_choice": "none"},
-    {"response_format": {"type": "text"}}, {"response_format": None}, {"tools": None}, {"tools": []},
+    {"response_format": {"type": "text"}}, {"response_format": None}, {"response_format": {"type": "json_object"}}, {"tools": None}, {"tools": []},
     {"n": None}, {"n": 1}, {"n": 2}, {"stream": None}, {"frequency_penalty": 0}, {"presence_penalty": 0.0},
     {"logit_bias": None}, {"logit_bias": {}}, {"top_logprobs": 0}, {"parallel_tool_calls": True},
     {"store": False}, {"service_tier": "auto"}, {"metadata": {"k": "v"}}, {"prompt_cache_key": "k"},
@@ -243,7 +243,8 @@ def test_null_or_default_openai_fields_are_accepted(extra):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),  # OpenAI's range: 0..20
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "invalid_value"),
     ({"logit_bias": {"one": 2}}, "logit_bias.one", "invalid_value"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),  # OpenAI's range: -2..2
     ({"frequency_penalty": False}, "frequency_penalty", "invalid_value"),  # not JSON's 0
