@@ -74,6 +74,7 @@ class TokenLogprob:
     logprob: float
     token: str | None = None
     top: list[tuple[int, float, str | None]] = field(default_factory=list)  # (id, logprob, text), best first
+    rank: int | None = None  # 1 + the tokens more likely than this one (prompt logprobs: vLLM's `rank`)
 
 
 @dataclass(slots=True)
@@ -102,6 +103,8 @@ class StageOutput:
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s, ...
     cache_report: CacheReport | None = None  # on summaries for the driver (stage_worker.py)
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
+    # One per prompt token (None for the first: nothing precedes it), when the request asked (prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def ok(self) -> bool:

@@ -102,6 +102,12 @@ class SamplingParams(BaseModel):
         "tokens at its step (0: the generated token's only), 0..20, from the model's raw logits (before "
         "penalties, bias and temperature, as vLLM). None: no log-probabilities.",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        description="vLLM's prompt_logprobs, 0..20: each prompt token's log-probability given the tokens before it "
+        "(the first has none) and the `prompt_logprobs` most likely tokens at its position, from the raw logits. "
+        "The request then recomputes its whole prompt (a prefix-cache hit has no logits to give).",
+    )
     min_p: float = Field(
         0.0,
         description="HF / vLLM min-p sampling, 0..1: after temperature, top-k and top-p, drop the tokens whose "
@@ -249,11 +255,11 @@ class SamplingParams(BaseModel):
             raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {bad}")
         return v or None  # {} asks for nothing
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _check_logprobs(cls, v: int | None) -> int | None:
+    def _check_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and not (0 <= v <= 20):
-            raise ValueError(f"logprobs must be None or 0..20 (the most likely tokens to return), got {v}")
+            raise ValueError(f"{info.field_name} must be None or 0..20 (the most likely tokens to return), got {v}")
         return v
 
     @field_validator("min_p")

@@ -204,6 +204,10 @@ class StageEngine:
                                "request's input still streams in", stage=self.name,
                                field="sampling_params.forced_token_ids")
         self.checks.fits(n, params.max_tokens if forced is None else len(forced))
+        if params.prompt_logprobs is not None and (forced is not None or not inp.input_complete):
+            raise RequestError("sampling_params.prompt_logprobs: needs a complete prompt and a sampled reply (not a "
+                               "streamed input, nor a forced reply)", stage=self.name,
+                               field="sampling_params.prompt_logprobs")
         grammar = None if params.structured_outputs is None else self.grammars.matcher(params.structured_outputs)
         embeds, digests, rows = None, None, None
         if prompt_embeds is not None:
@@ -230,6 +234,8 @@ class StageEngine:
                 req.input_complete = inp.input_complete
                 self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None)
             req.compute_limit = self.model.compute_limit(rid)
+            if params.prompt_logprobs is not None:
+                req.skip_prefix_hits = True  # every prompt position's logits: none may come from the cache
             wants_rows = inp.return_hidden_states
             if self.config.emit_hidden_states if wants_rows is None else wants_rows:
                 if not self.runner.emits_rows:
@@ -370,6 +376,11 @@ class StageEngine:
             finished = self.scheduler.update(result.sampled)
             if result.logprobs:
                 self._record_logprobs(result.logprobs, finished)
+            for rid, (first, entries) in result.prompt_logprobs.items():
+                req = self.scheduler.requests.get(rid) or next((r for r in finished if r.request_id == rid), None)
+                have = len(req.prompt_logprobs) if req is not None else first
+                if req is not None and first <= have < first + len(entries):  # a recomputed prefill adds nothing twice
+                    req.prompt_logprobs.extend(entries[have - first :])
             rows = {}
             if finished:
                 # Block tables as scheduled this step (update() has freed them already).
@@ -425,6 +436,10 @@ class StageEngine:
             metrics={"ttft_s": ttft or 0.0, "e2e_s": time.monotonic() - req.arrival_time},
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
         )
+        if req.sampling_params.prompt_logprobs is not None:
+            text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+            out.prompt_logprobs = [None] + [TokenLogprob(t, lp, text(t), [(i, p, text(i)) for i, p in top], rank)
+                                            for t, lp, top, rank in req.prompt_logprobs]
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             streamed = self.streams.final_text(rid)

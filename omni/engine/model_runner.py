@@ -81,6 +81,11 @@ class RunnerOutput:
     num_tokens: int = 0
     # Of the sampled requests that asked (SamplingParams.logprobs): (logprob, [(id, logprob)] most likely first).
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    # Of the requests that asked (SamplingParams.prompt_logprobs) and prefilled prompt positions this step: the
+    # next prompt token's (id, logprob, top) at each of those positions, in order.
+    # next prompt token's (id, logprob, top) at each of those positions, in order, after the index of the first.
+    prompt_logprobs: dict[str, tuple[int, list[tuple[int, float, list[tuple[int, float]], int]]]] = field(
+        default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -92,6 +97,8 @@ class _Prepared:
     embed_rows: list[tuple[int, torch.Tensor]]  # (batch row, prompt embeds slice)
     row_ranges: list[tuple[str, int, int]]
     is_decode: bool  # every sequence schedules one token from its own token ids
+    # (request id, first batch row, rows, the prompt tokens those rows predict) of prompt_logprobs requests
+    prompt_lp: list[tuple[str, int, int, int, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -172,11 +179,28 @@ class ModelRunner:
         t0 = time.perf_counter()
         outputs = self._forward(sched, prep)
         sampled, logprobs = self._sample(outputs["hidden_states"], prep, t0)
+        prompt_logprobs = self._prompt_logprobs(outputs["hidden_states"], prep) if prep.prompt_lp else {}
         n = prep.num_tokens
         per_token = {k: v for k, v in outputs.items() if is_per_token(v, n)}
         other = {k: v for k, v in outputs.items() if k not in per_token}
         return RunnerOutput(sampled, self.stager.stage(per_token) if self.stager else None, other,
-                            self.batch.np["slot_mapping"][:n].copy(), prep.row_ranges, n, logprobs)
+                            self.batch.np["slot_mapping"][:n].copy(), prep.row_ranges, n, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prep: _Prepared) -> dict[str, list]:
+        """Each asking request's prompt rows of this step through the output head: the log-probability of the prompt
+        token each row predicts, from the raw logits (as the generated tokens' logprobs)."""
+        t0 = time.perf_counter()
+        out = {}
+        for rid, start, row, n, targets in prep.prompt_lp:
+            logits = self.model.compute_logits(hidden[row : row + n])
+            top = self.states[rid].request.sampling_params.prompt_logprobs
+            tokens = torch.tensor(targets, device=logits.device)
+            chosen = logits.float().gather(1, tokens.view(-1, 1))
+            ranks = (logits.float() > chosen).sum(dim=-1).add_(1).tolist()  # vLLM's rank of the prompt token
+            out[rid] = (start, [(t, lp, tp, r) for t, (lp, tp), r in
+                                zip(targets, raw_logprobs(logits, tokens, [top] * n), ranks)])
+        self.profile.sampling_s += time.perf_counter() - t0
+        return out
 
     def _prepare(self, sched: SchedulerOutput) -> _Prepared:
         """Fill the host side of the input buffers for this step."""
@@ -191,6 +215,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_states: list[RunnerRequestState] = []
         embed_rows: list[tuple[int, torch.Tensor]] = []
+        prompt_lp: list[tuple[str, int, int, int, list[int]]] = []
         row_ranges = []
         is_decode = True
         row = 0
@@ -211,6 +236,10 @@ class ModelRunner:
             if end == req.num_tokens and (req.input_complete or self.model.decodes_before_input_complete):
                 sample_rows.append(row + n - 1)
                 sample_states.append(state)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                # position p's logits predict prompt token p + 1: rows start .. min(end, P - 1) - 1
+                last = min(end, req.num_prompt_tokens - 1)
+                prompt_lp.append((s.req_id, start, row, last - start, list(req.all_token_ids[start + 1 : last + 1])))
             is_decode = is_decode and n == 1
             row_ranges.append((s.req_id, row, n))
             row += n
@@ -219,7 +248,7 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(num_seqs), np.diff(qsl[: num_seqs + 1]))
         b["slot_mapping"][:row] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
         return _Prepared(row, num_seqs, sample_rows, sample_states, embed_rows, row_ranges,
-                         is_decode and not embed_rows)
+                         is_decode and not embed_rows, prompt_lp)
 
     def _forward(self, sched: SchedulerOutput, prep: _Prepared) -> dict[str, torch.Tensor]:
         n_tok, n_seq = prep.num_tokens, prep.num_seqs

@@ -89,6 +89,9 @@ class Request:
         # One omni.outputs.TokenLogprob per output token when sampling_params.logprobs is set (the engine fills
         # it; this module imports nothing of the outputs, the KV manager's side needs none of it).
         self.output_logprobs: list[Any] = []
+        # (token id, logprob, [(id, logprob)] best first, rank) of prompt tokens 1.. as the prefill computes them
+        # (sampling_params.prompt_logprobs; the engine adds the texts at the end).
+        self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]], int]] = []
         # prompt + output in one list, so that hashing and the runner never
         # concatenate on the hot path.
         self.all_token_ids: list[int] = self.prompt_token_ids.copy()

@@ -218,6 +218,10 @@ class _Common(_Strict):
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
         None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
         "that stage's defaults, or null. The top-level fields above then apply to the text stage.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="vLLM's prompt_logprobs (the text stage, not streamed): each choice's "
+        "`prompt_logprobs`, per prompt token (null for the first) {token id: {logprob, rank, decoded_token}} of the "
+        "token itself and the prompt_logprobs most likely ones. The prompt is recomputed (no prefix-cache hit).")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's structured outputs (the text stage): exactly one of {\"json\": schema}, "
         "{\"json_object\": true}, {\"regex\": str}, {\"choice\": [str, ...]}.")
@@ -244,6 +248,8 @@ class _Common(_Strict):
     def _stream_options_need_stream(self) -> "_Common":
         if self.stream_options is not None and not self.stream:
             raise field_error("stream_options", "only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise field_error("prompt_logprobs", "not with stream: true (the prompt's logprobs come with the reply)")
         return self
 
     @property

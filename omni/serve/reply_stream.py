@@ -91,6 +91,7 @@ class Run:
         self.completion_tokens = 0
         self.cached_tokens: int | None = None  # known once the text stage finished
         self.logprobs: list[TokenLogprob] | None = None  # the reply tokens', when the request asked
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt tokens', when asked
         self._stop = StopMatcher(job.stops)
         self._agen: Any = None
         self._first: StageDelta | StageOutput | None = None
@@ -184,6 +185,7 @@ class Run:
             self.cached_tokens = item.num_cached_tokens
             if item.logprobs is not None:
                 self.logprobs = item.logprobs  # all of them (deltas carried them too, when it streamed)
+            self.prompt_logprobs = item.prompt_logprobs
         if item.stage == job.audio_stage and item.audio is not None:
             full = np.asarray(item.audio, dtype=np.float32).reshape(-1)
             out += self._audio(full[self._audio_sent:], item.passthrough.get("sampling_rate"))

@@ -78,6 +78,29 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
             "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t in e.top} for e in entries], "text_offset": offsets}
 
 
+def prompt_logprobs(entries: list[TokenLogprob | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob, rank,
+    decoded_token}} of the token itself and the most likely ones (their ranks 1, 2, ... in order)."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        pos = {str(t): {"logprob": _lp(lp), "rank": r, "decoded_token": text} for r, (t, lp, text) in
+               enumerate(e.top, start=1)}
+        pos[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}
+        out.append(pos)
+    return out
+
+
+def _with_prompt_logprobs(choice: dict[str, Any], run: Any) -> dict[str, Any]:
+    if run.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(run.prompt_logprobs)
+    return choice
+
+
 def chat_completion(rid: str, model: str, created: int, choices: Usage,
                     audios: list[dict[str, Any] | None]) -> dict[str, Any]:
     """The reply of every choice (a Choices: its runs, in order), each with its audio (or None)."""
@@ -87,8 +110,8 @@ def chat_completion(rid: str, model: str, created: int, choices: Usage,
                                    "content": run.text if run.job.text_stage is not None else None}
         if audio is not None:
             message["audio"] = audio
-        out.append({"index": index, "message": message, "finish_reason": run.finish_reason,
-                    "logprobs": chat_logprobs(run.logprobs)})
+        out.append(_with_prompt_logprobs({"index": index, "message": message, "finish_reason": run.finish_reason,
+                                          "logprobs": chat_logprobs(run.logprobs)}, run))
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(choices)}
 
@@ -127,8 +150,9 @@ def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, A
 
 def completion(rid: str, model: str, created: int, choices: Usage) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": run.text, "finish_reason": run.finish_reason,
-                         "logprobs": completion_logprobs(run.logprobs)} for index, run in enumerate(choices.runs)],
+            "choices": [_with_prompt_logprobs({"index": index, "text": run.text, "finish_reason": run.finish_reason,
+                                               "logprobs": completion_logprobs(run.logprobs)}, run)
+                        for index, run in enumerate(choices.runs)],
             "usage": usage(choices)}
 
 

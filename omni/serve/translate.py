@@ -24,7 +24,8 @@ from omni.serve.settings import ServeSettings
 
 # request field -> SamplingParams field, applied to the text stage
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
-              "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "structured_outputs")
+              "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "structured_outputs",
+              "prompt_logprobs")
 
 
 @dataclass(slots=True)

@@ -348,6 +348,29 @@ def test_structured_outputs_json_schema_json_object_regex_choice(client):
     assert e.value.body["param"] == "structured_outputs"
 
 
+def test_prompt_logprobs_vllm_extra(client, server):
+    """vLLM's prompt_logprobs on completions and chat: one entry per prompt token (null first), the token itself with
+    its rank and the k most likely with ranks 1..k; a repeat gives the same numbers (recomputed, not cached)."""
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox jumps", max_tokens=2,
+                                  extra_body={"prompt_logprobs": 2})
+    lps = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(lps) == r.usage.prompt_tokens and lps[0] is None
+    for pos in lps[1:]:
+        ranked = sorted((v["rank"], v["logprob"]) for v in pos.values())
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 and v["decoded_token"] is not None for v in pos.values())
+        top = [lp for rank, lp in ranked if rank <= 2]
+        assert top == sorted(top, reverse=True) and len(pos) in (2, 3)  # the token itself may be one of the top 2
+    again = client.completions.create(model=MODEL, prompt="The quick brown fox jumps", max_tokens=2,
+                                      extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    assert again == lps
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    chat_lps = chat.choices[0].model_extra["prompt_logprobs"]
+    assert len(chat_lps) == chat.usage.prompt_tokens and all(len(p) == 1 for p in chat_lps[1:])
+    status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True,
+                                                       "prompt_logprobs": 1})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+
+
 def test_openai_fields_at_their_defaults_are_accepted(server):
     body = {**GOOD, "logprobs": False, "tool_choice": None, "response_format": {"type": "text"}, "n": None,
             "stream": None, "tools": None, "frequency_penalty": 0, "logit_bias": None}
