@@ -107,3 +107,33 @@ def test_realtime_spoken_turns_on_qwen3_omni(server):
     asyncio.run(go())
     wait_idle(server)
     assert server.stage_gauges("omni_stage_prefix_cache_hits_total")["talker"] > 0
+
+
+def test_speech_endpoint_on_qwen3_omni(server, client):
+    """`/v1/audio/speech` on Qwen3-Omni: the thinker forced to the input, the talker and code2wav voice it; the
+    streamed pcm is the WAV's samples (greedy stages: the same speech again)."""
+    text = "Good morning, this is a test."
+    wav = client.audio.speech.create(model=MODEL, input=text, voice="Ethan", response_format="wav").content
+    with wave.open(io.BytesIO(wav)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        samples = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    assert samples.size > 0 and np.abs(samples).max() > 0
+    with client.audio.speech.with_streaming_response.create(model=MODEL, input=text, voice="Ethan",
+                                                            response_format="pcm") as resp:
+        pcm = b"".join(resp.iter_bytes())
+    np.testing.assert_array_equal(np.frombuffer(pcm, "<i2"), samples)
+    thinker = server.omni._omni._backend.workers["thinker"].engine
+    seen = []
+    real = thinker.add_request
+
+    def spy(inp):
+        seen.append(inp.sampling_params)
+        return real(inp)
+
+    thinker.add_request = spy
+    try:
+        client.audio.speech.create(model=MODEL, input=text, voice="Ethan", response_format="wav")
+    finally:
+        del thinker.add_request
+    assert [p.forced_text for p in seen] == [text]  # the thinker's reply is exactly the input
+    wait_idle(server)
