@@ -188,7 +188,6 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
                              f"(got {n} tokens, {hidden.shape[0]} rows for a {L}-token prompt)")
         spk = speaker_params(self.speakers, ex.get("speaker"))
         streaming = bool(ex.get("streaming"))
-        cfg = self.config
         emb = self._embed_text(prompt)
         is_mm = torch.tensor([t in self.mm_token_ids for t in prompt], device=self.device)
         emb[is_mm] = 0.0  # transformers zeroes the image/audio/video rows of the embeddings it hands over

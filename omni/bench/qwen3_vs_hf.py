@@ -66,7 +66,7 @@ def _prompts(n: int, tag: str) -> list[dict[str, Any]]:
 
 
 def _level(chain: AudioChain, recs: list[Any], wall_s: float) -> dict[str, Any]:
-    from .capacity import AGREE_SNR_DB, _pct, _snr_db
+    from .capacity import _pct
     from .omni_streaming import audio_times
 
     times = audio_times(recs, chain.audio)

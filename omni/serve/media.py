@@ -47,7 +47,7 @@ def parse_data_url(url: str, where: str, kind: str) -> tuple[str, bytes]:
 
 def decode_image(data: bytes, where: str, max_decoded_bytes: int) -> np.ndarray:
     """PNG / JPEG / WEBP / GIF (first frame) / BMP bytes -> HxWx3 uint8 RGB."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
