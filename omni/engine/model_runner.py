@@ -82,8 +82,7 @@ class RunnerOutput:
     # Of the sampled requests that asked (SamplingParams.logprobs): (logprob, [(id, logprob)] most likely first).
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
     # Of the requests that asked (SamplingParams.prompt_logprobs) and prefilled prompt positions this step: the
-    # next prompt token's (id, logprob, top) at each of those positions, in order.
-    # next prompt token's (id, logprob, top) at each of those positions, in order, after the index of the first.
+    # first position's index and, at each position in order, the next prompt token's (id, logprob, top, rank).
     prompt_logprobs: dict[str, tuple[int, list[tuple[int, float, list[tuple[int, float]], int]]]] = field(
         default_factory=dict)
 
@@ -97,7 +96,8 @@ class _Prepared:
     embed_rows: list[tuple[int, torch.Tensor]]  # (batch row, prompt embeds slice)
     row_ranges: list[tuple[str, int, int]]
     is_decode: bool  # every sequence schedules one token from its own token ids
-    # (request id, first batch row, rows, the prompt tokens those rows predict) of prompt_logprobs requests
+    # (request id, first position, first batch row, rows, the prompt tokens those rows predict) of the requests
+    # that asked for prompt_logprobs
     prompt_lp: list[tuple[str, int, int, int, list[int]]] = field(default_factory=list)
 
 
@@ -186,7 +186,7 @@ class ModelRunner:
         return RunnerOutput(sampled, self.stager.stage(per_token) if self.stager else None, other,
                             self.batch.np["slot_mapping"][:n].copy(), prep.row_ranges, n, logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, prep: _Prepared) -> dict[str, list]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, prep: _Prepared) -> dict[str, tuple[int, list]]:
         """Each asking request's prompt rows of this step through the output head: the log-probability of the prompt
         token each row predicts, from the raw logits (as the generated tokens' logprobs)."""
         t0 = time.perf_counter()

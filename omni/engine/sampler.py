@@ -3,7 +3,8 @@
 The sampler follows Hugging Face `generate` semantics so that our engine's tokens can be compared
 against transformers' token for token:
 
-    logits -> allowed tokens (structured outputs) -> banned tokens (min_tokens) -> logit bias -> repetition penalty -> presence / frequency penalties
+    logits -> allowed tokens (structured outputs) -> banned tokens (min_tokens) -> logit bias
+           -> repetition penalty -> presence / frequency penalties
            -> greedy: argmax
            \\-> random: / temperature -> top-k -> top-p -> min-p -> sample
 
