@@ -97,7 +97,7 @@ def _turn(omni: Any, chain: AudioChain, rid: str, prompt: list[dict], mm: dict[s
             # the talker's first codec token: what a streaming vocoder needs to start playing
             "first_audio": r.first_token_s[chain.talker],
             # what the caller gets first: a streamed chunk, or (plain edges) the whole waveform
-            "first_waveform": t_end if r.first_audio_s is None else r.first_audio_s,
+            "first_waveform": r.first_audio_at(chain.audio),
             # where the turn's time went (each stage's output after the one before)
             "stage_s": {chain.thinker: t_talker, chain.talker: t_wav - t_talker, chain.audio: t_end - t_wav},
             "outputs": tuple(r.outputs[s] for s in chain.names)}

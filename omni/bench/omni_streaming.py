@@ -70,7 +70,7 @@ def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
             raise RuntimeError(f"request {r.request_id} failed at stage {r.error_stage}: {r.error}")
         wav, e2e = r.outputs[audio_stage], r.output_s[audio_stage]
         audio_s = len(wav.audio) / int(wav.passthrough.get("sampling_rate", 24000))
-        out.append({"ttfp_s": e2e if r.first_audio_s is None else r.first_audio_s, "e2e_s": e2e, "audio_s": audio_s,
+        out.append({"ttfp_s": r.first_audio_at(audio_stage), "e2e_s": e2e, "audio_s": audio_s,
                     "rtf": e2e / max(audio_s, 1e-9), "stall_s": playback_stall_s(r.audio_deltas)})
     return out
 

@@ -118,6 +118,10 @@ class TimedRequest:
     error: str | None = None  # the first error (a failed request ends with one)
     error_stage: str | None = None
 
+    def first_audio_at(self, audio_stage: str) -> float:
+        """When the caller had audio first: the first streamed chunk, or the finished waveform of `audio_stage`."""
+        return self.output_s[audio_stage] if self.first_audio_s is None else self.first_audio_s
+
 
 def playback_stall_s(deltas: list[tuple[float, float]]) -> float:
     """Silence a listener hears after playback began: a client that plays each audio chunk as soon as it arrives

@@ -331,9 +331,10 @@ class ModelRunner:
         grammars = [st.grammar for st in states]
         allowed = fill_bitmask(grammars, logits.shape[-1]) if any(g is not None for g in grammars) else None
         tokens = self.sampler(logits, params, [st.generator for st in states], histories, banned, outputs, allowed)
-        sampled = {st.request.request_id: tok for st, tok in zip(states, tokens.tolist())}
+        token_list = tokens.tolist()
+        sampled = {st.request.request_id: tok for st, tok in zip(states, token_list)}
         if allowed is not None:
-            for st, tok in zip(states, tokens.tolist()):
+            for st, tok in zip(states, token_list):
                 if st.grammar is not None and advance(st.grammar, tok):
                     st.request.structured_done = True  # the scheduler's stop rule ends it this step
         logprobs = {}

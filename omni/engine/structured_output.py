@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from omni.errors import RequestError
-from omni.structured_spec import check_spec
 
 FIELD = "sampling_params.structured_outputs"
 
@@ -60,7 +59,7 @@ class GrammarCompiler:
     def matcher(self, spec: dict[str, Any]) -> Any:
         """A fresh llguidance matcher for one request; RequestError naming the field when the constraint does not
         compile (a bad schema or regex) or the stage cannot constrain (no tokenizer, llguidance missing)."""
-        (kind, value), = check_spec(spec).items()
+        (kind, value), = spec.items()  # SamplingParams validated its shape (structured_spec.check_spec)
         if self.tokenizer is None:
             raise self._error(f"stage {self.stage!r} has no tokenizer to constrain its text with")
         try:
