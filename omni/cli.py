@@ -7,7 +7,7 @@
     omni serve CONFIG [--host 127.0.0.1] [--port 8000] [--stage-overrides JSON] [--api-key KEY] ...
     omni bench NAME [ARGS ...]      (kv, kernels, throughput, prefix, tensor-cache, pipeline, omni, token2wav,
                                      streaming, routing, serve, capacity, plan,
-                                     realtime, qwen3-vs-hf)
+                                     realtime, qwen3-vs-hf, head)
 
 Exit status: 0 success, 1 some request (or a stage) failed, 2 invalid config, prompts file or
 usage, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); the last three print one line.
@@ -49,6 +49,7 @@ BENCHES = {
     "plan": "plan",
     "realtime": "realtime",
     "qwen3-vs-hf": "qwen3_vs_hf",
+    "head": "head",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 

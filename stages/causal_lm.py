@@ -12,7 +12,7 @@ import torch
 
 from omni.engine.attention import register_attention
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.output_head import use_column_major_head
+from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec
 
 
@@ -64,7 +64,7 @@ class CausalLMStage(AutoregressiveStageModel):
             str(directory), dtype=dtype, attn_implementation=attn, **kwargs
         )
         model.to(device).eval()
-        use_column_major_head(model.get_output_embeddings(), device)  # decode logits at memory speed
+        prepare_cpu_head(model.get_output_embeddings(), device)  # decode logits at memory speed
         tok_dir = Path(tokenizer_path) if tokenizer_path else directory
         tok_kwargs = {"gguf_file": gguf_file} if (gguf_file and tokenizer_path is None) else {}
         try:

@@ -38,7 +38,7 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.output_head import use_column_major_head
+from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import RequestError
 from omni.outputs import StageInput
@@ -137,7 +137,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         talker, full = load_omni_part(Path(model_path), "talker", Qwen2_5OmniTalkerForConditionalGeneration,
                                       dtype, device, **kwargs)
         talker.model.config._attn_implementation = register_attention()
-        use_column_major_head(talker.codec_head, device)  # decode logits at memory speed
+        prepare_cpu_head(talker.codec_head, device)  # decode logits at memory speed
         tc = full.thinker_config
         mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
         return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),

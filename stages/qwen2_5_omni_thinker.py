@@ -22,7 +22,7 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.output_head import use_column_major_head
+from omni.engine.output_head import prepare_cpu_head
 from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import RequestError
@@ -104,7 +104,7 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
                                     dtype, device, **kwargs)
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
         text_model(thinker).config._attn_implementation = register_attention()
-        use_column_major_head(thinker.lm_head, device)  # decode logits at memory speed
+        prepare_cpu_head(thinker.lm_head, device)  # decode logits at memory speed
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size)
 

@@ -56,7 +56,7 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.output_head import use_column_major_head
+from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import RequestError
 from omni.outputs import StageInput
@@ -140,7 +140,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
                                             dtype, device, **dict(model_kwargs or {}))
         # Paged attention for the MoE decoder only; the code predictor keeps sdpa over its short frames.
         talker.model.config._attn_implementation = register_attention()
-        use_column_major_head(talker.codec_head, device)
+        prepare_cpu_head(talker.codec_head, device)
         return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), full, device, dtype)
 
     @classmethod

@@ -373,6 +373,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni bench streaming --pipeline qwen3-omni$",
      covered("tests/bench/test_bench_streaming.py::test_streaming_bench_on_the_qwen3_omni_pipeline")),
     (r"^omni bench qwen3-vs-hf$", covered("tests/bench/test_bench_qwen3_vs_hf.py::test_qwen3_vs_hf_on_the_tiny_pipeline")),
+    (r"^omni bench head$", covered("tests/bench/test_bench_head.py::test_bench_head_times_both_sides_for_every_row_count")),
     (r"^omni bench token2wav$",
      covered("tests/bench/test_bench_token2wav.py::test_token2wav_bench_compares_with_transformers_and_agrees")),
     (r"^omni bench streaming( --plot \S+| --pipeline omni)?$",
