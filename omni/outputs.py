@@ -105,6 +105,9 @@ class StageOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
     # One per prompt token (None for the first: nothing precedes it), when the request asked (prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # The prompt decoded, whole and token by token, when the request asked (SamplingParams.echo_prompt).
+    prompt_text: str | None = None
+    prompt_token_texts: list[str] | None = None
 
     @property
     def ok(self) -> bool:

@@ -108,6 +108,12 @@ class SamplingParams(BaseModel):
         "(the first has none) and the `prompt_logprobs` most likely tokens at its position, from the raw logits. "
         "The request then recomputes its whole prompt (a prefix-cache hit has no logits to give).",
     )
+    echo_prompt: bool = Field(
+        False,
+        description="The finished output also carries the prompt decoded by the stage's tokenizer, whole "
+        "(`prompt_text`) and each token alone (`prompt_token_texts`): what the completions endpoint's `echo` "
+        "sends back (the prompt may have been given as token ids).",
+    )
     min_p: float = Field(
         0.0,
         description="HF / vLLM min-p sampling, 0..1: after temperature, top-k and top-p, drop the tokens whose "

@@ -436,6 +436,10 @@ class StageEngine:
             metrics={"ttft_s": ttft or 0.0, "e2e_s": time.monotonic() - req.arrival_time},
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
         )
+        if req.sampling_params.echo_prompt and self.tokenizer is not None:
+            ids = list(req.prompt_token_ids)
+            out.prompt_text = self.tokenizer.decode(ids)
+            out.prompt_token_texts = [self.tokenizer.decode([t]) for t in ids]
         if req.sampling_params.prompt_logprobs is not None:
             text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
             out.prompt_logprobs = [None] + [TokenLogprob(t, lp, text(t), [(i, p, text(i)) for i, p in top], rank)

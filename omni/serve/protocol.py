@@ -7,7 +7,7 @@ OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `logprobs` ap
 (vLLM's semantics).
 
 Every field of OpenAI's request schemas is known (openai/types/chat/completion_create_params.py and
-completion_create_params.py). A field this server does not implement (tools, echo,
+completion_create_params.py). A field this server does not implement (tools, suffix,
 ...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
 `"tool_choice": null`), as clients that serialise their unset
 fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
@@ -57,7 +57,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
 }
 
@@ -337,13 +336,22 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(description="The prompt: text, or token ids.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Return each token's log-probability and those "
                                  "of the 0..5 most likely tokens at its position (the text stage).")
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most (the text stage); 0 only "
+                                   "with echo: the prompt alone comes back (with its logprobs), nothing generated.")
     best_of: Any = Field(None, description="Not implemented: null or 1.")
-    echo: Any = Field(None, description="Not implemented: null or false.")
+    echo: bool | None = Field(None, description="The text starts with the prompt (a string prompt as sent, token "
+                              "ids decoded); with logprobs, the prompt's tokens come first in `logprobs` (the "
+                              "first with a null logprob; the prompt is then recomputed: no prefix-cache hit). "
+                              "Not with stream: true.")
     suffix: Any = Field(None, description='Not implemented: null or "".')
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
         _check_unsupported(self, _COMPLETION_UNSUPPORTED)
+        if self.echo and self.stream:
+            raise field_error("echo", "not with stream: true (the echoed prompt comes with the reply)")
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
         return self
 
     @field_validator("prompt")

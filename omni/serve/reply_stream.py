@@ -92,6 +92,9 @@ class Run:
         self.cached_tokens: int | None = None  # known once the text stage finished
         self.logprobs: list[TokenLogprob] | None = None  # the reply tokens', when the request asked
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt tokens', when asked
+        # The prompt decoded, whole and token by token (SamplingParams.echo_prompt: completions' echo)
+        self.prompt_text: str | None = None
+        self.prompt_token_texts: list[str] | None = None
         self._stop = StopMatcher(job.stops)
         self._agen: Any = None
         self._first: StageDelta | StageOutput | None = None
@@ -186,6 +189,7 @@ class Run:
             if item.logprobs is not None:
                 self.logprobs = item.logprobs  # all of them (deltas carried them too, when it streamed)
             self.prompt_logprobs = item.prompt_logprobs
+            self.prompt_text, self.prompt_token_texts = item.prompt_text, item.prompt_token_texts
         if item.stage == job.audio_stage and item.audio is not None:
             full = np.asarray(item.audio, dtype=np.float32).reshape(-1)
             out += self._audio(full[self._audio_sent:], item.passthrough.get("sampling_rate"))

@@ -148,12 +148,61 @@ def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, A
     return {"audio": {"id": audio_id, "data": data, "expires_at": int(time.time()) + AUDIO_TTL_S}}, None
 
 
+def _echo_logprobs(run: Any) -> dict[str, Any]:
+    """The prompt's tokens as completions' `logprobs` list them (vLLM's echo): each token's text decoded alone,
+    its log-probability (null for the first: nothing precedes it), the most likely tokens at its position and
+    itself in `top_logprobs` (null for the first)."""
+    texts = run.prompt_token_texts or []
+    entries = run.prompt_logprobs or []
+    out: dict[str, Any] = {"tokens": list(texts), "token_logprobs": [], "top_logprobs": []}
+    for i, _ in enumerate(texts):
+        e = entries[i] if i < len(entries) else None
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        top = {(t or ""): _lp(lp) for _, lp, t in e.top}
+        top[texts[i]] = _lp(e.logprob)
+        out["token_logprobs"].append(_lp(e.logprob))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def _completion_choice(index: int, run: Any) -> dict[str, Any]:
+    """One choice of a text_completion; with echo (run.job.echo_text not None) the prompt leads its text and,
+    when asked, its logprobs (text_offset then counts from the prompt's first character)."""
+    job = run.job
+    generated = completion_logprobs(run.logprobs)
+    if job.echo_text is None:
+        return _with_prompt_logprobs({"index": index, "text": run.text, "finish_reason": run.finish_reason,
+                                      "logprobs": generated}, run)
+    prompt = job.echo_text or run.prompt_text or ""  # a prompt given as token ids: the stage decoded it
+    text = prompt if job.echo_only else prompt + run.text
+    logprobs = None
+    if generated is not None or job.echo_logprobs:
+        logprobs = _echo_logprobs(run) if job.echo_logprobs else {"tokens": [], "token_logprobs": [],
+                                                                   "top_logprobs": []}
+        if generated is not None and not job.echo_only:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                logprobs[key] += generated[key]
+        offsets, at = [], 0
+        for token in logprobs["tokens"]:
+            offsets.append(at)
+            at += len(token)
+        logprobs["text_offset"] = offsets
+    choice = {"index": index, "text": text, "finish_reason": run.finish_reason, "logprobs": logprobs}
+    # Asked for by `prompt_logprobs` itself (not only computed for echo): vLLM's field too.
+    return _with_prompt_logprobs(choice, run) if job.show_prompt_logprobs else choice
+
+
 def completion(rid: str, model: str, created: int, choices: Usage) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [_with_prompt_logprobs({"index": index, "text": run.text, "finish_reason": run.finish_reason,
-                                               "logprobs": completion_logprobs(run.logprobs)}, run)
-                        for index, run in enumerate(choices.runs)],
-            "usage": usage(choices)}
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "choices": [_completion_choice(index, run) for index, run in enumerate(choices.runs)],
+           "usage": usage(choices)}
+    if choices.runs and choices.runs[0].job.echo_only:
+        out["usage"]["total_tokens"] -= out["usage"]["completion_tokens"]
+        out["usage"]["completion_tokens"] = 0  # the token sampled only because an engine request samples one
+    return out
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, *, finish_reason: str | None = None,

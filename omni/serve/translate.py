@@ -59,6 +59,12 @@ class Job:
     stops: list[str]
     fields: dict[str, str]  # omni's names -> the request's fields (for error params)
     from_list: dict[str, tuple[int, set[str]]] = field(default_factory=dict)  # stage -> (index, fields)
+    # completions' echo: None (no echo), else the reply starts with the prompt: `echo_text` ("" until the
+    # text stage decodes a prompt given as token ids); echo_only: nothing generated is sent (max_tokens 0)
+    echo_text: str | None = None
+    echo_only: bool = False
+    echo_logprobs: bool = False  # the prompt's tokens lead the reply's logprobs
+    show_prompt_logprobs: bool = True  # False: the prompt's logprobs were computed for echo only (not asked)
 
     def sampling_param(self, stage: str, name: str) -> str:
         """The request field that set `stage`'s sampling field `name`."""
@@ -172,7 +178,27 @@ def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str) 
     fields = {"prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
     job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, req.stops, fields)
     _sampling(req, info, job)
+    if req.echo:
+        _echo(req, job, p if isinstance(p, str) else None)
     return job
+
+
+def _echo(req: CompletionRequest, job: Job, prompt_text: str | None) -> None:
+    """completions' `echo` (vLLM's semantics): the text stage returns its prompt decoded; with logprobs it
+    also returns the prompt's logprobs (as many most likely tokens as `logprobs` asks); max_tokens 0 generates
+    one token that the reply leaves out (an engine request samples at least one)."""
+    assert job.text_stage is not None
+    text = job.sampling.setdefault(job.text_stage, {})
+    text["echo_prompt"] = True
+    job.echo_text = prompt_text if prompt_text is not None else ""
+    if req.logprobs is not None:
+        job.echo_logprobs = True
+        text["prompt_logprobs"] = max(req.logprobs, text.get("prompt_logprobs") or 0)
+        job.show_prompt_logprobs = req.prompt_logprobs is not None
+        job.fields.setdefault("prompt_logprobs", "logprobs")
+    if req.max_tokens == 0:
+        job.echo_only = True
+        text["max_tokens"] = 1
 
 
 def check_model(name: str, info: PipelineInfo) -> None:

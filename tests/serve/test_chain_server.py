@@ -371,6 +371,49 @@ def test_prompt_logprobs_vllm_extra(client, server):
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
 
 
+def test_completions_echo(client, server):
+    """completions' echo (vLLM's semantics): the text starts with the prompt; with logprobs the prompt's tokens lead
+    `logprobs` (the first null), their values those of vLLM's prompt_logprobs; max_tokens 0 returns the prompt
+    alone (lm-evaluation-harness scores a continuation this way, prompt as token ids)."""
+    prompt = "The quick brown fox jumps"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=1)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=1, echo=True)
+    c, p = echoed.choices[0], plain.choices[0]
+    assert c.text == prompt + p.text
+    # (the echoed prompt with logprobs is recomputed: no cached tokens there)
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (plain.usage.prompt_tokens, 3)
+    n = plain.usage.prompt_tokens
+    assert len(c.logprobs.tokens) == n + 3 and c.logprobs.tokens[n:] == p.logprobs.tokens
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert "".join(c.logprobs.tokens[:n]) == prompt  # each prompt token decoded alone, in order
+    assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i])) for i in range(n + 3)]
+    # The same request through vLLM's prompt_logprobs: the same computation (the prompt recomputed, where the plain
+    # request above may hit the prefix cache), so the same numbers.
+    vllm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=1,
+                                     extra_body={"prompt_logprobs": 1})
+    assert c.logprobs.token_logprobs[n:] == vllm.choices[0].logprobs.token_logprobs
+    assert c.logprobs.top_logprobs[n:] == vllm.choices[0].logprobs.top_logprobs
+    ids = [int(next(k for k, v in pos.items() if v["decoded_token"] == tok and v["logprob"] == lp))
+           for pos, tok, lp in zip(vllm.choices[0].model_extra["prompt_logprobs"][1:], c.logprobs.tokens[1:n],
+                                   c.logprobs.token_logprobs[1:n])]
+    assert len(ids) == n - 1  # every prompt token's logprob is the one prompt_logprobs gives it
+    assert all(len(top) in (1, 2) and c.logprobs.tokens[i] in top for i, top in enumerate(c.logprobs.top_logprobs[1:n], 1))
+    assert "prompt_logprobs" not in c.model_extra  # computed for echo, not asked for
+
+    # lm-evaluation-harness's loglikelihood request: token ids, echo, max_tokens 0, logprobs 1
+    token_ids = [ids[0], *ids]  # a prompt as token ids (the fox sentence's tokens after the first, and one more)
+    score = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=0, logprobs=1, echo=True,
+                                      temperature=0)
+    s = score.choices[0]
+    assert s.text == "".join(s.logprobs.tokens) and len(s.logprobs.tokens) == len(token_ids)
+    assert s.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in s.logprobs.token_logprobs[1:])
+    assert score.usage.completion_tokens == 0 and score.usage.total_tokens == score.usage.prompt_tokens == len(token_ids)
+    status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "stream": True})
+    assert status == 400 and body["error"]["param"] == "echo"
+    status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
 def test_openai_fields_at_their_defaults_are_accepted(server):
     body = {**GOOD, "logprobs": False, "tool_choice": None, "response_format": {"type": "text"}, "n": None,
             "stream": None, "tools": None, "frequency_penalty": 0, "logit_bias": None}

@@ -284,11 +284,14 @@ def test_penalties_min_p_and_logit_bias_reach_the_text_stage():
     assert all(k not in job.sampling.get(s, {}) for s in info.stages if s != info.text_stage for k in fields)
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"logprobs": None}, None), ({"echo": False}, None), ({"best_of": 1}, None), ({"suffix": None}, None),
-    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+@pytest.mark.parametrize("extra,param,code", [
+    ({"logprobs": None}, None, None), ({"echo": False}, None, None), ({"best_of": 1}, None, None),
+    ({"suffix": None}, None, None), ({"echo": True}, None, None), ({"echo": True, "max_tokens": 0}, None, None),
+    ({"best_of": 2}, "best_of", "unsupported_parameter"), ({"suffix": "x"}, "suffix", "unsupported_parameter"),
+    ({"echo": True, "stream": True}, "echo", "invalid_value"), ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"echo": "yes"}, "echo", None),
 ])
-def test_completion_only_openai_fields(extra, param):
+def test_completion_only_openai_fields(extra, param, code):
     import json
 
     from omni.serve.protocol import CompletionRequest
@@ -299,4 +302,35 @@ def test_completion_only_openai_fields(extra, param):
         return
     with pytest.raises(ApiError) as e:
         parse(CompletionRequest, body)
-    assert (e.value.param, e.value.code) == (param, "unsupported_parameter")
+    assert e.value.param == param and (code is None or e.value.code == code)
+
+
+def test_echo_asks_the_text_stage_for_its_decoded_prompt_and_logprobs():
+    import json
+
+    from omni.config_loader import load_config
+    from omni.sampling_params import SamplingParams
+    from omni.serve.protocol import CompletionRequest
+    from omni.serve.translate import PipelineInfo, completion_job
+
+    info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
+
+    def job(**extra):
+        return completion_job(parse(CompletionRequest, json.dumps({"model": "m", "prompt": "x", **extra}).encode()),
+                              info, "r")
+
+    plain = job(max_tokens=3)
+    assert plain.echo_text is None and "echo_prompt" not in plain.sampling[info.text_stage]
+    echoed = job(echo=True, max_tokens=3)
+    assert echoed.echo_text == "x" and echoed.sampling[info.text_stage]["echo_prompt"] is True
+    assert "prompt_logprobs" not in echoed.sampling[info.text_stage]  # no logprobs asked: no recompute
+    scoring = job(echo=True, max_tokens=0, logprobs=2)  # lm-evaluation-harness's loglikelihood request
+    s = scoring.sampling[info.text_stage]
+    assert scoring.echo_only and scoring.echo_logprobs and not scoring.show_prompt_logprobs
+    assert (s["max_tokens"], s["prompt_logprobs"], s["logprobs"]) == (1, 2, 2)
+    SamplingParams(**s)  # what the stage will build: valid
+    both = job(echo=True, logprobs=1, prompt_logprobs=3)
+    assert both.show_prompt_logprobs and both.sampling[info.text_stage]["prompt_logprobs"] == 3
+    ids = completion_job(parse(CompletionRequest, json.dumps({"model": "m", "prompt": [5, 6, 7], "echo": True})
+                               .encode()), info, "r")
+    assert ids.echo_text == ""  # decoded by the stage (StageOutput.prompt_text)
