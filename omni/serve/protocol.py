@@ -339,8 +339,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most (the text stage); 0 only "
                                    "with echo: the prompt alone comes back (with its logprobs), nothing generated.")
     best_of: Any = Field(None, description="Not implemented: null or 1.")
-    echo: bool | None = Field(None, description="The text starts with the prompt (a string prompt as sent, token "
-                              "ids decoded); with logprobs, the prompt's tokens come first in `logprobs` (the "
+    echo: bool | None = Field(None, description="The text starts with the prompt as the text stage saw it, "
+                              "decoded (token ids, or a chat template the stage wraps a raw prompt in); with logprobs, the prompt's tokens come first in `logprobs` (the "
                               "first with a null logprob; the prompt is then recomputed: no prefix-cache hit). "
                               "Not with stream: true.")
     suffix: Any = Field(None, description='Not implemented: null or "".')

@@ -169,14 +169,14 @@ def _echo_logprobs(run: Any) -> dict[str, Any]:
 
 
 def _completion_choice(index: int, run: Any) -> dict[str, Any]:
-    """One choice of a text_completion; with echo (run.job.echo_text not None) the prompt leads its text and,
-    when asked, its logprobs (text_offset then counts from the prompt's first character)."""
+    """One choice of a text_completion; with echo the prompt (as the text stage saw it, decoded) leads its
+    text and, when asked, its logprobs (text_offset then counts from the prompt's first character)."""
     job = run.job
     generated = completion_logprobs(run.logprobs)
-    if job.echo_text is None:
+    if not job.echo:
         return _with_prompt_logprobs({"index": index, "text": run.text, "finish_reason": run.finish_reason,
                                       "logprobs": generated}, run)
-    prompt = job.echo_text or run.prompt_text or ""  # a prompt given as token ids: the stage decoded it
+    prompt = run.prompt_text or ""
     text = prompt if job.echo_only else prompt + run.text
     logprobs = None
     if generated is not None or job.echo_logprobs:

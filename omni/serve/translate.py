@@ -59,9 +59,9 @@ class Job:
     stops: list[str]
     fields: dict[str, str]  # omni's names -> the request's fields (for error params)
     from_list: dict[str, tuple[int, set[str]]] = field(default_factory=dict)  # stage -> (index, fields)
-    # completions' echo: None (no echo), else the reply starts with the prompt: `echo_text` ("" until the
-    # text stage decodes a prompt given as token ids); echo_only: nothing generated is sent (max_tokens 0)
-    echo_text: str | None = None
+    # completions' echo: the reply starts with the prompt as the text stage saw it, decoded (StageOutput.
+    # prompt_text); echo_only: nothing generated is sent (max_tokens 0)
+    echo: bool = False
     echo_only: bool = False
     echo_logprobs: bool = False  # the prompt's tokens lead the reply's logprobs
     show_prompt_logprobs: bool = True  # False: the prompt's logprobs were computed for echo only (not asked)
@@ -179,18 +179,20 @@ def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str) 
     job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, req.stops, fields)
     _sampling(req, info, job)
     if req.echo:
-        _echo(req, job, p if isinstance(p, str) else None)
+        _echo(req, job)
     return job
 
 
-def _echo(req: CompletionRequest, job: Job, prompt_text: str | None) -> None:
-    """completions' `echo` (vLLM's semantics): the text stage returns its prompt decoded; with logprobs it
-    also returns the prompt's logprobs (as many most likely tokens as `logprobs` asks); max_tokens 0 generates
-    one token that the reply leaves out (an engine request samples at least one)."""
+def _echo(req: CompletionRequest, job: Job) -> None:
+    """completions' `echo` (vLLM's semantics): the text stage returns its prompt decoded (what the model saw:
+    token ids decoded, and a stage that wraps a raw prompt in its chat template, as the omni thinkers do, echoes
+    that, consistent with the tokens `logprobs` lists); with logprobs it also returns the prompt's logprobs (as
+    many most likely tokens as `logprobs` asks); max_tokens 0 generates one token that the reply leaves out (an
+    engine request samples at least one)."""
     assert job.text_stage is not None
     text = job.sampling.setdefault(job.text_stage, {})
     text["echo_prompt"] = True
-    job.echo_text = prompt_text if prompt_text is not None else ""
+    job.echo = True
     if req.logprobs is not None:
         job.echo_logprobs = True
         text["prompt_logprobs"] = max(req.logprobs, text.get("prompt_logprobs") or 0)

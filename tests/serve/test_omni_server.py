@@ -96,6 +96,16 @@ def test_text_only_reply_skips_the_audio_stages(server, client):
     wait_idle(server)
 
 
+def test_completions_echo_shows_the_prompt_the_thinker_saw(client):
+    """The omni thinker wraps a raw completions prompt in its chat template: echo returns that prompt, decoded, the
+    same text its logprobs' tokens spell (not the raw string alone)."""
+    r = client.completions.create(model=MODEL, prompt="Hello there", echo=True, max_tokens=0, logprobs=0)
+    c = r.choices[0]
+    assert "Hello there" in c.text and c.text == "".join(c.logprobs.tokens)
+    assert len(c.logprobs.tokens) == r.usage.prompt_tokens > 3 and r.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+
+
 def test_vllm_omni_stream_format(client):
     stream = client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
                                             extra_body={"omni_stream_format": "vllm-omni"}, **PCM_OUT)
