@@ -14,8 +14,11 @@ Replies:
                                      with the usage (the thinker's prompt and reply tokens)
 
 Errors before any audio (a bad field, an unknown voice the talker refuses, an encoder this build lacks)
-are HTTP errors naming the field: a streamed reply starts only once its first audio exists. `speed` other
-than 1 is refused (no speed control in the pipeline: resampling would shift the pitch), as is `aac`.
+are HTTP errors naming the field: a streamed reply starts only once its first audio exists. `aac` is refused.
+
+`speed` (OpenAI's 0.25-4.0, default 1) changes the tempo of the waveform, not its pitch (time_stretch.py:
+WSOLA; resampling would shift the pitch), as the audio comes: a streamed reply stays streamed, and its pieces
+are the same samples the file holds.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from omni.serve.protocol import _Strict
 from omni.serve.reply_stream import AudioEvent, Run
 from omni.serve.responses import new_id
 from omni.serve.speech_formats import MEDIA_TYPES, OPENAI_FORMATS, encodable, encode
+from omni.serve.time_stretch import MAX_SPEED, MIN_SPEED, TimeStretch
 from omni.serve.translate import Job, PipelineInfo, check_model
 
 logger = logging.getLogger(__name__)
@@ -57,7 +61,8 @@ class SpeechRequest(_Strict):
     instructions: str | None = Field(None, description="How to say it: the thinker's system turn.")
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = Field(
         "mp3", description="The file format (OpenAI's default: mp3). aac has no encoder here.")
-    speed: float | None = Field(None, description="Only 1.0: the pipeline has no speed control.")
+    speed: float | None = Field(None, description=f"The tempo, {MIN_SPEED}-{MAX_SPEED} (1: as voiced); the pitch "
+                                "stays (WSOLA time stretch).")
     stream_format: Literal["sse", "audio"] = Field("audio", description="Raw bytes, or server-sent events.")
 
     @field_validator("voice")
@@ -73,9 +78,8 @@ class SpeechRequest(_Strict):
     @field_validator("speed")
     @classmethod
     def _speed(cls, v: float | None) -> float | None:
-        if v is not None and v != 1.0:
-            raise ValueError("this server does not change the speed of speech (the pipeline has no speed "
-                             "control, and resampling would shift the pitch): send 1.0 or leave it out")
+        if v is not None and not (MIN_SPEED <= v <= MAX_SPEED):  # NaN fails too
+            raise ValueError(f"must be in [{MIN_SPEED}, {MAX_SPEED}] (1: as voiced), got {v}")
         return v
 
     @property
@@ -120,8 +124,9 @@ class _Reply:
     """One admitted run: its audio events, and the one place where the run is left and the admission
     released (whether the reply completed, failed, or the client went away)."""
 
-    def __init__(self, state: ServerState, run: Run):
+    def __init__(self, state: ServerState, run: Run, speed: float = 1.0):
         self.state, self.run = state, run
+        self.speed = speed
         self.events = run.events()
         self.first: AudioEvent | None = None
         self.reason = "abort"
@@ -135,13 +140,31 @@ class _Reply:
                 return
         raise internal("the pipeline finished the request without any audio")
 
-    async def audio(self) -> AsyncIterator[AudioEvent]:
+    async def _voiced(self) -> AsyncIterator[AudioEvent]:
         if self.first is not None:
             yield self.first
         async for ev in self.events:
             if isinstance(ev, AudioEvent):
                 yield ev
         self.reason = self.run.finish_reason or "stop"
+
+    async def audio(self) -> AsyncIterator[AudioEvent]:
+        """The audio as the client gets it: at `speed` (time_stretch.py) when that is not 1."""
+        if self.speed == 1.0:
+            async for ev in self._voiced():
+                yield ev
+            return
+        stretch: TimeStretch | None = None
+        rate = self.state.settings.default_audio_rate
+        async for ev in self._voiced():
+            if stretch is None:
+                stretch, rate = TimeStretch(self.speed, ev.rate), ev.rate
+            out = stretch.push(ev.samples)
+            if out.size:
+                yield AudioEvent(out, rate)
+        tail = stretch.finish() if stretch is not None else np.zeros(0, np.float32)
+        if tail.size:
+            yield AudioEvent(tail, rate)
 
     async def close(self) -> None:
         if not self._closed:
@@ -173,7 +196,7 @@ async def create_speech(state: ServerState, request: Request) -> Any:
     fmt, media_type = req.response_format, MEDIA_TYPES[req.response_format]
     state.admit()
     run = Run(state.omni, job, state.settings.default_audio_rate, state.metrics)
-    reply = _Reply(state, run)
+    reply = _Reply(state, run, 1.0 if req.speed is None else req.speed)
     handed_over = False
     try:
         await race(request, _started(run, reply), state.drain.stopping)
@@ -208,7 +231,7 @@ async def _collect(reply: _Reply) -> tuple[np.ndarray, int]:
     async for ev in reply.audio():
         pieces.append(ev.samples)
         rate = ev.rate
-    return np.concatenate(pieces), rate
+    return (np.concatenate(pieces) if pieces else np.zeros(0, np.float32)), rate
 
 
 def _chunk_samples(state: ServerState, rate: int) -> int:

@@ -123,6 +123,29 @@ def test_sse_deltas_and_done_with_usage(client, reference):
     np.testing.assert_array_equal(_wav(base64.b64decode(lines[0]["audio"]))[0], samples)
 
 
+def test_speed_changes_the_tempo_in_every_form(client, reference):
+    """speed 2: half as many samples (the pitch is kept: tests/serve/test_time_stretch.py), the same samples in
+    the file, streamed as pcm and as SSE deltas."""
+    samples, _ = reference
+    fast, rate = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice="Chelsie", response_format="wav",
+                                                 speed=2.0).content)
+    assert rate == 24000 and fast.size == round(samples.size / 2)
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, input=TEXT, voice="Chelsie", response_format="pcm", speed=2.0) as resp:
+        np.testing.assert_array_equal(np.frombuffer(b"".join(resp.iter_bytes()), "<i2"), fast)
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, input=TEXT, voice="Chelsie", response_format="pcm", speed=2.0, stream_format="sse") as resp:
+        deltas = [json.loads(x[5:]) for x in resp.iter_lines() if x.startswith("data:")]
+    audio = b"".join(base64.b64decode(d["audio"]) for d in deltas if d["type"] == "speech.audio.delta")
+    np.testing.assert_array_equal(np.frombuffer(audio, "<i2"), fast)
+    slow, _ = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice="Chelsie", response_format="wav",
+                                              speed=0.5).content)
+    assert slow.size == samples.size * 2
+    same, _ = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice="Chelsie", response_format="wav",
+                                              speed=1.0).content)
+    np.testing.assert_array_equal(same, samples)
+
+
 def test_voice_as_an_id_object(client, reference):
     data = client.audio.speech.create(model=MODEL, input=TEXT, voice={"id": "Chelsie"}, response_format="wav").content
     np.testing.assert_array_equal(_wav(data)[0], reference[0])
@@ -140,7 +163,7 @@ def test_instructions_condition_the_voice(client, reference):
 @pytest.mark.parametrize("kw, param", [
     ({"voice": "alloy"}, "voice"),  # the talker knows Chelsie and Ethan
     ({"voice": "Chelsie", "response_format": "aac"}, "response_format"),
-    ({"voice": "Chelsie", "speed": 1.5}, "speed"),
+    ({"voice": "Chelsie", "speed": 5.0}, "speed"),  # OpenAI's range: 0.25-4.0
     ({"voice": "Chelsie", "input": ""}, "input"),
     ({"voice": "Chelsie", "input": "word " * 900}, "input"),  # too long a reply for the thinker's context
     ({"voice": "Chelsie", "model": "tts-1"}, "model"),
