@@ -4,7 +4,7 @@
     parse_client_event(text) -> ClientEvent      or RealtimeEventError(message, param, code, event_id)
 
 Unknown event types, unknown fields and fields this server does not implement (tools, transcription,
-G.711 formats, a speed other than 1, ...) are refused naming the field (`param`, the path inside the
+G.711 formats, a speed outside 0.25-1.5, ...) are refused naming the field (`param`, the path inside the
 event: `session.audio.input.format.type`); null or an absent field asks for nothing. Refusals are error
 events: the session stays open.
 """
@@ -35,6 +35,9 @@ def _unsupported(name: str, v: Any, accepted: tuple[Any, ...] = (None,)) -> Any:
     if v not in accepted:
         raise ValueError(f"this server does not implement {name}: send it absent or null")
     return v
+
+
+REALTIME_MIN_SPEED, REALTIME_MAX_SPEED = 0.25, 1.5  # session.audio.output.speed, as OpenAI's Realtime API
 
 
 # ------------------------------------------------------------------ session
@@ -82,7 +85,10 @@ class AudioOutput(_M):
     @field_validator("speed")
     @classmethod
     def _speed(cls, v: Any) -> Any:
-        return _unsupported("speed other than 1.0", v, (None, 1.0, 1))
+        # OpenAI's Realtime range: the tempo of the reply's audio, its pitch kept (time_stretch.py)
+        if v is not None and not (REALTIME_MIN_SPEED <= v <= REALTIME_MAX_SPEED):  # NaN fails too
+            raise ValueError(f"must be in [{REALTIME_MIN_SPEED}, {REALTIME_MAX_SPEED}] (1: as voiced), got {v}")
+        return v
 
 
 class AudioConfig(_M):

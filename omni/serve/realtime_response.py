@@ -26,6 +26,7 @@ from omni.serve.audio import pcm16_chunks, resample
 from omni.serve.errors import ApiError
 from omni.serve.realtime_conversation import ConvItem, Part, new_item_id
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
+from omni.serve.time_stretch import TimeStretch
 from omni.serve.translate import Job
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RealtimeResponse:
                  max_output_tokens: int | str):
         self.session, self.id, self.item, self.modality = session, rid, item, modality
         self.voice, self.max_output_tokens = voice, max_output_tokens
+        self.speed = 1.0  # the audio's tempo (time_stretch.py: the pitch kept)
         self.task: asyncio.Task | None = None
         self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
         self.cancel_reason: str | None = None
@@ -87,6 +89,18 @@ class RealtimeResponse:
         run = Run(server.omni, job, server.settings.default_audio_rate, server.metrics)
         status, details, sent_ms = "completed", None, 0.0
         chunk = max(1, round(RATE * server.settings.audio_chunk_ms / 1000))
+        stretch = TimeStretch(self.speed, RATE)  # speed 1: the samples as they are
+
+        async def send_audio(samples) -> None:
+            nonlocal sent_ms
+            for pcm in pcm16_chunks(samples, chunk):
+                if sent_ms == 0.0 and self.t_turn is not None:
+                    server.realtime_metrics.turn_latency.observe(time.monotonic() - self.t_turn)
+                sent_ms += len(pcm) / 2 * 1000 / RATE
+                item.timeline.append((sent_ms, len(part.text)))
+                await session.send({"type": "response.output_audio.delta", **ids,
+                                    "delta": base64.b64encode(pcm).decode("ascii")})
+
         try:
             await self.begin()
             await run.start()
@@ -99,13 +113,8 @@ class RealtimeResponse:
                     continue
                 if isinstance(ev, AudioEvent):
                     samples = ev.samples if ev.rate == RATE else resample(ev.samples, ev.rate, RATE)
-                    for pcm in pcm16_chunks(samples, chunk):
-                        if sent_ms == 0.0 and self.t_turn is not None:
-                            server.realtime_metrics.turn_latency.observe(time.monotonic() - self.t_turn)
-                        sent_ms += len(pcm) / 2 * 1000 / RATE
-                        item.timeline.append((sent_ms, len(part.text)))
-                        await session.send({"type": "response.output_audio.delta", **ids,
-                                            "delta": base64.b64encode(pcm).decode("ascii")})
+                    await send_audio(stretch.push(samples))
+            await send_audio(stretch.finish())  # what the stretch held back (nothing at speed 1)
         except asyncio.CancelledError:
             status = "cancelled"
             details = {"type": "cancelled", "reason": self.cancel_reason or "client_cancelled"}

@@ -53,6 +53,7 @@ class Session:
         self.instructions: str | None = None
         self.modality = "audio" if server.info.audio_stage is not None else "text"
         self.voice: str | None = None
+        self.speed = 1.0  # session.audio.output.speed: the reply audio's tempo (its pitch kept)
         self.max_output_tokens: int | str = "inf"
         self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                             "silence_duration_ms": 500, "create_response": True,
@@ -84,7 +85,7 @@ class Session:
                 "output_modalities": [self.modality], "instructions": self.instructions or "",
                 "audio": {"input": {"format": fmt, "turn_detection": self.turn, "transcription": None,
                                     "noise_reduction": None},
-                          "output": {"format": fmt, "voice": self.voice, "speed": 1.0}},
+                          "output": {"format": fmt, "voice": self.voice, "speed": self.speed}},
                 "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
                 "tracing": None, "truncation": "disabled", "include": None, "prompt": None}
 
@@ -125,6 +126,8 @@ class Session:
         if audio is not None and audio.output is not None and audio.output.voice is not None:
             v = audio.output.voice
             self.voice = v if isinstance(v, str) else v.id
+        if audio is not None and audio.output is not None and audio.output.speed is not None:
+            self.speed = float(audio.output.speed)
         if cfg.instructions is not None:
             self.instructions = cfg.instructions
         if cfg.max_output_tokens is not None:
@@ -326,7 +329,7 @@ class Session:
                                      "shutting_down", event_id)
         modality = self.modality
         instructions = self.instructions
-        voice, max_tokens = self.voice, self.max_output_tokens
+        voice, max_tokens, speed = self.voice, self.max_output_tokens, self.speed
         if params is not None:
             if params.output_modalities is not None:
                 modality = params.output_modalities[0]
@@ -336,9 +339,12 @@ class Session:
             if params.audio and params.audio.output and params.audio.output.voice is not None:
                 v = params.audio.output.voice
                 voice = v if isinstance(v, str) else v.id
+            if params.audio and params.audio.output and params.audio.output.speed is not None:
+                speed = float(params.audio.output.speed)
             if params.max_output_tokens is not None:
                 max_tokens = params.max_output_tokens
         resp = new_response(self, _id("resp"), modality, voice, max_tokens)
+        resp.speed = speed
         resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)
         self.response = resp

@@ -99,7 +99,7 @@ BAD_EVENTS = [
      "model_not_found"),
     ({"type": "session.update", "event_id": "e6", "session": {"tools": [{"type": "function", "name": "f"}]}},
      "session.tools", "invalid_value"),
-    ({"type": "session.update", "event_id": "e7", "session": {"audio": {"output": {"speed": 1.5}}}},
+    ({"type": "session.update", "event_id": "e7", "session": {"audio": {"output": {"speed": 1.6}}}},  # OpenAI: 0.25-1.5
      "session.audio.output.speed", "invalid_value"),
     ({"type": "session.update", "event_id": "e7b", "session": {"audio": {"output": {"voice": 5}}}},
      "session.audio.output.voice", "invalid_value"),

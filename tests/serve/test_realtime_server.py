@@ -284,6 +284,38 @@ def test_text_response_on_the_audio_pipeline(server):
     wait_idle(server)
 
 
+def test_output_speed_changes_the_tempo_of_the_reply(server):
+    """session.audio.output.speed (and a response's own): the same reply's audio, len / speed samples (the
+    pitch kept: tests/serve/test_time_stretch.py); session.updated reports the speed."""
+    async def reply(speed: float | None, per_response: bool = False) -> np.ndarray:
+        session = MANUAL if speed is None or per_response else {
+            **MANUAL, "audio": {**MANUAL["audio"], "output": {"voice": "Chelsie", "speed": speed}}}
+        conn = await server.async_client().realtime.connect(model=MODEL).enter()
+        try:
+            await until(conn, "session.created")
+            await conn.session.update(session=session)
+            updated = await until(conn, "session.updated")
+            assert updated.session.audio.output.speed == (speed if speed and not per_response else 1.0)
+            await _text_item(conn, "Tell me about the sea.")
+            params = {"max_output_tokens": 6}
+            if per_response:
+                params["audio"] = {"output": {"speed": speed}}
+            await conn.response.create(response=params)
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            assert done.response.status == "completed"
+            return _audio(seen)
+        finally:
+            await conn.close()
+
+    async def go():
+        normal = await reply(None)
+        assert (await reply(1.5)).size == round(normal.size / 1.5)
+        assert (await reply(0.5, per_response=True)).size == normal.size * 2
+    run(go())
+    wait_idle(server)
+
+
 def test_vad_turned_on_mid_session_keeps_the_session_clock(server):
     """Speech times are on the session's audio clock (ms since its first audio), whenever VAD started."""
     async def go():
