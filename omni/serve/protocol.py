@@ -340,9 +340,9 @@ class CompletionRequest(_Common):
                                    "with echo: the prompt alone comes back (with its logprobs), nothing generated.")
     best_of: Any = Field(None, description="Not implemented: null or 1.")
     echo: bool | None = Field(None, description="The text starts with the prompt as the text stage saw it, "
-                              "decoded (token ids, or a chat template the stage wraps a raw prompt in); with logprobs, the prompt's tokens come first in `logprobs` (the "
-                              "first with a null logprob; the prompt is then recomputed: no prefix-cache hit). "
-                              "Not with stream: true.")
+                              "decoded (token ids, or a chat template the stage wraps a raw prompt in); with "
+                              "logprobs, the prompt's tokens come first in `logprobs` (the first with a null "
+                              "logprob; the prompt is then recomputed: no prefix-cache hit). Not with stream: true.")
     suffix: Any = Field(None, description='Not implemented: null or "".')
 
     @model_validator(mode="after")
