@@ -4,7 +4,7 @@
     parse_client_event(text) -> ClientEvent      or RealtimeEventError(message, param, code, event_id)
 
 Unknown event types, unknown fields and fields this server does not implement (tools, transcription,
-G.711 formats, a speed outside 0.25-1.5, ...) are refused naming the field (`param`, the path inside the
+a speed outside 0.25-1.5, ...) are refused naming the field (`param`, the path inside the
 event: `session.audio.input.format.type`); null or an absent field asks for nothing. Refusals are error
 events: the session stays open.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from omni.serve.errors import loc_to_param
 
@@ -42,8 +42,15 @@ REALTIME_MIN_SPEED, REALTIME_MAX_SPEED = 0.25, 1.5  # session.audio.output.speed
 
 # ------------------------------------------------------------------ session
 class AudioFormat(_M):
-    type: Literal["audio/pcm"] = Field("audio/pcm", description="pcm16, 24 kHz mono (G.711 is not supported).")
-    rate: Literal[24000] | None = None
+    type: Literal["audio/pcm", "audio/pcmu", "audio/pcma"] = Field(
+        "audio/pcm", description="pcm16 at 24 kHz mono, or G.711 (mu-law / A-law) at 8 kHz (g711.py).")
+    rate: Literal[24000] | None = Field(None, description="audio/pcm only: 24000.")
+
+    @model_validator(mode="after")
+    def _rate_for_pcm_only(self) -> "AudioFormat":
+        if self.rate is not None and self.type != "audio/pcm":
+            raise ValueError(f"rate: {self.type} is 8 kHz and takes no rate")
+        return self
 
 
 class TurnDetection(_M):

@@ -19,11 +19,14 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from omni.outputs import StageInput
+from omni.serve import g711
 from omni.serve.audio import pcm16_chunks, resample
 from omni.serve.errors import ApiError
+from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Part, new_item_id
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.time_stretch import TimeStretch
@@ -33,12 +36,18 @@ logger = logging.getLogger(__name__)
 RATE = 24000  # the protocol's pcm16 rate
 
 
+def format_shape(fmt: str) -> dict[str, Any]:
+    """A session's / response's audio format as the protocol shows it."""
+    return {"type": "audio/pcm", "rate": RATE} if fmt == "audio/pcm" else {"type": fmt}
+
+
 class RealtimeResponse:
     def __init__(self, session: Any, rid: str, item: ConvItem, modality: str, voice: str | None,
                  max_output_tokens: int | str):
         self.session, self.id, self.item, self.modality = session, rid, item, modality
         self.voice, self.max_output_tokens = voice, max_output_tokens
         self.speed = 1.0  # the audio's tempo (time_stretch.py: the pitch kept)
+        self.audio_format = "audio/pcm"  # or G.711 at 8 kHz (g711.py)
         self.task: asyncio.Task | None = None
         self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
         self.cancel_reason: str | None = None
@@ -66,7 +75,7 @@ class RealtimeResponse:
                                "output": [self.item.shape()] if status != "in_progress" else [],
                                "conversation_id": self.session.id, "output_modalities": [self.modality],
                                "max_output_tokens": self.max_output_tokens,
-                               "audio": {"output": {"format": {"type": "audio/pcm", "rate": RATE},
+                               "audio": {"output": {"format": format_shape(self.audio_format),
                                                     "voice": self.voice}}, "usage": None, "metadata": None}
         if run is not None:
             # The text stage's counts (audio and image inputs are tokens of its prompt too); cached_tokens
@@ -90,16 +99,30 @@ class RealtimeResponse:
         status, details, sent_ms = "completed", None, 0.0
         chunk = max(1, round(RATE * server.settings.audio_chunk_ms / 1000))
         stretch = TimeStretch(self.speed, RATE)  # speed 1: the samples as they are
+        g711_out = self.audio_format != "audio/pcm"
+        down = Rate3(up=False) if g711_out else None
+
+        def pieces(samples) -> Iterator[tuple[bytes, float]]:
+            """(bytes of a delta, its milliseconds) in the response's format."""
+            if down is None:
+                for pcm in pcm16_chunks(samples, chunk):
+                    yield pcm, len(pcm) / 2 * 1000 / RATE
+                return
+            narrow = down.push(samples)  # 8 kHz
+            step = max(1, chunk // 3)
+            for i in range(0, narrow.size, step):
+                data = g711.encode(self.audio_format, narrow[i : i + step])
+                yield data, len(data) * 1000 / g711.G711_RATE
 
         async def send_audio(samples) -> None:
             nonlocal sent_ms
-            for pcm in pcm16_chunks(samples, chunk):
+            for data, ms in pieces(samples):
                 if sent_ms == 0.0 and self.t_turn is not None:
                     server.realtime_metrics.turn_latency.observe(time.monotonic() - self.t_turn)
-                sent_ms += len(pcm) / 2 * 1000 / RATE
+                sent_ms += ms
                 item.timeline.append((sent_ms, len(part.text)))
                 await session.send({"type": "response.output_audio.delta", **ids,
-                                    "delta": base64.b64encode(pcm).decode("ascii")})
+                                    "delta": base64.b64encode(data).decode("ascii")})
 
         try:
             await self.begin()

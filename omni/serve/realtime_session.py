@@ -36,7 +36,9 @@ from omni.serve import realtime_events as E
 from omni.serve.audio import pcm16_to_float, resample
 from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
 from omni.serve.realtime_events import RealtimeEventError
-from omni.serve.realtime_response import RATE, RealtimeResponse, new_response
+from omni.serve import g711
+from omni.serve.g711 import Rate3
+from omni.serve.realtime_response import RATE, RealtimeResponse, format_shape, new_response
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
 
@@ -54,6 +56,10 @@ class Session:
         self.modality = "audio" if server.info.audio_stage is not None else "text"
         self.voice: str | None = None
         self.speed = 1.0  # session.audio.output.speed: the reply audio's tempo (its pitch kept)
+        # session.audio.{input,output}.format.type: pcm16 at 24 kHz, or G.711 at 8 kHz (g711.py); appended
+        # G.711 audio is brought to 24 kHz as it comes (everything in the session runs at RATE)
+        self.input_format = self.output_format = "audio/pcm"
+        self.upsampler: Rate3 | None = None
         self.max_output_tokens: int | str = "inf"
         self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                             "silence_duration_ms": 500, "create_response": True,
@@ -80,12 +86,12 @@ class Session:
                                                     "param": param, "event_id": event_id}})
 
     def shape(self) -> dict[str, Any]:
-        fmt = {"type": "audio/pcm", "rate": RATE}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": [self.modality], "instructions": self.instructions or "",
-                "audio": {"input": {"format": fmt, "turn_detection": self.turn, "transcription": None,
-                                    "noise_reduction": None},
-                          "output": {"format": fmt, "voice": self.voice, "speed": self.speed}},
+                "audio": {"input": {"format": format_shape(self.input_format), "turn_detection": self.turn,
+                                    "transcription": None, "noise_reduction": None},
+                          "output": {"format": format_shape(self.output_format), "voice": self.voice,
+                                     "speed": self.speed}},
                 "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
                 "tracing": None, "truncation": "disabled", "include": None, "prompt": None}
 
@@ -128,6 +134,12 @@ class Session:
             self.voice = v if isinstance(v, str) else v.id
         if audio is not None and audio.output is not None and audio.output.speed is not None:
             self.speed = float(audio.output.speed)
+        if audio is not None and audio.input is not None and audio.input.format is not None:
+            if audio.input.format.type != self.input_format:
+                self.input_format = audio.input.format.type
+                self.upsampler = None if self.input_format == "audio/pcm" else Rate3(up=True)
+        if audio is not None and audio.output is not None and audio.output.format is not None:
+            self.output_format = audio.output.format.type
         if cfg.instructions is not None:
             self.instructions = cfg.instructions
         if cfg.max_output_tokens is not None:
@@ -156,10 +168,13 @@ class Session:
             data = base64.b64decode(ev.audio, validate=True)
         except (binascii.Error, ValueError):
             raise RealtimeEventError("audio: not valid base64", "audio", "invalid_value", ev.event_id) from None
-        if len(data) % 2:
+        if self.upsampler is not None:  # G.711 at 8 kHz: one byte a sample, any length
+            samples = self.upsampler.push(g711.decode(self.input_format, data))
+        elif len(data) % 2:
             raise RealtimeEventError(f"audio: pcm16 has 2 bytes per sample, got {len(data)} bytes", "audio",
                                      "invalid_value", ev.event_id)
-        samples = pcm16_to_float(data)
+        else:
+            samples = pcm16_to_float(data)
         if self.buffer_samples + samples.size > self.max_buffer_samples:
             raise RealtimeEventError(f"audio: the input audio buffer would hold {self.buffer_samples + samples.size} "
                                      f"samples, more than the server's limit of {self.max_buffer_samples} "
@@ -213,6 +228,8 @@ class Session:
 
     async def _on_input_audio_buffer_clear(self, ev: E.AudioClear) -> None:
         self._clear_buffer()
+        if self.upsampler is not None:  # the cleared audio is not the next audio's past
+            self.upsampler = Rate3(up=True)
         if self.vad is not None:
             self.vad.reset()
         await self.send({"type": "input_audio_buffer.cleared"})
@@ -243,7 +260,11 @@ class Session:
                     raise RealtimeEventError(f"{where}.audio: not valid base64", f"{where}.audio",
                                              "invalid_value", eid) from None
                 rate = self.server.settings.audio_input_rate
-                wave = await asyncio.to_thread(resample, pcm16_to_float(pcm[: len(pcm) // 2 * 2]), RATE, rate)
+                if self.input_format == "audio/pcm":
+                    wave = await asyncio.to_thread(resample, pcm16_to_float(pcm[: len(pcm) // 2 * 2]), RATE, rate)
+                else:  # a whole item: resampled in one piece
+                    wave = await asyncio.to_thread(resample, g711.decode(self.input_format, pcm), g711.G711_RATE,
+                                                   rate)
                 parts.append(Part("input_audio", audio=wave, audio_rate=rate))
             else:
                 text = c.text if c.text is not None else c.transcript
@@ -329,7 +350,7 @@ class Session:
                                      "shutting_down", event_id)
         modality = self.modality
         instructions = self.instructions
-        voice, max_tokens, speed = self.voice, self.max_output_tokens, self.speed
+        voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         if params is not None:
             if params.output_modalities is not None:
                 modality = params.output_modalities[0]
@@ -341,10 +362,12 @@ class Session:
                 voice = v if isinstance(v, str) else v.id
             if params.audio and params.audio.output and params.audio.output.speed is not None:
                 speed = float(params.audio.output.speed)
+            if params.audio and params.audio.output and params.audio.output.format is not None:
+                out_format = params.audio.output.format.type
             if params.max_output_tokens is not None:
                 max_tokens = params.max_output_tokens
         resp = new_response(self, _id("resp"), modality, voice, max_tokens)
-        resp.speed = speed
+        resp.speed, resp.audio_format = speed, out_format
         resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)
         self.response = resp

@@ -91,8 +91,10 @@ BAD_EVENTS = [
     ({"type": "no.such.event", "event_id": "e1"}, "type", "invalid_event"),
     ({"type": "session.update", "event_id": "e2", "session": {"type": "realtime", "frobnicate": 1}},
      "session.frobnicate", "unknown_parameter"),
-    ({"type": "session.update", "event_id": "e3", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
+    ({"type": "session.update", "event_id": "e3", "session": {"audio": {"input": {"format": {"type": "audio/g729"}}}}},
      "session.audio.input.format.type", "invalid_value"),
+    ({"type": "session.update", "event_id": "e3b", "session": {"audio": {"output": {"format": {
+        "type": "audio/pcmu", "rate": 24000}}}}}, "session.audio.output.format", "invalid_value"),  # 8 kHz only
     ({"type": "session.update", "event_id": "e4", "session": {"output_modalities": ["audio"]}},
      "session.output_modalities", "invalid_value"),  # no audio stage in this pipeline
     ({"type": "session.update", "event_id": "e5", "session": {"model": "gpt-realtime"}}, "session.model",

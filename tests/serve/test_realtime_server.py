@@ -316,6 +316,71 @@ def test_output_speed_changes_the_tempo_of_the_reply(server):
     wait_idle(server)
 
 
+def test_g711_in_and_out(server):
+    """A phone line's session: mu-law at 8 kHz in (real speech; server VAD hears it), A-law or mu-law at 8 kHz
+    out, a third of the pcm16 samples, the same reply as the pcm16 session's (within G.711's quantisation)."""
+    from omni.serve import g711
+    from omni.serve.audio import resample
+
+    async def reply(out_fmt: str | None) -> np.ndarray | bytes:
+        audio = {**MANUAL["audio"], "output": {"voice": "Chelsie", **({"format": {"type": out_fmt}} if out_fmt
+                                                                        else {})}}
+        conn = await _connect(server, {**MANUAL, "audio": audio})
+        try:
+            await _text_item(conn, "Tell me about the sea.")
+            await conn.response.create(response={"max_output_tokens": 6})
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            assert done.response.status == "completed"
+            if out_fmt is None:
+                return _audio(seen)
+            assert done.response.audio.output.format.type == out_fmt
+            return b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
+        finally:
+            await conn.close()
+
+    async def spoken_mulaw_turn() -> None:
+        session = {"type": "realtime", "audio": {
+            "input": {"format": {"type": "audio/pcmu"}, "turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 1000, "prefix_padding_ms": 200}},
+            "output": {"voice": "Chelsie", "format": {"type": "audio/pcmu"}}}}
+        conn = await server.async_client().realtime.connect(model=MODEL).enter()
+        try:
+            await until(conn, "session.created")
+            await conn.session.update(session=session)
+            updated = await until(conn, "session.updated")
+            assert updated.session.audio.input.format.type == updated.session.audio.output.format.type == "audio/pcmu"
+            speech8k = resample(np.concatenate([speech_24k(2.0), np.zeros(36000, np.float32)]), 24000, 8000)
+            data = g711.encode("audio/pcmu", speech8k)
+            for i in range(0, len(data), 160):  # 20 ms frames, as a phone line's media stream sends them
+                await conn.input_audio_buffer.append(audio=base64.b64encode(data[i:i + 160]).decode())
+            seen: list = []
+            started = await until(conn, "input_audio_buffer.speech_started", seen)
+            stopped = await until(conn, "input_audio_buffer.speech_stopped", seen)
+            assert 0 <= started.audio_start_ms < stopped.audio_end_ms <= 3500
+            done = await until(conn, "response.done", seen)
+            assert done.response.status == "completed", done.response.status_details
+            assert done.response.usage.input_tokens > 0
+            out = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
+            assert out and done.response.audio.output.format.type == "audio/pcmu"
+        finally:
+            await conn.close()
+
+    async def go():
+        pcm = (await reply(None)).astype(np.float32) / 32767.0
+        mulaw, alaw = await reply("audio/pcmu"), await reply("audio/pcma")
+        want = g711.Rate3(up=False).push(pcm)  # the pcm16 reply brought to 8 kHz
+        assert len(mulaw) == len(alaw) == want.size == -(-pcm.size // 3)
+        for fmt, data in (("audio/pcmu", mulaw), ("audio/pcma", alaw)):
+            # The server encodes the float reply, the reference its pcm16 (rounded to 1/32767): a sample on a
+            # code boundary may round the other way, nothing else differs.
+            same = np.frombuffer(data, np.uint8) == np.frombuffer(g711.encode(fmt, want), np.uint8)
+            assert same.mean() > 0.9, (fmt, same.mean())
+        await spoken_mulaw_turn()
+    run(go())
+    wait_idle(server)
+
+
 def test_vad_turned_on_mid_session_keeps_the_session_clock(server):
     """Speech times are on the session's audio clock (ms since its first audio), whenever VAD started."""
     async def go():
