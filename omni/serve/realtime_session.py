@@ -32,12 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from omni.serve import g711
 from omni.serve import realtime_events as E
 from omni.serve.audio import pcm16_to_float, resample
+from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
 from omni.serve.realtime_events import RealtimeEventError
-from omni.serve import g711
-from omni.serve.g711 import Rate3
 from omni.serve.realtime_response import RATE, RealtimeResponse, format_shape, new_response
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
