@@ -52,6 +52,9 @@ class StageInput:
     # False: the prompt is the first chunk of a growing input (a streaming edge);
     # more comes through extend_request(), the last one with last=True.
     input_complete: bool = True
+    # Functions the model may call (OpenAI's `tools`, JSON schemas): given to the stage's chat template with
+    # the chat messages (a stage whose prompt renderer takes none refuses them, naming `tools`).
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)

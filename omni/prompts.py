@@ -25,7 +25,8 @@ import numpy as np
 from omni.errors import RequestError
 from omni.outputs import MultiModalInput, StageInput
 
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id",
+               "tools")
 MODALITIES = ("image", "audio")
 PART_TYPES = ("text", *MODALITIES)
 
@@ -76,9 +77,12 @@ def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
     for key in ("request_id", "cache_salt"):
         if p.get(key) is not None and not isinstance(p[key], str):
             raise _bad(where, key, f"expected a str, got {type(p[key]).__name__}")
+    tools = p.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+        raise _bad(where, "tools", "expected a list of tool definitions ({'type': 'function', 'function': {...}})")
     return StageInput(p.get("request_id") or new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
                       mm_inputs=mm_inputs(p.get("multi_modal_data"), where),
-                      cache_salt=p.get("cache_salt"))
+                      cache_salt=p.get("cache_salt"), tools=[dict(t) for t in tools] if tools else None)
 
 
 def check_messages(messages: Any, where: str = "") -> None:
@@ -94,7 +98,7 @@ def check_messages(messages: Any, where: str = "") -> None:
             raise _bad(where, f"{at}.role",
                        f"expected a non-empty str (system, user, assistant, ...), got {msg.get('role')!r}")
         content = msg.get("content")
-        if isinstance(content, str):
+        if isinstance(content, str) or (content is None and msg.get("tool_calls")):  # a turn of tool calls only
             continue
         if not isinstance(content, list):
             raise _bad(where, f"{at}.content",
@@ -124,7 +128,7 @@ def text_only_messages(messages: list[dict[str, Any]], stage: str) -> list[dict[
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat_template: bool,
-                    stage: str) -> list[int]:
+                    stage: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """A text prompt's token ids as a stage computes them: plain text with the tokenizer's special tokens,
     chat messages (or text under `use_chat_template`) through the chat template with the generation prompt.
     The stage's engine and the driver's router (omni/pipeline/routing/keys.py) both call this, so that the
@@ -133,10 +137,14 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat
         messages = text_only_messages(prompt, stage)
     elif use_chat_template:
         messages = [{"role": "user", "content": prompt}]
+    elif tools:
+        raise RequestError(f"tools: stage {stage!r} takes a raw text prompt here; tools need chat messages",
+                           field="tools", stage=stage)
     else:
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # `tools` as transformers' templates take them (OpenAI's function definitions); None adds nothing.
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
         raise RequestError(f"prompt: the chat template of stage {stage!r} cannot render these messages: "
                            f"{type(e).__name__}: {e}", field="prompt", stage=stage) from None

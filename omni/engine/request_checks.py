@@ -87,7 +87,7 @@ class RequestChecker:
         if self.tokenizer is None:
             raise RequestError(f"prompt: stage {self.stage} has no tokenizer; send prompt_token_ids instead",
                                stage=self.stage, field="prompt")
-        return tokenize_prompt(self.tokenizer, inp.prompt, self.use_chat_template, self.stage)
+        return tokenize_prompt(self.tokenizer, inp.prompt, self.use_chat_template, self.stage, inp.tools)
 
     def not_empty(self, ids: list[int]) -> None:
         if not ids:

@@ -36,6 +36,7 @@ from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequ
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
+from omni.serve.tools import reply_tool_calls
 from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_job
 
 logger = logging.getLogger(__name__)
@@ -234,10 +235,14 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         chunk = lambda delta, **kw: R.chat_chunk(rid, model, created, delta, **kw)  # noqa: E731
         for index in range(len(run.runs)):
             yield chunk({"role": "assistant", "content": ""}, modality=text_mod, index=index)
+        forced = run.job.forced_tool  # a forced tool call: its JSON is held back and sent as tool_calls at the end
+        held: list[list[Any]] = [[] for _ in run.runs]  # of each choice: its logprobs, while held back
         async with contextlib.aclosing(run.events()) as evs:
             async for index, ev in evs:
                 if isinstance(ev, TextEvent):
-                    if ev.text or ev.logprobs:
+                    if forced is not None:
+                        held[index] += ev.logprobs or []
+                    elif ev.text or ev.logprobs:
                         yield chunk(R.text_delta(ev.text, audio_ids[index] if speaks else None), modality=text_mod,
                                     logprobs=R.chat_logprobs(ev.logprobs), index=index)
                     continue
@@ -246,7 +251,13 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                     delta, modality = R.audio_delta(audio_ids[index], pcm, vllm)
                     yield chunk(delta, modality=modality, index=index)
         for index, r in enumerate(run.runs):
-            yield chunk({}, finish_reason=r.finish_reason, modality=text_mod, index=index)
+            finish_reason = r.finish_reason
+            if forced is not None:
+                calls, finish_reason = reply_tool_calls(forced, r.text, r.finish_reason)
+                delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls is not None
+                         else {"content": r.text})  # not a complete call (cut short): the text
+                yield chunk(delta, logprobs=R.chat_logprobs(held[index] or None), index=index)
+            yield chunk({}, finish_reason=finish_reason, modality=text_mod, index=index)
         if req.include_usage:
             yield chunk(None, usage_=R.usage(run))
 

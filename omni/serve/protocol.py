@@ -40,9 +40,6 @@ def _same(value: Any, accepted: Any) -> bool:
 # OpenAI fields this server does not implement -> the values that ask for nothing (null first, then the
 # default). Anything else is refused naming the field.
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # "auto" with no tools picks none
-    "parallel_tool_calls": (None, True, False),  # no tools: nothing runs in parallel either way
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "prediction": (None,),
@@ -119,12 +116,41 @@ class AssistantAudio(_Strict):
     id: str = Field(description="The id of an earlier reply's audio.")
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, description="The function called.")
+    arguments: str = Field(description="Its arguments: a JSON object, as text.")
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, description="The call's id (a tool message answers it by tool_call_id).")
+    type: Literal["function"] = Field(description="function.")
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="Who speaks.")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks.")
     content: list[ContentPart] | None = Field(
         None, description="Text, or a list of text / image_url / input_audio / audio_url parts.")
     name: str | None = Field(None, description="Accepted; not shown to the model.")
     audio: AssistantAudio | None = Field(None, description="An assistant turn's earlier audio reply (by id).")
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's calls of the request's tools.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise field_error("tool_calls", f"only an assistant message makes tool calls, not a {self.role} one")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise field_error("tool_call_id", "a tool message needs the tool_call_id it answers" if self.role == "tool"
+                              else f"only a tool message answers a call, not a {self.role} one")
+        for k, call in enumerate(self.tool_calls or []):
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise field_error(f"tool_calls[{k}].function.arguments", "must be a JSON object, as text")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -133,6 +159,8 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
+        if self.content is None and self.tool_calls:
+            return self  # an assistant turn that only called tools
         if self.content is None:
             if self.audio is not None:
                 raise field_error("content", "this server keeps no audio by id; send the reply's transcript as "
@@ -141,6 +169,28 @@ class ChatMessage(_Strict):
         if self.role != "user" and any(p.type != "text" for p in self.content):
             raise field_error("content", f"images and audio go in user messages, not in a {self.role} message")
         return self
+
+
+# ------------------------------------------------------------------ tools
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The function's name.")
+    description: str | None = Field(None, description="What it does (the chat template shows it to the model).")
+    parameters: dict[str, Any] | None = Field(None, description="Its arguments: a JSON schema of an object.")
+    strict: bool | None = Field(None, description="Accepted: forced calls always follow the schema here.")
+
+
+class ToolDef(_Strict):
+    type: Literal["function"] = Field(description="function.")
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = Field(description="function.")
+    function: FunctionName
 
 
 # ------------------------------------------------------------------ requests
@@ -275,9 +325,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = Field(None, description="Return each reply token's log-probability (the text stage).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: also the 0..20 most likely "
                                      "tokens at each position.")
-    tools: Any = Field(None, description="Not implemented: null or [].")
-    tool_choice: Any = Field(None, description='Not implemented: null, "none" or "auto".')
-    parallel_tool_calls: Any = Field(None, description="Accepted: there are no tools.")
+    tools: list[ToolDef] | None = Field(None, description="Functions the model may call: shown to it through the "
+                                        "text stage's chat template.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"required" (one call or more of the tools) or {"type": "function", "function": {"name"}} '
+        '(that one): the reply is constrained to the call\'s JSON (structured outputs) and comes back as '
+        '`tool_calls`; "none": a text reply. "auto" needs a tool-call parser, which this server has not (as vLLM '
+        'without --enable-auto-tool-choice).')
+    parallel_tool_calls: bool | None = Field(None, description='With "required": false allows one call only.')
     functions: Any = Field(None, description="Not implemented: null or [].")
     function_call: Any = Field(None, description='Not implemented: null, "none" or "auto".')
     response_format: ResponseFormat | None = Field(
@@ -303,6 +358,40 @@ class ChatCompletionRequest(_Common):
     def _unsupported(self) -> "ChatCompletionRequest":
         _check_unsupported(self, _CHAT_UNSUPPORTED)
         return self
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise field_error("tools", f"function names must be unique, got {names}")
+        choice = self.tool_choice
+        if choice is None and not names:
+            return self
+        if choice in (None, "auto"):
+            raise field_error("tool_choice", 'this server has no tool-call parser for "auto" (as vLLM without '
+                              '--enable-auto-tool-choice): send "required", {"type": "function", "function": '
+                              '{"name": ...}} or "none"', "unsupported_value")
+        if choice == "none":
+            return self
+        if not names:
+            raise field_error("tool_choice", "needs tools to call")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise field_error("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
+                              f"({', '.join(names)})")
+        if "audio" in self.output_modalities:
+            raise field_error("tool_choice", 'a tool call is not spoken: send modalities ["text"]')
+        if self.response_format is not None and self.response_format.structured_outputs is not None \
+                or self.structured_outputs is not None:
+            raise field_error("tool_choice", "a forced tool call already constrains the reply (to the call's JSON): "
+                              "send no response_format / structured_outputs with it")
+        return self
+
+    @property
+    def forced_tool(self) -> str | None:
+        """What the reply must be: "required" (calls of any tools), a function's name, or None (text)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

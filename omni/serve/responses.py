@@ -19,6 +19,7 @@ import numpy as np
 
 from omni.outputs import TokenLogprob
 from omni.serve.audio import encode_wav, to_pcm16
+from omni.serve.tools import reply_tool_calls
 
 Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completion_tokens, cached_tokens
 
@@ -108,9 +109,12 @@ def chat_completion(rid: str, model: str, created: int, choices: Usage,
     for index, (run, audio) in enumerate(zip(choices.runs, audios)):
         message: dict[str, Any] = {"role": "assistant",
                                    "content": run.text if run.job.text_stage is not None else None}
+        calls, finish_reason = reply_tool_calls(run.job.forced_tool, run.text, run.finish_reason)
+        if calls is not None:
+            message["content"], message["tool_calls"] = None, calls
         if audio is not None:
             message["audio"] = audio
-        out.append(_with_prompt_logprobs({"index": index, "message": message, "finish_reason": run.finish_reason,
+        out.append(_with_prompt_logprobs({"index": index, "message": message, "finish_reason": finish_reason,
                                           "logprobs": chat_logprobs(run.logprobs)}, run))
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(choices)}

@@ -21,6 +21,7 @@ from omni.serve.errors import ApiError, bad_request, too_large
 from omni.serve.media import b64decode, decode_image, parse_data_url
 from omni.serve.protocol import ChatCompletionRequest, CompletionRequest
 from omni.serve.settings import ServeSettings
+from omni.serve.tools import force_tool_call, template_tool_calls
 
 # request field -> SamplingParams field, applied to the text stage
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
@@ -65,6 +66,9 @@ class Job:
     echo_only: bool = False
     echo_logprobs: bool = False  # the prompt's tokens lead the reply's logprobs
     show_prompt_logprobs: bool = True  # False: the prompt's logprobs were computed for echo only (not asked)
+    # chat's forced tool_choice: "required" (the reply is a JSON list of {name, parameters}) or a function's
+    # name (the reply is its arguments' JSON object); None: a text reply (tools.py turns it into tool_calls)
+    forced_tool: str | None = None
 
     def sampling_param(self, stage: str, name: str) -> str:
         """The request field that set `stage`'s sampling field `name`."""
@@ -124,7 +128,7 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
     if n_media > settings.max_media_items:
         raise too_large(f"messages: {n_media} images/audio clips, at most {settings.max_media_items} per request "
                         "(--max-media-items)", "messages")
-    fields = {"prompt": "messages", "speaker": "audio.voice", "max_tokens": (
+    fields = {"prompt": "messages", "speaker": "audio.voice", "tools": "tools", "max_tokens": (
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")}
     messages: list[dict[str, Any]] = []
     media: list[MultiModalInput] = []
@@ -156,13 +160,23 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
             media.append(item)
             parts.append({"type": item.modality})
         content: Any = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
-        messages.append({"role": "system" if msg.role == "developer" else msg.role, "content": content})
+        if msg.content is None:
+            content = None  # an assistant turn of tool calls only
+        message: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+        if msg.tool_calls:
+            message["tool_calls"] = template_tool_calls(msg.tool_calls)
+        if msg.tool_call_id is not None:
+            message["tool_call_id"] = msg.tool_call_id
+        messages.append(message)
     extra = {"speaker": req.audio.voice} if req.audio is not None and req.audio.voice else {}
-    prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools)
     job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,
               info.audio_stage if "audio" in want else None, info.text_stage or info.entry_stage,
               req.stops, fields)
     _sampling(req, info, job)
+    if req.forced_tool is not None:
+        force_tool_call(req, job)
     return job
 
 

@@ -192,8 +192,8 @@ GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
 BAD_REQUESTS = [
     # (what, body, status, param, code)
     ("unknown field", {**GOOD, "logit_bias_x": {"1": 2}}, 400, "logit_bias_x", "unknown_parameter"),
-    ("an OpenAI feature omni lacks", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools", "unsupported_parameter"),
+    ("an OpenAI feature omni lacks", {**GOOD, "prediction": {"type": "content", "content": "x"}}, 400,
+     "prediction", "unsupported_parameter"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ("a logit bias outside the vocabulary", {**GOOD, "logit_bias": {"999999": 2}}, 400, "logit_bias", "invalid_value"),
     ("a logit bias out of OpenAI's range", {**GOOD, "logit_bias": {"1": 200}}, 400, "logit_bias", "invalid_value"),
@@ -203,7 +203,7 @@ BAD_REQUESTS = [
     ("wrong model", {**GOOD, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("missing messages", {"model": MODEL}, 400, "messages", "missing_required_parameter"),
     ("empty messages", {**GOOD, "messages": []}, 400, "messages", "invalid_value"),
-    ("bad role", {**GOOD, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    ("bad role", {**GOOD, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
     ("unknown part type", {**GOOD, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, 400,
      "messages[0].content[0]", "invalid_value"),
     ("temperature out of range", {**GOOD, "temperature": 3}, 400, "temperature", "invalid_value"),
@@ -412,6 +412,107 @@ def test_completions_echo(client, server):
     assert status == 400 and body["error"]["param"] == "echo"
     status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}},
+    "required": ["unit", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def _valid_weather(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return set(args) == {"unit", "days"} and args["unit"] in ("c", "f") and 1 <= args["days"] <= 7
+
+
+def test_forced_tool_calls_come_back_as_tool_calls(client):
+    """tool_choice named or "required" (vLLM's semantics without a parser): the reply is constrained to the call's
+    JSON and comes back as tool_calls, streamed or not; a random model's calls still follow the schemas."""
+    named = client.chat.completions.create(model=MODEL, messages=HELLO, tools=[WEATHER, TIME], max_tokens=40,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    msg, choice = named.choices[0].message, named.choices[0]
+    assert msg.content is None and choice.finish_reason == "stop" and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert _valid_weather(call.function.arguments)
+
+    required = client.chat.completions.create(model=MODEL, messages=HELLO, tools=[WEATHER, TIME], max_tokens=120,
+                                              tool_choice="required", parallel_tool_calls=False)
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1  # parallel_tool_calls false
+    for c in calls:
+        assert c.function.name in ("get_weather", "get_time")
+        if c.function.name == "get_weather":
+            assert _valid_weather(c.function.arguments)
+        else:
+            assert json.loads(c.function.arguments)["zone"] in ("utc", "cet")
+
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, tools=[WEATHER], max_tokens=40,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                stream=True):
+        for c in chunk.choices:
+            assert not c.delta.content  # the call's JSON is not text
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "stop" and len(deltas) == 1 and deltas[0].index == 0
+    assert deltas[0].function.name == "get_weather" and _valid_weather(deltas[0].function.arguments)
+    assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+
+    # a reply cut short is not a complete call: its text, finish_reason length
+    cut = client.chat.completions.create(model=MODEL, messages=HELLO, tools=[WEATHER], max_tokens=3,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.startswith("{")
+
+
+def test_tools_and_tool_turns_reach_the_chat_template(client, server):
+    """The tools and the earlier calls and results go to the text stage's chat template (this tiny tokenizer's
+    template names neither, so one that does is put in for the test): the prompt grows by what they render."""
+    tok = server.omni._omni._backend.workers["thinker"].engine.model.tokenizer
+    template = tok.chat_template
+    tok.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+                         "{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                         "CALL {{ c.function.name }} {{ c.function.arguments.unit }}{% endfor %}{% endif %}"
+                         "{{ m.content or '' }}{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n"
+                         "{% endfor %}assistant:")
+    try:
+        plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        shown = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, tools=[WEATHER],
+                                               tool_choice="none")
+        assert shown.usage.prompt_tokens > plain.usage.prompt_tokens and shown.choices[0].message.tool_calls is None
+        turns = HELLO + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"unit": "c", "days": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
+        answered = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=2, tools=[WEATHER],
+                                                  tool_choice="none")
+        assert answered.usage.prompt_tokens > shown.usage.prompt_tokens
+    finally:
+        tok.chat_template = template
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" (the default with tools) needs a parser this server lacks
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_tool_errors_name_the_field(server, body, param):
+    got, _, err = server.post("/v1/chat/completions", {**GOOD, **body})
+    assert got == 400 and err["error"]["param"] == param, err
 
 
 def test_openai_fields_at_their_defaults_are_accepted(server):

@@ -106,6 +106,14 @@ def test_completions_echo_shows_the_prompt_the_thinker_saw(client):
     assert c.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
 
 
+def test_tools_on_the_omni_thinker_are_refused_by_name(server):
+    """The Qwen2.5-Omni thinker renders its own prompt (no tools in it): tools are refused, never dropped."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 2,
+                                                        "tools": [tool], "tool_choice": "none"})
+    assert got == 400 and err["error"]["param"] == "tools" and "thinker" in err["error"]["message"], err
+
+
 def test_vllm_omni_stream_format(client):
     stream = client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
                                             extra_body={"omni_stream_format": "vllm-omni"}, **PCM_OUT)

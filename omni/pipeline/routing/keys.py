@@ -124,7 +124,8 @@ class DriverTokenizer:
         if self.state != "ok":
             return None
         try:
-            return tokenize_prompt(self._tok, request.prompt, self.stage.use_chat_template, self.stage.name)
+            return tokenize_prompt(self._tok, request.prompt, self.stage.use_chat_template, self.stage.name,
+                                   request.tools)
         except Exception:  # noqa: BLE001 - a bad prompt is the stage's to report
             return None
 

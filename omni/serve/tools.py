@@ -1,0 +1,85 @@
+"""Chat tool calls (OpenAI's `tools` / `tool_choice`), as vLLM serves them without a tool-call parser.
+
+    tools                     the text stage's chat template shows them to the model (StageInput.tools ->
+                              apply_chat_template(..., tools=...)); a stage with its own prompt renderer (the
+                              omni thinkers) refuses them, naming `tools`
+    tool_choice "required"    the reply is constrained (structured outputs) to a JSON list of one call or more,
+                              [{"name": one of the tools, "parameters": its schema}] (one call at most with
+                              parallel_tool_calls false), and comes back as `tool_calls`, finish_reason
+                              "tool_calls"
+    tool_choice {"function"}  the reply is constrained to that function's parameters (a JSON object) and comes
+                              back as one call of it, finish_reason "stop" (OpenAI's, for a named choice)
+    tool_choice "none"        a text reply (the tools still shown to the model, as vLLM does by default)
+    "auto"                    refused (protocol.py): choosing between text and a call needs a parser of the
+                              model's own tool-call format, which this server does not have
+
+Earlier turns' calls and their results go back to the template as it expects them: an assistant message's
+`tool_calls` with their arguments as objects (OpenAI sends them as JSON text), a `tool` message with its
+`tool_call_id`. A reply cut short by max_tokens is not a complete call: it comes back as text, with
+finish_reason "length".
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls (protocol.ToolCall) as chat templates read them: arguments as objects."""
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in calls]
+
+
+def _parameters(function: Any) -> dict[str, Any]:
+    return function.parameters if function.parameters is not None else _ANY_OBJECT
+
+
+def call_schema(req: Any) -> dict[str, Any]:
+    """The JSON schema a forced reply follows (see the module docstring)."""
+    if req.forced_tool != "required":
+        (function,) = [t.function for t in req.tools if t.function.name == req.forced_tool]
+        return _parameters(function)
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                               "parameters": _parameters(t.function)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def force_tool_call(req: Any, job: Any) -> None:
+    """Constrain the text stage's reply to the forced call's JSON (structured outputs); errors of that
+    constraint name `tool_choice`."""
+    stage = job.text_stage
+    job.sampling.setdefault(stage, {})["structured_outputs"] = {"json": call_schema(req)}
+    job.fields["structured_outputs"] = "tool_choice"
+    job.forced_tool = req.forced_tool
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def reply_tool_calls(forced: str | None, text: str, finish_reason: str | None
+                     ) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(tool_calls, finish_reason) of a reply; (None, finish_reason) when it is text: no forced call, or a
+    reply that is not a complete one (cut short)."""
+    if forced is None or finish_reason == "length":
+        return None, finish_reason
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None, finish_reason
+    if forced != "required":
+        return ([_call(forced, text)], finish_reason) if isinstance(value, dict) else (None, finish_reason)
+    if not isinstance(value, list) or not value:
+        return None, finish_reason
+    calls = [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, separators=(",", ":")))
+             for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]
+    return (calls, "tool_calls") if len(calls) == len(value) else (None, finish_reason)
