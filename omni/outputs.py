@@ -108,7 +108,8 @@ class StageOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked for them
     # One per prompt token (None for the first: nothing precedes it), when the request asked (prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # The prompt decoded, whole and token by token, when the request asked (SamplingParams.echo_prompt).
+    # The prompt decoded, when the request asked (SamplingParams.echo_prompt); with prompt_logprobs too, each
+    # prompt token decoded alone (the first one's text, which prompt_logprobs has no entry for, included).
     prompt_text: str | None = None
     prompt_token_texts: list[str] | None = None
 

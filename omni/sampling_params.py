@@ -110,9 +110,9 @@ class SamplingParams(BaseModel):
     )
     echo_prompt: bool = Field(
         False,
-        description="The finished output also carries the prompt decoded by the stage's tokenizer, whole "
-        "(`prompt_text`) and each token alone (`prompt_token_texts`): what the completions endpoint's `echo` "
-        "sends back (the prompt may have been given as token ids).",
+        description="The finished output also carries the prompt decoded by the stage's tokenizer (`prompt_text`) "
+        "and, with prompt_logprobs, each prompt token decoded alone (`prompt_token_texts`): what the completions "
+        "endpoint's `echo` sends back (the prompt may have been given as token ids).",
     )
     min_p: float = Field(
         0.0,

@@ -183,9 +183,8 @@ def _completion_choice(index: int, run: Any) -> dict[str, Any]:
     prompt = run.prompt_text or ""
     text = prompt if job.echo_only else prompt + run.text
     logprobs = None
-    if generated is not None or job.echo_logprobs:
-        logprobs = _echo_logprobs(run) if job.echo_logprobs else {"tokens": [], "token_logprobs": [],
-                                                                   "top_logprobs": []}
+    if job.echo_logprobs:  # (with echo, logprobs asked for the reply are asked for the prompt too: translate._echo)
+        logprobs = _echo_logprobs(run)
         if generated is not None and not job.echo_only:
             for key in ("tokens", "token_logprobs", "top_logprobs"):
                 logprobs[key] += generated[key]
