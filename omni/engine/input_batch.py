@@ -17,8 +17,13 @@ allocation, a pageable H2D copy and a sync per tensor; instead:
 issues one non-blocking copy per buffer for the used prefix only. On CPU the
 host and device buffers are the same tensors: nothing is copied.
 
-Reusing the pinned host buffers next step is safe because every step ends
-with a host sync (the sampled token ids are read back) after these copies.
+The pinned host buffers are written again next step only after this step's
+copies have read them: `upload` records an event behind its copies and
+`wait_uploaded()` (called before the host side is filled) waits on it. A step
+that samples ends with a host sync anyway, but one that samples nothing (a
+chunk of a long or streamed prompt) does not: without the event the next
+step's `fill()` overwrote inputs the GPU had not yet copied (measured on an
+H100: a prompt streamed one token a step decoded other tokens).
 
 CUDA graphs capture the device buffers' addresses, so they are never
 reallocated; a step larger than the sizes given at construction is a bug in
@@ -58,6 +63,14 @@ class InputBatch:
             self.dev[name] = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else h
         # numpy views of the host buffers: filling them is plain numpy, no torch dispatch.
         self.np = {name: t.numpy() for name, t in self.host.items()}
+        self._uploaded = torch.cuda.Event() if on_cuda else None
+        self._pending = False
+
+    def wait_uploaded(self) -> None:
+        """Block until the last `upload`'s copies have read the host buffers (free once they have)."""
+        if self._pending:
+            self._uploaded.synchronize()
+            self._pending = False
 
     def check_fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> None:
         if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or max_blocks > self.max_blocks_per_seq:
@@ -82,7 +95,7 @@ class InputBatch:
         n["seq_lens"][num_seqs:padded_seqs] = 1
         # Their block-table rows keep whatever (valid) block ids an earlier step left there.
 
-    def upload(self, num_tokens: int, num_seqs: int, num_samples: int = 0) -> None:
+    def upload(self, num_tokens: int, num_seqs: int) -> None:
         """Copy the used prefix of every host buffer to the device (non-blocking)."""
         if self.device.type != "cuda":
             return
@@ -92,5 +105,17 @@ class InputBatch:
                                                           non_blocking=True)
         self.dev["seq_lens"][:num_seqs].copy_(self.host["seq_lens"][:num_seqs], non_blocking=True)
         self.dev["block_tables"][:num_seqs].copy_(self.host["block_tables"][:num_seqs], non_blocking=True)
-        if num_samples:
-            self.dev["sample_idx"][:num_samples].copy_(self.host["sample_idx"][:num_samples], non_blocking=True)
+        self._record()
+
+    def upload_sample_rows(self, rows: list[int]) -> torch.Tensor:
+        """The rows that sample this step, as an index tensor on the device."""
+        k = len(rows)
+        self.np["sample_idx"][:k] = rows
+        if self.device.type == "cuda":
+            self.dev["sample_idx"][:k].copy_(self.host["sample_idx"][:k], non_blocking=True)
+            self._record()
+        return self.dev["sample_idx"][:k]
+
+    def _record(self) -> None:
+        self._uploaded.record()
+        self._pending = True

@@ -168,11 +168,12 @@ def check_stage_memory(stage: str, field: str, value: Any, num_blocks: int, bloc
                    prefix_caching=prefix_caching, tensor_cache=tensor_cache)
     avail = (probe or available_memory)(device)
     on_gpu = avail.gpu_bytes is not None
+    where = "cuda" if device == "auto" else device  # "auto" on a machine with a GPU puts the cache there
     kv_per_block = est.kv_bytes // max(num_blocks, 1)
     if geometry is None:
         parts = f"block pool {_size(est.block_pool_bytes)}; KV and tensor cache not counted before the model loads"
     else:
-        parts = (f"KV cache {_size(est.kv_bytes)}{' on ' + device if on_gpu else ''}, "
+        parts = (f"KV cache {_size(est.kv_bytes)}{' on ' + where if on_gpu else ''}, "
                  f"tensor cache {_size(est.tensor_cache_bytes)}, block pool {_size(est.block_pool_bytes)}")
     blocks = f"{num_blocks:,} blocks of {block_size} tokens"
     what = f"stage {stage!r}: {field}: " + (blocks if value == num_blocks else f"{value} gives {blocks}")
@@ -181,7 +182,7 @@ def check_stage_memory(stage: str, field: str, value: Any, num_blocks: int, bloc
 
     if on_gpu and est.kv_bytes > (usable := int(avail.gpu_bytes * USABLE_FRACTION)):
         raise ConfigError(
-            f"{what}: the KV cache needs {_size(est.kv_bytes)} but {device} has {_size(avail.gpu_bytes)} "
+            f"{what}: the KV cache needs {_size(est.kv_bytes)} but {where} has {_size(avail.gpu_bytes)} "
             f"free (usable: {USABLE_FRACTION:.0%}){fit(kv_per_block, usable)} ({parts})")
     host_need = est.tensor_cache_bytes + est.block_pool_bytes + (0 if on_gpu else est.kv_bytes)
     host_per_block = est.per_block_bytes - (kv_per_block if on_gpu else 0)

@@ -204,6 +204,7 @@ class ModelRunner:
 
     def _prepare(self, sched: SchedulerOutput) -> _Prepared:
         """Fill the host side of the input buffers for this step."""
+        self.batch.wait_uploaded()  # the host buffers are free once the last step's copies have read them
         b = self.batch.np
         bs = self.block_size
         num_seqs = len(sched.scheduled)
@@ -304,13 +305,7 @@ class ModelRunner:
             return {}, {}
         k = len(prep.sample_rows)
         if prep.sample_rows != list(range(prep.num_tokens)):
-            self.batch.np["sample_idx"][:k] = prep.sample_rows
-            if self.batch.device.type == "cuda":
-                idx = self.batch.dev["sample_idx"][:k]
-                idx.copy_(self.batch.host["sample_idx"][:k], non_blocking=True)
-            else:
-                idx = self.batch.dev["sample_idx"][:k]
-            hidden = hidden.index_select(0, idx)
+            hidden = hidden.index_select(0, self.batch.upload_sample_rows(prep.sample_rows))
         logits = self.model.compute_logits(hidden)
         t_sampler = time.perf_counter()  # the sampler's inputs (histories, banned tokens) are sampling's
         self.profile.forward_s += t_sampler - t_forward

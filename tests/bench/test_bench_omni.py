@@ -4,8 +4,21 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from omni.bench import omni_bench
+
+# `device: auto`: on a machine with a GPU the stages run there, where kernels need not sum in one order from run to
+# run (an H100: the small Qwen2.5-Omni's waveforms 140 dB apart, caching on vs off, with every token equal).
+ON_GPU = torch.cuda.is_available()
+
+
+def assert_caching_changed_nothing(res):
+    assert res["tokens_identical"] is True
+    if ON_GPU:
+        assert res["audio_snr_db_min"] is None or res["audio_snr_db_min"] >= 100
+    else:
+        assert res["outputs_identical"] is True and res["audio_snr_db_min"] is None  # None: bit for bit
 
 
 @pytest.mark.slow
@@ -17,7 +30,7 @@ def test_omni_bench_reports_speedups_and_hits(tiny_omni):
     res = omni_bench.run(args)
     assert res["edges"] == "plain"
     assert res["turn_latency_speedup"] > 0 and res["first_audio_speedup"] > 0
-    assert res["outputs_identical"] is True
+    assert_caching_changed_nothing(res)
     on = res["caching_on"]
     assert on["cached_tokens"][1]["thinker"] > 0 and on["cached_tokens"][1]["talker"] > 0
     assert res["caching_off"]["cached_tokens"][1] == {"thinker": 0, "talker": 0}
@@ -45,7 +58,7 @@ def test_omni_bench_on_qwen3_omni_finds_code2wav():
     res = omni_bench.run(args)
     assert res["stages"] == ["thinker", "talker", "code2wav"]
     assert res["turn_latency_speedup"] > 0 and res["first_audio_speedup"] > 0
-    assert res["outputs_identical"] is True
+    assert_caching_changed_nothing(res)
     on, off = res["caching_on"], res["caching_off"]
     assert on["cached_tokens"][1]["thinker"] > 0 and on["cached_tokens"][1]["talker"] > 0
     assert off["cached_tokens"][1] == {"thinker": 0, "talker": 0}
@@ -70,7 +83,8 @@ def test_omni_bench_runs_the_configs_own_streaming_edges(tiny_streamed_qwen3_omn
     res = omni_bench.run(parser.parse_args([
         "--config", str(tiny_streamed_qwen3_omni), "--turns", "2", "--doc-tokens", "40", "--thinker-max-tokens", "4",
         "--talker-max-tokens", "6", "--repeats", "1"]))
-    assert res["edges"] == "config" and res["outputs_identical"] is True
+    assert res["edges"] == "config"
+    assert_caching_changed_nothing(res)
     for key in ("turn_latency_speedup", "first_audio_speedup", "first_waveform_speedup"):
         assert res[key] > 0, key
     for run in (res["caching_on"], res["caching_off"]):

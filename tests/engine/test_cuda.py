@@ -11,14 +11,18 @@ import torch
 
 from kernels.store_kv import interpreting
 from stages.checkpoints import TINY_ARCHS
-from tests.engine_utils import assert_no_leak, generate, make_engine
+from omni.outputs import StageInput
+from omni.sampling_params import SamplingParams
+from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
 from tests.tolerances import assert_rows_close, decoder_atol
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
                                 reason="needs a CUDA GPU with real Triton kernels (TRITON_INTERPRET=0)")
 
+# No prompt repeats one token: rows that nearly equal their neighbours would let a shifted row pass the tolerance
+# (assert_rows_close refuses such a check).
 PROMPTS = [[5 + i for i in range(13)], [40 + 2 * i for i in range(6)], [7, 9, 11], list(range(100, 133)),
-           [3] * 5]
+           [3, 1, 4, 15, 9]]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -26,13 +30,13 @@ def test_cuda_graph_decode_matches_eager(tiny_llama, dtype):
     results = {}
     for graphs in (False, True):
         engine = make_engine(tiny_llama, device="cuda", dtype=dtype, cuda_graphs=graphs, max_num_seqs=8)
-        stats = engine.stats()
+        stats = engine.stats().as_dict()
         assert bool(stats["cuda_graph_sizes"]) == graphs
         outs = generate(engine, PROMPTS, max_tokens=12)
         again = generate(engine, [PROMPTS[3] + [77, 78]], prefix="again", max_tokens=6)  # hit, then graph decode
         assert again[0].num_cached_tokens > 0
         if graphs:
-            assert engine.stats()["cuda_graph_replays"] > 0, "decode never replayed a graph"
+            assert engine.stats().as_dict()["cuda_graph_replays"] > 0, "decode never replayed a graph"
         assert_no_leak(engine)
         results[graphs] = outs + again
     for eager, graph in zip(results[False], results[True]):
@@ -58,9 +62,29 @@ def test_rows_cross_to_host_and_caching_on_off_equal(tiny_llama):
         assert isinstance(second[0].hidden_states, np.ndarray)
         assert_no_leak(engine)
         outs[caching] = first + second
-        stats = engine.stats()
+        stats = engine.stats().as_dict()
         assert stats["rows_staged_bytes"] > 0
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         atol = decoder_atol(b.hidden_states, layers=TINY_ARCHS["llama"], widest_sum=128)
         assert_rows_close(a.hidden_states, b.hidden_states, atol, a.request_id)  # cached vs recomputed rows
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_steps_that_sample_nothing_leave_the_next_steps_inputs_alone(tiny_llama, graphs):
+    """A step that samples nothing (a chunk of a long prompt, a prompt streamed in one token at a time) ends without
+    a host sync; the next step must not refill the pinned input buffers before the GPU has copied them (it did: a
+    streamed prompt decoded other tokens on an H100)."""
+    prompt = [3 + (7 * i) % 900 for i in range(61)]
+    whole = generate(make_engine(tiny_llama, device="cuda", cuda_graphs=graphs), [prompt], max_tokens=10)[0]
+    chunked = make_engine(tiny_llama, device="cuda", cuda_graphs=graphs, max_num_batched_tokens=8)
+    assert generate(chunked, [prompt], max_tokens=10)[0].token_ids == whole.token_ids
+    streamed = make_engine(tiny_llama, device="cuda", cuda_graphs=graphs)
+    streamed.add_request(StageInput("r", prompt_token_ids=prompt[:1], input_complete=False,
+                                    sampling_params=SamplingParams(temperature=0.0, max_tokens=10)))
+    for i in range(1, len(prompt)):
+        streamed.step()  # computes what it has; samples nothing until the prompt is complete
+        streamed.extend_request("r", prompt[i : i + 1], last=i == len(prompt) - 1)
+    outs = run_to_completion(streamed)
+    assert outs["r"].token_ids == whole.token_ids
+    assert_no_leak(streamed)

@@ -88,7 +88,7 @@ def test_a_billion_blocks_fail_fast_before_loading(tiny_qwen2, monkeypatch):
     monkeypatch.setattr(engine_module, "KVCacheManager", never)
     with pytest.raises(ConfigError, match=r"stage 'big': cache.num_blocks: 1,000,000,000 blocks of 4 tokens: "
                                           r"they need .* of host memory"):
-        make_engine(tiny_qwen2, num_blocks=10**9, name="big")
+        make_engine(tiny_qwen2, num_blocks=10**9, name="big", device="cpu")  # host memory, also on a GPU machine
 
 
 def test_checkpoint_geometry_counts_before_loading(tiny_qwen2, monkeypatch):

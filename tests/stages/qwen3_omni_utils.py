@@ -169,3 +169,28 @@ def frames_of(talker_out, request: StageInput) -> np.ndarray:
     from stages.qwen3_omni import talker2code2wav
 
     return talker2code2wav({"talker": talker_out}, request).extra["codes"]
+
+
+# `device: auto` puts the pipeline's stages on a GPU where there is one, while transformers' reference runs here on
+# the CPU: cuDNN's convolutions (TF32 by default) and the GPU's other kernels round differently from the CPU's, so
+# there the waveforms agree to an SNR bound instead of bit for bit (an H100: 65-68 dB; a wrong frame is < 10 dB).
+PIPELINE_ON_GPU = torch.cuda.is_available()
+GPU_MIN_SNR_DB = 50.0
+
+
+def snr_db(got: np.ndarray, ref: np.ndarray) -> float:
+    err = float(np.sum((got.astype(np.float64) - ref) ** 2))
+    return float("inf") if err == 0 else 10 * np.log10(float(np.sum(ref.astype(np.float64) ** 2)) / err)
+
+
+def assert_same_audio(pcm: bytes, ref: np.ndarray) -> None:
+    """The pipeline's 16-bit PCM equals transformers' waveform `ref` as PCM (bit for bit on the CPU; on a GPU, the
+    same length within GPU_MIN_SNR_DB)."""
+    from omni.serve.audio import pcm16_to_float, to_pcm16
+
+    want = to_pcm16(ref)
+    if not PIPELINE_ON_GPU:
+        assert pcm == want
+        return
+    assert len(pcm) == len(want)
+    assert snr_db(pcm16_to_float(pcm), pcm16_to_float(want)) >= GPU_MIN_SNR_DB

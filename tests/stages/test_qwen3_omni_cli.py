@@ -16,8 +16,7 @@ import yaml
 from omni import cli
 from omni.config_loader import load_config
 from omni.pipeline.threads import local_threads
-from omni.serve.audio import to_pcm16
-from tests.stages.qwen3_omni_utils import hf_generate, hf_model, torch_threads
+from tests.stages.qwen3_omni_utils import assert_same_audio, hf_generate, hf_model, torch_threads
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"
@@ -69,7 +68,7 @@ def test_omni_run_matches_transformers_generate(tmp_path, capsys):
     ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max, threads=THREADS)
     assert on["outputs"]["thinker"]["token_ids"] == ref_tokens
     assert on["outputs"]["thinker"]["text"] == tok.decode(ref_tokens, skip_special_tokens=True)
-    assert wav_on == to_pcm16(ref_wav)
+    assert_same_audio(wav_on, ref_wav)
 
 
 @pytest.mark.timeout(300)
@@ -105,7 +104,7 @@ def test_omni_run_streams_code2wav_chunks(tmp_path, capsys):
             c = 25 if s - 25 > 0 else s  # chunked_decode's left context rule
             ref.append(model(x[..., s - c : e])[..., c * spf :].reshape(-1).float().numpy())
     assert len(ref) >= 3
-    assert streamed == to_pcm16(np.concatenate(ref))
+    assert_same_audio(streamed, np.concatenate(ref))
 
 
 @pytest.mark.timeout(300)
@@ -132,4 +131,4 @@ def test_omni_run_streams_thinker_to_talker(tmp_path, capsys):
     ref_tokens, _, ref_wav = hf_generate("tiny", ids, thinker_max=thinker_max, talker_max=talker_max, threads=THREADS)
     assert result["outputs"]["thinker"]["token_ids"] == ref_tokens
     with wave.open(str(out / "0000_code2wav.wav"), "rb") as w:
-        assert w.readframes(w.getnframes()) == to_pcm16(ref_wav)
+        assert_same_audio(w.readframes(w.getnframes()), ref_wav)
