@@ -2,10 +2,13 @@
 config out of the full one, and only the weights under its prefix (Qwen2.5-Omni and Qwen3-Omni alike)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+MARKER = "omni_checkpoint.json"  # stages/checkpoints.py writes it last into every builtin checkpoint
 
 
 def load_part(config_cls: type, model_path: Path, part: str, cls: type, dtype: torch.dtype, device: torch.device,
@@ -16,6 +19,9 @@ def load_part(config_cls: type, model_path: Path, part: str, cls: type, dtype: t
 
     full = config_cls.from_pretrained(str(model_path))
     config = getattr(full, f"{part}_config")
+    seed = random_weights_seed(model_path)
+    if seed is not None:
+        return _random_part(cls, config, dtype, device, attn, seed), full
     # The other parts' weights are "unexpected" for this one: keep transformers' load report quiet.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -25,3 +31,23 @@ def load_part(config_cls: type, model_path: Path, part: str, cls: type, dtype: t
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.to(device).eval(), full
+
+
+def random_weights_seed(model_path: Path) -> int | None:
+    """The seed of a checkpoint that ships no weights (`builtin:qwen2_5-omni-7b-shapes`), else None."""
+    marker = Path(model_path) / MARKER
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text()).get("random_weights")
+    return None if info is None else int(info["seed"])
+
+
+def _random_part(cls: type, config: Any, dtype: torch.dtype, device: torch.device, attn: str, seed: int):
+    """`cls` with transformers' own initialisation, made directly on `device` (a 7B part in seconds on a GPU, no copy
+    through host memory), from `seed`."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
+    return model.eval()

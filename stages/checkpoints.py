@@ -68,7 +68,7 @@ TINY_ARCHS = {
     "qwen2": 3,
 }
 BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2", "smollm2", "tiny-qwen2_5-omni", "small-qwen2_5-omni",
-                  "tiny-qwen3-omni", "tiny-qwen3-omni-k1g2", "small-qwen3-omni")
+                  "tiny-qwen3-omni", "tiny-qwen3-omni-k1g2", "small-qwen3-omni", "qwen2_5-omni-7b-shapes")
 
 
 # ----------------------------------------------------------------------------- cache plumbing
@@ -324,6 +324,10 @@ def builtin_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         from stages.qwen2_5_omni_checkpoint import small_omni_checkpoint
 
         return small_omni_checkpoint(cache_dir)
+    if name == "qwen2_5-omni-7b-shapes":
+        from stages.qwen2_5_omni_checkpoint import shapes_omni_checkpoint
+
+        return shapes_omni_checkpoint(cache_dir)
     if name in ("tiny-qwen3-omni", "tiny-qwen3-omni-k1g2", "small-qwen3-omni"):
         from stages.qwen3_omni_checkpoint import tiny_qwen3_omni_checkpoint
 

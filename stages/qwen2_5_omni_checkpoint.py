@@ -35,6 +35,7 @@ from stages.qwen2_5_omni_inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
 _RECIPE_VERSION = 3  # v2: thinker config carries vision_start/end token ids; v3: save_tokenizer
 _SMALL_RECIPE_VERSION = 2  # v2: save_tokenizer
+_SHAPES_RECIPE_VERSION = 1
 _SEED = 1234
 _TEXT_STD = 0.2  # as in stages.checkpoints: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1
@@ -138,6 +139,57 @@ def small_omni_config():
     return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker,
                              token2wav_config={"dit_config": dit, "bigvgan_config": bigvgan},
                              enable_audio_output=True)
+
+
+def omni_7b_shapes_config():
+    """Qwen/Qwen2.5-Omni-7B's layout (its config.json's sizes; token2wav's DiT and BigVGAN are transformers' defaults,
+    which are the 7B model's): for `builtin:qwen2_5-omni-7b-shapes`, random weights made on the stage's device."""
+    from transformers import Qwen2_5OmniConfig
+
+    ids = dict(pad_token_id=151643, eos_token_id=151645)
+    text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+                tie_word_embeddings=False, **ids)
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=3584,
+                  fullatt_block_indexes=[7, 15, 23, 31])
+    audio = dict(num_mel_bins=128, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120, d_model=1280,
+                 output_dim=3584, n_window=100, max_source_positions=1500)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio, vision_start_token_id=151652,
+                   vision_end_token_id=151653, vision_token_id=151654, bos_token_id=151644, **ids)
+    talker = dict(vocab_size=8448, embedding_size=3584, hidden_size=896, intermediate_size=18944, num_hidden_layers=24,
+                  num_attention_heads=12, num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+    # One change from the 7B: the DiT embeds every id of the talker's vocabulary (8,448 rows, not 8,193; 0.1% of its
+    # weights). A trained talker emits only codes below 8,193 and its stop token; random weights emit the rest too.
+    return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=True,
+                             token2wav_config={"dit_config": {"num_embeds": 8448}})
+
+
+def shapes_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A Qwen2.5-Omni-7B-shaped directory without weights (config, speakers, tokenizer, preprocessing; ~10 MB): each
+    stage makes its part's weights at random on its own device when it loads (stages/checkpoint_parts.py), so the 7B
+    model's GPU cost can be measured where its weights cannot be downloaded. Not for outputs: random weights."""
+    def build(tmp: Path) -> dict:
+        import torch
+        from transformers import GenerationConfig
+
+        config = omni_7b_shapes_config()
+        config.save_pretrained(tmp)
+        GenerationConfig(eos_token_id=151645, pad_token_id=151643).save_pretrained(tmp)
+        dit = config.token2wav_config.dit_config
+        gen = torch.Generator().manual_seed(_SEED)
+        speakers = {name: {"bos_token": bos, "cond": torch.randn(dit.enc_emb_dim, generator=gen),
+                           "ref_mel": 0.5 * torch.randn(1, 40, dit.mel_dim, generator=gen)}
+                    for name, bos in SPEAKERS.items()}
+        torch.save(speakers, tmp / "spk_dict.pt")
+        save_tokenizer(omni_tokenizer(), tmp)
+        (tmp / "omni_preprocess.json").write_text(json.dumps({**PREPROCESS_DEFAULTS, "system_prompt": DEFAULT_SYSTEM},
+                                                             indent=2) + "\n")
+        return {"arch": "qwen2_5_omni", "random_weights": {"seed": _SEED}, "speakers": sorted(SPEAKERS)}
+
+    return build_once(cache_root(cache_dir) / f"qwen2_5-omni-7b-shapes-v{_SHAPES_RECIPE_VERSION}", build)
 
 
 def _randomize(model, gen) -> None:

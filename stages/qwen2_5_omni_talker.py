@@ -43,6 +43,7 @@ from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPr
 from omni.errors import RequestError
 from omni.outputs import StageInput
 
+from .checkpoint_parts import random_weights_seed
 from .qwen2_5_omni_inputs import fill_mrope_positions
 from .qwen2_5_omni_thinker import load_omni_part
 
@@ -67,6 +68,14 @@ def load_thinker_embedding(model_path: Path, dtype: torch.dtype, device: torch.d
     """The thinker's token embedding table alone, read from the checkpoint's safetensors."""
     from safetensors import safe_open
 
+    seed = random_weights_seed(model_path)
+    if seed is not None:  # a checkpoint without weights: a table of the thinker's shape, made on the device
+        from transformers import Qwen2_5OmniConfig
+
+        text = Qwen2_5OmniConfig.from_pretrained(str(model_path)).thinker_config.text_config
+        gen = torch.Generator(device=device).manual_seed(seed)
+        weight = torch.randn(text.vocab_size, text.hidden_size, generator=gen, device=device, dtype=dtype) * 0.02
+        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
     key = "thinker.model.embed_tokens.weight"
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
