@@ -365,6 +365,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
      covered("tests/pipeline/test_ray_job.py::test_ray_job_submit_omni_run")),
     (r"^examples/ray_job\.sh\b", covered("tests/pipeline/test_ray_job.py::test_example_ray_job_script")),
     (r"^omni serve \S+ --ray-serve\b", covered("tests/serve/test_ray_serve.py::test_ray_serve_ingress")),
+    (r"^omni serve \.\.\. --enable-auto-tool-choice --tool-call-parser hermes$",
+     covered("tests/serve/test_auto_tools_server.py::test_a_call_in_the_reply_comes_back_as_tool_calls")),
     # benches with smoke tests of their own
     (r"^omni bench kv$", covered("tests/bench/test_bench_kv.py::test_bench_kv_reports_every_key")),
     (r"^omni bench kernels$", covered("tests/bench/test_bench_kernels.py::test_run_without_cuda_is_a_clean_skip")),

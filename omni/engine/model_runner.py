@@ -303,7 +303,6 @@ class ModelRunner:
         if not prep.sample_rows:
             self.profile.forward_s += time.perf_counter() - t_forward
             return {}, {}
-        k = len(prep.sample_rows)
         if prep.sample_rows != list(range(prep.num_tokens)):
             hidden = hidden.index_select(0, self.batch.upload_sample_rows(prep.sample_rows))
         logits = self.model.compute_logits(hidden)

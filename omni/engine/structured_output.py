@@ -20,6 +20,8 @@ per-request state, next to the request's random generator, and never leave the s
 """
 from __future__ import annotations
 
+import copy
+import json
 import re
 from typing import Any
 
@@ -64,13 +66,11 @@ class GrammarCompiler:
             raise self._error(f"stage {self.stage!r} has no tokenizer to constrain its text with")
         try:
             import llguidance
-            import llguidance.hf
         except ImportError:
             raise self._error("structured outputs need the llguidance package (pip install llguidance)") from None
         if self._lltok is None:
             try:
-                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_id)
+                self._lltok = _lltokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
             except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read (not a fast one, say)
                 raise self._error(f"stage {self.stage!r}: its tokenizer cannot drive a grammar: {e}") from None
         try:
@@ -81,6 +81,31 @@ class GrammarCompiler:
         if m.is_error():
             raise self._error(f"{kind}: {m.get_error()}")
         return m
+
+
+def _lltokenizer(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    """llguidance's view of a fast tokenizer (its `hf.from_tokenizer`, with one change). llguidance takes every added
+    token for a special one (bytes it never matches against text), yet tokenizes text into them: a constraint that
+    spells one out (Qwen's `<tool_call>`, not special: the model writes it as text) had only that token allowed, then
+    refused it once sampled. Plain added tokens (not special, printable ASCII: the same text in a byte-level BPE's
+    alphabet) go into the vocabulary as ordinary tokens instead, so the text can be written with them or byte by
+    byte, and either is matched."""
+    import llguidance
+
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
+        plain = [a for a in spec.get("added_tokens", ())
+                 if not a.get("special") and a["content"].isascii() and a["content"].isprintable()
+                 and " " not in a["content"]]
+        spec["added_tokens"] = [a for a in spec["added_tokens"] if a not in plain]
+        for a in plain:
+            model["vocab"].setdefault(a["content"], a["id"])
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size,
+                                  eos_token=eos_token_id if eos_token_id is not None else tokenizer.eos_token_id)
 
 
 def words(vocab_size: int) -> int:

@@ -36,6 +36,7 @@ from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequ
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
+from omni.serve.tool_parser import ToolCallStream
 from omni.serve.tools import reply_tool_calls
 from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_job
 
@@ -237,13 +238,16 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
             yield chunk({"role": "assistant", "content": ""}, modality=text_mod, index=index)
         forced = run.job.forced_tool  # a forced tool call: its JSON is held back and sent as tool_calls at the end
         held: list[list[Any]] = [[] for _ in run.runs]  # of each choice: its logprobs, while held back
+        # tool_choice "auto": each choice's text through its parser (content before a call goes out as it comes)
+        parsers = [ToolCallStream() for _ in run.runs] if run.job.tool_parser is not None else None
         async with contextlib.aclosing(run.events()) as evs:
             async for index, ev in evs:
                 if isinstance(ev, TextEvent):
+                    text = ev.text if parsers is None else parsers[index].feed(ev.text)
                     if forced is not None:
                         held[index] += ev.logprobs or []
-                    elif ev.text or ev.logprobs:
-                        yield chunk(R.text_delta(ev.text, audio_ids[index] if speaks else None), modality=text_mod,
+                    elif text or ev.logprobs:
+                        yield chunk(R.text_delta(text, audio_ids[index] if speaks else None), modality=text_mod,
                                     logprobs=R.chat_logprobs(ev.logprobs), index=index)
                     continue
                 per_chunk = max(1, round(ev.rate * state.settings.audio_chunk_ms / 1000))
@@ -257,6 +261,13 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls is not None
                          else {"content": r.text})  # not a complete call (cut short): the text
                 yield chunk(delta, logprobs=R.chat_logprobs(held[index] or None), index=index)
+            elif parsers is not None:
+                rest, calls = parsers[index].finish()
+                if rest:
+                    yield chunk(R.text_delta(rest, None), index=index)
+                if calls is not None:
+                    yield chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, index=index)
+                    finish_reason = "tool_calls"
             yield chunk({}, finish_reason=finish_reason, modality=text_mod, index=index)
         if req.include_usage:
             yield chunk(None, usage_=R.usage(run))

@@ -43,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, help="concurrent /v1/realtime sessions (default 16)")
     p.add_argument("--session-idle-timeout-s", type=float, help="close a /v1/realtime session idle this long "
                    "(default 600)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help='chat tool_choice "auto" (the default with tools): calls read from the reply (needs '
+                        "--tool-call-parser), as vLLM's flag")
+    p.add_argument("--tool-call-parser", choices=["hermes"],
+                   help="the model's tool-call format for \"auto\": hermes (Qwen2.5 / Qwen3 templates)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's")
 
 
@@ -55,7 +60,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_body_bytes=mb(args.max_body_mb), max_media_items=args.max_media_items,
         max_media_bytes=mb(args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms,
         shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level, max_sessions=args.max_sessions,
-        session_idle_timeout_s=args.session_idle_timeout_s)
+        session_idle_timeout_s=args.session_idle_timeout_s, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -330,8 +330,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"required" (one call or more of the tools) or {"type": "function", "function": {"name"}} '
         '(that one): the reply is constrained to the call\'s JSON (structured outputs) and comes back as '
-        '`tool_calls`; "none": a text reply. "auto" needs a tool-call parser, which this server has not (as vLLM '
-        'without --enable-auto-tool-choice).')
+        '`tool_calls`; "none": a text reply; "auto" (the default with tools): text or calls, read from the reply '
+        'in the model\'s own format (a server started with --enable-auto-tool-choice --tool-call-parser, as vLLM).')
     parallel_tool_calls: bool | None = Field(None, description='With "required": false allows one call only.')
     functions: Any = Field(None, description="Not implemented: null or [].")
     function_call: Any = Field(None, description='Not implemented: null, "none" or "auto".')
@@ -367,14 +367,15 @@ class ChatCompletionRequest(_Common):
         choice = self.tool_choice
         if choice is None and not names:
             return self
-        if choice in (None, "auto"):
-            raise field_error("tool_choice", 'this server has no tool-call parser for "auto" (as vLLM without '
-                              '--enable-auto-tool-choice): send "required", {"type": "function", "function": '
-                              '{"name": ...}} or "none"', "unsupported_value")
         if choice == "none":
             return self
         if not names:
             raise field_error("tool_choice", "needs tools to call")
+        if choice in (None, "auto"):
+            if "audio" in self.output_modalities:
+                raise field_error("tool_choice", 'a reply that may call a tool is not spoken: send modalities '
+                                  '["text"], or tool_choice "none"')
+            return self  # the server reads calls from the reply, if it has a parser (endpoints.py)
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise field_error("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
                               f"({', '.join(names)})")
@@ -385,6 +386,11 @@ class ChatCompletionRequest(_Common):
             raise field_error("tool_choice", "a forced tool call already constrains the reply (to the call's JSON): "
                               "send no response_format / structured_outputs with it")
         return self
+
+    @property
+    def auto_tools(self) -> bool:
+        """tool_choice "auto" (the default with tools): a text reply or calls, as the model chooses."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def forced_tool(self) -> str | None:

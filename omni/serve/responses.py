@@ -19,6 +19,7 @@ import numpy as np
 
 from omni.outputs import TokenLogprob
 from omni.serve.audio import encode_wav, to_pcm16
+from omni.serve.tool_parser import parse_tool_calls
 from omni.serve.tools import reply_tool_calls
 
 Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completion_tokens, cached_tokens
@@ -112,6 +113,10 @@ def chat_completion(rid: str, model: str, created: int, choices: Usage,
         calls, finish_reason = reply_tool_calls(run.job.forced_tool, run.text, run.finish_reason)
         if calls is not None:
             message["content"], message["tool_calls"] = None, calls
+        elif run.job.tool_parser is not None:
+            content, calls = parse_tool_calls(run.text)
+            if calls is not None:
+                message["content"], message["tool_calls"], finish_reason = content, calls, "tool_calls"
         if audio is not None:
             message["audio"] = audio
         out.append(_with_prompt_logprobs({"index": index, "message": message, "finish_reason": finish_reason,

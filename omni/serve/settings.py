@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_KEY_ENV = "OMNI_API_KEY"
 _MB = 2**20
@@ -37,6 +39,20 @@ class ServeSettings(BaseModel):
                               "with an error event and closed with code 1013 (try again later).")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A /v1/realtime session that receives no "
                                           "client event for this long is closed with a reason (code 1000).")
+
+    enable_auto_tool_choice: bool = Field(False, description='Chat\'s tool_choice "auto" (the default when a '
+                                          'request has tools): the reply is read for tool calls in the model\'s own '
+                                          'format (tool_call_parser); off, "auto" is refused (vLLM\'s flag).')
+    tool_call_parser: Literal["hermes"] | None = Field(None, description="The model's tool-call format for "
+                                                       '"auto" (omni/serve/tool_parser.py): hermes, as Qwen2.5 / '
+                                                       "Qwen3 chat templates ask for.")
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> "ServeSettings":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format: "
+                             "hermes)")
+        return self
 
     @classmethod
     def from_env(cls, **kw: object) -> "ServeSettings":

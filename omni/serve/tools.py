@@ -1,4 +1,4 @@
-"""Chat tool calls (OpenAI's `tools` / `tool_choice`), as vLLM serves them without a tool-call parser.
+"""Chat tool calls (OpenAI's `tools` / `tool_choice`), as vLLM serves them.
 
     tools                     the text stage's chat template shows them to the model (StageInput.tools ->
                               apply_chat_template(..., tools=...)); a stage with its own prompt renderer (the
@@ -10,8 +10,9 @@
     tool_choice {"function"}  the reply is constrained to that function's parameters (a JSON object) and comes
                               back as one call of it, finish_reason "stop" (OpenAI's, for a named choice)
     tool_choice "none"        a text reply (the tools still shown to the model, as vLLM does by default)
-    "auto"                    refused (protocol.py): choosing between text and a call needs a parser of the
-                              model's own tool-call format, which this server does not have
+    "auto" (the default)      text or calls, read from the reply in the model's own format (tool_parser.py) by
+                              a server started with --enable-auto-tool-choice --tool-call-parser hermes; without
+                              them refused, naming tool_choice (as vLLM)
 
 Earlier turns' calls and their results go back to the template as it expects them: an assistant message's
 `tool_calls` with their arguments as objects (OpenAI sends them as JSON text), a `tool` message with its

@@ -69,6 +69,8 @@ class Job:
     # chat's forced tool_choice: "required" (the reply is a JSON list of {name, parameters}) or a function's
     # name (the reply is its arguments' JSON object); None: a text reply (tools.py turns it into tool_calls)
     forced_tool: str | None = None
+    # chat's tool_choice "auto": the format the reply's calls are read in (tool_parser.py); None: not read
+    tool_parser: str | None = None
 
     def sampling_param(self, stage: str, name: str) -> str:
         """The request field that set `stage`'s sampling field `name`."""
@@ -177,6 +179,13 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
     _sampling(req, info, job)
     if req.forced_tool is not None:
         force_tool_call(req, job)
+    elif req.auto_tools:
+        if not settings.enable_auto_tool_choice:
+            raise bad_request('tool_choice: "auto" (the default with tools) reads tool calls from the reply, which '
+                              "this server does not (start it with --enable-auto-tool-choice --tool-call-parser "
+                              'hermes, as vLLM): send "required", {"type": "function", "function": {"name": ...}} or '
+                              '"none"', "tool_choice", "unsupported_value")
+        job.tool_parser = settings.tool_call_parser
     return job
 
 

@@ -37,6 +37,20 @@ def test_apply_bitmask_keeps_exactly_the_set_bits():
     assert torch.isfinite(out[1]).all() and torch.equal(logits, torch.zeros(2, 40))  # a copy
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_grammar_that_spells_out_an_added_token_is_followed(tiny_qwen2, seed):
+    """Qwen's `<tool_call>` is an added token that is not special (the model writes it as text): a constraint that
+    spells it out (a Hermes call, say) is followed whether the model writes it with that token or piece by piece."""
+    engine = make_engine(tiny_qwen2)
+    tok = engine.tokenizer
+    call = '<tool_call>\n{"name": "f"}\n</tool_call>'
+    engine.add_request(StageInput("r", prompt_token_ids=_prompt(seed), sampling_params=SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=40, structured_outputs={"regex": "(ok )?" + re.escape(call)})))
+    out = run_to_completion(engine)["r"]
+    assert re.fullmatch("(ok )?" + re.escape(call), tok.decode(out.token_ids)) and out.finish_reason == "stop"
+    assert_no_leak(engine)
+
+
 def test_constrained_replies_follow_their_grammar_in_a_mixed_batch(tiny_qwen2):
     engine = make_engine(tiny_qwen2, caching=True)
     tok = engine.tokenizer

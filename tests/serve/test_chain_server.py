@@ -496,7 +496,7 @@ def test_tools_and_tool_turns_reach_the_chat_template(client, server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" (the default with tools) needs a parser this server lacks
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" (the default with tools): this server has no parser set
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
