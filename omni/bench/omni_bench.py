@@ -159,7 +159,8 @@ def _snr_db(got: np.ndarray, ref: np.ndarray) -> float:
     if got.shape != ref.shape:
         return float("-inf")
     err = float(np.sum((got.astype(np.float64) - ref) ** 2))
-    return float("inf") if err == 0 else float(10 * np.log10(max(float(np.sum(ref.astype(np.float64) ** 2)), 1e-30) / err))
+    power = max(float(np.sum(ref.astype(np.float64) ** 2)), 1e-30)
+    return float("inf") if err == 0 else float(10 * np.log10(power / err))
 
 
 def _best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:

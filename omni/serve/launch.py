@@ -20,6 +20,8 @@ import sys
 from types import FrameType
 from typing import Any
 
+from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
+
 # uvicorn's own graceful wait, once the drain is over: only the last bytes of responses already
 # ended are left to send by then.
 UVICORN_SHUTDOWN_S = 5
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help='chat tool_choice "auto" (the default with tools): calls read from the reply (needs '
                         "--tool-call-parser), as vLLM's flag")
-    p.add_argument("--tool-call-parser", choices=["hermes"],
+    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
                    help="the model's tool-call format for \"auto\": hermes (Qwen2.5 / Qwen3 templates)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's")
 
@@ -170,8 +172,11 @@ def main(args: argparse.Namespace) -> int:
         return error(str(e))
     except ValidationError as e:
         err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across options (--enable-auto-tool-choice needs --tool-call-parser): it names them
+            return error(msg)
         flag = _FLAGS.get(str(err["loc"][0]), "--" + str(err["loc"][0]).replace("_", "-"))
-        return error(f"{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
+        return error(f"{flag}: {msg} (got {err.get('input')!r})")
     if args.ray_serve:
         from omni.serve.ray_serve import run
 

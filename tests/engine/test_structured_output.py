@@ -37,6 +37,7 @@ def test_apply_bitmask_keeps_exactly_the_set_bits():
     assert torch.isfinite(out[1]).all() and torch.equal(logits, torch.zeros(2, 40))  # a copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_grammar_that_spells_out_an_added_token_is_followed(tiny_qwen2, seed):
     """Qwen's `<tool_call>` is an added token that is not special (the model writes it as text): a constraint that

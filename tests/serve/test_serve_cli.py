@@ -18,6 +18,8 @@ def test_bad_config_and_options_exit_2(tmp_path, capsys):
     assert "--port" in capsys.readouterr().err
     assert cli.main(["serve", str(CHAIN), "--stage-overrides", '{"nope": {}}']) == 2
     assert "unknown stage 'nope'" in capsys.readouterr().err
+    assert cli.main(["serve", str(CHAIN), "--enable-auto-tool-choice"]) == 2  # vLLM's rule: which format to read
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
 def test_a_taken_port_exits_1_before_loading(capsys):
