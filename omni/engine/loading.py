@@ -31,6 +31,9 @@ def resolve_device(stage: str, device: str) -> torch.device:
         raise ValueError(f"stage {stage}: device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"stage {stage}: device: cuda, but torch sees no CUDA device here (torch {torch.__version__}): "
+                         "use device: auto (CUDA where there is one) or cpu")
     return torch.device(device)
 
 

@@ -114,6 +114,9 @@ def is_auto(stage: StageConfig) -> bool:
 def stage_device(stage: StageConfig, backend: str, cuda_available: bool) -> str:
     """Where the stage's weights and KV cache go, as its engine will resolve it: "auto" is CUDA when this
     process sees a GPU (a Ray actor sees one only when the stage reserves num_gpus)."""
+    if stage.device == "cuda" and not cuda_available:
+        raise ConfigError(f"stage {stage.name!r}: device: cuda, but no CUDA device is visible here: use device: auto "
+                          "(CUDA where there is one) or cpu", stage=stage.name, field="device")
     if stage.device != "auto":
         return stage.device
     if not cuda_available:

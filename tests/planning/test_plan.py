@@ -185,3 +185,26 @@ def test_measurements_in_the_store_replace_the_estimates(store):
     th2 = after.stages["thinker"].needs
     assert th2.activations == 12345 and th2.activations_source == "measured by omni plan"
     assert th2.rows_per_block == 16 * 0 + th2.block_size * (256 + 12)
+
+
+def test_a_cuda_stage_on_a_machine_without_one_is_refused_naming_the_field(store):
+    """`device: cuda` where no GPU is visible: a ConfigError naming the stage and `device`, not a torch traceback
+    from asking a GPU that is not there for its memory (the engine says the same if it gets that far)."""
+    cfg = load_config("stage_configs/tiny_chain.yaml", {"talker": {"device": "cuda"}})
+    with pytest.raises(ConfigError, match=r"stage 'talker': device: cuda, but no CUDA device is visible") as e:
+        plan_memory(cfg, probe=fake_probe(gpus=()), store=store)
+    assert e.value.stage == "talker" and e.value.field == "device"
+    plan = plan_memory(cfg, probe=fake_probe(gpus=((80.0, 80.0),)), store=store)  # with one: placed on it
+    assert plan.stages["talker"].devices == ["cuda:0"]
+
+
+def test_the_engine_refuses_cuda_without_one():
+    import torch
+
+    from omni.engine.loading import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="stage talker: device: cuda, but torch sees no CUDA device"):
+        resolve_device("talker", "cuda")
+    assert resolve_device("talker", "auto") == torch.device("cpu")
