@@ -68,6 +68,11 @@ def audio_tower(thinker):
 
 class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
     checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
+    # Decode steps replay CUDA graphs: a generated token's three rotary positions are all its index plus its
+    # request's `delta`, which `before_graph_replay` puts into a device buffer that the captured forward adds.
+    # Prompt tokens (their own 3-D positions, encoder rows) always run eager.
+    supports_cuda_graphs = True
+    graphs_need_generated_tokens = True
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, preprocess_cfg: dict,
                  encoder_cache_size: int = 128):
@@ -92,6 +97,7 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
         self.encoder_runs = 0
         self.encoder_cache_hits = 0
         self._requests: dict[str, _ThinkerRequest] = {}
+        self._graph_delta: torch.Tensor | None = None  # [max_num_seqs] int64: each replayed row's delta
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -193,8 +199,26 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def prepare_cuda_graphs(self, max_num_seqs: int) -> None:
+        self._graph_delta = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+
+    def before_graph_replay(self, req_ids: list[str], padded: int) -> None:
+        deltas = [self._requests[r].delta if r in self._requests else 0 for r in req_ids]
+        # A synchronous copy from pageable memory: the next step cannot overwrite what it has not yet read.
+        self._graph_delta[: len(deltas)].copy_(torch.tensor(deltas, dtype=torch.long))
+
+    def _graph_forward(self, input_ids, positions) -> dict[str, torch.Tensor]:
+        """A decode step as a CUDA graph captures it (a ForwardContext without host state): one generated token
+        per row, at position index + delta on all three rotary axes (fill_mrope_positions' rule for them)."""
+        pos = positions + self._graph_delta[: positions.shape[0]]
+        pos3 = pos.unsqueeze(0).expand(3, -1)
+        out = self.lm(inputs_embeds=self.embed_tokens(input_ids)[None], position_ids=pos3[:, None], use_cache=False)
+        return {"hidden_states": out.last_hidden_state[0], "mrope_positions": pos3.t().to(torch.float32)}
+
     def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
         ctx = get_forward_context()
+        if ctx.req_ids is None and self._graph_delta is not None and inputs_embeds is None:
+            return self._graph_forward(input_ids, positions)
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         pos3 = positions.detach().cpu().long().unsqueeze(0).repeat(3, 1)
         for rid, a, start, end in ctx.request_spans():

@@ -131,6 +131,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self._graphs_possible(device):
             self.graphs = DecodeGraphs(self.batch, capture_sizes or default_capture_sizes(max_num_seqs))
+            if hasattr(self.model, "prepare_cuda_graphs"):
+                self.model.prepare_cuda_graphs(max_num_seqs)
             self.graphs.capture(lambda ids, pos: self.model.forward(ids, None, pos), self._graph_context)
             if not self.graphs.captured:
                 self.graphs = None
@@ -219,6 +221,7 @@ class ModelRunner:
         prompt_lp: list[tuple[str, int, int, int, list[int]]] = []
         row_ranges = []
         is_decode = True
+        generated_only = getattr(self.model, "graphs_need_generated_tokens", False)
         row = 0
         for i, s in enumerate(sched.scheduled):
             state = self.states[s.req_id]
@@ -241,7 +244,7 @@ class ModelRunner:
                 # position p's logits predict prompt token p + 1: rows start .. min(end, P - 1) - 1
                 last = min(end, req.num_prompt_tokens - 1)
                 prompt_lp.append((s.req_id, start, row, last - start, list(req.all_token_ids[start + 1 : last + 1])))
-            is_decode = is_decode and n == 1
+            is_decode = is_decode and n == 1 and (start >= req.num_prompt_tokens or not generated_only)
             row_ranges.append((s.req_id, row, n))
             row += n
         # Slot of every token: its block's id * block_size + offset in the block.
@@ -257,6 +260,8 @@ class ModelRunner:
         if padded is not None:
             self.batch.fill_padding(n_tok, n_seq, padded)
             self.batch.upload(padded, padded)
+            if hasattr(self.model, "before_graph_replay"):
+                self.model.before_graph_replay([s.req_id for s in sched.scheduled], padded)
             self._before_forward()
             out = self.graphs.replay(padded)
             return {k: (v[:n_tok] if is_per_token(v, padded) else v) for k, v in out.items()}

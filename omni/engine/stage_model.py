@@ -83,8 +83,14 @@ class AutoregressiveStageModel(StageModel):
     emits_hidden_states = True
     # True when `forward` reads nothing but its tensor arguments and the
     # ForwardContext's device tensors (no per-request host state), so that a
-    # decode step can be captured once in a CUDA graph and replayed.
+    # decode step can be captured once in a CUDA graph and replayed. A model
+    # that keeps per-request host state may still opt in: it sees a capture as
+    # a ForwardContext without req_ids, and `before_graph_replay` (below) hands
+    # it the replayed rows' requests to set its own device buffers from.
     supports_cuda_graphs: bool = False
+    # True: a graph replays only steps whose every token is a generated one (not
+    # a one-token prompt chunk, which may need, say, an encoder's rows).
+    graphs_need_generated_tokens: bool = False
     # On a streaming edge: True when the model may sample while its input is still
     # arriving (Qwen2.5-Omni's talker consumes one thinker row per step and says how
     # far it can go through `compute_limit`); False: a growing prompt is only
@@ -116,6 +122,14 @@ class AutoregressiveStageModel(StageModel):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         raise NotImplementedError
+
+    def prepare_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Before capture: allocate the persistent device buffers a captured forward reads (their addresses are
+        baked into the graphs)."""
+
+    def before_graph_replay(self, req_ids: list[str], padded: int) -> None:
+        """Before a graph replays a decode step of `req_ids` (rows in order; `padded` rows in all): fill the
+        buffers of `prepare_cuda_graphs` for these rows."""
 
     # -- optional hooks (multimodal / model-specific stages) -----------------
     @classmethod
