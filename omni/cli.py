@@ -50,7 +50,7 @@ BENCHES = {
     "realtime": "realtime",
     "qwen3-vs-hf": "qwen3_vs_hf",
     "head": "head",
-    "decode-graphs": "decode_graphs",
+    "cuda-graphs": "cuda_graphs",
 }
 _DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate, when a stage does not say
 

@@ -369,7 +369,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
      covered("tests/serve/test_auto_tools_server.py::test_a_call_in_the_reply_comes_back_as_tool_calls")),
     # benches with smoke tests of their own
     (r"^omni bench kv$", covered("tests/bench/test_bench_kv.py::test_bench_kv_reports_every_key")),
-    (r"^omni bench decode-graphs$", covered("tests/bench/test_bench_decode_graphs.py::test_without_cuda_it_is_a_clean_skip")),
+    (r"^omni bench cuda-graphs$", covered("tests/bench/test_bench_cuda_graphs.py::test_without_cuda_it_is_a_clean_skip")),
     (r"^omni bench kernels$", covered("tests/bench/test_bench_kernels.py::test_run_without_cuda_is_a_clean_skip")),
     (r"^omni bench pipeline$", covered("tests/bench/test_bench_pipeline.py::test_bench_pipeline_ttft_part")),
     (r"^omni bench omni$", covered("tests/bench/test_bench_omni.py::test_omni_bench_reports_speedups_and_hits")),

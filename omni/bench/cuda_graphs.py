@@ -1,4 +1,4 @@
-"""`omni bench decode-graphs`: a stage's decode step with CUDA graphs vs eager, same requests, one run.
+"""`omni bench cuda-graphs`: a stage's decode step with CUDA graphs vs eager, same requests, one run.
 
 On a GPU a small decode step is bound by the host: hundreds of kernel launches from Python, each costing more
 than the kernel. A captured CUDA graph replays them with one launch (omni/engine/cuda_graphs.py). This bench
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        return {"bench": "decode-graphs", "gpu": None, "skipped": "no CUDA device: CUDA graphs need a GPU "
+        return {"bench": "cuda-graphs", "gpu": None, "skipped": "no CUDA device: CUDA graphs need a GPU "
                 "(--device cpu: a smoke run, both sides eager)"}
     t0 = time.perf_counter()
     graphed, eager = _engines(args)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "tokens_identical": int(g_tokens == e_tokens)}
     stats = graphed.stats().as_dict()
     return {
-        "bench": "decode-graphs", "stage_model": args.stage_model, "model": args.model, "dtype": args.dtype,
+        "bench": "cuda-graphs", "stage_model": args.stage_model, "model": args.model, "dtype": args.dtype,
         "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "torch": torch.__version__, "prompt_tokens": args.prompt_tokens, "decode_steps": args.decode_steps,
         "load_and_capture_s": load_s, "graph_sizes": stats.get("cuda_graph_sizes", []),

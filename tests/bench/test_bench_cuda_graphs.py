@@ -1,4 +1,4 @@
-"""`omni bench decode-graphs`: without CUDA a clean skip; `--device cpu` runs the whole measurement on the tiny
+"""`omni bench cuda-graphs`: without CUDA a clean skip; `--device cpu` runs the whole measurement on the tiny
 Qwen2.5-Omni thinker (both sides eager there: the same tokens, the JSON's keys). The GPU numbers are README's."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from omni.bench import decode_graphs as bench
+from omni.bench import cuda_graphs as bench
 
 
 def _args(*argv):
