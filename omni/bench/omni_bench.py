@@ -155,14 +155,6 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
             "media": sorted(mm), "stats": stats, "encoder": encoder, "_outputs": outputs}
 
 
-def _snr_db(got: np.ndarray, ref: np.ndarray) -> float:
-    if got.shape != ref.shape:
-        return float("-inf")
-    err = float(np.sum((got.astype(np.float64) - ref) ** 2))
-    power = max(float(np.sum(ref.astype(np.float64) ** 2)), 1e-30)
-    return float("inf") if err == 0 else float(10 * np.log10(power / err))
-
-
 def _best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per turn, the fastest of `runs` (the same conversation on fresh pipelines)."""
     best = runs[-1]
@@ -195,7 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same = tokens_same and all(np.array_equal(a[2], b[2]) for a, b in pairs)
     # Where the waveforms are not bit for bit equal (a GPU's kernels need not sum in one order from run to run),
     # how close they are: the worst turn's SNR of caching on against caching off.
-    snr = min((_snr_db(np.asarray(a[2]), np.asarray(b[2])) for a, b in pairs), default=float("inf"))
+    from .capacity import _snr_db
+
+    snr = min((_snr_db(np.asarray(b[2]), np.asarray(a[2])) if np.shape(a[2]) == np.shape(b[2]) else float("-inf")
+               for a, b in pairs), default=float("inf"))
 
     def mean_after_first(xs: list[float]) -> float:
         return float(np.mean(xs[1:]))

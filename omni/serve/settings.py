@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
+
 API_KEY_ENV = "OMNI_API_KEY"
 _MB = 2**20
 
@@ -42,7 +44,7 @@ class ServeSettings(BaseModel):
     enable_auto_tool_choice: bool = Field(False, description='Chat\'s tool_choice "auto" (the default when a '
                                           'request has tools): the reply is read for tool calls in the model\'s own '
                                           'format (tool_call_parser); off, "auto" is refused (vLLM\'s flag).')
-    tool_call_parser: Literal["hermes"] | None = Field(None, description="The model's tool-call format for "
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(None, description="The model's tool-call format for "
                                                        '"auto" (omni/serve/tool_parser.py): hermes, as Qwen2.5 / '
                                                        "Qwen3 chat templates ask for.")
 

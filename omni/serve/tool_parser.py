@@ -25,18 +25,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any
+
+from omni.serve.tools import new_call
 
 PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-
-
-def new_call(name: str, arguments: str) -> dict[str, Any]:
-    """One OpenAI tool call (arguments: JSON text)."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
 
 
 def _arguments(value: Any) -> str:

@@ -62,7 +62,8 @@ def force_tool_call(req: Any, job: Any) -> None:
     job.forced_tool = req.forced_tool
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
+def new_call(name: str, arguments: str) -> dict[str, Any]:
+    """One OpenAI tool call (arguments: JSON text)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
@@ -78,9 +79,9 @@ def reply_tool_calls(forced: str | None, text: str, finish_reason: str | None
     except ValueError:
         return None, finish_reason
     if forced != "required":
-        return ([_call(forced, text)], finish_reason) if isinstance(value, dict) else (None, finish_reason)
+        return ([new_call(forced, text)], finish_reason) if isinstance(value, dict) else (None, finish_reason)
     if not isinstance(value, list) or not value:
         return None, finish_reason
-    calls = [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, separators=(",", ":")))
+    calls = [new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, separators=(",", ":")))
              for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]
     return (calls, "tool_calls") if len(calls) == len(value) else (None, finish_reason)
