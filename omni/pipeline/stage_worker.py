@@ -251,21 +251,16 @@ class StageWorker:
             del self._incoming[rid]
         if not inc.started:
             inp = build_stage_input(None, part, None, inc.sub.sampling)
-            # A growing input even when the whole of it came in one piece (the upstream finished before this
-            # stage looked): how the stage cuts its work (token2wav's windows, and so its waveform's last bits,
-            # and whether its audio streams in pieces at all) must not depend on how fast the upstream ran.
-            inp.input_complete = False
+            inp.input_complete = chunk.finished
             inc.started = True
             del self._in_flight[rid]
-            if self._admit(rid, inp, inc.sub.keep_hidden) and chunk.finished:
-                self._extend(rid, inc, StageInput(rid), last=True)
+            self._admit(rid, inp, inc.sub.keep_hidden)
             return
-        self._extend(rid, inc, part if part is not None else StageInput(rid), last=chunk.finished)
-
-    def _extend(self, rid: str, inc: Incoming, part: StageInput, last: bool) -> None:
+        if part is None:
+            part = StageInput(rid)
         try:
             self.engine.extend_request(rid, list(part.prompt_token_ids or []), part.prompt_embeds,
-                                       last=last, extra=part.extra or None)
+                                       last=chunk.finished, extra=part.extra or None)
         except Exception as e:  # noqa: BLE001
             self._stream_failed(rid, inc, f"a chunk from stage {inc.upstream!r} was refused: {type(e).__name__}: {e}")
 
