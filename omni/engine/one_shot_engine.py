@@ -105,6 +105,12 @@ class OneShotStageEngine:
         job = self.model.prepare_generation(inp, seed)
         self._queue[rid] = _Job(inp, job, time.monotonic())
 
+    @property
+    def cuts_streamed_input(self) -> bool:
+        """Whether a streamed input is cut into pieces of work as it grows (token2wav's windows), so that
+        a stream whose whole input came at once must still be admitted as growing (StageWorker)."""
+        return bool(getattr(self.model, "streams_input", False))
+
     def abort(self, request_id: str) -> None:
         job = self._queue.pop(request_id, None) or self._streams.pop(request_id, None)
         if job is not None:

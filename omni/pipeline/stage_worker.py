@@ -251,16 +251,24 @@ class StageWorker:
             del self._incoming[rid]
         if not inc.started:
             inp = build_stage_input(None, part, None, inc.sub.sampling)
-            inp.input_complete = chunk.finished
+            # An upstream that finished before this stage looked hands its whole output in one piece. A
+            # stage that cuts a streamed input into pieces of work (token2wav's windows) still gets it as
+            # a growing input, ended at once: whether its audio streams in pieces, and the waveform's last
+            # bits, must not follow the actors' timing. An autoregressive stage computes the same tokens
+            # either way, so it takes the whole input as one prompt.
+            growing = not chunk.finished or getattr(self.engine, "cuts_streamed_input", False)
+            inp.input_complete = not growing
             inc.started = True
             del self._in_flight[rid]
-            self._admit(rid, inp, inc.sub.keep_hidden)
+            if self._admit(rid, inp, inc.sub.keep_hidden) and growing and chunk.finished:
+                self._extend(rid, inc, StageInput(rid), last=True)
             return
-        if part is None:
-            part = StageInput(rid)
+        self._extend(rid, inc, part if part is not None else StageInput(rid), last=chunk.finished)
+
+    def _extend(self, rid: str, inc: Incoming, part: StageInput, last: bool) -> None:
         try:
             self.engine.extend_request(rid, list(part.prompt_token_ids or []), part.prompt_embeds,
-                                       last=chunk.finished, extra=part.extra or None)
+                                       last=last, extra=part.extra or None)
         except Exception as e:  # noqa: BLE001
             self._stream_failed(rid, inc, f"a chunk from stage {inc.upstream!r} was refused: {type(e).__name__}: {e}")
 

@@ -208,6 +208,36 @@ def test_token2wav_chunks_grow_to_max_chunk_codes(length, sizes):
                                        model_kwargs={"chunk_codes": 8, "max_chunk_codes": 4})
 
 
+@pytest.mark.slow
+def test_a_stream_whose_upstream_finished_first_still_streams_the_same_audio():
+    """On Ray the talker may finish before token2wav looks at its chunks, which then arrive as one finished
+    piece: token2wav must still cut the reply into its windows and stream them (it ran the reply in one shot
+    instead: no audio deltas, and a waveform whose last bits followed the actors' timing). Here token2wav
+    gets every chunk only once the talker has sent its last."""
+    with Omni(CONFIG, backend="local", stage_overrides=STREAMED) as o:
+        want_finals, want_audio, _ = stream_all(o, PROMPTS)
+        wav2 = o._backend.workers["token2wav"]
+        held_chunks: list = []
+        real_push = wav2.push_chunk
+
+        def push(rid, seq, chunk):
+            held_chunks.append((rid, seq, chunk))
+            if chunk.finished:
+                for args in [h for h in held_chunks if h[0] == rid]:
+                    real_push(*args)
+
+        wav2.push_chunk = push
+        finals, audio, _ = stream_all(o, PROMPTS)
+        del wav2.push_chunk
+        ids = lambda fs: sorted({rid for rid, _ in fs}, key=int)  # noqa: E731 - the two runs' ids, prompt order
+        assert len(ids(finals)) == len(PROMPTS)
+        for want, rid in zip(ids(want_finals), ids(finals)):
+            assert len(audio[rid]) >= 3 and len(audio[rid]) == len(want_audio[want])
+            np.testing.assert_array_equal(np.concatenate(audio[rid]), finals[(rid, "token2wav")].audio)
+            np.testing.assert_array_equal(finals[(rid, "token2wav")].audio, want_finals[(want, "token2wav")].audio)
+        assert_clean(o)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_streamed_audio_on_ray_actor_to_actor(one_shot, ray_cluster):
