@@ -139,6 +139,11 @@ class StageDelta:
     audio: np.ndarray | None = None
     sampling_rate: int | None = None
     logprobs: list[TokenLogprob] | None = None  # of token_ids, when the request asked for them
+    # With SamplingParams.echo_prompt, on the first delta that carries generated tokens: what the finished
+    # StageOutput reports of the prompt (its text; with prompt_logprobs, each token's text and logprob).
+    prompt_text: str | None = None
+    prompt_token_texts: list[str] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def error_output(stage: str, request_id: str, error: OmniError | str, reason: str = "error") -> StageOutput:

@@ -36,6 +36,7 @@ from .kv_cache import KVCacheManager
 from .loading import load_stage_model
 from .memory import check_before_load, check_loaded
 from .model_runner import ModelRunner, RunnerRequestState
+from .prompt_report import prompt_report
 from .request import Request, RequestStatus
 from .request_checks import RequestChecker
 from .request_rows import FinishedRows, OutputRows, RowsRequest
@@ -439,18 +440,8 @@ class StageEngine:
             metrics={"ttft_s": ttft or 0.0, "e2e_s": time.monotonic() - req.arrival_time},
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
         )
-        params, ids = req.sampling_params, req.prompt_token_ids
-        if params.echo_prompt and self.tokenizer is not None:
-            out.prompt_text = self.tokenizer.decode(list(ids))
-        if params.prompt_logprobs is not None:
-            text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-            texts = [text(t) for t in ids]  # each prompt token alone, decoded once for both lists below
-            # req.prompt_logprobs[k] is prompt position k + 1's (the first position has none)
-            out.prompt_logprobs = [None] + [
-                TokenLogprob(t, lp, texts[k + 1], [(i, p, text(i)) for i, p in top], rank)
-                for k, (t, lp, top, rank) in enumerate(req.prompt_logprobs)]
-            if params.echo_prompt and self.tokenizer is not None:
-                out.prompt_token_texts = texts
+        report = prompt_report(req, self.tokenizer)
+        out.prompt_text, out.prompt_token_texts, out.prompt_logprobs = report.text, report.token_texts, report.logprobs
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             streamed = self.streams.final_text(rid)

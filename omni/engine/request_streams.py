@@ -28,6 +28,7 @@ import xxhash
 from omni.outputs import StageDelta
 
 from .detokenizer import IncrementalDetokenizer
+from .prompt_report import prompt_report
 
 
 def block_digests(rows: np.ndarray, block_size: int) -> list[bytes]:
@@ -41,6 +42,7 @@ class _Stream:
     detok: IncrementalDetokenizer | None
     tail: np.ndarray | None  # prompt-embedding rows of the last partial block (growing inputs)
     sent_prompt: bool = False  # the first delta carries the prompt ids
+    sent_echo: bool = False  # with echo, the first delta with generated tokens carries the prompt's report
     sent_tokens: int = 0  # output tokens the deltas carried so far
 
 
@@ -107,6 +109,11 @@ class RequestStreams:
                 delta.logprobs = req.output_logprobs[st.sent_tokens - len(new):st.sent_tokens]
             if not st.sent_prompt:
                 delta.prompt_token_ids, st.sent_prompt = list(req.prompt_token_ids), True
+            if new and not st.sent_echo and req.sampling_params.echo_prompt:
+                # The prompt is computed by the time a token is sampled, so its logprobs are all there.
+                report = prompt_report(req, self.tokenizer)
+                delta.prompt_text, delta.prompt_token_texts = report.text, report.token_texts
+                delta.prompt_logprobs, st.sent_echo = report.logprobs, True
             out.append(delta)
         self.num_deltas += len(out)
         return out

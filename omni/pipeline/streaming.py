@@ -114,7 +114,19 @@ def merge_chunks(a: StageDelta, b: StageDelta) -> StageDelta:
                       num_prompt_tokens=b.num_prompt_tokens, num_computed_tokens=b.num_computed_tokens,
                       finished=b.finished, rows=rows, rows_start=a.rows_start,
                       prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
-                      audio=audio, sampling_rate=b.sampling_rate or a.sampling_rate)
+                      audio=audio, sampling_rate=b.sampling_rate or a.sampling_rate,
+                      logprobs=_joined(a.logprobs, b.logprobs),
+                      prompt_text=_first(a.prompt_text, b.prompt_text),
+                      prompt_token_texts=_first(a.prompt_token_texts, b.prompt_token_texts),
+                      prompt_logprobs=_first(a.prompt_logprobs, b.prompt_logprobs))
+
+
+def _joined(a: list | None, b: list | None) -> list | None:
+    return a if b is None else b if a is None else a + b
+
+
+def _first(a: Any, b: Any) -> Any:
+    return a if a is not None else b
 
 
 @dataclass(slots=True)

@@ -296,13 +296,17 @@ async def completions(state: ServerState, request: Request) -> Response:
         offsets = [0] * len(run.runs)  # text_offset of each choice's next token, over its whole completion
         async with contextlib.aclosing(run.events()) as evs:
             async for index, ev in evs:
-                if isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
+                if isinstance(ev, TextEvent) and ev.echo:
+                    logprobs = R.echo_logprobs(run.runs[index]) if run.runs[index].job.echo_logprobs else None
+                    yield R.completion_chunk(rid, model, created, ev.text, index=index, logprobs=logprobs)
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
+                elif isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
                     yield R.completion_chunk(rid, model, created, ev.text, index=index,
                                              logprobs=R.completion_logprobs(ev.logprobs, offsets[index]))
                     offsets[index] += sum(len(e.token or "") for e in ev.logprobs or ())
         for index, r in enumerate(run.runs):
             yield R.completion_chunk(rid, model, created, "", finish_reason=r.finish_reason, index=index)
         if req.include_usage:
-            yield R.completion_chunk(rid, model, created, None, usage_=R.usage(run))
+            yield R.completion_chunk(rid, model, created, None, usage_=R.completion_usage(run))
 
     return await _serve(state, request, req, run_for, reply, stream)

@@ -437,14 +437,13 @@ class CompletionRequest(_Common):
     echo: bool | None = Field(None, description="The text starts with the prompt as the text stage saw it, "
                               "decoded (token ids, or a chat template the stage wraps a raw prompt in); with "
                               "logprobs, the prompt's tokens come first in `logprobs` (the first with a null "
-                              "logprob; the prompt is then recomputed: no prefix-cache hit). Not with stream: true.")
+                              "logprob; the prompt is then recomputed: no prefix-cache hit). Streamed, the prompt "
+                              "comes first, in a chunk of its own.")
     suffix: Any = Field(None, description='Not implemented: null or "".')
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
         _check_unsupported(self, _COMPLETION_UNSUPPORTED)
-        if self.echo and self.stream:
-            raise field_error("echo", "not with stream: true (the echoed prompt comes with the reply)")
         if self.max_tokens == 0 and not self.echo:
             raise field_error("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
         return self

@@ -35,6 +35,9 @@ from omni.serve.translate import Job
 class TextEvent:
     text: str  # may be "" (tokens whose text is not final yet): still a sign of progress
     logprobs: list[TokenLogprob] | None = None  # of the tokens this piece came with, when the request asked
+    # completions' echo: the prompt as the text stage saw it, sent before the reply (its tokens' texts and
+    # logprobs, when asked, are the Run's prompt_token_texts / prompt_logprobs by then)
+    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -163,6 +166,10 @@ class Run:
                 if self.observer is not None:
                     self.observer.first_token(item.stage, time.monotonic() - self.t0)
             if item.stage == job.usage_stage:
+                if item.prompt_text is not None and job.echo and self.prompt_text is None:
+                    self.prompt_text, self.prompt_token_texts = item.prompt_text, item.prompt_token_texts
+                    self.prompt_logprobs = item.prompt_logprobs
+                    out.append(TextEvent(item.prompt_text, echo=True))
                 self.prompt_tokens = item.num_prompt_tokens or self.prompt_tokens
                 self.completion_tokens += len(item.token_ids)
                 if item.logprobs is not None:
@@ -181,6 +188,8 @@ class Run:
             raise self._error(item.error)
         self._done.add(item.stage)
         if item.stage == job.usage_stage:
+            if job.echo and self.prompt_text is None and item.prompt_text is not None:
+                out.append(TextEvent(item.prompt_text, echo=True))  # it sent no delta with a token
             out += self._text(self._stop.flush())
             self.finish_reason = self.finish_reason or item.finish_reason or "stop"
             self.prompt_tokens = len(item.prompt_token_ids)
@@ -197,7 +206,9 @@ class Run:
 
     def _text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[TextEvent]:
         self.text += text
-        return [TextEvent(text, logprobs)] if self.job.text_stage is not None else []
+        if self.job.text_stage is None or self.job.echo_only:  # echo_only: the token sampled is not sent
+            return []
+        return [TextEvent(text, logprobs)]
 
     def _audio(self, samples: np.ndarray, rate: Any) -> list[AudioEvent]:
         if samples.size == 0:

@@ -157,7 +157,7 @@ def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, A
     return {"audio": {"id": audio_id, "data": data, "expires_at": int(time.time()) + AUDIO_TTL_S}}, None
 
 
-def _echo_logprobs(run: Any) -> dict[str, Any]:
+def echo_logprobs(run: Any) -> dict[str, Any]:
     """The prompt's tokens as completions' `logprobs` list them (vLLM's echo): each token's text decoded alone,
     its log-probability (null for the first: nothing precedes it), the most likely tokens at its position and
     itself in `top_logprobs` (null for the first)."""
@@ -174,7 +174,17 @@ def _echo_logprobs(run: Any) -> dict[str, Any]:
         top[texts[i]] = _lp(e.logprob)
         out["token_logprobs"].append(_lp(e.logprob))
         out["top_logprobs"].append(top)
+    out["text_offset"] = _offsets(out["tokens"])
     return out
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    """Each token's first character in the text the tokens make, from 0."""
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return offsets
 
 
 def _completion_choice(index: int, run: Any) -> dict[str, Any]:
@@ -189,27 +199,27 @@ def _completion_choice(index: int, run: Any) -> dict[str, Any]:
     text = prompt if job.echo_only else prompt + run.text
     logprobs = None
     if job.echo_logprobs:  # (with echo, logprobs asked for the reply are asked for the prompt too: translate._echo)
-        logprobs = _echo_logprobs(run)
+        logprobs = echo_logprobs(run)
         if generated is not None and not job.echo_only:
             for key in ("tokens", "token_logprobs", "top_logprobs"):
                 logprobs[key] += generated[key]
-        offsets, at = [], 0
-        for token in logprobs["tokens"]:
-            offsets.append(at)
-            at += len(token)
-        logprobs["text_offset"] = offsets
+        logprobs["text_offset"] = _offsets(logprobs["tokens"])
     choice = {"index": index, "text": text, "finish_reason": run.finish_reason, "logprobs": logprobs}
     # Asked for by `prompt_logprobs` itself (not only computed for echo): vLLM's field too.
     return _with_prompt_logprobs(choice, run) if job.show_prompt_logprobs else choice
 
 
 def completion(rid: str, model: str, created: int, choices: Usage) -> dict[str, Any]:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [_completion_choice(index, run) for index, run in enumerate(choices.runs)],
-           "usage": usage(choices)}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [_completion_choice(index, run) for index, run in enumerate(choices.runs)],
+            "usage": completion_usage(choices)}
+
+
+def completion_usage(choices: Usage) -> dict[str, Any]:
+    out = usage(choices)
     if choices.runs and choices.runs[0].job.echo_only:
-        out["usage"]["total_tokens"] -= out["usage"]["completion_tokens"]
-        out["usage"]["completion_tokens"] = 0  # the token sampled only because an engine request samples one
+        out["total_tokens"] -= out["completion_tokens"]
+        out["completion_tokens"] = 0  # the token sampled only because an engine request samples one
     return out
 
 

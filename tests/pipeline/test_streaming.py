@@ -279,3 +279,32 @@ def test_bad_streaming_edges_are_config_errors(change, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIG, stage_overrides=change)
+
+
+def test_merged_deltas_lose_nothing():
+    """A caller that has not taken a stage's delta yet gets the next one merged into it (the orchestrator keeps
+    one pending delta per stage): every field of both must survive (the merge once dropped the logprobs, so a
+    streamed completion under load lost the logprobs of all but the last piece). Every field is set here, so a
+    field added to StageDelta and forgotten by the merge fails this test."""
+    import dataclasses
+
+    import numpy as np
+
+    from omni.outputs import TokenLogprob
+    from omni.pipeline.streaming import merge_chunks
+
+    lp = lambda t: TokenLogprob(t, -0.5, f"t{t}", [(t, -0.5, f"t{t}")], 1)  # noqa: E731
+    a = StageDelta("r", "thinker", [1, 2], "ab", 5, 7, False, {"hidden_states": np.ones((2, 3), np.float32)}, 5,
+                   [9, 9, 9, 9, 9], np.ones(4, np.float32), 24000, [lp(1), lp(2)], "the prompt", ["the", " prompt"],
+                   [None, lp(9)])
+    b = StageDelta("r", "thinker", [3], "c", 5, 8, True, {"hidden_states": np.zeros((1, 3), np.float32)}, 7,
+                   None, np.zeros(2, np.float32), 24000, [lp(3)])
+    m = merge_chunks(a, b)
+    for f in dataclasses.fields(StageDelta):  # a set every field: each is set on the merge too
+        value = getattr(m, f.name)
+        assert value is not None and not (isinstance(value, (list, dict, str)) and not value), f.name
+    assert (m.token_ids, m.text, m.finished, m.num_computed_tokens, m.rows_start) == ([1, 2, 3], "abc", True, 8, 5)
+    assert m.logprobs == [lp(1), lp(2), lp(3)] and m.prompt_token_ids == [9] * 5
+    assert (m.prompt_text, m.prompt_token_texts, m.prompt_logprobs) == ("the prompt", ["the", " prompt"], [None, lp(9)])
+    np.testing.assert_array_equal(m.rows["hidden_states"], np.concatenate([np.ones((2, 3)), np.zeros((1, 3))]))
+    np.testing.assert_array_equal(m.audio, np.concatenate([np.ones(4), np.zeros(2)]))

@@ -408,10 +408,44 @@ def test_completions_echo(client, server):
     assert s.text == "".join(s.logprobs.tokens) and len(s.logprobs.tokens) == len(token_ids)
     assert s.logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in s.logprobs.token_logprobs[1:])
     assert score.usage.completion_tokens == 0 and score.usage.total_tokens == score.usage.prompt_tokens == len(token_ids)
-    status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True, "stream": True})
-    assert status == 400 and body["error"]["param"] == "echo"
     status, _, body = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+def _joined_logprobs(chunks) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            for key in out:
+                out[key] += getattr(c.choices[0].logprobs, key)
+    return out
+
+
+def test_completions_echo_streamed(client):
+    """A streamed echo (vLLM's): the prompt comes first, then the reply; the chunks join into the non-streamed
+    reply, text and logprobs (text_offset counted over the whole text), and max_tokens 0 streams the prompt
+    alone with completion_tokens 0."""
+    prompt = "The quick brown fox jumps"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=1, echo=True, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=1, echo=True,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] == whole.choices[0].text[: len(texts[0])] and texts[0].endswith(prompt)  # the prompt first
+    assert "".join(texts) == whole.choices[0].text
+    assert _joined_logprobs(chunks) == whole.choices[0].logprobs.model_dump()
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # without logprobs: the text alone
+    plain = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, temperature=0,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in plain if c.choices) == whole.choices[0].text
+    assert all(c.choices[0].logprobs is None for c in plain if c.choices)
+    # lm-evaluation-harness's loglikelihood request, streamed: the prompt and nothing else
+    ids = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    scored = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in scored if c.choices) == ids.choices[0].text
+    assert _joined_logprobs(scored) == ids.choices[0].logprobs.model_dump()
+    assert scored[-1].usage.completion_tokens == 0 and scored[-1].usage.total_tokens == ids.usage.prompt_tokens
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": {

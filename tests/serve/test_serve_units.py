@@ -292,7 +292,7 @@ def test_penalties_min_p_and_logit_bias_reach_the_text_stage():
     ({"logprobs": None}, None, None), ({"echo": False}, None, None), ({"best_of": 1}, None, None),
     ({"suffix": None}, None, None), ({"echo": True}, None, None), ({"echo": True, "max_tokens": 0}, None, None),
     ({"best_of": 2}, "best_of", "unsupported_parameter"), ({"suffix": "x"}, "suffix", "unsupported_parameter"),
-    ({"echo": True, "stream": True}, "echo", "invalid_value"), ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"echo": True, "stream": True}, None, None), ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"echo": "yes"}, "echo", None),
 ])
 def test_completion_only_openai_fields(extra, param, code):
