@@ -3,7 +3,8 @@
     render_chatml   ChatML as Qwen3-Omni's chat template writes it; an image part becomes
                     <|vision_start|><|image_pad|><|vision_end|>, an audio part
                     <|audio_start|><|audio_pad|><|audio_end|> (the thinker then repeats the pad once per
-                    encoder output row)
+                    encoder output row); tools, tool calls and tool results in Qwen3's function-calling
+                    format (what `--tool-call-parser hermes` reads back)
     chat_messages   a text prompt or messages, with media that have no placeholder part put first in the
                     last user turn (as Qwen2.5-Omni's stage does)
     media_item      an image: Qwen2-VL's Pillow image processor at the vision tower's patching, mean/std 0.5
@@ -12,6 +13,7 @@
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -23,6 +25,12 @@ from .qwen2_5_omni_inputs import MMItem, audio_item, mm_hash, preprocess_image
 
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen3's chat template (and Qwen2.5's) around the tools' JSON, one tool a line, in the system turn
+TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                "with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call><|im_end|>\n")
 AUDIO_CONFIG = {"audio_sampling_rate": 16000, "num_mel_bins": 128}  # Qwen3-Omni's Whisper feature extractor
 
 
@@ -33,29 +41,72 @@ def image_config(vision_config: Any, max_pixels: int) -> dict[str, Any]:
             "min_pixels": 56 * 56, "max_pixels": max_pixels}
 
 
-def render_chatml(messages: list[dict[str, Any]], system_prompt: str | None) -> str:
-    """Qwen3-Omni's chat format for text messages, ending with the assistant's generation prompt."""
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as the template writes it: text parts joined, media parts as their placeholders."""
+    if content is None:
+        return ""  # an assistant turn of tool calls only
+    if not isinstance(content, list):
+        return str(content)
+    text = ""
+    for j, item in enumerate(content):
+        kind = item.get("type", "text")
+        if kind == "audio":
+            text += AUDIO_PLACEHOLDER
+        elif kind == "image":
+            text += IMAGE_PLACEHOLDER
+        elif kind == "text":
+            text += item.get("text", "")
+        else:
+            raise RequestError(f"{where}.content[{j}].type: the Qwen3-Omni thinker takes text, image and audio "
+                               f"(got {kind!r}; video inputs are not supported yet)", field=f"{where}.content[{j}].type")
+    return text
+
+
+def _tojson(value: Any) -> str:
+    """transformers' chat-template `tojson` filter (json.dumps, non-ASCII kept, default separators)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _tool_call(call: dict[str, Any]) -> str:
+    fn = call.get("function", call)
+    args = fn.get("arguments")
+    return ('<tool_call>\n{"name": "' + str(fn.get("name")) + '", "arguments": '
+            + (args if isinstance(args, str) else _tojson(args)) + "}\n</tool_call>")
+
+
+def render_chatml(messages: list[dict[str, Any]], system_prompt: str | None,
+                  tools: list[dict[str, Any]] | None = None) -> str:
+    """Qwen3-Omni's chat format, ending with the assistant's generation prompt. With tools, Qwen3's (and
+    Qwen2.5's) function-calling format: the tools' JSON in the system turn, an assistant's calls as
+    <tool_call> blocks, the tools' results as <tool_response> blocks of one user turn."""
     parts = []
-    if system_prompt and (not messages or messages[0].get("role") != "system"):
+    first_system = bool(messages) and messages[0].get("role") == "system"
+    if tools:
+        parts.append("<|im_start|>system\n")
+        if first_system:
+            parts.append(_text_of(messages[0].get("content"), "prompt[0]") + "\n\n")
+        elif system_prompt:
+            parts.append(system_prompt + "\n\n")
+        parts.append(TOOLS_HEADER + "".join("\n" + _tojson(t) for t in tools) + TOOLS_FOOTER)
+    elif system_prompt and not first_system:
         parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
     for i, msg in enumerate(messages):
-        content = msg.get("content", "")
-        if isinstance(content, list):
-            text = ""
-            for j, item in enumerate(content):
-                kind = item.get("type", "text")
-                if kind == "audio":
-                    text += AUDIO_PLACEHOLDER
-                elif kind == "image":
-                    text += IMAGE_PLACEHOLDER
-                elif kind == "text":
-                    text += item.get("text", "")
-                else:
-                    raise RequestError(f"prompt[{i}].content[{j}].type: the Qwen3-Omni thinker takes text, image and "
-                                       f"audio (got {kind!r}; video inputs are not supported yet)",
-                                       field=f"prompt[{i}].content[{j}].type")
-            content = text
-        parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
+        role, where = msg["role"], f"prompt[{i}]"
+        content = _text_of(msg.get("content"), where)
+        if role == "system" and i == 0 and tools:
+            continue  # written above, with the tools
+        if role == "tool":
+            if i == 0 or messages[i - 1]["role"] != "tool":
+                parts.append("<|im_start|>user")
+            parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
+            if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+                parts.append("<|im_end|>\n")
+            continue
+        if role == "assistant" and msg.get("tool_calls"):
+            calls = [("\n" if k or content else "") + _tool_call(c) for k, c in enumerate(msg["tool_calls"])]
+            parts.append(f"<|im_start|>assistant\n{content}{''.join(calls)}<|im_end|>\n")
+            continue
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)
 

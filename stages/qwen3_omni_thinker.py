@@ -15,8 +15,9 @@ which are what transformers' `Qwen3OmniMoeForConditionalGeneration.generate` han
 are discovered per-token outputs, so they live in the stage tensor cache: a request that hits the
 prefix cache still hands the talker the rows of its whole sequence.
 
-Inputs: text or chat messages (rendered in ChatML, as Qwen3-Omni's chat template does) or token ids,
-images and audio. An image becomes `<|vision_start|>` + one `<|image_pad|>` per merged patch +
+Inputs: text or chat messages (rendered in ChatML, as Qwen3-Omni's chat template does; with `tools`, in
+Qwen3's function-calling format, so `omni serve --enable-auto-tool-choice --tool-call-parser hermes` reads the
+calls back) or token ids, images and audio. An image becomes `<|vision_start|>` + one `<|image_pad|>` per merged patch +
 `<|vision_end|>` (Qwen2-VL's Pillow image processor at the vision tower's patch size, mean/std 0.5), a
 clip `<|audio_start|>` + one `<|audio_pad|>` per audio-encoder row + `<|audio_end|>` (Whisper log-mel
 features, the row count from transformers' `_get_feat_extract_output_lengths`). Inputs are hashed into
@@ -62,6 +63,7 @@ class _ThinkerRequest:
 
 class Qwen3OmniThinkerStage(AutoregressiveStageModel):
     checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
+    renders_tools = True  # Qwen3's function-calling format (qwen3_omni_inputs.render_chatml)
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int,
                  system_prompt: str | None = None, encoder_cache_size: int = 128, max_pixels: int = 12845056):
@@ -133,7 +135,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:
             ids = list(self.tokenizer(render_chatml(chat_messages(inp.prompt, [it.modality for it in items]),
-                                                    self.system_prompt))["input_ids"])
+                                                    self.system_prompt, inp.tools))["input_ids"])
         else:
             raise RequestError("prompt: the thinker needs `prompt` (text or chat messages) or `prompt_token_ids`",
                                field="prompt")

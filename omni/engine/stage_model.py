@@ -96,6 +96,9 @@ class AutoregressiveStageModel(StageModel):
     # far it can go through `compute_limit`); False: a growing prompt is only
     # prefilled, and decoding starts once the input is complete.
     decodes_before_input_complete: bool = False
+    # A model whose `preprocess` renders its own prompt from chat messages: True when that rendering shows the
+    # model the request's `tools` (StageInput.tools); else a request with tools is refused, naming the field.
+    renders_tools: bool = False
 
     hidden_size: int  # width of the last hidden states it emits
     # Width of rows accepted as `prompt_embeds` when it differs from

@@ -1,6 +1,7 @@
 """`omni serve stage_configs/qwen3_omni_tiny.yaml` with the real `openai` client (in this process, local backend):
 text and audio out, non-streamed and SSE (the pcm16 chunks are the WAV's samples), image and audio in, an
-unknown voice refused naming `audio.voice`."""
+unknown voice refused naming `audio.voice`; tools, started as vLLM's users start a server for them
+(`--enable-auto-tool-choice --tool-call-parser hermes`)."""
 from __future__ import annotations
 
 import base64
@@ -24,7 +25,8 @@ PCM_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format"
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_in_process(CONFIG, "--backend", "local", "--audio-chunk-ms", "20") as s:
+    with serve_in_process(CONFIG, "--backend", "local", "--audio-chunk-ms", "20", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "hermes") as s:
         yield s
 
 
@@ -136,4 +138,61 @@ def test_speech_endpoint_on_qwen3_omni(server, client):
     finally:
         del thinker.add_request
     assert [p.forced_text for p in seen] == [text]  # the thinker's reply is exactly the input
+    wait_idle(server)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+ASK = {"role": "user", "content": "What is the weather in Paris for two days?"}
+CALL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+def _prompt_tokens(server, messages, tools) -> int:
+    """What the thinker's prompt is when it shows the model the tools (qwen3_omni_inputs.render_chatml)."""
+    from stages.qwen3_omni_inputs import render_chatml
+
+    thinker = server.omni._omni._backend.workers["thinker"].engine.model
+    return len(thinker.tokenizer(render_chatml(messages, thinker.system_prompt, tools))["input_ids"])
+
+
+def test_tools_reach_the_thinker_and_its_calls_come_back(server, client):
+    """The Qwen3-Omni thinker shows the model the tools (Qwen3's format) and the earlier calls and results; a
+    Hermes call in its reply (forced here: the random model says what it is told) comes back as tool_calls,
+    streamed or not, and a named `tool_choice` makes it produce a valid call by itself."""
+    import json
+
+    told = {"sampling_params_list": [{"forced_text": CALL_REPLY}, {}, {}]}
+    got = client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=60, extra_body=told)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert got.usage.prompt_tokens == _prompt_tokens(server, [ASK], [WEATHER])
+    streamed = [c for c in client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER],
+                                                          max_tokens=60, extra_body=told, stream=True) if c.choices]
+    calls = [tc for c in streamed for tc in c.choices[0].delta.tool_calls or []]
+    assert [tc.function.name for tc in calls] == ["get_weather"] and streamed[-1].choices[0].finish_reason == "tool_calls"
+
+    # the next turn: the call and its result are in the prompt, as the template writes them
+    turn2 = [ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    reply = client.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER], max_tokens=4,
+                                           tool_choice="none")
+    as_template = [ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris",
+                                                                                              "days": 2}}}]},
+        turn2[2]]
+    assert reply.usage.prompt_tokens == _prompt_tokens(server, as_template, [WEATHER])
+
+    forced = client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=80,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert forced.choices[0].message.tool_calls, forced
+    [call] = forced.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "days"} and isinstance(args["days"], int)
+    # a reply that may be calls is not voiced (a call has no speech): refused naming the field
+    got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "messages": [ASK], "tools": [WEATHER],
+                                                        **AUDIO_OUT})
+    assert got == 400 and err["error"]["param"] == "tool_choice", err
     wait_idle(server)
