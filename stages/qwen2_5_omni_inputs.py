@@ -255,27 +255,37 @@ def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi
     raise RequestError(f"{where}: modality must be 'image' or 'audio', got {inp.modality!r}", field=where)
 
 
+def content_text(content: Any, where: str, model: str, image_placeholder: str, audio_placeholder: str) -> str:
+    """A chat message's content as the omni chat templates write it: text parts joined, an image or audio part as
+    its placeholder (the thinker then repeats the pad once per encoder row); None (an assistant turn of tool
+    calls only) is empty."""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        return str(content)
+    text = ""
+    for j, item in enumerate(content):
+        kind = item.get("type", "text")
+        if kind == "image":
+            text += image_placeholder
+        elif kind == "audio":
+            text += audio_placeholder
+        elif kind == "text":
+            text += item.get("text", "")
+        else:
+            raise RequestError(f"{where}.content[{j}].type: the {model} thinker takes text, image and audio (got "
+                               f"{kind!r}; video inputs are not supported yet)", field=f"{where}.content[{j}].type")
+    return text
+
+
 def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
     """Qwen2.5-Omni's chat format; image/audio parts become one placeholder each."""
     parts = []
     if not messages or messages[0].get("role") != "system":
         parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
-    for msg in messages:
-        content = msg.get("content", "")
-        if isinstance(content, list):
-            text = ""
-            for item in content:
-                kind = item.get("type", "text")
-                if kind == "image":
-                    text += IMAGE_PLACEHOLDER
-                elif kind == "audio":
-                    text += AUDIO_PLACEHOLDER
-                elif kind == "text":
-                    text += item.get("text", "")
-                else:
-                    raise RequestError(f"prompt: content part type must be text, image or audio, got {kind!r}",
-                                       field="prompt")
-            content = text
+    for i, msg in enumerate(messages):
+        content = content_text(msg.get("content"), f"prompt[{i}]", "Qwen2.5-Omni", IMAGE_PLACEHOLDER,
+                               AUDIO_PLACEHOLDER)
         parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)

@@ -21,7 +21,7 @@ import torch
 from omni.errors import RequestError
 from omni.outputs import MultiModalInput
 
-from .qwen2_5_omni_inputs import MMItem, audio_item, mm_hash, preprocess_image
+from .qwen2_5_omni_inputs import MMItem, audio_item, content_text, mm_hash, preprocess_image
 
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -42,24 +42,7 @@ def image_config(vision_config: Any, max_pixels: int) -> dict[str, Any]:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's content as the template writes it: text parts joined, media parts as their placeholders."""
-    if content is None:
-        return ""  # an assistant turn of tool calls only
-    if not isinstance(content, list):
-        return str(content)
-    text = ""
-    for j, item in enumerate(content):
-        kind = item.get("type", "text")
-        if kind == "audio":
-            text += AUDIO_PLACEHOLDER
-        elif kind == "image":
-            text += IMAGE_PLACEHOLDER
-        elif kind == "text":
-            text += item.get("text", "")
-        else:
-            raise RequestError(f"{where}.content[{j}].type: the Qwen3-Omni thinker takes text, image and audio "
-                               f"(got {kind!r}; video inputs are not supported yet)", field=f"{where}.content[{j}].type")
-    return text
+    return content_text(content, where, "Qwen3-Omni", IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER)
 
 
 def _tojson(value: Any) -> str:

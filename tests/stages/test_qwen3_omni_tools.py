@@ -95,3 +95,17 @@ def test_the_hermes_parser_reads_back_the_calls_the_format_writes():
     assert content == "Let me look.\n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Zürich", "days": 2}), ("get_time", {})]
+
+
+def test_both_omni_renderers_name_a_part_they_cannot_take_and_leave_empty_content_empty():
+    from omni.errors import RequestError
+    from stages.qwen2_5_omni_inputs import render_chat
+
+    video = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "video"}]}]
+    for render, model in ((lambda m: render_chatml(m, None), "Qwen3-Omni"), (lambda m: render_chat(m, "S"),
+                                                                              "Qwen2.5-Omni")):
+        with pytest.raises(RequestError, match=rf"prompt\[1\]\.content\[0\]\.type: the {model} thinker") as e:
+            render(video)
+        assert e.value.field == "prompt[1].content[0].type"
+        calls_only = render([ASK, {"role": "assistant", "content": None}])
+        assert "None" not in calls_only and "<|im_start|>assistant\n<|im_end|>" in calls_only
