@@ -134,7 +134,15 @@ def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10 * float(np.log10(float((ref.astype(np.float64) ** 2).sum()) / noise))
 
 
-def _hf(args, path, prompts: list[list[int]]) -> tuple[dict[str, Any], list[Any]]:
+def hf_device(cfg: Any, stage: str) -> str:
+    """The device transformers' reference runs on: the one the pipeline's `stage` runs on (its `device`, "auto"
+    resolved as the stage resolves it), so that a GPU pipeline is compared with transformers on that GPU."""
+    from omni.engine.loading import resolve_device
+
+    return str(resolve_device(stage, cfg.stage(stage).device))
+
+
+def _hf(args, path, prompts: list[list[int]], device: str) -> tuple[dict[str, Any], list[Any]]:
     """transformers one request after another on the c1 prompts: its timing, and its replies."""
     import torch
 
@@ -142,7 +150,7 @@ def _hf(args, path, prompts: list[list[int]]) -> tuple[dict[str, Any], list[Any]
 
     from . import hf_omni
 
-    model = hf_omni.load(path)
+    model = hf_omni.load(path, device)
     threads = available_cores()  # what a user's process gets: this machine's cores
     torch.set_num_threads(threads)
     codes = _codes(args)
@@ -150,7 +158,7 @@ def _hf(args, path, prompts: list[list[int]]) -> tuple[dict[str, Any], list[Any]
     replies = [hf_omni.reply(model, p, args.thinker_tokens, codes, seed=args.seed) for p in prompts]
     total = sum(r.seconds for r in replies)
     times = [r.seconds * 1000 for r in replies]
-    return {"threads": threads, "requests": len(replies), "audio_s": sum(r.audio_s for r in replies),
+    return {"device": device, "threads": threads, "requests": len(replies), "audio_s": sum(r.audio_s for r in replies),
             "wall_s": total, "audio_s_per_s": sum(r.audio_s for r in replies) / total,
             "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99)}, replies
 
@@ -184,12 +192,13 @@ def run(args) -> dict[str, Any]:
         raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's "
                          "second token), --reply-seconds > 0 and --concurrency >= 1 are needed")
     # The pipeline as it will run (the overrides checked: a bad one fails here, before any model loads).
-    path = resolve_model_path(load_config(args.config, _overrides(args)).stage("thinker").model_path)
+    cfg = load_config(args.config, _overrides(args))
+    path = resolve_model_path(cfg.stage("thinker").model_path)
     tok = AutoTokenizer.from_pretrained(str(path))
     levels = {c: _prompts(tok, args.requests, f"c{c}") for c in sorted({1, *args.concurrency})}
     ray, ray_c1 = asyncio.run(_sweep(args, "ray", levels))
     local, local_c1 = asyncio.run(_sweep(args, "local", {1: levels[1]}))
-    hf, replies = _hf(args, path, levels[1])
+    hf, replies = _hf(args, path, levels[1], hf_device(cfg, "thinker"))
     hf["local"], hf["ray"] = _agreement(replies, local_c1), _agreement(replies, ray_c1)
     print(f"transformers: {hf['audio_s_per_s']:.3f} audio-s/s, {hf['ttfp_p50_ms']:.0f} ms per reply "
           f"({hf['threads']} threads); audio identical: local {hf['local']['audio_identical']} "

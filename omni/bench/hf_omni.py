@@ -29,11 +29,21 @@ class HFReply:
         return len(self.audio) / SAMPLE_RATE
 
 
-def load(path: str | Path) -> Any:
+def load(path: str | Path, device: str = "cpu") -> Any:
+    """fp32 on `device` (the benches pass the device the pipeline's thinker runs on, so that both sides of a
+    comparison run on the same hardware)."""
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    return Qwen2_5OmniForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+
+
+def _synced(model: Any) -> None:
+    """Wait for the device's queued work: a CUDA generate() may return before its last kernels ran."""
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, codes: int, *, seed: int = 0,
@@ -41,7 +51,7 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, codes: int, *,
     """One request through generate(): the thinker's reply ids, the codec tokens, the waveform, the time."""
     import torch
 
-    x = torch.tensor([prompt_ids])
+    x = torch.tensor([prompt_ids], device=model.device)
     seen: list[list[int]] = []
     forward = model.token2wav.forward
 
@@ -59,7 +69,8 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, codes: int, *,
                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens, thinker_do_sample=False,
                 talker_max_new_tokens=codes, talker_min_new_tokens=codes, talker_do_sample=False,
                 talker_repetition_penalty=repetition_penalty)
+        _synced(model)
         seconds = time.perf_counter() - t0
     finally:
         model.token2wav.forward = forward
-    return HFReply(seq[0, len(prompt_ids):].tolist(), seen[0] if seen else [], wav.float().numpy(), seconds)
+    return HFReply(seq[0, len(prompt_ids):].tolist(), seen[0] if seen else [], wav.float().cpu().numpy(), seconds)

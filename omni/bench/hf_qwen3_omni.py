@@ -31,11 +31,21 @@ class HFReply:
         return len(self.audio) / SAMPLE_RATE
 
 
-def load(path: str | Path) -> Any:
+def load(path: str | Path, device: str = "cpu") -> Any:
+    """fp32 on `device` (the benches pass the device the pipeline's thinker runs on, so that both sides of a
+    comparison run on the same hardware)."""
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+
+
+def _synced(model: Any) -> None:
+    """Wait for the device's queued work: a CUDA generate() may return before its last kernels ran."""
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, frames: int, *, speaker: str = "Ethan",
@@ -43,7 +53,7 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, frames: int, *
     """One text request through generate(): the thinker's reply ids, the codec frames, the waveform, the time."""
     import torch
 
-    x = torch.tensor([prompt_ids])
+    x = torch.tensor([prompt_ids], device=model.device)
     seen: list[np.ndarray] = []
     decode = model.code2wav.chunked_decode
 
@@ -60,6 +70,7 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, frames: int, *
                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens, thinker_do_sample=False,
                 talker_max_new_tokens=frames, talker_min_new_tokens=frames, talker_do_sample=False,
                 talker_repetition_penalty=repetition_penalty)
+        _synced(model)
         seconds = time.perf_counter() - t0
     finally:
         model.code2wav.chunked_decode = decode
@@ -77,14 +88,14 @@ def windowed_decode(model: Any, frames: np.ndarray, first: int, chunk: int, left
 
     c2w = model.code2wav
     spf = int(c2w.total_upsample)
-    x = torch.from_numpy(np.ascontiguousarray(frames.T))[None]
+    x = torch.from_numpy(np.ascontiguousarray(frames.T))[None].to(c2w.device)
     cap = chunk if max_chunk is None else max_chunk
     pieces, start, end = [], 0, min(first, len(frames))
     with torch.inference_mode():
         while start < len(frames):
             ctx = left if start - left > 0 else start  # chunked_decode's left context rule
             wav = c2w(x[..., start - ctx : end])
-            pieces.append(wav[..., ctx * spf :].reshape(-1).float().numpy())
+            pieces.append(wav[..., ctx * spf :].reshape(-1).float().cpu().numpy())
             grown = min(cap, chunk << min(len(pieces) - 1, 30))  # chunk, then doubling up to max_chunk
             start, end = end, min(end + grown, len(frames))
     return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)

@@ -108,7 +108,8 @@ def _windows(stage: Any) -> tuple[int, int, int, int]:
     return int(kw.get("first_chunk_frames", chunk)), chunk, left, cap
 
 
-def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_c1: list[Any]) -> dict[str, Any]:
+def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_c1: list[Any],
+        device: str) -> dict[str, Any]:
     """transformers one request after another on omni's concurrency-1 requests, and its replies against omni's."""
     import torch
 
@@ -117,7 +118,7 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
     from . import hf_qwen3_omni
     from .capacity import AGREE_SNR_DB, _pct, _snr_db
 
-    model = hf_qwen3_omni.load(path)
+    model = hf_qwen3_omni.load(path, device)
     threads = available_cores()  # what a user's process gets: this machine's cores
     torch.set_num_threads(threads)
     prompts = [list(rec.outputs[chain.thinker].prompt_token_ids) for rec in omni_c1]
@@ -135,7 +136,8 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
         bitwise &= same_len and bool(np.array_equal(got, ref))
         snrs.append(_snr_db(ref, got) if same_len else float("-inf"))
     times = [r.seconds * 1000 for r in replies]
-    return {"threads": threads, "requests": len(replies), "wall_s": total, "requests_per_s": len(replies) / total,
+    return {"device": device, "threads": threads, "requests": len(replies), "wall_s": total,
+            "requests_per_s": len(replies) / total,
             "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99), "e2e_mean_s": total / len(replies),
             "audio_s": sum(r.audio_s for r in replies), "thinker_tokens_identical": int(tokens_same),
             "first_codebook_identical": int(codes_same), "waveform_bitwise_equal": int(bitwise),
@@ -147,6 +149,8 @@ def run(args) -> dict[str, Any]:
     from omni.config_loader import load_config
     from omni.registry import resolve_model_path
 
+    from .capacity import hf_device
+
     if args.requests < 1 or args.thinker_tokens < 2 or args.reply_frames < 1:
         raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's second "
                          "token) and --reply-frames >= 1 are needed")
@@ -154,7 +158,7 @@ def run(args) -> dict[str, Any]:
     chain = audio_chain(cfg)
     path = resolve_model_path(cfg.stage(chain.thinker).model_path)
     omni, c1 = asyncio.run(_omni(args, chain))
-    hf = _hf(args, path, chain, _windows(cfg.stage(chain.audio)), c1)
+    hf = _hf(args, path, chain, _windows(cfg.stage(chain.audio)), c1, hf_device(cfg, chain.thinker))
     print(f"transformers: {hf['requests_per_s']:.3f} requests/s, {hf['ttfp_p50_ms']:.0f} ms per reply "
           f"({hf['threads']} threads); audio identical {hf['audio_identical']}", flush=True)
     return {

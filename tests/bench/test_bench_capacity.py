@@ -48,6 +48,7 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
                 "vs_hf_audio_s_per_s_c4", "vs_hf_ttfp_c1"):
         assert res[key] > 0, key
     assert res["local_c1"]["requests"] == 4 and res["hf"]["requests"] == 4
+    assert res["hf"]["device"] == "cpu"  # where the pipeline's thinker runs (Ray tests run on CPU machines)
     for backend in ("local", "ray"):  # 20 codes: far from the near ties a long reply can meet on Ray
         agree = res["hf"][backend]
         assert agree["thinker_tokens_identical"] == 1 and agree["codes_identical"] == 1, (backend, agree)

@@ -32,7 +32,9 @@ def test_qwen3_vs_hf_on_the_tiny_pipeline(tiny_streamed_qwen3_omni):
     assert hf["thinker_tokens_identical"] == 1 and hf["first_codebook_identical"] == 1
     # transformers' code2wav on its frames in omni's windows: the same waveform up to the blocking of fp32 sums (bit
     # for bit where the thread counts match; on Ray the stage's actor has its own)
-    if PIPELINE_ON_GPU:  # omni's stages on the GPU, transformers' reference on the CPU
+    # transformers' reference runs where the pipeline's thinker runs: a GPU comparison is GPU against GPU
+    assert hf["device"] == ("cuda" if PIPELINE_ON_GPU else "cpu")
+    if PIPELINE_ON_GPU:  # cuDNN's TF32 convolutions, blocked differently on each side
         assert hf["audio_snr_db_min"] >= GPU_MIN_SNR_DB, hf
     else:
         assert hf["audio_snr_db_min"] >= 100 and res["audio_identical"] == 1, hf
