@@ -2,8 +2,8 @@
 (pipeline, API, CLI, server); its own test is tests/pipeline/test_fake_engine.py.
 
 Tokens are a deterministic function of (stage name, prompt ids, position), so
-every backend must produce the same outputs. Magic prompt texts drive
-failures: "__bad__" (add_request raises), "__error__" (the output carries an
+every backend must produce the same outputs. Magic prompt texts (a text prompt,
+or any chat message's text) drive failures: "__bad__" (add_request raises), "__error__" (the output carries an
 error), "__hang__" (never finishes), "__step_raise__" (step() raises),
 "__crash__" (the process exits: Ray tests only). With `model_kwargs: {audio_deltas: true}`
 a stage streams audio: each step of a request whose caller streams yields a StageDelta
@@ -90,7 +90,7 @@ class FakeEngine:
         rid = inp.request_id
         if rid in self.running:
             raise ValueError(f"request_id {rid!r} is already in use")
-        text = inp.prompt if isinstance(inp.prompt, str) else ""
+        text = _prompt_text(inp.prompt)
         if "__bad__" in text:
             raise ValueError("prompt: contains __bad__")
         if inp.prompt_token_ids is not None:
@@ -153,6 +153,20 @@ class FakeEngine:
     def stats(self) -> StageStats:
         return StageStats(self.name, running=len(self.running), finished=self.finished, steps=self.steps,
                           extra={"max_batch": self.max_batch})
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A text prompt, or the text of chat messages (their text parts): where the magic words are looked for."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        return ""
+    texts = []
+    for msg in prompt:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+        texts += [p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type", "text") == "text"]
+    return " ".join(texts)
 
 
 def fake_factory(stage: Any) -> FakeEngine:

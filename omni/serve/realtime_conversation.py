@@ -34,6 +34,7 @@ class Part:
     text: str = ""  # text, or the transcript of output audio
     audio: np.ndarray | None = None  # input audio at the model's rate
     audio_rate: int = 16000
+    transcript: str | None = None  # input audio: its transcription, once done (realtime_transcription.py)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class ConvItem:
         content = []
         for p in self.parts:
             if p.kind == "input_audio":
-                content.append({"type": "input_audio", "transcript": None})
+                content.append({"type": "input_audio", "transcript": p.transcript})
             elif p.kind == "output_audio":
                 content.append({"type": "output_audio", "transcript": p.text})
             else:

@@ -3,7 +3,7 @@
 
     parse_client_event(text) -> ClientEvent      or RealtimeEventError(message, param, code, event_id)
 
-Unknown event types, unknown fields and fields this server does not implement (tools, transcription,
+Unknown event types, unknown fields and fields this server does not implement (tools, noise reduction,
 a speed outside 0.25-1.5, ...) are refused naming the field (`param`, the path inside the
 event: `session.audio.input.format.type`); null or an absent field asks for nothing. Refusals are error
 events: the session stays open.
@@ -68,13 +68,21 @@ class TurnDetection(_M):
         return _unsupported("idle_timeout_ms", v)
 
 
+class Transcription(_M):
+    model: str | None = Field(None, min_length=1, description="Any name (OpenAI's clients send whisper-1, "
+                              "gpt-4o-transcribe, ...): the pipeline's own text stage transcribes.")
+    language: str | None = Field(None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code of the speech.")
+    prompt: str | None = Field(None, max_length=4000, description="Text that guides the transcription.")
+
+
 class AudioInput(_M):
     format: AudioFormat | None = None
     turn_detection: TurnDetection | None = Field(None, description="null: manual turns (commit + response.create).")
-    transcription: Any = None
+    transcription: Transcription | None = Field(None, description="Transcribe each committed audio item "
+                                                "(realtime_transcription.py); null: no transcription.")
     noise_reduction: Any = None
 
-    @field_validator("transcription", "noise_reduction")
+    @field_validator("noise_reduction")
     @classmethod
     def _none(cls, v: Any, info: Any) -> Any:
         return _unsupported(info.field_name, v)

@@ -3,10 +3,11 @@ the one response it may be running (realtime.py owns the socket and hands every 
 
     client event                     what it does                              server events
     session.update                   modalities, instructions, voice, turn     session.updated
-                                     detection, max_output_tokens
+                                     detection, transcription, max_output_tokens
     input_audio_buffer.append        pcm16 24 kHz into the buffer; server      speech_started / _stopped, then
                                      VAD commits on speech stop, answers       as commit and response.create
     input_audio_buffer.commit        the buffer becomes a user audio item      committed, conversation.item.*
+                                     (transcribed, when the session asks)      ...input_audio_transcription.*
     input_audio_buffer.clear                                                   cleared
     conversation.item.create         a user / assistant / system item          conversation.item.added / done
     conversation.item.delete / truncate / retrieve                             .deleted / .truncated / .retrieved
@@ -39,6 +40,7 @@ from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
 from omni.serve.realtime_events import RealtimeEventError
 from omni.serve.realtime_response import RATE, RealtimeResponse, format_shape, new_response
+from omni.serve.realtime_transcription import Transcriptions
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
 
@@ -65,6 +67,10 @@ class Session:
                                             "silence_duration_ms": 500, "create_response": True,
                                             "interrupt_response": True}
         self.conversation = Conversation()
+        # session.audio.input.transcription ({model, language, prompt}), or None: each committed audio item is
+        # transcribed by the pipeline's text stage beside the response (realtime_transcription.py)
+        self.transcription: dict[str, Any] | None = None
+        self.transcriptions = Transcriptions(self)
         self.buffer: list[np.ndarray] = []  # float32 at 24 kHz since the last commit / clear
         self.buffer_samples = 0
         self.buffer_start_ms = 0.0  # session audio clock at the buffer's first sample
@@ -89,7 +95,7 @@ class Session:
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": [self.modality], "instructions": self.instructions or "",
                 "audio": {"input": {"format": format_shape(self.input_format), "turn_detection": self.turn,
-                                    "transcription": None, "noise_reduction": None},
+                                    "transcription": self.transcription, "noise_reduction": None},
                           "output": {"format": format_shape(self.output_format), "voice": self.voice,
                                      "speed": self.speed}},
                 "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
@@ -129,6 +135,10 @@ class Session:
                 self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
                 self.vad.configure(self.turn["threshold"], self.turn["prefix_padding_ms"],
                                    self.turn["silence_duration_ms"])
+        if audio is not None and audio.input is not None and "transcription" in audio.input.model_fields_set:
+            tr = audio.input.transcription
+            self.transcription = None if tr is None else {"model": tr.model or self.model, "language": tr.language,
+                                                          "prompt": tr.prompt}
         if audio is not None and audio.output is not None and audio.output.voice is not None:
             v = audio.output.voice
             self.voice = v if isinstance(v, str) else v.id
@@ -220,6 +230,8 @@ class Session:
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
         await self._item_added(item, previous)
+        if self.transcription is not None:
+            self.transcriptions.start(item, self.transcription)
 
     def _clear_buffer(self) -> None:
         self.buffer_start_ms += self.buffer_samples * 1000 / RATE
@@ -378,5 +390,7 @@ class Session:
         resp.task = asyncio.create_task(resp.run(job))
 
     async def close(self) -> None:
-        """The socket is gone: the response in progress is cancelled (its request aborted everywhere)."""
+        """The socket is gone: the response in progress and the transcriptions are cancelled (their requests
+        aborted everywhere)."""
         await self.cancel_response("session_closed")
+        await self.transcriptions.close()

@@ -107,6 +107,11 @@ BAD_EVENTS = [
      "session.audio.output.voice", "invalid_value"),
     ({"type": "session.update", "event_id": "e7c", "session": {"audio": {"input": {"turn_detection": {
         "type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold", "invalid_value"),
+    ({"type": "session.update", "event_id": "e7d", "session": {"audio": {"input": {"transcription": {
+        "model": "whisper-1", "language": "English"}}}}}, "session.audio.input.transcription.language",
+     "invalid_value"),
+    ({"type": "session.update", "event_id": "e7e", "session": {"audio": {"input": {"noise_reduction": {
+        "type": "near_field"}}}}}, "session.audio.input.noise_reduction", "invalid_value"),
     ({"type": "input_audio_buffer.append", "event_id": "e8", "audio": "not base64!"}, "audio", "invalid_value"),
     ({"type": "input_audio_buffer.append", "event_id": "e9", "audio": base64.b64encode(b"abc").decode()}, "audio",
      "invalid_value"),
@@ -304,3 +309,36 @@ def test_speech_on_a_pipeline_without_audio_names_the_model(server):
     assert status == 400 and body["error"]["param"] == "frobnicate" and body["error"]["code"] == "unknown_parameter"
     status, _, body = server.post("/v1/audio/speech", b"input=Hi", headers={"Content-Type": "text/plain"})
     assert status == 415
+
+
+def test_input_audio_transcription_completes_or_fails_alone(server):
+    """A committed clip is transcribed when the session asks (completed, its usage; the item keeps the transcript);
+    a transcription whose request the stage refuses ends with a `failed` event naming the item, and the session
+    goes on."""
+    async def go():
+        async with server.async_client().realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            audio = base64.b64encode(pcm16(speech_24k(0.5))).decode()
+            for prompt in (None, "__bad__"):  # the fake stage refuses a prompt holding __bad__
+                await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                    "turn_detection": None, "transcription": {"model": "whisper-1", "prompt": prompt}}}})
+                updated = await until(conn, "session.updated")
+                assert updated.session.audio.input.transcription.model == "whisper-1"
+                await conn.input_audio_buffer.append(audio=audio)
+                await conn.input_audio_buffer.commit()
+                committed = await until(conn, "input_audio_buffer.committed")
+                kind = "completed" if prompt is None else "failed"
+                ev = await until(conn, f"conversation.item.input_audio_transcription.{kind}")
+                assert (ev.item_id, ev.content_index) == (committed.item_id, 0)
+                if prompt is None:
+                    # (the fake stages have no tokenizer, so no text: the tiny omni's test reads a real transcript)
+                    assert ev.usage.output_tokens > 0 and ev.usage.input_tokens > 0
+                    await conn.conversation.item.retrieve(item_id=committed.item_id)
+                    item = (await until(conn, "conversation.item.retrieved")).item
+                    assert item.content[0].transcript == ev.transcript
+                else:
+                    assert ev.error.type == "invalid_request_error" and "__bad__" in ev.error.message
+            _, done = await _text_turn(conn, "still here?")
+            assert done.response.status == "completed"
+    run(go())
+    wait_idle(server)

@@ -403,3 +403,71 @@ def test_vad_turned_on_mid_session_keeps_the_session_clock(server):
         finally:
             await conn.close()
     run(go())
+
+
+def test_input_audio_transcription_by_the_pipelines_own_thinker(server):
+    """`audio.input.transcription` (as OpenAI's clients ask for it, naming their model): each committed clip is
+    transcribed by the pipeline's thinker, beside the response; the deltas add up to the completed transcript,
+    which is exactly the thinker's greedy reply to the speech-recognition prompt on the very same 16 kHz samples
+    (asked here through chat completions), and the item keeps it."""
+    import io
+
+    import soundfile as sf
+
+    from omni.serve.audio import pcm16_to_float, resample
+    from omni.serve.realtime_transcription import ASR_SYSTEM, instruction
+
+    speech = speech_24k(2.0, offset_s=1.0)
+    asked = {"type": "realtime", "audio": {"input": {"turn_detection": None, "transcription": {
+        "model": "gpt-4o-transcribe", "language": "en"}}, "output": {"voice": "Chelsie"}}}
+
+    async def go():
+        conn = await server.async_client().realtime.connect(model=MODEL).enter()
+        try:
+            await until(conn, "session.created")
+            await conn.session.update(session=asked)
+            updated = await until(conn, "session.updated")
+            assert updated.session.audio.input.transcription.model == "gpt-4o-transcribe"
+            await _append(conn, speech)
+            await conn.input_audio_buffer.commit()
+            seen: list = []
+            committed = await until(conn, "input_audio_buffer.committed", seen)
+            await conn.response.create()  # a response runs beside the transcription
+            done = await until(conn, "conversation.item.input_audio_transcription.completed", seen)
+            deltas = [e for e in seen if e.type == "conversation.item.input_audio_transcription.delta"]
+            assert done.item_id == committed.item_id and done.content_index == 0
+            assert all(e.item_id == committed.item_id for e in deltas)
+            assert done.transcript and "".join(e.delta for e in deltas) == done.transcript
+            assert done.usage.input_tokens > 30 and done.usage.output_tokens > 0
+            if not any(e.type == "response.done" for e in seen):
+                await until(conn, "response.done")
+            await conn.conversation.item.retrieve(item_id=committed.item_id)
+            item = (await until(conn, "conversation.item.retrieved")).item
+            assert item.content[0].transcript == done.transcript
+            # no transcription once the session asks for none
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": None}}})
+            assert (await until(conn, "session.updated")).session.audio.input.transcription is None
+            await _append(conn, speech)
+            await conn.input_audio_buffer.commit()
+            after: list = []
+            await until(conn, "conversation.item.done", after)
+            await conn.response.create()
+            await until(conn, "response.done", after)
+            assert not any("transcription" in e.type for e in after)
+            return done.transcript, done.usage.output_tokens
+        finally:
+            await conn.close()
+
+    transcript, tokens = run(go())
+    wave16 = resample(pcm16_to_float(pcm16(speech)), 24000, 16000)  # what the session committed
+    buf = io.BytesIO()
+    sf.write(buf, wave16, 16000, format="WAV", subtype="FLOAT")  # read back exactly
+    same = server.client().chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=32, messages=[
+            {"role": "system", "content": ASR_SYSTEM},
+            {"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(),
+                                                        "format": "wav"}},
+                {"type": "text", "text": instruction("en", None)}]}])
+    assert same.choices[0].message.content == transcript and same.usage.completion_tokens == tokens
+    wait_idle(server)
