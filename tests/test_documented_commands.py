@@ -411,6 +411,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni serve \S+\.yaml", plan_serve),
     (r"^curl .*http://127\.0\.0\.1:8000/", plan_curl),
     (r"^serve run omni\.serve\.ray_serve:build_app ", plan_build_app),
+    (r"^text = client\.audio\.transcriptions\.create\(model=\"qwen2_5_omni_tiny\"",
+     covered("tests/serve/test_omni_server.py::test_transcriptions_and_translations_with_the_openai_client")),
     # README's Python snippets, run as they are (a server's address replaced by the test server's)
     (r"(?s)^from omni import .*\bOmni\(\"stage_configs/tiny_chain\.yaml\", backend=\"local\"\)", plan_snippet),
     (r"(?s)^async with AsyncOmni\(\"stage_configs/tiny_chain\.yaml\", backend=\"local\"\)", plan_snippet),

@@ -5,6 +5,8 @@
     POST /v1/chat/completions   text, images (data: URLs), audio (base64); text and audio replies; SSE
     POST /v1/completions        text
     POST /v1/audio/speech       text -> speech (speech.py): wav / pcm / flac / mp3 / opus, streamed or SSE
+    POST /v1/audio/transcriptions, /v1/audio/translations
+                                speech -> text by the pipeline's thinker (transcriptions.py): json / text, SSE
     WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime.py)
     GET  /v1/models             the one model: the pipeline
     GET  /health                200 while the pipeline serves
@@ -34,6 +36,7 @@ from omni.serve.realtime import RealtimeHub, realtime_endpoint
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
 from omni.serve.speech import create_speech
+from omni.serve.transcriptions import create_transcription, create_translation
 from omni.serve.translate import PipelineInfo
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,14 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.post("/v1/audio/speech")
     async def _speech(request: Request) -> Response:
         return await create_speech(state, request)
+
+    @app.post("/v1/audio/transcriptions")
+    async def _transcriptions(request: Request) -> Response:
+        return await create_transcription(state, request)
+
+    @app.post("/v1/audio/translations")
+    async def _translations(request: Request) -> Response:
+        return await create_translation(state, request)
 
     @app.websocket("/v1/realtime")
     async def _realtime(ws: WebSocket) -> None:

@@ -189,3 +189,77 @@ def test_chat_client_example(server, tmp_path):
     assert len(lines) == 2
     cached = [int(ln.split("cached_tokens=")[1].split()[0]) for ln in lines]
     assert cached[1] > 0, out.stdout  # turn 2 reuses the conversation so far
+
+
+def _speech_wav(seconds: float = 2.0) -> bytes:
+    """The first seconds of Moonshine's recorded speech (not the model's), as a 16-bit WAV file."""
+    import soundfile as sf
+
+    from tests.serve.realtime_utils import speech_wav
+
+    x, rate = sf.read(str(speech_wav()), dtype="int16")
+    buf = io.BytesIO()
+    sf.write(buf, x[int(0.5 * rate): int((0.5 + seconds) * rate)], rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _asr_by_chat(client, data: bytes, task: str, language: str | None) -> tuple[str, int]:
+    """The thinker's greedy reply to the speech-recognition prompt on the same file, through chat completions."""
+    import soundfile as sf
+
+    from omni.serve.asr import ASR_SYSTEM, instruction, max_tokens_for
+
+    seconds = sf.info(io.BytesIO(data)).duration
+    got = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=max_tokens_for(seconds), messages=[
+        {"role": "system", "content": ASR_SYSTEM},
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(),
+                                                                             "format": "wav"}},
+                                     {"type": "text", "text": instruction(task, language, None)}]}])
+    return got.choices[0].message.content, got.usage.completion_tokens
+
+
+def test_transcriptions_and_translations_with_the_openai_client(server, client):
+    """`/v1/audio/transcriptions` and `/translations`: the pipeline's thinker writes down (or translates) a real
+    recorded clip; the text is exactly its greedy reply to the speech-recognition prompt on the same samples (asked
+    through chat completions), as json, as text and streamed (deltas that add up to the done event's text)."""
+    data = _speech_wav()
+    want, tokens = _asr_by_chat(client, data, "transcribe", "en")
+    got = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en")
+    assert got.text == want and got.usage.output_tokens == tokens and got.usage.input_tokens > 30
+    as_text = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                                 response_format="text")
+    assert as_text == want
+    events = list(client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                                     stream=True))
+    assert [e.type for e in events][-1] == "transcript.text.done"
+    assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == events[-1].text == want
+    translated = client.audio.translations.create(model=MODEL, file=("clip.wav", data))
+    assert translated.text == _asr_by_chat(client, data, "translate", None)[0]
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("fields,files,status,param", [
+    ({"model": MODEL, "response_format": "srt"}, True, 400, "response_format"),
+    ({"model": MODEL, "timestamp_granularities[]": "word"}, True, 400, "timestamp_granularities"),
+    ({"model": MODEL, "language": "English"}, True, 400, "language"),
+    ({"model": MODEL, "temperature": "2"}, True, 400, "temperature"),
+    ({"model": MODEL, "frobnicate": "1"}, True, 400, "frobnicate"),
+    ({"model": "whisper-1"}, True, 404, "model"),
+    ({"model": MODEL}, False, 400, "file"),
+    ({"model": MODEL}, "not audio", 400, "file"),
+])
+def test_transcription_errors_name_the_field(server, fields, files, status, param):
+    data = b"this is not an audio file" if files == "not audio" else _speech_wav(0.5)
+    parts = [(k, None, v.encode()) for k, v in fields.items()] + ([("file", "clip.wav", data)] if files else [])
+    boundary = "omni-test-boundary"
+    body = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"'.encode()
+                    + (f'; filename="{name}"'.encode() if name else b"") + b"\r\n\r\n" + v + b"\r\n"
+                    for k, name, v in parts) + f"--{boundary}--\r\n".encode()
+    got, _, err = server.post("/v1/audio/transcriptions", body,
+                              headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert got == status and err["error"]["param"] == param, err
+
+
+def test_transcription_takes_multipart_only(server):
+    status, _, body = server.post("/v1/audio/transcriptions", {"model": MODEL})
+    assert status == 415 and body["error"]["code"] == "unsupported_media_type"

@@ -196,3 +196,20 @@ def test_tools_reach_the_thinker_and_its_calls_come_back(server, client):
                                                         **AUDIO_OUT})
     assert got == 400 and err["error"]["param"] == "tool_choice", err
     wait_idle(server)
+
+
+def test_transcriptions_on_qwen3_omni(server, client):
+    """/v1/audio/transcriptions on Qwen3-Omni: its thinker writes down a real recorded clip, as it answers the same
+    speech-recognition prompt through chat completions."""
+    from omni.serve.asr import ASR_SYSTEM, instruction, max_tokens_for
+    from tests.serve.test_omni_server import _speech_wav
+
+    data = _speech_wav(1.0)
+    got = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data))
+    want = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=max_tokens_for(1.0), messages=[
+        {"role": "system", "content": ASR_SYSTEM},
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(),
+                                                                             "format": "wav"}},
+                                     {"type": "text", "text": instruction("transcribe", None, None)}]}])
+    assert got.text and got.text == want.choices[0].message.content
+    wait_idle(server)

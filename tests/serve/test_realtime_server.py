@@ -415,7 +415,7 @@ def test_input_audio_transcription_by_the_pipelines_own_thinker(server):
     import soundfile as sf
 
     from omni.serve.audio import pcm16_to_float, resample
-    from omni.serve.realtime_transcription import ASR_SYSTEM, instruction
+    from omni.serve.asr import ASR_SYSTEM, instruction
 
     speech = speech_24k(2.0, offset_s=1.0)
     asked = {"type": "realtime", "audio": {"input": {"turn_detection": None, "transcription": {
@@ -468,6 +468,6 @@ def test_input_audio_transcription_by_the_pipelines_own_thinker(server):
             {"role": "user", "content": [
                 {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(),
                                                         "format": "wav"}},
-                {"type": "text", "text": instruction("en", None)}]}])
+                {"type": "text", "text": instruction("transcribe", "en", None)}]}])
     assert same.choices[0].message.content == transcript and same.usage.completion_tokens == tokens
     wait_idle(server)

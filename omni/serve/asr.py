@@ -1,0 +1,55 @@
+"""Speech to text on an omni pipeline: the text stage (a thinker that hears audio) asked to write down, or
+translate, a clip. Used by `/v1/audio/transcriptions`, `/v1/audio/translations` (transcriptions.py) and the
+Realtime sessions' input transcription (realtime_transcription.py).
+
+A request of its own: a system turn saying what the model is, the clip, and the instruction (Qwen2.5-Omni's and
+Qwen3-Omni's speech recognition prompts), text only, greedy unless the caller gives a temperature. Its token
+bound is generous for speech (~3 words, ~4 tokens a second): it only stops a model that does not stop.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any
+
+import numpy as np
+
+from omni.outputs import MultiModalInput, StageInput
+from omni.serve.translate import Job
+
+ASR_SYSTEM = "You are a speech recognition model."
+TASKS = {"transcribe": "Transcribe the audio into text.", "translate": "Translate the audio into English text."}
+TOKENS_PER_SECOND, MIN_TOKENS = 12, 32
+
+
+def instruction(task: str, language: str | None, prompt: str | None) -> str:
+    text = TASKS[task]
+    if language:
+        text += f" The speech is in the language whose ISO-639-1 code is {language}."
+    if prompt:
+        text += f" Context: {prompt}"
+    return text
+
+
+def max_tokens_for(seconds: float) -> int:
+    return max(MIN_TOKENS, math.ceil(seconds * TOKENS_PER_SECOND))
+
+
+def asr_job(info: Any, wave: np.ndarray, rate: int, *, task: str = "transcribe", language: str | None = None,
+            prompt: str | None = None, temperature: float = 0.0, fields: dict[str, str] | None = None) -> Job:
+    """The clip (mono float32 at `rate`, the model's input rate) as one text-only request to the text stage."""
+    stage = info.text_stage or info.entry_stage
+    messages = [{"role": "system", "content": ASR_SYSTEM},
+                {"role": "user", "content": [{"type": "audio"},
+                                             {"type": "text", "text": instruction(task, language, prompt)}]}]
+    media = [MultiModalInput("audio", wave, sampling_rate=rate)]
+    sampling = {stage: {"temperature": float(temperature), "max_tokens": max_tokens_for(len(wave) / rate)}}
+    return Job(f"{task}-{uuid.uuid4().hex[:16]}", StageInput("", prompt=messages, mm_inputs=media), sampling,
+               stage, None, stage, [], dict(fields or {}))
+
+
+def asr_usage(run: Any) -> dict[str, Any]:
+    """OpenAI's token usage of a transcription (its input: the clip's tokens and the instruction's)."""
+    return {"type": "tokens", "total_tokens": run.prompt_tokens + run.completion_tokens,
+            "input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
+            "input_token_details": {"text_tokens": run.prompt_tokens, "audio_tokens": 0}}
