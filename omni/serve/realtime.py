@@ -95,7 +95,7 @@ async def _close_when_stopped(hub: RealtimeHub, session: Session, ws: WebSocket)
     """Once the server's drain is over, end the session: its response cancelled, an error event, close 1001
     (the receive loop then sees the socket closed)."""
     await hub.drain.stopping.wait()
-    await session.cancel_response("shutting_down")
+    await session.cancel_all("shutting_down")
     with contextlib.suppress(Exception):  # the client may be gone already
         await session.error("the server is shutting down", None, "shutting_down", kind="server_error")
         await ws.close(code=CLOSE_GOING_AWAY, reason="the server is shutting down")
@@ -140,7 +140,7 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
             try:
                 message = await asyncio.wait_for(ws.receive(), settings.session_idle_timeout_s)
             except asyncio.TimeoutError:
-                if session.response is not None:  # the client is listening to a response: not idle
+                if session.busy:  # the client is listening to a response (or a transcription): not idle
                     continue
                 outcome = "idle"
                 reason = f"no client event for {settings.session_idle_timeout_s:g} s (--session-idle-timeout-s)"

@@ -167,17 +167,21 @@ class ResponseParams(_M):
     instructions: str | None = None
     max_output_tokens: int | Literal["inf"] | None = None
     audio: ResponseAudio | None = None
-    conversation: Literal["auto"] | None = Field(None, description="Out-of-band responses are not supported.")
-    metadata: dict[str, str] | None = None
-    input: Any = None
+    conversation: Literal["auto", "none"] | None = Field(
+        None, description='"none": an out-of-band response, kept out of the conversation (it may run beside the '
+        "conversation's own response).")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response's events.")
+    input: list[dict[str, Any]] | None = Field(
+        None, description="The response's own context instead of the conversation: items, or "
+        '{"type": "item_reference", "id"} of the conversation\'s ([]: nothing but the instructions).')
     tools: Any = None
     tool_choice: Any = None
     prompt: Any = None
 
-    @field_validator("input", "tools", "tool_choice", "prompt")
+    @field_validator("tools", "tool_choice", "prompt")
     @classmethod
     def _none(cls, v: Any, info: Any) -> Any:
-        ok = {"input": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"), "prompt": (None,)}
+        ok = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "prompt": (None,)}
         return _unsupported(info.field_name, v, ok[info.field_name])
 
 

@@ -54,11 +54,16 @@ class RealtimeResponse:
         self.t_turn: float | None = None  # commit / speech stop of the turn it answers
         self.in_flight = False  # counted in the server's drain (shutdown.py) until it ends
         self.ids = {"response_id": rid, "item_id": item.id, "output_index": 0, "content_index": 0}
+        # out of band (response.conversation "none"): its item stays out of the conversation, which it may
+        # still read (`context`: the conversation, or the response's own `input` items)
+        self.in_conversation = True
+        self.context = session.conversation
+        self.metadata: dict[str, str] | None = None
 
     def job(self, instructions: str | None) -> Job:
         """The whole conversation as one request (realtime_conversation.py), this response's options."""
         info = self.session.server.info
-        messages, media = self.session.conversation.prompt(instructions)
+        messages, media = self.context.prompt(instructions)
         extra = {"speaker": self.voice} if self.voice else {}
         prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra)
         text_stage = info.text_stage or info.entry_stage
@@ -73,10 +78,11 @@ class RealtimeResponse:
         out: dict[str, Any] = {"object": "realtime.response", "id": self.id, "status": status,
                                "status_details": details,
                                "output": [self.item.shape()] if status != "in_progress" else [],
-                               "conversation_id": self.session.id, "output_modalities": [self.modality],
+                               "conversation_id": self.session.id if self.in_conversation else None,
+                               "output_modalities": [self.modality], "metadata": self.metadata,
                                "max_output_tokens": self.max_output_tokens,
                                "audio": {"output": {"format": format_shape(self.audio_format),
-                                                    "voice": self.voice}}, "usage": None, "metadata": None}
+                                                    "voice": self.voice}}, "usage": None}
         if run is not None:
             # The text stage's counts (audio and image inputs are tokens of its prompt too); cached_tokens
             # is its prefix-cache hit (unknown, 0, for a response cancelled before the stage finished).
@@ -158,10 +164,12 @@ class RealtimeResponse:
     async def begin(self) -> None:
         session, item = self.session, self.item
         await session.send({"type": "response.created", "response": self.shape("in_progress")})
-        previous = session.conversation.add(item)
+        previous = session.conversation.add(item) if self.in_conversation else None
         await session.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
                             "item": item.shape()})
-        await session.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.shape()})
+        if self.in_conversation:
+            await session.send({"type": "conversation.item.added", "previous_item_id": previous,
+                                "item": item.shape()})
         await session.send({"type": "response.content_part.added", **self.ids, "part": {
             "type": "audio", "transcript": ""} if self.modality == "audio" else {"type": "text", "text": ""}})
 
@@ -194,7 +202,8 @@ class RealtimeResponse:
         await send({"type": "response.content_part.done", **ids, "part": done_part})
         await send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
                     "item": item.shape()})
-        await send({"type": "conversation.item.done", "item": item.shape()})
+        if self.in_conversation:
+            await send({"type": "conversation.item.done", "item": item.shape()})
         await send({"type": "response.done", "response": self.shape(status, run, details)})
 
 

@@ -1,5 +1,5 @@
 """One `/v1/realtime` session: its configuration, input audio buffer, turn detection, conversation and
-the one response it may be running (realtime.py owns the socket and hands every client event here).
+the responses it runs (realtime.py owns the socket and hands every client event here).
 
     client event                     what it does                              server events
     session.update                   modalities, instructions, voice, turn     session.updated
@@ -16,9 +16,11 @@ the one response it may be running (realtime.py owns the socket and hands every 
 
 A response (realtime_response.py) runs the whole conversation as one request (realtime_conversation.py:
 every turn's prompt starts with the previous one, so the stages' prefix caches hold all but the new turn).
-One response at a time: `response.cancel`, a barge-in (speech starting while it runs, with server VAD's
-`interrupt_response`) and a closed socket cancel it. Any refused client event is an `error` event naming
-the event and field; the session goes on.
+One conversation response at a time: `response.cancel`, a barge-in (speech starting while it runs, with
+server VAD's `interrupt_response`) and a closed socket cancel it. Out-of-band responses (`conversation:
+"none"`) run beside it, any number: their items stay out of the conversation, their context is the
+conversation or their own `input`; only their own `response.cancel` (by id) or the socket's close cancels
+them. Any refused client event is an `error` event naming the event and field; the session goes on.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from omni.serve import g711
 from omni.serve import realtime_events as E
@@ -78,7 +81,8 @@ class Session:
         self.speech_start_ms: float | None = None
         self.vad: Any = None
         self.vad_offset_ms = 0.0  # the session audio clock when the detector started
-        self.response: RealtimeResponse | None = None
+        self.response: RealtimeResponse | None = None  # the conversation's response in progress
+        self.out_of_band: dict[str, RealtimeResponse] = {}  # response.conversation "none", by id
         self.turn_t0: float | None = None
         self.max_buffer_samples = s.max_media_bytes // 4
 
@@ -254,11 +258,21 @@ class Session:
         it, eid = ev.item, ev.event_id
         if it.id is not None and self.conversation.find(it.id) is not None:
             raise RealtimeEventError(f"item.id: an item {it.id!r} exists already", "item.id", "duplicate_item_id", eid)
+        item = await self._new_item(it, "item", eid)
+        try:
+            previous = self.conversation.add(item, ev.previous_item_id)
+        except KeyError:
+            raise RealtimeEventError(f"previous_item_id: no item {ev.previous_item_id!r} in the conversation",
+                                     "previous_item_id", "item_not_found", eid) from None
+        await self._item_added(item, previous)
+
+    async def _new_item(self, it: E.Item, at: str, eid: str | None) -> ConvItem:
+        """A client's item (`at`: where the event holds it, for the errors' param) as the conversation keeps it."""
         parts = []
         allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
                    "assistant": ("output_text", "output_audio", "text")}[it.role]
         for j, c in enumerate(it.content):
-            where = f"item.content[{j}]"
+            where = f"{at}.content[{j}]"
             if c.type not in allowed:
                 raise RealtimeEventError(f"{where}.type: a {it.role} item holds {' or '.join(allowed)} parts, not "
                                          f"{c.type}", f"{where}.type", "invalid_value", eid)
@@ -284,13 +298,29 @@ class Session:
                     raise RealtimeEventError(f"{where}.text: a {c.type} part needs its text", f"{where}.text",
                                              "missing_required_parameter", eid)
                 parts.append(Part(c.type, text=text))
-        item = ConvItem(it.id or new_item_id(), it.role, parts)
-        try:
-            previous = self.conversation.add(item, ev.previous_item_id)
-        except KeyError:
-            raise RealtimeEventError(f"previous_item_id: no item {ev.previous_item_id!r} in the conversation",
-                                     "previous_item_id", "item_not_found", eid) from None
-        await self._item_added(item, previous)
+        return ConvItem(it.id or new_item_id(), it.role, parts)
+
+    async def _context(self, entries: list[dict[str, Any]], eid: str | None) -> Conversation:
+        """A response's own `input`: its items, or references to the conversation's, in order."""
+        context = Conversation()
+        for i, raw in enumerate(entries):
+            at = f"response.input[{i}]"
+            if raw.get("type") == "item_reference":
+                ref = raw.get("id")
+                item = self.conversation.find(ref) if isinstance(ref, str) else None
+                if item is None:
+                    raise RealtimeEventError(f"{at}.id: no item {ref!r} in the conversation", f"{at}.id",
+                                             "item_not_found", eid)
+                context.items.append(item)
+                continue
+            try:
+                it = E.Item.model_validate(raw)
+            except ValidationError as err:
+                e = err.errors()[0]
+                param = ".".join([at] + [f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]]).replace(".[", "[")
+                raise RealtimeEventError(f"{param}: {e['msg']}", param, "invalid_value", eid) from None
+            context.items.append(await self._new_item(it, at, eid))
+        return context
 
     def _item(self, item_id: str, event_id: str | None) -> ConvItem:
         item = self.conversation.find(item_id)
@@ -326,13 +356,17 @@ class Session:
 
     # ------------------------------------------------------------ responses
     async def _on_response_create(self, ev: E.ResponseCreate) -> None:
-        if self.response is not None:
+        out_of_band = ev.response is not None and ev.response.conversation == "none"
+        if self.response is not None and not out_of_band:
             raise RealtimeEventError(f"response.create: response {self.response.id} is still in progress; "
                                      "wait for its response.done or cancel it", None,
                                      "conversation_already_has_active_response", ev.event_id)
         await self._create_response(ev.response, ev.event_id)
 
     async def _on_response_cancel(self, ev: E.ResponseCancel) -> None:
+        if ev.response_id in self.out_of_band:
+            await self._cancel(self.out_of_band[ev.response_id], "client_cancelled")
+            return
         if self.response is None or (ev.response_id is not None and ev.response_id != self.response.id):
             raise RealtimeEventError("response.cancel: no response in progress" + (
                 f" with id {ev.response_id!r}" if ev.response_id else ""), "response_id" if ev.response_id else None,
@@ -340,9 +374,18 @@ class Session:
         await self.cancel_response("client_cancelled")
 
     async def cancel_response(self, reason: str) -> None:
-        """Cancel the response in progress (its request aborted on every stage) and wait for its end."""
-        resp = self.response
-        if resp is None or resp.task is None:
+        """Cancel the conversation's response in progress (its request aborted on every stage) and wait for
+        its end."""
+        if self.response is not None:
+            await self._cancel(self.response, reason)
+
+    @property
+    def busy(self) -> bool:
+        """A response or a transcription runs: the client is waiting for its events."""
+        return self.response is not None or bool(self.out_of_band) or bool(self.transcriptions.tasks)
+
+    async def _cancel(self, resp: RealtimeResponse, reason: str) -> None:
+        if resp.task is None:
             return
         resp.cancel_reason = reason
         resp.task.cancel()
@@ -354,6 +397,7 @@ class Session:
     def response_ended(self, resp: RealtimeResponse) -> None:
         if self.response is resp:
             self.response = None
+        self.out_of_band.pop(resp.id, None)
 
     async def _create_response(self, params: E.ResponseParams | None, event_id: str | None) -> None:
         drain = self.server.drain
@@ -362,6 +406,10 @@ class Session:
                                      "shutting_down", event_id)
         modality = self.modality
         instructions = self.instructions
+        out_of_band = params is not None and params.conversation == "none"
+        context = self.conversation
+        if params is not None and params.input is not None:
+            context = await self._context(params.input, event_id)
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         if params is not None:
             if params.output_modalities is not None:
@@ -380,9 +428,15 @@ class Session:
                 max_tokens = params.max_output_tokens
         resp = new_response(self, _id("resp"), modality, voice, max_tokens)
         resp.speed, resp.audio_format = speed, out_format
-        resp.t_turn, self.turn_t0 = self.turn_t0, None
+        resp.in_conversation, resp.context = not out_of_band, context
+        resp.metadata = params.metadata if params is not None else None
+        if not out_of_band:  # the turn's latency is the conversation's response's
+            resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)
-        self.response = resp
+        if out_of_band:
+            self.out_of_band[resp.id] = resp
+        else:
+            self.response = resp
         # In flight for the server's drain until it ends (RealtimeResponse.end): a shutdown waits for it
         # up to the grace period, as for an HTTP request.
         drain.enter()
@@ -392,5 +446,11 @@ class Session:
     async def close(self) -> None:
         """The socket is gone: the response in progress and the transcriptions are cancelled (their requests
         aborted everywhere)."""
-        await self.cancel_response("session_closed")
+        await self.cancel_all("session_closed")
         await self.transcriptions.close()
+
+    async def cancel_all(self, reason: str) -> None:
+        """Cancel every response in progress, the conversation's and the out-of-band ones."""
+        await self.cancel_response(reason)
+        for resp in list(self.out_of_band.values()):
+            await self._cancel(resp, reason)

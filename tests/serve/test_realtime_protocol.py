@@ -127,7 +127,7 @@ BAD_EVENTS = [
     ({"type": "conversation.item.truncate", "event_id": "e15", "item_id": "item_nope", "content_index": 0,
       "audio_end_ms": 10}, "item_id", "item_not_found"),
     ({"type": "response.cancel", "event_id": "e16"}, None, "response_cancel_not_active"),
-    ({"type": "response.create", "event_id": "e17", "response": {"conversation": "none"}}, "response.conversation",
+    ({"type": "response.create", "event_id": "e17", "response": {"conversation": "conv_1"}}, "response.conversation",
      "invalid_value"),
 ]
 
@@ -340,5 +340,68 @@ def test_input_audio_transcription_completes_or_fails_alone(server):
                     assert ev.error.type == "invalid_request_error" and "__bad__" in ev.error.message
             _, done = await _text_turn(conn, "still here?")
             assert done.response.status == "completed"
+    run(go())
+    wait_idle(server)
+
+
+def test_out_of_band_responses(server):
+    """response.conversation "none": a response kept out of the conversation (no conversation.item events, its
+    item not retrievable), its metadata echoed, its context the conversation or its own `input` (items and
+    references to the conversation's); it runs beside the conversation's response and is cancelled by its id."""
+    async def go():
+        async with server.async_client().realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            seen, first = await _text_turn(conn, "What is the weather like?")
+            user_id = seen[0].item.id
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And tomorrow?"}]})
+            await until(conn, "conversation.item.done")
+            conversation_tokens = None
+            for context, label in ((None, "whole"), ([], "empty"), ([{"type": "item_reference", "id": user_id}], "ref"),
+                                   ([{"type": "message", "role": "user",
+                                      "content": [{"type": "input_text", "text": "A different question?"}]}],
+                                    "inline")):
+                params = {"conversation": "none", "metadata": {"topic": label}, "instructions": "Classify it.",
+                          **({} if context is None else {"input": context})}
+                await conn.response.create(response=params)
+                events: list = []
+                done = await until(conn, "response.done", events)
+                assert not any(e.type.startswith("conversation.item") for e in events), types(events)
+                created = next(e for e in events if e.type == "response.created")
+                assert created.response.metadata == {"topic": label} == done.response.metadata
+                assert created.response.conversation_id is None and done.response.status == "completed"
+                tokens = done.response.usage.input_tokens
+                if label == "whole":
+                    conversation_tokens = tokens
+                    assert tokens > first.response.usage.input_tokens  # the conversation, the reply included
+                else:
+                    assert tokens < conversation_tokens, label
+                await conn.conversation.item.retrieve(item_id=done.response.output[0].id, event_id=f"r-{label}")
+                assert (await until(conn, "error")).error.code == "item_not_found"
+            await conn.response.create(event_id="bad-ref", response={"conversation": "none", "input": [
+                {"type": "item_reference", "id": "item_nope"}]})
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.param, err.error.code) == ("bad-ref", "response.input[0].id",
+                                                                             "item_not_found")
+            await conn.response.create(event_id="bad-item", response={"conversation": "none", "input": [
+                {"type": "message", "role": "robot", "content": [{"type": "input_text", "text": "x"}]}]})
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.param) == ("bad-item", "response.input[0].role")
+
+            # beside the conversation's response, and cancelled alone
+            with held(server, "thinker") as release:
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": "wait"}]})
+                await conn.response.create()
+                main = (await until(conn, "response.created")).response.id
+                await conn.response.create(response={"conversation": "none", "instructions": "Summarize."})
+                oob = (await until(conn, "response.created")).response.id
+                await conn.response.cancel(response_id=oob)
+                events = []
+                done = await until(conn, "response.done", events)
+                assert done.response.id == oob and done.response.status == "cancelled"
+                release.set()
+                done = await until(conn, "response.done")
+            assert done.response.id == main and done.response.status == "completed"
     run(go())
     wait_idle(server)
