@@ -30,15 +30,20 @@ class HFReply:
 
 
 def load(path: str | Path, device: str = "cpu") -> Any:
-    """fp32 on `device` (the benches pass the device the pipeline's thinker runs on, so that both sides of a
-    comparison run on the same hardware)."""
-    import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    return Qwen2_5OmniForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    return load_on(Qwen2_5OmniForConditionalGeneration, path, device)
 
 
-def _synced(model: Any) -> None:
+def load_on(cls: Any, path: str | Path, device: str) -> Any:
+    """transformers' model `cls` in fp32 on `device` (the benches pass the device the pipeline's thinker runs on,
+    so that both sides of a comparison run on the same hardware)."""
+    import torch
+
+    return cls.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+
+
+def synced(model: Any) -> None:
     """Wait for the device's queued work: a CUDA generate() may return before its last kernels ran."""
     import torch
 
@@ -69,7 +74,7 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, codes: int, *,
                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens, thinker_do_sample=False,
                 talker_max_new_tokens=codes, talker_min_new_tokens=codes, talker_do_sample=False,
                 talker_repetition_penalty=repetition_penalty)
-        _synced(model)
+        synced(model)
         seconds = time.perf_counter() - t0
     finally:
         model.token2wav.forward = forward

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .hf_omni import load_on, synced
+
 SAMPLE_RATE = 24000  # Qwen3-Omni's code2wav
 
 
@@ -32,20 +34,9 @@ class HFReply:
 
 
 def load(path: str | Path, device: str = "cpu") -> Any:
-    """fp32 on `device` (the benches pass the device the pipeline's thinker runs on, so that both sides of a
-    comparison run on the same hardware)."""
-    import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-
-
-def _synced(model: Any) -> None:
-    """Wait for the device's queued work: a CUDA generate() may return before its last kernels ran."""
-    import torch
-
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    return load_on(Qwen3OmniMoeForConditionalGeneration, path, device)
 
 
 def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, frames: int, *, speaker: str = "Ethan",
@@ -70,7 +61,7 @@ def reply(model: Any, prompt_ids: list[int], thinker_tokens: int, frames: int, *
                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens, thinker_do_sample=False,
                 talker_max_new_tokens=frames, talker_min_new_tokens=frames, talker_do_sample=False,
                 talker_repetition_penalty=repetition_penalty)
-        _synced(model)
+        synced(model)
         seconds = time.perf_counter() - t0
     finally:
         model.code2wav.chunked_decode = decode
