@@ -224,7 +224,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 if isinstance(ev, AudioEvent):
                     audio[index].append(ev.samples)
                     rates[index] = ev.rate
-        audios = [R.audio_message(a, rate, fmt, r.text) if r.job.audio_stage else None
+        audios = [R.audio_message(a, rate, fmt, r.text) if r.job.audio_stage or r.voiced else None
                   for a, rate, r in zip(audio, rates, run.runs)]
         return JSONResponse(R.chat_completion(rid, model, created, run, audios))
 

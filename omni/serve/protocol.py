@@ -372,10 +372,9 @@ class ChatCompletionRequest(_Common):
         if not names:
             raise field_error("tool_choice", "needs tools to call")
         if choice in (None, "auto"):
-            if "audio" in self.output_modalities:
-                raise field_error("tool_choice", 'a reply that may call a tool is not spoken: send modalities '
-                                  '["text"], or tool_choice "none"')
-            return self  # the server reads calls from the reply, if it has a parser (endpoints.py)
+            # the server reads calls from the reply, if it has a parser (endpoints.py); with audio out, the
+            # reply is voiced once its text is known to be no call (reply_stream.Run)
+            return self
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise field_error("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
                               f"({', '.join(names)})")

@@ -13,9 +13,15 @@ early (closing `events()`, a cancelled task, a client that disconnected).
 Audio goes out as soon as the pipeline yields it: a StageDelta carrying `audio` (stages that stream
 their waveform in chunks) is forwarded at once; a final StageOutput's `audio` is forwarded past what
 the deltas already carried (the whole waveform of a one-shot stage).
+
+A reply that may be a tool call and is to be spoken (chat's tool_choice "auto" with audio out, Job.voice_after)
+runs text only; once its text is whole and holds no call, a second request voices it: the same prompt (a
+prefix-cache hit) with the text stage's reply forced to that text, the audio stage's audio then follows the
+text. A call is never voiced (it has no speech).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from omni.async_api import AsyncOmni
 from omni.errors import BackendClosedError, OmniError
 from omni.outputs import StageDelta, StageOutput, TokenLogprob
 from omni.serve.errors import ApiError, bad_request, from_omni_error, internal
+from omni.serve.tool_parser import parse_tool_calls
 from omni.serve.translate import Job
 
 
@@ -105,6 +112,8 @@ class Run:
         self._ttft_seen: set[str] = set()
         self._audio_sent = 0
         self._audio_seen = False
+        self.voiced = False  # Job.voice_after: the reply's text held no tool call and was voiced
+        self._voice: Run | None = None
         wanted = {job.usage_stage} | ({job.audio_stage} if job.audio_stage else set())
         self._wanted = frozenset(wanted)
 
@@ -148,6 +157,33 @@ class Run:
                 raise internal("the pipeline ended the request before its reply was complete")
         finally:
             await self.aclose()
+        if self.job.voice_after is not None and self.text.strip() and parse_tool_calls(self.text)[1] is None:
+            async for ev in self._voiced():
+                yield ev
+
+    async def _voiced(self) -> AsyncIterator[AudioEvent]:
+        """The reply's text voiced (Job.voice_after): the same prompt, the text stage's reply forced to that
+        text (prefilled in one pass after the prompt, which its prefix cache holds), the audio stage's audio."""
+        job = self.job
+        stage = job.usage_stage
+        sampling = {s: dict(p) for s, p in job.sampling.items() if s != stage}
+        sampling[stage] = {"forced_text": self.text}
+        voice = dataclasses.replace(job, request_id=f"{job.request_id}-voice", sampling=sampling, text_stage=None,
+                                    audio_stage=job.voice_after, voice_after=None, tool_parser=None, stops=[],
+                                    fields={**job.fields, "forced_text": "messages", "max_tokens": "messages"})
+        self._voice = run = Run(self.omni, voice, self.default_rate)
+        self.voiced = True
+        try:
+            await run.start()
+            async for ev in run.events():
+                if isinstance(ev, AudioEvent):
+                    if not self._audio_seen and self.observer is not None:
+                        self.observer.first_audio(time.monotonic() - self.t0)
+                    self._audio_seen = True
+                    yield ev
+        finally:
+            self._voice = None
+            await run.aclose()
 
     async def aclose(self) -> None:
         """Leave the request (aborted on every stage where it still runs). Shielded: it also runs inside a
@@ -156,6 +192,8 @@ class Run:
         if agen is not None:
             with anyio.CancelScope(shield=True):
                 await agen.aclose()
+        if self._voice is not None:
+            await self._voice.aclose()
 
     # ------------------------------------------------------------ items
     def _on(self, item: StageDelta | StageOutput) -> list[TextEvent | AudioEvent]:

@@ -71,6 +71,9 @@ class Job:
     forced_tool: str | None = None
     # chat's tool_choice "auto": the format the reply's calls are read in (tool_parser.py); None: not read
     tool_parser: str | None = None
+    # tool_choice "auto" with audio out: the audio stage that voices the reply once its whole text is known to
+    # hold no tool call (a call has no speech); the request itself runs text only (reply_stream.Run)
+    voice_after: str | None = None
 
     def sampling_param(self, stage: str, name: str) -> str:
         """The request field that set `stage`'s sampling field `name`."""
@@ -186,6 +189,8 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
                               'hermes, as vLLM): send "required", {"type": "function", "function": {"name": ...}} or '
                               '"none"', "tool_choice", "unsupported_value")
         job.tool_parser = settings.tool_call_parser
+        if job.audio_stage is not None:
+            job.voice_after, job.audio_stage = job.audio_stage, None
     return job
 
 

@@ -83,12 +83,6 @@ def test_a_malformed_call_is_shown_as_text(client):
     assert got.choices[0].message.content == broken and got.choices[0].message.tool_calls is None
 
 
-def test_a_spoken_reply_cannot_be_auto(server):
-    body = {"model": MODEL, "messages": HELLO, "tools": [WEATHER], "modalities": ["text", "audio"]}
-    got, _, err = server.post("/v1/chat/completions", body)
-    assert got == 400 and err["error"]["param"] == "tool_choice", err
-
-
 def test_the_flag_needs_a_parser():
     with pytest.raises(pydantic.ValidationError, match="--tool-call-parser"):
         ServeSettings(enable_auto_tool_choice=True)

@@ -191,9 +191,9 @@ def test_tools_reach_the_thinker_and_its_calls_come_back(server, client):
     [call] = forced.choices[0].message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and set(args) == {"city", "days"} and isinstance(args["days"], int)
-    # a reply that may be calls is not voiced (a call has no speech): refused naming the field
+    # a reply that must be a call cannot be spoken (a call has no speech): refused naming the field
     got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "messages": [ASK], "tools": [WEATHER],
-                                                        **AUDIO_OUT})
+                                                        "tool_choice": "required", **AUDIO_OUT})
     assert got == 400 and err["error"]["param"] == "tool_choice", err
     wait_idle(server)
 
@@ -212,4 +212,39 @@ def test_transcriptions_on_qwen3_omni(server, client):
                                                                              "format": "wav"}},
                                      {"type": "text", "text": instruction("transcribe", None, None)}]}])
     assert got.text and got.text == want.choices[0].message.content
+    wait_idle(server)
+
+
+def test_a_spoken_reply_with_tools_is_voiced_once_it_is_no_call(server, client):
+    """tool_choice "auto" with audio out: the reply is decided in text first; a call comes back as tool_calls with
+    no audio (a call has no speech), a text reply is voiced, its audio exactly that of the same prompt with the
+    same reply spoken in one go (tool_choice "none"), streamed too (the text, then the audio)."""
+    text_reply = {"sampling_params_list": [{"forced_text": "It will be sunny in Paris."}, {}, {}]}
+    call = client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=60,
+                                          extra_body={"sampling_params_list": [{"forced_text": CALL_REPLY}, {}, {}]},
+                                          **AUDIO_OUT)
+    assert call.choices[0].finish_reason == "tool_calls" and call.choices[0].message.audio is None
+    assert call.choices[0].message.tool_calls[0].function.name == "get_weather"
+    spoken = client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=60,
+                                            extra_body=text_reply, **AUDIO_OUT).choices[0]
+    at_once = client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], tool_choice="none",
+                                             max_tokens=60, extra_body=text_reply, **AUDIO_OUT).choices[0]
+    assert spoken.finish_reason == "stop" and spoken.message.content == at_once.message.content
+    assert spoken.message.tool_calls is None and spoken.message.audio.transcript == spoken.message.content
+    assert base64.b64decode(spoken.message.audio.data) == base64.b64decode(at_once.message.audio.data)
+    with wave.open(io.BytesIO(base64.b64decode(spoken.message.audio.data))) as w:
+        samples = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    assert samples.size > 0
+    text, pcm, order = "", [], []
+    for chunk in client.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=60,
+                                                extra_body=text_reply, stream=True, **PCM_OUT):
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text += delta.content
+            order.append("text")
+        if delta.audio is not None and delta.audio.data:
+            pcm.append(np.frombuffer(base64.b64decode(delta.audio.data), "<i2"))
+            order.append("audio")
+    assert text == spoken.message.content and order.index("audio") > max(i for i, k in enumerate(order) if k == "text")
+    np.testing.assert_array_equal(np.concatenate(pcm), samples)
     wait_idle(server)

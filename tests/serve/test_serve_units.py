@@ -241,9 +241,9 @@ def test_null_or_default_openai_fields_are_accepted(extra):
 @pytest.mark.parametrize("extra,param,code", [
     ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # needs logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),  # OpenAI's range: 0..20
-    # "auto" (the default with tools) may not be spoken (a server without a parser refuses it too: chat_job)
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "modalities": ["text", "audio"]}, "tool_choice",
-     "invalid_value"),
+    # a forced call cannot be spoken ("auto" can: the reply is voiced once it is no call, reply_stream.Run)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "modalities": ["text", "audio"],
+      "tool_choice": "required"}, "tool_choice", "invalid_value"),
     ({"tool_choice": "required"}, "tool_choice", "invalid_value"),  # no tools to call
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
      "tools[0].function.name", "invalid_value"),
