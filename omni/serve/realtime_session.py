@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from omni.serve import g711
 from omni.serve import realtime_events as E
 from omni.serve.audio import pcm16_to_float, resample
+from omni.serve.errors import loc_to_param
 from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
 from omni.serve.realtime_events import RealtimeEventError
@@ -317,7 +318,7 @@ class Session:
                 it = E.Item.model_validate(raw)
             except ValidationError as err:
                 e = err.errors()[0]
-                param = ".".join([at] + [f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]]).replace(".[", "[")
+                param = f"{at}.{loc_to_param(tuple(e['loc']))}"
                 raise RealtimeEventError(f"{param}: {e['msg']}", param, "invalid_value", eid) from None
             context.items.append(await self._new_item(it, at, eid))
         return context
