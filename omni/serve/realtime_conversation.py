@@ -9,12 +9,16 @@ fed with the thinker's cached rows) holds everything but the new turn.
     assistant items  the reply's text (its transcript when the reply was audio): what the model said,
                      as the chat template expects a previous assistant turn
     system items     system turns where they stand
+    function calls   the model's calls, in the assistant turn they follow (as the model wrote them: text,
+                     then <tool_call> blocks), or an assistant turn of their own
+    call outputs     tool results (the `tool` role: the chat template writes them as <tool_response>s)
 
 An assistant reply that was interrupted keeps the text that had been sent with the audio the user heard
 (`truncate`), so the next turn does not pretend the user heard the rest.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +26,14 @@ from typing import Any
 import numpy as np
 
 from omni.outputs import MultiModalInput
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as chat templates read them: the JSON object (the text itself if it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def new_item_id() -> str:
@@ -45,9 +57,19 @@ class ConvItem:
     status: str = "completed"
     # Output audio: (audio ms sent so far, transcript chars sent by then), one entry per audio delta.
     timeline: list[tuple[float, int]] = field(default_factory=list)
+    type: str = "message"  # | function_call (call_id, name, arguments) | function_call_output (call_id, output)
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+    output: str = ""
 
     def shape(self) -> dict[str, Any]:
         """The item as events carry it (input audio is not echoed back: the client has it)."""
+        base = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
+        if self.type == "function_call":
+            return {**base, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**base, "call_id": self.call_id, "output": self.output}
         content = []
         for p in self.parts:
             if p.kind == "input_audio":
@@ -115,6 +137,17 @@ class Conversation:
         if instructions:
             messages.append({"role": "system", "content": instructions})
         for item in self.items:
+            if item.type == "function_call":
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": _arguments(item.arguments)}}
+                if messages and messages[-1]["role"] == "assistant":  # the reply's text, then its calls
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            if item.type == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                continue
             if item.role != "user":
                 text = item.text
                 if item.role == "assistant" and not text:

@@ -3,7 +3,7 @@
 
     parse_client_event(text) -> ClientEvent      or RealtimeEventError(message, param, code, event_id)
 
-Unknown event types, unknown fields and fields this server does not implement (tools, noise reduction,
+Unknown event types, unknown fields and fields this server does not implement (a forced tool_choice, noise reduction,
 a speed outside 0.25-1.5, ...) are refused naming the field (`param`, the path inside the
 event: `session.audio.input.format.type`); null or an absent field asks for nothing. Refusals are error
 events: the session stays open.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from omni.serve.errors import loc_to_param
 
@@ -111,6 +112,30 @@ class AudioConfig(_M):
     output: AudioOutput | None = None
 
 
+class RealtimeTool(_M):
+    """A function the model may call (the Realtime API's flat shape: no nested `function`)."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        """The tool as chat templates (and chat completions' `tools`) hold it."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+def _tool_choice(v: Any) -> Any:
+    # "required" and a named function would constrain the reply (chat completions does: structured outputs)
+    if v not in (None, "auto", "none"):
+        raise ValueError('"auto" or "none": this server does not implement a forced tool call here')
+    return v
+
+
 class SessionConfig(_M):
     type: Literal["realtime"] | None = None
     model: str | None = None
@@ -118,19 +143,25 @@ class SessionConfig(_M):
     output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
     audio: AudioConfig | None = None
     max_output_tokens: int | Literal["inf"] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[RealtimeTool] | None = Field(None, max_length=128, description="Functions the model may call "
+                                             "(the reply is read for Hermes calls: realtime_response.py).")
+    tool_choice: Any = Field(None, description="auto (default) or none.")
     tracing: Any = None
     truncation: Any = None
     include: Any = None
     prompt: Any = None
 
-    @field_validator("tools", "tool_choice", "tracing", "truncation", "include", "prompt")
+    @field_validator("tracing", "truncation", "include", "prompt")
     @classmethod
     def _none(cls, v: Any, info: Any) -> Any:
-        ok = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "tracing": (None,),
-              "truncation": (None, "disabled"), "include": (None, []), "prompt": (None,)}[info.field_name]
+        ok = {"tracing": (None,), "truncation": (None, "disabled"), "include": (None, []),
+              "prompt": (None,)}[info.field_name]
         return _unsupported(info.field_name, v, ok)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v: Any) -> Any:
+        return _tool_choice(v)
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -157,6 +188,38 @@ class Item(_M):
     content: list[ContentPart] = Field(min_length=1)
 
 
+class FunctionCallItem(_M):
+    """A call the model made (a client may replay one into a conversation)."""
+
+    id: str | None = Field(None, max_length=64)
+    type: Literal["function_call"]
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    call_id: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(description="The call's arguments, JSON text.")
+
+
+class FunctionCallOutputItem(_M):
+    """What a call returned: the client ran the function."""
+
+    id: str | None = Field(None, max_length=64)
+    type: Literal["function_call_output"]
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+    call_id: str = Field(min_length=1, max_length=64)
+    output: str
+
+
+def _item_kind(v: Any) -> str:
+    return (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
+
+
+AnyItem = Annotated[Annotated[Item, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                    | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+ITEM_TAGS = frozenset({"message", "function_call", "function_call_output"})
+
+
 # --------------------------------------------------------------- responses
 class ResponseAudio(_M):
     output: AudioOutput | None = None
@@ -171,18 +234,23 @@ class ResponseParams(_M):
         None, description='"none": an out-of-band response, kept out of the conversation (it may run beside the '
         "conversation's own response).")
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response's events.")
+    tools: list[RealtimeTool] | None = Field(None, max_length=128, description="This response's tools (else the "
+                                             "session's).")
+    tool_choice: Any = None
     input: list[dict[str, Any]] | None = Field(
         None, description="The response's own context instead of the conversation: items, or "
         '{"type": "item_reference", "id"} of the conversation\'s ([]: nothing but the instructions).')
-    tools: Any = None
-    tool_choice: Any = None
     prompt: Any = None
 
-    @field_validator("tools", "tool_choice", "prompt")
+    @field_validator("prompt")
     @classmethod
     def _none(cls, v: Any, info: Any) -> Any:
-        ok = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "prompt": (None,)}
-        return _unsupported(info.field_name, v, ok[info.field_name])
+        return _unsupported(info.field_name, v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v: Any) -> Any:
+        return _tool_choice(v)
 
 
 # ------------------------------------------------------------------ events
@@ -211,7 +279,7 @@ class AudioClear(_Event):
 class ItemCreate(_Event):
     type: Literal["conversation.item.create"]
     previous_item_id: str | None = None
-    item: Item
+    item: AnyItem
 
 
 class ItemDelete(_Event):
@@ -244,7 +312,7 @@ class ResponseCancel(_Event):
 ClientEvent = Annotated[SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemDelete
                         | ItemTruncate | ItemRetrieve | ResponseCreate | ResponseCancel, Field(discriminator="type")]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(ClientEvent)
-_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "VoiceRef"})
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "VoiceRef"}) | ITEM_TAGS
 EVENT_TYPES = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
                "input_audio_buffer.clear", "conversation.item.create", "conversation.item.delete",
                "conversation.item.truncate", "conversation.item.retrieve", "response.create", "response.cancel")

@@ -6,6 +6,11 @@
     response.output_audio.done, ...transcript.done (or output_text.done), content_part.done,
     response.output_item.done, conversation.item.done, response.done (status, status_details, usage)
 
+With tools (a parser set), the reply's text goes out up to a call's markup and the message item is announced
+only once it has content; each call read from the reply then becomes a function_call item (output_item.added,
+conversation.item.added, function_call_arguments.delta / .done, output_item.done, conversation.item.done),
+and a spoken reply is voiced once its text is whole and holds no call (reply_stream.Run, Job.voice_after).
+
 Its task is cancelled for `response.cancel`, a barge-in or a closed socket: the request is aborted on
 every stage (Run.aclose), and the assistant item keeps the text that was sent with the audio that was
 sent (a text reply keeps what was sent). A response cancelled before its task ever ran still announces
@@ -30,6 +35,7 @@ from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Part, new_item_id
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.time_stretch import TimeStretch
+from omni.serve.tool_parser import ToolCallStream
 from omni.serve.translate import Job
 
 logger = logging.getLogger(__name__)
@@ -59,25 +65,39 @@ class RealtimeResponse:
         self.in_conversation = True
         self.context = session.conversation
         self.metadata: dict[str, str] | None = None
+        # Functions the model may call (chat-template shape); with a parser, the reply is read for calls: its
+        # text streams up to a call's markup, the message item is announced once it has content, each call
+        # becomes a function_call item, and a spoken reply is voiced once its text is known to be no call
+        self.tools: list[dict[str, Any]] = []
+        self.tool_parser: str | None = None
+        self.opened = False  # the message item announced (output_item.added ... content_part.added)
+        self.calls: list[ConvItem] = []
 
     def job(self, instructions: str | None) -> Job:
         """The whole conversation as one request (realtime_conversation.py), this response's options."""
         info = self.session.server.info
         messages, media = self.context.prompt(instructions)
         extra = {"speaker": self.voice} if self.voice else {}
-        prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra)
+        prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra, tools=self.tools or None)
         text_stage = info.text_stage or info.entry_stage
         mx = self.max_output_tokens
         sampling = {text_stage: {"max_tokens": mx}} if isinstance(mx, int) else {}
         fields = {"prompt": "conversation", "speaker": "session.audio.output.voice",
-                  "max_tokens": "response.max_output_tokens"}
-        return Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
-                   info.audio_stage if self.modality == "audio" else None, text_stage, [], fields)
+                  "max_tokens": "response.max_output_tokens", "tools": "session.tools"}
+        job = Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
+                  info.audio_stage if self.modality == "audio" else None, text_stage, [], fields)
+        if self.tool_parser is not None:
+            job.tool_parser = self.tool_parser
+            job.voice_after, job.audio_stage = job.audio_stage, None  # a call has no speech
+        return job
+
+    def outputs(self) -> list[dict[str, Any]]:
+        return ([self.item.shape()] if self.opened else []) + [c.shape() for c in self.calls]
 
     def shape(self, status: str, run: Run | None = None, details: dict[str, Any] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"object": "realtime.response", "id": self.id, "status": status,
                                "status_details": details,
-                               "output": [self.item.shape()] if status != "in_progress" else [],
+                               "output": self.outputs() if status != "in_progress" else [],
                                "conversation_id": self.session.id if self.in_conversation else None,
                                "output_modalities": [self.modality], "metadata": self.metadata,
                                "max_output_tokens": self.max_output_tokens,
@@ -130,19 +150,31 @@ class RealtimeResponse:
                 await session.send({"type": "response.output_audio.delta", **ids,
                                     "delta": base64.b64encode(data).decode("ascii")})
 
+        parser = ToolCallStream() if self.tool_parser is not None else None
+
+        async def send_text(text: str) -> None:
+            if text:
+                await self._open()
+                part.text += text
+                kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
+                await session.send({"type": kind, **ids, "delta": text})
+
         try:
             await self.begin()
             await run.start()
             async for ev in run.events():
                 if isinstance(ev, TextEvent):
-                    if ev.text:
-                        part.text += ev.text
-                        kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
-                        await session.send({"type": kind, **ids, "delta": ev.text})
+                    await send_text(ev.text if parser is None else parser.feed(ev.text))
                     continue
                 if isinstance(ev, AudioEvent):
+                    await self._open()
                     samples = ev.samples if ev.rate == RATE else resample(ev.samples, ev.rate, RATE)
                     await send_audio(stretch.push(samples))
+            if parser is not None:
+                rest, calls = parser.finish()
+                await send_text(rest)
+                for call in calls or []:
+                    await self._add_call(call)
             await send_audio(stretch.finish())  # what the stretch held back (nothing at speed 1)
         except asyncio.CancelledError:
             status = "cancelled"
@@ -162,8 +194,16 @@ class RealtimeResponse:
         await self.end(status, details, run, sent_ms)
 
     async def begin(self) -> None:
+        await self.session.send({"type": "response.created", "response": self.shape("in_progress")})
+        if self.tool_parser is None:  # (with tools, the message item waits for its first content)
+            await self._open()
+
+    async def _open(self) -> None:
+        """Announce the message item (once)."""
+        if self.opened:
+            return
+        self.opened = True
         session, item = self.session, self.item
-        await session.send({"type": "response.created", "response": self.shape("in_progress")})
         previous = session.conversation.add(item) if self.in_conversation else None
         await session.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
                             "item": item.shape()})
@@ -190,7 +230,35 @@ class RealtimeResponse:
                 await self.begin()
             await self._done_events(status, details, run)
 
+    async def _add_call(self, call: dict[str, Any]) -> None:
+        """A call read from the reply: a function_call output item (in the conversation, unless out of band)."""
+        session, fn = self.session, call["function"]
+        item = ConvItem(new_item_id(), "assistant", [], status="in_progress", type="function_call",
+                        call_id=call["id"], name=fn["name"], arguments=fn["arguments"])
+        index = int(self.opened) + len(self.calls)
+        self.calls.append(item)
+        await session.send({"type": "response.output_item.added", "response_id": self.id, "output_index": index,
+                            "item": item.shape()})
+        if self.in_conversation:
+            previous = session.conversation.add(item)
+            await session.send({"type": "conversation.item.added", "previous_item_id": previous,
+                                "item": item.shape()})
+        at = {"response_id": self.id, "item_id": item.id, "output_index": index, "call_id": item.call_id}
+        await session.send({"type": "response.function_call_arguments.delta", **at, "delta": item.arguments})
+        await session.send({"type": "response.function_call_arguments.done", **at, "name": item.name,
+                            "arguments": item.arguments})
+        item.status = "completed"
+        await session.send({"type": "response.output_item.done", "response_id": self.id, "output_index": index,
+                            "item": item.shape()})
+        if self.in_conversation:
+            await session.send({"type": "conversation.item.done", "item": item.shape()})
+
     async def _done_events(self, status: str, details: dict[str, Any] | None, run: Run | None) -> None:
+        if self.opened:
+            await self._message_done()
+        await self.session.send({"type": "response.done", "response": self.shape(status, run, details)})
+
+    async def _message_done(self) -> None:
         send, item, part, ids = self.session.send, self.item, self.item.parts[0], self.ids
         if self.modality == "audio":
             await send({"type": "response.output_audio.done", **ids})
@@ -204,7 +272,6 @@ class RealtimeResponse:
                     "item": item.shape()})
         if self.in_conversation:
             await send({"type": "conversation.item.done", "item": item.shape()})
-        await send({"type": "response.done", "response": self.shape(status, run, details)})
 
 
 def new_response(session: Any, rid: str, modality: str, voice: str | None, max_output_tokens: int | str

@@ -3,13 +3,15 @@ the responses it runs (realtime.py owns the socket and hands every client event 
 
     client event                     what it does                              server events
     session.update                   modalities, instructions, voice, turn     session.updated
-                                     detection, transcription, max_output_tokens
+                                     detection, transcription, tools,
+                                     max_output_tokens
     input_audio_buffer.append        pcm16 24 kHz into the buffer; server      speech_started / _stopped, then
                                      VAD commits on speech stop, answers       as commit and response.create
     input_audio_buffer.commit        the buffer becomes a user audio item      committed, conversation.item.*
                                      (transcribed, when the session asks)      ...input_audio_transcription.*
     input_audio_buffer.clear                                                   cleared
-    conversation.item.create         a user / assistant / system item          conversation.item.added / done
+    conversation.item.create         a user / assistant / system item, a       conversation.item.added / done
+                                     function call or its output
     conversation.item.delete / truncate / retrieve                             .deleted / .truncated / .retrieved
     response.create                  the conversation -> the pipeline          response.created ... .done
     response.cancel                  its request aborted on every stage        response.done (cancelled)
@@ -67,6 +69,8 @@ class Session:
         self.input_format = self.output_format = "audio/pcm"
         self.upsampler: Rate3 | None = None
         self.max_output_tokens: int | str = "inf"
+        self.tools: list[E.RealtimeTool] = []  # session.tools: functions the model may call
+        self.tool_choice = "auto"
         self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                             "silence_duration_ms": 500, "create_response": True,
                                             "interrupt_response": True}
@@ -103,7 +107,8 @@ class Session:
                                     "transcription": self.transcription, "noise_reduction": None},
                           "output": {"format": format_shape(self.output_format), "voice": self.voice,
                                      "speed": self.speed}},
-                "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
+                "max_output_tokens": self.max_output_tokens,
+                "tools": [t.model_dump(exclude_none=True) for t in self.tools], "tool_choice": self.tool_choice,
                 "tracing": None, "truncation": "disabled", "include": None, "prompt": None}
 
     async def start(self) -> None:
@@ -159,7 +164,23 @@ class Session:
             self.instructions = cfg.instructions
         if cfg.max_output_tokens is not None:
             self.max_output_tokens = cfg.max_output_tokens
+        if cfg.tools is not None or cfg.tool_choice is not None:
+            tools = self.tools if cfg.tools is None else cfg.tools
+            choice = cfg.tool_choice or self.tool_choice
+            self._check_tools(tools, choice, "session", ev.event_id)
+            self.tools, self.tool_choice = tools, choice
         await self.send({"type": "session.updated", "session": self.shape()})
+
+    def _check_tools(self, tools: list[E.RealtimeTool], choice: str, at: str, event_id: str | None) -> None:
+        """Calls are read from the reply as chat completions' "auto" reads them: with the server's parser."""
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise RealtimeEventError(f"{at}.tools: function names must be unique, got {names}", f"{at}.tools",
+                                     "invalid_value", event_id)
+        if tools and choice == "auto" and not self.server.settings.enable_auto_tool_choice:
+            raise RealtimeEventError(f"{at}.tools: reading calls from the reply needs a server started with "
+                                     "--enable-auto-tool-choice --tool-call-parser hermes (as vLLM's); or send "
+                                     'tool_choice "none"', f"{at}.tools", "unsupported_value", event_id)
 
     async def _load_vad(self, event_id: str | None, clock_ms: float) -> None:
         """A detector for the audio from `clock_ms` on (the session's audio clock: its events' ms are on it)."""
@@ -259,7 +280,14 @@ class Session:
         it, eid = ev.item, ev.event_id
         if it.id is not None and self.conversation.find(it.id) is not None:
             raise RealtimeEventError(f"item.id: an item {it.id!r} exists already", "item.id", "duplicate_item_id", eid)
-        item = await self._new_item(it, "item", eid)
+        if isinstance(it, E.Item):
+            item = await self._new_item(it, "item", eid)
+        elif isinstance(it, E.FunctionCallItem):
+            item = ConvItem(it.id or new_item_id(), "assistant", [], type="function_call", call_id=it.call_id,
+                            name=it.name, arguments=it.arguments)
+        else:
+            item = ConvItem(it.id or new_item_id(), "user", [], type="function_call_output", call_id=it.call_id,
+                            output=it.output)
         try:
             previous = self.conversation.add(item, ev.previous_item_id)
         except KeyError:
@@ -315,7 +343,7 @@ class Session:
                 context.items.append(item)
                 continue
             try:
-                it = E.Item.model_validate(raw)
+                it = E.Item.model_validate(raw)  # (calls and their outputs: reference them from the conversation)
             except ValidationError as err:
                 e = err.errors()[0]
                 param = f"{at}.{loc_to_param(tuple(e['loc']))}"
@@ -412,6 +440,7 @@ class Session:
         if params is not None and params.input is not None:
             context = await self._context(params.input, event_id)
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
+        tools, tool_choice = self.tools, self.tool_choice
         if params is not None:
             if params.output_modalities is not None:
                 modality = params.output_modalities[0]
@@ -427,10 +456,16 @@ class Session:
                 out_format = params.audio.output.format.type
             if params.max_output_tokens is not None:
                 max_tokens = params.max_output_tokens
+            if params.tools is not None or params.tool_choice is not None:
+                tools = tools if params.tools is None else params.tools
+                tool_choice = params.tool_choice or tool_choice
+                self._check_tools(tools, tool_choice, "response", event_id)
         resp = new_response(self, _id("resp"), modality, voice, max_tokens)
         resp.speed, resp.audio_format = speed, out_format
         resp.in_conversation, resp.context = not out_of_band, context
         resp.metadata = params.metadata if params is not None else None
+        resp.tools = [t.as_chat_tool() for t in tools]
+        resp.tool_parser = self.server.settings.tool_call_parser if tools and tool_choice == "auto" else None
         if not out_of_band:  # the turn's latency is the conversation's response's
             resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)

@@ -248,3 +248,79 @@ def test_a_spoken_reply_with_tools_is_voiced_once_it_is_no_call(server, client):
     assert text == spoken.message.content and order.index("audio") > max(i for i, k in enumerate(order) if k == "text")
     np.testing.assert_array_equal(np.concatenate(pcm), samples)
     wait_idle(server)
+
+
+def test_realtime_function_calls_on_qwen3_omni(server):
+    """Realtime function calling (session.tools, as a voice agent uses it): a reply holding a Hermes call (the
+    random thinker says what it is told) streams its text up to the call, then the call comes as a function_call
+    item (response.function_call_arguments.*), unspoken; the client's function_call_output item goes into the next
+    turn's prompt with the call (Qwen3's format), and that reply is spoken, on the prefix caches."""
+    import asyncio
+    import json
+
+    from omni.sampling_params import SamplingParams
+    from tests.serve.realtime_utils import until
+
+    tool = {"type": "function", "name": "get_weather", "description": "The forecast.",
+            "parameters": WEATHER["function"]["parameters"]}
+    answer = "It will be sunny in Paris."
+    told = [CALL_REPLY, answer]  # the thinker's replies, in order
+    prompts: list = []
+    thinker = server.omni._omni._backend.workers["thinker"].engine
+    real = thinker.add_request
+
+    def spy(inp):
+        if inp.tools and not (inp.sampling_params is not None and inp.sampling_params.forced_text):
+            prompts.append(inp.prompt)
+            params = inp.sampling_params or SamplingParams()
+            inp.sampling_params = params.model_copy(update={"forced_text": told.pop(0)})
+        return real(inp)
+
+    async def go():
+        conn = await server.async_client().realtime.connect(model=MODEL).enter()
+        try:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "tools": [tool], "audio": {
+                "input": {"turn_detection": None}, "output": {"voice": "Ethan"}}})
+            updated = await until(conn, "session.updated")
+            assert [t.name for t in updated.session.tools] == ["get_weather"]
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": ASK["content"]}]})
+            await conn.response.create()
+            seen: list = []
+            first = (await until(conn, "response.done", seen)).response
+            assert first.status == "completed", first.status_details
+            assert [o.type for o in first.output] == ["message", "function_call"]
+            text = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+            assert text == "Checking.\n" == first.output[0].content[0].transcript  # no call markup
+            assert not any(e.type == "response.output_audio.delta" for e in seen)  # a call has no speech
+            done = next(e for e in seen if e.type == "response.function_call_arguments.done")
+            call = first.output[1]
+            assert (done.name, done.call_id, done.item_id) == ("get_weather", call.call_id, call.id)
+            assert json.loads(done.arguments) == {"city": "Paris", "days": 2} == json.loads(call.arguments)
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                      "output": "Sunny, 21 C"})
+            await until(conn, "conversation.item.done")
+            await conn.response.create()
+            seen = []
+            second = (await until(conn, "response.done", seen)).response
+            assert second.status == "completed" and [o.type for o in second.output] == ["message"]
+            assert second.output[0].content[0].transcript == answer
+            audio = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
+            assert audio and np.abs(np.frombuffer(audio, "<i2")).max() > 0
+            assert second.usage.input_token_details.cached_tokens > 0
+        finally:
+            await conn.close()
+
+    thinker.add_request = spy
+    try:
+        asyncio.run(go())
+    finally:
+        del thinker.add_request
+    assert not told
+    turn2 = prompts[1]
+    assert turn2[-2] == {"role": "assistant", "content": "Checking.\n", "tool_calls": [
+        {"id": turn2[-2]["tool_calls"][0]["id"], "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}
+    assert turn2[-1] == {"role": "tool", "tool_call_id": turn2[-2]["tool_calls"][0]["id"], "content": "Sunny, 21 C"}
+    wait_idle(server)

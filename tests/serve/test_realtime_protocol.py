@@ -99,8 +99,13 @@ BAD_EVENTS = [
      "session.output_modalities", "invalid_value"),  # no audio stage in this pipeline
     ({"type": "session.update", "event_id": "e5", "session": {"model": "gpt-realtime"}}, "session.model",
      "model_not_found"),
+    # calls are read from replies only on a server started as vLLM's (--enable-auto-tool-choice ...)
     ({"type": "session.update", "event_id": "e6", "session": {"tools": [{"type": "function", "name": "f"}]}},
-     "session.tools", "invalid_value"),
+     "session.tools", "unsupported_value"),
+    ({"type": "session.update", "event_id": "e6b", "session": {"tool_choice": "required"}}, "session.tool_choice",
+     "invalid_value"),
+    ({"type": "conversation.item.create", "event_id": "e6c", "item": {"type": "function_call_output", "output": "x"}},
+     "item.call_id", "missing_required_parameter"),
     ({"type": "session.update", "event_id": "e7", "session": {"audio": {"output": {"speed": 1.6}}}},  # OpenAI: 0.25-1.5
      "session.audio.output.speed", "invalid_value"),
     ({"type": "session.update", "event_id": "e7b", "session": {"audio": {"output": {"voice": 5}}}},
