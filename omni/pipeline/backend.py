@@ -32,6 +32,10 @@ class Submission:
     stream_to: tuple[StreamTarget, ...] = ()  # consumers fed chunk by chunk while it runs
     stream_from: str | None = None  # its input arrives in chunks from that stage (push_chunk)
     stream_out: bool = False  # the caller streams: report deltas
+    # Ray: the abort of an earlier request with this id on this replica, sent before this submission (an
+    # ObjectRef the actor awaits first). An async actor's calls may run out of order: without it the abort could
+    # land after the new request and fail it ("already in use"), or answer it as aborted.
+    after: Any = None
 
     @property
     def request_id(self) -> str:

@@ -22,6 +22,7 @@ with the stage's `resources.num_cpus` threads (threads.py; torch's count is per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -151,6 +152,10 @@ class StageActor:
         self._ensure_loop()
         assert self.worker is not None  # the driver only submits to a stage that is ready
         rid = sub.request_id
+        if sub.after is not None:  # an earlier request's abort with this id: it lands first (Submission.after)
+            with contextlib.suppress(Exception):
+                await sub.after
+            sub = dataclasses.replace(sub, after=None)
         fut: asyncio.Future[tuple[StageOutput, StageOutput]] = asyncio.get_running_loop().create_future()
         self._futures[rid] = fut
         queue: asyncio.Queue[StageDelta] | None = None

@@ -22,6 +22,7 @@ cluster.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -42,6 +43,8 @@ from omni.pipeline.ray.actor import StageActor
 from omni.pipeline.ray.cluster import GET_TIMEOUT_S, init_ray, release, schedulable
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.replica_stats import merge_replica_stats
+
+MAX_ABORTS_KEPT = 256  # aborts remembered for a reused request id, before the finished ones are dropped
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class RayBackend:
                     "(Ray hides the GPUs from actors that reserve none); set resources.num_gpus, e.g. 1 or 0.5")
         self.replica_actors: dict[str, list[Any]] = {}
         self._pending: dict[Any, Submission] = {}  # the submit() generator of each request in flight
+        # (stage, replica, request id) -> the abort sent there: a later request with that id waits for it
+        self._aborts: dict[tuple[str, int, str], Any] = {}
         # Per (stage, replica): after a failure the replica is *gated* until it serves again (below).
         self._gates: dict[tuple[str, int], tuple[Any, float]] = {}  # -> (ready ref, deadline)
         self._deferred: dict[tuple[str, int], list[Submission]] = {}  # submissions waiting for the gate
@@ -176,6 +181,9 @@ class RayBackend:
     def _send(self, a: Submission) -> None:
         # The upstream refs ride inside the Submission (not as top-level arguments): Ray does not resolve
         # them, the actor awaits them itself, so an upstream failure becomes this request's error.
+        after = self._aborts.pop((a.stage, a.replica, a.request_id), None)
+        if after is not None:
+            a = dataclasses.replace(a, after=after)
         gen = self.replica_actors[a.stage][a.replica].submit.remote(a)
         self._pending[gen] = a
 
@@ -196,7 +204,13 @@ class RayBackend:
                 self._deferred[k] = [a for a in self._deferred[k] if (a.stage, a.replica, a.request_id)
                                      != (stage, replica, request_id)]
             if stage in self.replica_actors and key not in self._dead and key not in self._gates:
-                self.replica_actors[stage][replica].abort.remote(request_id)  # fire and forget
+                # fire and forget; a later request with this id on this replica waits for it (Submission.after)
+                self._aborts[(stage, replica, request_id)] = self.replica_actors[stage][replica].abort.remote(
+                    request_id)
+                if len(self._aborts) > MAX_ABORTS_KEPT:  # those done no longer order anything
+                    refs = list(self._aborts.values())
+                    done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+                    self._aborts = {k: r for k, r in self._aborts.items() if r not in done}
 
     def poll(self, timeout_s: float) -> list[StageEvent]:
         with self._poll_lock:
