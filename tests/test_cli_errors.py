@@ -173,8 +173,15 @@ def test_signals_exit_quietly(tmp_path, capsys, monkeypatch, sig, code, message)
     cfg = tmp_path / "chain.yaml"
     cfg.write_text(yaml.safe_dump(chain_config(request_timeout_s=60)))
     previous = signal.getsignal(signal.SIGTERM)
-    # __hang__ never finishes; an ignored signal would end in the 60 s request timeout's message instead.
-    assert cli.main(["run", str(cfg), "--prompt", "__hang__", "--json"]) == code
+    # A suite started as a background job (`make test &` from a script) inherits SIGINT ignored, and Python keeps
+    # it ignored: Ctrl-C's handler here is the one an interactive `omni run` has.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        # __hang__ never finishes; an ignored signal would end in the 60 s request timeout's message instead.
+        rc = cli.main(["run", str(cfg), "--prompt", "__hang__", "--json"])
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+    assert rc == code
     err = capsys.readouterr().err
     assert err.strip() == message, err
     assert signal.getsignal(signal.SIGTERM) is previous  # restored
