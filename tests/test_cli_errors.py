@@ -2,7 +2,6 @@
 line or field, before anything loads; Ctrl-C and SIGTERM exit quietly with 130 / 143."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
