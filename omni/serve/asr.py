@@ -36,16 +36,21 @@ def max_tokens_for(seconds: float) -> int:
 
 
 def asr_job(info: Any, wave: np.ndarray, rate: int, *, task: str = "transcribe", language: str | None = None,
-            prompt: str | None = None, temperature: float = 0.0, fields: dict[str, str] | None = None) -> Job:
-    """The clip (mono float32 at `rate`, the model's input rate) as one text-only request to the text stage."""
+            prompt: str | None = None, temperature: float = 0.0, fields: dict[str, str] | None = None,
+            logprobs: bool = False, request_id: str | None = None) -> Job:
+    """The clip (mono float32 at `rate`, the model's input rate) as one text-only request to the text stage;
+    `logprobs`: each reply token's log-probability comes back (Run.logprobs)."""
     stage = info.text_stage or info.entry_stage
     messages = [{"role": "system", "content": ASR_SYSTEM},
                 {"role": "user", "content": [{"type": "audio"},
                                              {"type": "text", "text": instruction(task, language, prompt)}]}]
     media = [MultiModalInput("audio", wave, sampling_rate=rate)]
-    sampling = {stage: {"temperature": float(temperature), "max_tokens": max_tokens_for(len(wave) / rate)}}
-    return Job(f"{task}-{uuid.uuid4().hex[:16]}", StageInput("", prompt=messages, mm_inputs=media), sampling,
-               stage, None, stage, [], dict(fields or {}))
+    sampling: dict[str, Any] = {"temperature": float(temperature), "max_tokens": max_tokens_for(len(wave) / rate)}
+    if logprobs:
+        sampling["logprobs"] = 0  # the sampled token's own, no alternatives
+    prompt_input = StageInput("", prompt=messages, mm_inputs=media)
+    return Job(request_id or f"{task}-{uuid.uuid4().hex[:16]}", prompt_input, {stage: sampling}, stage, None, stage,
+               [], dict(fields or {}))
 
 
 def asr_usage(run: Any) -> dict[str, Any]:

@@ -4,21 +4,31 @@ file=...)` calls them.
 
     multipart/form-data   file (the clip: WAV, FLAC, OGG, ...; mono or mixed down, resampled to the model's
                           rate), model (the served name), language (ISO-639-1; transcriptions), prompt,
-                          response_format (json | text), temperature (0-1; 0: greedy), stream (transcriptions)
+                          response_format (json | text | verbose_json | srt | vtt), temperature (0-1; 0: greedy),
+                          stream (transcriptions), include[] (logprobs), timestamp_granularities[] (segment),
+                          chunking_strategy ("auto" or {"type": "server_vad", threshold, prefix_padding_ms,
+                          silence_duration_ms})
       -> the text stage transcribes the clip (or translates it into English) in a text-only request (asr.py)
-      -> {"text", "usage"} (json) or the bare text (text); streamed: `transcript.text.delta` events, then
-         `transcript.text.done` with the text and the usage
+      -> {"text", "usage"} (json; with include logprobs: "logprobs") or the bare text (text); streamed:
+         `transcript.text.delta` events, then `transcript.text.done` with the text and the usage
+
+Timestamps (verbose_json's segments, srt, vtt) and `chunking_strategy` cut the clip into speech segments by
+voice activity (speech_segments.py: Silero VAD) and transcribe each one as a request of its own (segmented_asr.py:
+batched by the text stage); the text is the segments' texts joined by spaces, streamed segment by segment.
 
 Refused naming the field: a pipeline without a text stage (`model`), a clip that does not decode (`file`),
-formats that need timestamps this server does not have (srt, vtt, verbose_json; `timestamp_granularities`),
-`include` (logprobs), diarization and chunking options, and unknown fields.
+word timestamps (the model gives none), logprobs with a format other than json, streaming a timestamped format,
+diarization options, and unknown fields.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -29,10 +39,25 @@ from omni.serve.audio import decode_audio
 from omni.serve.endpoints import ClientGone, ServerState, race
 from omni.serve.errors import ApiError, bad_request, from_validation_error
 from omni.serve.reply_stream import Run, TextEvent
+from omni.serve.segmented_asr import SegmentedRun
+from omni.serve.speech_segments import VadOptions, speech_segments
+from omni.serve.transcript_formats import joined_text, to_srt, to_verbose_json, to_vtt
 from omni.serve.translate import check_model
+from omni.serve.vad import VadUnavailable, speech_probabilities
 
-NO_TIMESTAMPS = ("srt", "vtt", "verbose_json")
+TIMESTAMPED = ("srt", "vtt", "verbose_json")
 MAX_FIELD_BYTES = 64 * 1024  # a form field that is not the file (the prompt is the longest)
+_NESTED = re.compile(r"^(\w+)\[(\w+)\]$")  # `chunking_strategy[type]`: how OpenAI's clients send an object
+
+
+class ServerVad(BaseModel):
+    """OpenAI's chunking_strategy object (the realtime server VAD's parameters and defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["server_vad"]
+    threshold: float = Field(0.5, ge=0.0, le=1.0)
+    prefix_padding_ms: int = Field(300, ge=0, le=10_000)
+    silence_duration_ms: int = Field(500, ge=32, le=10_000)
 
 
 class _Form(BaseModel):
@@ -48,10 +73,12 @@ class _Form(BaseModel):
 class TranscriptionForm(_Form):
     language: str | None = Field(None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code of the speech.")
     stream: bool = False
-    # OpenAI's options this server does not implement: accepted absent only
-    timestamp_granularities: list[str] | None = None
-    include: list[str] | None = None
-    chunking_strategy: Any = None
+    include: list[Literal["logprobs"]] | None = Field(None, description="logprobs: each reply token's (json only).")
+    timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
+        None, description="segment (verbose_json only); word timestamps are not produced.")
+    chunking_strategy: Literal["auto"] | ServerVad | None = Field(
+        None, description="Cut the clip at silences (voice activity) and transcribe each part.")
+    # OpenAI's diarization options this server does not implement: accepted absent only
     known_speaker_names: list[str] | None = None
     known_speaker_references: list[str] | None = None
 
@@ -84,8 +111,13 @@ async def _read_form(request: Request, model: type[_Form], max_bytes: int) -> tu
                 continue
             if not isinstance(value, str):
                 raise bad_request(f"{key}: one file only, in `file`", key)
+            nested = _NESTED.match(key)
             if key.endswith("[]"):
                 fields.setdefault(key[:-2], []).append(value)
+            elif nested:
+                fields.setdefault(nested[1], {})[nested[2]] = value
+            elif key == "chunking_strategy" and value.lstrip().startswith("{"):
+                fields[key] = _json_field(key, value)
             else:
                 fields[key] = value
     finally:
@@ -94,16 +126,35 @@ async def _read_form(request: Request, model: type[_Form], max_bytes: int) -> tu
         req = model.model_validate(fields)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    if req.response_format in NO_TIMESTAMPS:
-        raise bad_request(f"response_format: {req.response_format} needs timestamps, which this server does not "
-                          "produce; json or text", "response_format", "unsupported_value")
     if isinstance(req, TranscriptionForm):
-        for name in ("timestamp_granularities", "include", "chunking_strategy", "known_speaker_names",
-                     "known_speaker_references"):
-            if getattr(req, name) is not None:
-                raise bad_request(f"{name}: not implemented by this server; send it absent", name,
-                                  "unsupported_parameter")
+        _check_options(req)
     return req, data
+
+
+def _json_field(key: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise bad_request(f"{key}: not valid JSON ({e})", key) from None
+
+
+def _check_options(req: TranscriptionForm) -> None:
+    """The combinations OpenAI allows, and what omni cannot give, refused naming the field."""
+    for name in ("known_speaker_names", "known_speaker_references"):
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name}: not implemented by this server; send it absent", name, "unsupported_parameter")
+    granularities = req.timestamp_granularities or []
+    if "word" in granularities:
+        raise bad_request("timestamp_granularities: word timestamps are not produced (the model gives none); "
+                          "segment", "timestamp_granularities", "unsupported_value")
+    if granularities and req.response_format != "verbose_json":
+        raise bad_request(f"timestamp_granularities: needs response_format verbose_json, not {req.response_format}",
+                          "timestamp_granularities")
+    if req.include and req.response_format != "json":
+        raise bad_request(f"include: logprobs come with response_format json, not {req.response_format}", "include")
+    if req.stream and req.response_format in TIMESTAMPED:
+        raise bad_request(f"stream: response_format {req.response_format} is not streamed; json or text",
+                          "stream")
 
 
 async def create_transcription(state: ServerState, request: Request) -> Response:
@@ -122,9 +173,12 @@ async def _serve(state: ServerState, request: Request, task: str) -> Response:
     if state.info.text_stage is None:
         raise bad_request(f"model: pipeline {state.info.model!r} has no text output stage", "model")
     wave, rate = decode_audio(data, "file", settings.max_media_bytes, settings.audio_input_rate)
+    chunking = getattr(req, "chunking_strategy", None)
+    if req.response_format in TIMESTAMPED or chunking is not None:
+        return await _serve_segments(state, request, req, task, wave, rate, chunking)
     language = getattr(req, "language", None)
     job = asr_job(state.info, wave, rate, task=task, language=language, prompt=req.prompt,
-                  temperature=req.temperature, fields={"prompt": "file", "temperature": "temperature"})
+                  temperature=req.temperature, fields=FIELDS, logprobs=_wants_logprobs(req))
     state.admit()
     run = Run(state.omni, job, settings.default_audio_rate, state.metrics)
     reason = "abort"
@@ -133,12 +187,15 @@ async def _serve(state: ServerState, request: Request, task: str) -> Response:
         await race(request, run.start(), state.drain.stopping)
         if getattr(req, "stream", False):
             handed_over = True
-            return EventSourceResponse(_events(state, run), sep="\n", ping=15)
+            return EventSourceResponse(_events(state, run, _wants_logprobs(req)), sep="\n", ping=15)
         text = await race(request, _text(run), state.drain.stopping)
         reason = run.finish_reason or "stop"
         if req.response_format == "text":
             return PlainTextResponse(text)
-        return JSONResponse({"text": text, "usage": asr_usage(run)})
+        body: dict[str, Any] = {"text": text, "usage": asr_usage(run)}
+        if _wants_logprobs(req):
+            body["logprobs"] = _logprobs(run.logprobs or [])
+        return JSONResponse(body)
     except ClientGone:
         return Response(status_code=499)
     except ApiError:
@@ -150,6 +207,77 @@ async def _serve(state: ServerState, request: Request, task: str) -> Response:
             state.release(run, reason)
 
 
+FIELDS = {"prompt": "file", "temperature": "temperature"}
+
+
+def _wants_logprobs(req: _Form) -> bool:
+    return "logprobs" in (getattr(req, "include", None) or [])
+
+
+def _logprobs(lps: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI's transcription logprobs: each reply token's text, log-probability and UTF-8 bytes."""
+    return [{"token": lp.token or "", "logprob": lp.logprob, "bytes": list((lp.token or "").encode("utf-8"))}
+            for lp in lps]
+
+
+async def _serve_segments(state: ServerState, request: Request, req: _Form, task: str, wave: np.ndarray,
+                          rate: int, chunking: Any) -> Response:
+    """The clip cut at its silences, each speech segment transcribed on its own (module docstring)."""
+    settings = state.settings
+    opts = VadOptions() if not isinstance(chunking, ServerVad) else VadOptions(
+        chunking.threshold, chunking.prefix_padding_ms, chunking.silence_duration_ms)
+    try:  # Silero over the clip: ~0.5 ms a 32 ms frame, off the event loop
+        probs = await asyncio.to_thread(speech_probabilities, wave, rate)
+    except VadUnavailable as e:
+        param = "chunking_strategy" if chunking is not None else "response_format"
+        raise ApiError(501, f"{param}: {e}", param=param, code="unsupported_value") from None
+    duration = len(wave) / rate
+    spans = speech_segments(probs, duration, opts)
+    language = getattr(req, "language", None)
+    logprobs = _wants_logprobs(req)
+    jobs = [asr_job(state.info, wave[int(s.start_s * rate):int(s.end_s * rate)], rate, task=task, language=language,
+                    prompt=req.prompt, temperature=req.temperature, fields=FIELDS,
+                    logprobs=logprobs or req.response_format == "verbose_json") for s in spans]
+    state.admit()
+    runs = SegmentedRun(state.omni, jobs, spans, settings.default_audio_rate)
+    reason = "abort"
+    handed_over = False
+    try:
+        await race(request, runs.start(), state.drain.stopping)
+        if getattr(req, "stream", False):
+            handed_over = True
+            return EventSourceResponse(_segment_events(state, runs, logprobs), sep="\n", ping=15)
+        segments = await race(request, _collect(runs), state.drain.stopping)
+        reason = runs.finish_reason or "stop"
+        fmt = req.response_format
+        if fmt == "srt" or fmt == "vtt":
+            return PlainTextResponse((to_srt if fmt == "srt" else to_vtt)(segments),
+                                     media_type="application/x-subrip" if fmt == "srt" else "text/vtt")
+        if fmt == "verbose_json":
+            return JSONResponse(to_verbose_json(segments, task=task, language=language, duration_s=duration,
+                                                temperature=req.temperature, usage=asr_usage(runs)))
+        text = joined_text(segments)
+        if fmt == "text":
+            return PlainTextResponse(text)
+        body: dict[str, Any] = {"text": text, "usage": asr_usage(runs)}
+        if logprobs:
+            body["logprobs"] = [lp for seg in segments for lp in _logprobs(seg.token_logprobs)]
+        return JSONResponse(body)
+    except ClientGone:
+        return Response(status_code=499)
+    except ApiError:
+        reason = "error"
+        raise
+    finally:
+        if not handed_over:
+            await runs.aclose()
+            state.release(runs, reason)
+
+
+async def _collect(runs: SegmentedRun) -> list[Any]:
+    return [seg async for seg in runs.segments()]
+
+
 async def _text(run: Run) -> str:
     text = ""
     async for ev in run.events():
@@ -158,19 +286,60 @@ async def _text(run: Run) -> str:
     return text
 
 
-async def _events(state: ServerState, run: Run) -> AsyncIterator[dict[str, str]]:
+def _delta(text: str, lps: list[Any] | None) -> dict[str, str]:
+    body: dict[str, Any] = {"type": "transcript.text.delta", "delta": text}
+    if lps is not None:
+        body["logprobs"] = _logprobs(lps)
+    return {"data": json.dumps(body)}
+
+
+def _error_event(e: ApiError) -> dict[str, str]:
+    # the status line is gone: an error event, as OpenAI's streams end
+    return {"data": json.dumps({"type": "error", "error": {"type": e.type, "code": e.code, "message": e.message,
+                                                          "param": e.param}})}
+
+
+def _done_event(text: str, run: Any, lps: list[Any] | None) -> dict[str, str]:
+    body: dict[str, Any] = {"type": "transcript.text.done", "text": text, "usage": asr_usage(run)}
+    if lps is not None:
+        body["logprobs"] = _logprobs(lps)
+    return {"data": json.dumps(body)}
+
+
+async def _events(state: ServerState, run: Run, logprobs: bool) -> AsyncIterator[dict[str, str]]:
     reason, text = "abort", ""
     try:
         async for ev in run.events():
             if isinstance(ev, TextEvent) and ev.text:
                 text += ev.text
-                yield {"data": json.dumps({"type": "transcript.text.delta", "delta": ev.text})}
+                yield _delta(ev.text, (ev.logprobs or []) if logprobs else None)
         reason = run.finish_reason or "stop"
-        yield {"data": json.dumps({"type": "transcript.text.done", "text": text, "usage": asr_usage(run)})}
-    except ApiError as e:  # the status line is gone: an error event, as OpenAI's streams end
+        yield _done_event(text, run, (run.logprobs or []) if logprobs else None)
+    except ApiError as e:
         reason = "error"
-        yield {"data": json.dumps({"type": "error", "error": {"type": e.type, "code": e.code, "message": e.message,
-                                                              "param": e.param}})}
+        yield _error_event(e)
     finally:
         await run.aclose()
         state.release(run, reason)
+
+
+async def _segment_events(state: ServerState, runs: SegmentedRun, logprobs: bool) -> AsyncIterator[dict[str, str]]:
+    """One delta a segment, in the clip's order, each as soon as it and those before it are transcribed."""
+    reason, text, lps = "abort", "", []
+    try:
+        async for seg in runs.segments():
+            piece = seg.text.strip()
+            if not piece:
+                continue
+            piece = piece if not text else " " + piece
+            text += piece
+            lps.extend(seg.token_logprobs)
+            yield _delta(piece, seg.token_logprobs if logprobs else None)
+        reason = runs.finish_reason or "stop"
+        yield _done_event(text, runs, lps if logprobs else None)
+    except ApiError as e:
+        reason = "error"
+        yield _error_event(e)
+    finally:
+        await runs.aclose()
+        state.release(runs, reason)

@@ -28,7 +28,7 @@ from omni.serve.audio import resample
 VAD_RATE = 16000
 FRAME = 512  # samples at 16 kHz per model call (32 ms): the size Silero's 16 kHz model takes
 FRAME_MS = FRAME * 1000 / VAD_RATE
-_HYSTERESIS = 0.15
+HYSTERESIS = 0.15
 _lock = threading.Lock()
 _bytes: bytes | None = None
 
@@ -60,6 +60,25 @@ def load_model() -> Any:
     model = torch.jit.load(io.BytesIO(_bytes), map_location="cpu")
     model.eval()
     return model
+
+
+def speech_probabilities(samples: np.ndarray, rate: int, model: Any = None) -> np.ndarray:
+    """A whole clip's speech probability per 32 ms frame (frame i covers i*FRAME_MS..(i+1)*FRAME_MS; a last
+    partial frame is zero-padded), from a fresh model unless one is given (its state is reset first)."""
+    import torch
+
+    x = resample(np.asarray(samples, np.float32).reshape(-1), rate, VAD_RATE)
+    frames = -(-x.size // FRAME)
+    if frames == 0:
+        return np.zeros(0, np.float32)
+    x = np.concatenate([x, np.zeros(frames * FRAME - x.size, np.float32)])
+    model = model if model is not None else load_model()
+    model.reset_states()
+    probs = np.empty(frames, np.float32)
+    with torch.inference_mode():
+        for i in range(frames):  # one call a frame: the network carries state from one frame to the next
+            probs[i] = float(model(torch.from_numpy(x[i * FRAME:(i + 1) * FRAME]), VAD_RATE).item())
+    return probs
 
 
 @dataclass(slots=True)
@@ -119,7 +138,7 @@ class TurnDetector:
                 continue
             if prob >= self.threshold:
                 self._quiet_since = None
-            elif prob < self.threshold - _HYSTERESIS and self._quiet_since is None:
+            elif prob < self.threshold - HYSTERESIS and self._quiet_since is None:
                 self._quiet_since = start
             if self._quiet_since is not None and self.ms - self._quiet_since >= self.silence_duration_ms:
                 events.append(VadEvent("speech_stopped", int(self._quiet_since)))

@@ -238,9 +238,87 @@ def test_transcriptions_and_translations_with_the_openai_client(server, client):
     wait_idle(server)
 
 
+def _speech_slice(data: bytes, start_s: float, end_s: float) -> bytes:
+    """The samples [start_s, end_s) of a 16 kHz 16-bit WAV as a WAV of their own (the same int16 values: the
+    server decodes them to the same floats as the slice it cut from the whole clip)."""
+    import soundfile as sf
+
+    x, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 16000
+    buf = io.BytesIO()
+    sf.write(buf, x[int(start_s * rate):int(end_s * rate)], rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def test_timestamped_transcripts_are_the_segments_transcribed_one_by_one(server, client):
+    """verbose_json, srt and vtt, and `chunking_strategy`: the clip (a real recorded reading, ~10 s, six phrases)
+    is cut at its silences by Silero VAD, and each segment's text is exactly the thinker's greedy reply to the
+    speech-recognition prompt on that segment's samples alone; the segments' tokens are that reply's, the
+    timestamps are the VAD's spans, and every format carries the same texts."""
+    import soundfile as sf
+
+    from omni.serve.speech_segments import VadOptions, speech_segments
+    from omni.serve.transcript_formats import cue_text, timestamp
+    from omni.serve.vad import speech_probabilities
+    from tests.serve.realtime_utils import speech_wav
+
+    x, rate = sf.read(str(speech_wav()), dtype="int16")
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format="WAV", subtype="PCM_16")
+    data = buf.getvalue()
+    spans = speech_segments(speech_probabilities(x.astype(np.float32) / 32768, rate), x.size / rate, VadOptions())
+    assert len(spans) >= 3
+    verbose = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                                 response_format="verbose_json", timestamp_granularities=["segment"])
+    assert verbose.duration == pytest.approx(x.size / rate, abs=1e-3) and verbose.language == "en"
+    assert [(s.start, s.end) for s in verbose.segments] == [(s.start_s, s.end_s) for s in spans]
+    want = [_asr_by_chat(client, _speech_slice(data, s.start_s, s.end_s), "transcribe", "en") for s in spans]
+    assert [s.text for s in verbose.segments] == [text.strip() for text, _ in want]
+    assert [len(s.tokens) for s in verbose.segments] == [tokens for _, tokens in want]
+    assert verbose.usage.output_tokens == sum(tokens for _, tokens in want)
+    assert all(s.avg_logprob < 0 and 0 <= s.no_speech_prob < 0.5 for s in verbose.segments)
+    texts = [s.text for s in verbose.segments if s.text]
+    assert verbose.text == " ".join(texts)
+
+    srt = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                             response_format="srt")
+    cues = [cue_text(t) for t in texts if cue_text(t)]  # (the tiny model's text has blank lines)
+    timings = [f"{timestamp(s.start, ',')} --> {timestamp(s.end, ',')}" for s in verbose.segments
+               if cue_text(s.text)]
+    assert srt == "".join(f"{i}\n{t}\n{c}\n\n" for i, (t, c) in enumerate(zip(timings, cues), 1))
+    vtt = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                             response_format="vtt")
+    assert vtt == "WEBVTT\n\n" + "".join(f"{t.replace(',', '.')}\n{c}\n\n" for t, c in zip(timings, cues))
+
+    chunked = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                                 chunking_strategy="auto", include=["logprobs"])
+    assert chunked.text == verbose.text
+    assert len(chunked.logprobs) == verbose.usage.output_tokens
+    events = list(client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
+                                                     chunking_strategy={"type": "server_vad", "threshold": 0.5},
+                                                     stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert events[-1].type == "transcript.text.done" and "".join(deltas) == events[-1].text == verbose.text
+    assert len(deltas) == len(texts)  # one delta a segment, in order
+    translated = client.audio.translations.create(model=MODEL, file=("clip.wav", data),
+                                                  response_format="verbose_json")
+    assert translated.task == "translate" and translated.language == "en"
+    assert [(s.start, s.end) for s in translated.segments] == [(s.start, s.end) for s in verbose.segments]
+    wait_idle(server)
+
+
 @pytest.mark.parametrize("fields,files,status,param", [
-    ({"model": MODEL, "response_format": "srt"}, True, 400, "response_format"),
-    ({"model": MODEL, "timestamp_granularities[]": "word"}, True, 400, "timestamp_granularities"),
+    ({"model": MODEL, "response_format": "srt", "stream": "true"}, True, 400, "stream"),
+    ({"model": MODEL, "timestamp_granularities[]": "word", "response_format": "verbose_json"}, True, 400,
+     "timestamp_granularities"),
+    ({"model": MODEL, "timestamp_granularities[]": "segment"}, True, 400, "timestamp_granularities"),
+    ({"model": MODEL, "include[]": "logprobs", "response_format": "verbose_json"}, True, 400, "include"),
+    ({"model": MODEL, "include[]": "tokens"}, True, 400, "include[0]"),
+    ({"model": MODEL, "chunking_strategy": "manual"}, True, 400, "chunking_strategy"),
+    ({"model": MODEL, "chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "2"}, True, 400,
+     "chunking_strategy"),
+    ({"model": MODEL, "chunking_strategy": "{not json"}, True, 400, "chunking_strategy"),
+    ({"model": MODEL, "known_speaker_names[]": "ann"}, True, 400, "known_speaker_names"),
     ({"model": MODEL, "language": "English"}, True, 400, "language"),
     ({"model": MODEL, "temperature": "2"}, True, 400, "temperature"),
     ({"model": MODEL, "frobnicate": "1"}, True, 400, "frobnicate"),
