@@ -109,7 +109,8 @@ async def _session(client: Any, model: str, index: int, speech: np.ndarray, args
                 elif ev.type == "error":
                     raise RuntimeError(f"session {index} turn {t + 1}: {ev.error.message}")
                 elif ev.type == "response.done":
-                    if ev.response.status != "completed" or first is None:
+                    # "incomplete": the reply stopped at its max_output_tokens (the bench's fixed reply length)
+                    if ev.response.status not in ("completed", "incomplete") or first is None:
                         raise RuntimeError(f"session {index} turn {t + 1}: response {ev.response.status} "
                                            f"({ev.response.status_details}) with{'out' if first is None else ''} audio")
                     usage = ev.response.usage

@@ -3,7 +3,7 @@
 
     parse_client_event(text) -> ClientEvent      or RealtimeEventError(message, param, code, event_id)
 
-Unknown event types, unknown fields and fields this server does not implement (a forced tool_choice, noise reduction,
+Unknown event types, unknown fields and fields this server does not implement (an MCP tool, noise reduction,
 a speed outside 0.25-1.5, ...) are refused naming the field (`param`, the path inside the
 event: `session.audio.input.format.type`); null or an absent field asks for nothing. Refusals are error
 events: the session stays open.
@@ -129,11 +129,27 @@ class RealtimeTool(_M):
         return {"type": "function", "function": fn}
 
 
+class FunctionChoice(_M):
+    """tool_choice naming the function the reply must call."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+
+
 def _tool_choice(v: Any) -> Any:
-    # "required" and a named function would constrain the reply (chat completions does: structured outputs)
-    if v not in (None, "auto", "none"):
-        raise ValueError('"auto" or "none": this server does not implement a forced tool call here')
-    return v
+    # "required" and a named function constrain the reply to a call (structured outputs, as chat completions)
+    if v is None or v in ("auto", "none", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") == "function":
+        return FunctionChoice.model_validate(v)
+    raise ValueError('"auto", "none", "required" or {"type": "function", "name": ...} (MCP tools are not served)')
+
+
+def forced_tool(choice: str | FunctionChoice | None) -> str | None:
+    """What a reply must be: "required" (calls of any tools), a function's name, or None (text or calls)."""
+    if isinstance(choice, FunctionChoice):
+        return choice.name
+    return "required" if choice == "required" else None
 
 
 class SessionConfig(_M):
@@ -145,7 +161,7 @@ class SessionConfig(_M):
     max_output_tokens: int | Literal["inf"] | None = None
     tools: list[RealtimeTool] | None = Field(None, max_length=128, description="Functions the model may call "
                                              "(the reply is read for Hermes calls: realtime_response.py).")
-    tool_choice: Any = Field(None, description="auto (default) or none.")
+    tool_choice: Any = Field(None, description='auto (default), none, required or {"type": "function", "name"}.')
     tracing: Any = None
     truncation: Any = None
     include: Any = None

@@ -7,7 +7,7 @@
     response.output_item.done, conversation.item.done, response.done (status, status_details, usage)
 
 With tools (a parser set), the reply's text goes out up to a call's markup and the message item is announced
-only once it has content; each call read from the reply then becomes a function_call item (output_item.added,
+only once it has content (with a forced tool_choice, the reply is constrained to calls: nothing but them); each call read from the reply then becomes a function_call item (output_item.added,
 conversation.item.added, function_call_arguments.delta / .done, output_item.done, conversation.item.done),
 and a spoken reply is voiced once its text is whole and holds no call (reply_stream.Run, Job.voice_after).
 
@@ -36,6 +36,7 @@ from omni.serve.realtime_conversation import ConvItem, Part, new_item_id
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.time_stretch import TimeStretch
 from omni.serve.tool_parser import ToolCallStream
+from omni.serve.tools import force_call, reply_tool_calls
 from omni.serve.translate import Job
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class RealtimeResponse:
         # becomes a function_call item, and a spoken reply is voiced once its text is known to be no call
         self.tools: list[dict[str, Any]] = []
         self.tool_parser: str | None = None
+        # tool_choice "required" or a function's name: the reply is constrained to a call (tools.call_schema) and
+        # comes as function_call items only, unspoken; a reply cut short by max_output_tokens is shown as text
+        self.forced_tool: str | None = None
         self.opened = False  # the message item announced (output_item.added ... content_part.added)
         self.calls: list[ConvItem] = []
 
@@ -86,7 +90,11 @@ class RealtimeResponse:
                   "max_tokens": "response.max_output_tokens", "tools": "session.tools"}
         job = Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
                   info.audio_stage if self.modality == "audio" else None, text_stage, [], fields)
-        if self.tool_parser is not None:
+        if self.forced_tool is not None:
+            functions = [(t["function"]["name"], t["function"].get("parameters")) for t in self.tools]
+            force_call(job, self.forced_tool, functions, None, "session.tools")
+            job.audio_stage = None  # a call has no speech
+        elif self.tool_parser is not None:
             job.tool_parser = self.tool_parser
             job.voice_after, job.audio_stage = job.audio_stage, None  # a call has no speech
         return job
@@ -164,7 +172,8 @@ class RealtimeResponse:
             await run.start()
             async for ev in run.events():
                 if isinstance(ev, TextEvent):
-                    await send_text(ev.text if parser is None else parser.feed(ev.text))
+                    if self.forced_tool is None:  # (a forced call's JSON is read whole, at the end)
+                        await send_text(ev.text if parser is None else parser.feed(ev.text))
                     continue
                 if isinstance(ev, AudioEvent):
                     await self._open()
@@ -175,7 +184,15 @@ class RealtimeResponse:
                 await send_text(rest)
                 for call in calls or []:
                     await self._add_call(call)
+            if self.forced_tool is not None:
+                calls, _ = reply_tool_calls(self.forced_tool, run.text, run.finish_reason)
+                if calls is None:  # cut short (max_output_tokens): no complete call, the text as it came
+                    await send_text(run.text)
+                for call in calls or []:
+                    await self._add_call(call)
             await send_audio(stretch.finish())  # what the stretch held back (nothing at speed 1)
+            if run.finish_reason == "length":  # the reply hit its token bound: OpenAI's "incomplete"
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
             status = "cancelled"
             details = {"type": "cancelled", "reason": self.cancel_reason or "client_cancelled"}
@@ -195,7 +212,7 @@ class RealtimeResponse:
 
     async def begin(self) -> None:
         await self.session.send({"type": "response.created", "response": self.shape("in_progress")})
-        if self.tool_parser is None:  # (with tools, the message item waits for its first content)
+        if self.tool_parser is None and self.forced_tool is None:  # (else the message item waits for content)
             await self._open()
 
     async def _open(self) -> None:

@@ -70,7 +70,7 @@ class Session:
         self.upsampler: Rate3 | None = None
         self.max_output_tokens: int | str = "inf"
         self.tools: list[E.RealtimeTool] = []  # session.tools: functions the model may call
-        self.tool_choice = "auto"
+        self.tool_choice: str | E.FunctionChoice = "auto"
         self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                             "silence_duration_ms": 500, "create_response": True,
                                             "interrupt_response": True}
@@ -108,7 +108,9 @@ class Session:
                           "output": {"format": format_shape(self.output_format), "voice": self.voice,
                                      "speed": self.speed}},
                 "max_output_tokens": self.max_output_tokens,
-                "tools": [t.model_dump(exclude_none=True) for t in self.tools], "tool_choice": self.tool_choice,
+                "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                "tool_choice": (self.tool_choice.model_dump() if isinstance(self.tool_choice, E.FunctionChoice)
+                                else self.tool_choice),
                 "tracing": None, "truncation": "disabled", "include": None, "prompt": None}
 
     async def start(self) -> None:
@@ -171,12 +173,21 @@ class Session:
             self.tools, self.tool_choice = tools, choice
         await self.send({"type": "session.updated", "session": self.shape()})
 
-    def _check_tools(self, tools: list[E.RealtimeTool], choice: str, at: str, event_id: str | None) -> None:
-        """Calls are read from the reply as chat completions' "auto" reads them: with the server's parser."""
+    def _check_tools(self, tools: list[E.RealtimeTool], choice: str | E.FunctionChoice, at: str,
+                     event_id: str | None) -> None:
+        """Calls are read from the reply as chat completions' "auto" reads them: with the server's parser; a
+        forced choice constrains the reply to a call of the tools (or of the one named)."""
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise RealtimeEventError(f"{at}.tools: function names must be unique, got {names}", f"{at}.tools",
                                      "invalid_value", event_id)
+        forced = E.forced_tool(choice)
+        if forced is not None and not tools:
+            raise RealtimeEventError(f"{at}.tool_choice: a forced call ({forced!r}) needs tools; send them with it",
+                                     f"{at}.tool_choice", "invalid_value", event_id)
+        if forced not in (None, "required") and forced not in names:
+            raise RealtimeEventError(f"{at}.tool_choice.name: {forced!r} is none of the tools {names}",
+                                     f"{at}.tool_choice.name", "invalid_value", event_id)
         if tools and choice == "auto" and not self.server.settings.enable_auto_tool_choice:
             raise RealtimeEventError(f"{at}.tools: reading calls from the reply needs a server started with "
                                      "--enable-auto-tool-choice --tool-call-parser hermes (as vLLM's); or send "
@@ -466,6 +477,7 @@ class Session:
         resp.metadata = params.metadata if params is not None else None
         resp.tools = [t.as_chat_tool() for t in tools]
         resp.tool_parser = self.server.settings.tool_call_parser if tools and tool_choice == "auto" else None
+        resp.forced_tool = E.forced_tool(tool_choice) if tools else None
         if not out_of_band:  # the turn's latency is the conversation's response's
             resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)

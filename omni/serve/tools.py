@@ -34,32 +34,37 @@ def template_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
              "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in calls]
 
 
-def _parameters(function: Any) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else _ANY_OBJECT
-
-
-def call_schema(req: Any) -> dict[str, Any]:
-    """The JSON schema a forced reply follows (see the module docstring)."""
-    if req.forced_tool != "required":
-        (function,) = [t.function for t in req.tools if t.function.name == req.forced_tool]
-        return _parameters(function)
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                               "parameters": _parameters(t.function)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]
+def call_schema(forced: str, functions: list[tuple[str, dict[str, Any] | None]],
+                parallel: bool | None = None) -> dict[str, Any]:
+    """The JSON schema a forced reply follows (see the module docstring); `functions`: the tools' (name,
+    parameters schema or None), `parallel` False: one call at most."""
+    if forced != "required":
+        (parameters,) = [p for name, p in functions if name == forced]
+        return parameters if parameters is not None else _ANY_OBJECT
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                               "parameters": p if p is not None else _ANY_OBJECT},
+              "required": ["name", "parameters"], "additionalProperties": False} for name, p in functions]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    if req.parallel_tool_calls is False:
+    if parallel is False:
         schema["maxItems"] = 1
     return schema
 
 
-def force_tool_call(req: Any, job: Any) -> None:
+def force_call(job: Any, forced: str, functions: list[tuple[str, dict[str, Any] | None]], parallel: bool | None,
+               field: str) -> None:
     """Constrain the text stage's reply to the forced call's JSON (structured outputs); errors of that
-    constraint name `tool_choice`."""
-    stage = job.text_stage
-    job.sampling.setdefault(stage, {})["structured_outputs"] = {"json": call_schema(req)}
-    job.fields["structured_outputs"] = "tool_choice"
-    job.forced_tool = req.forced_tool
+    constraint (a tool's parameters that are no JSON schema it can follow) name `field`."""
+    stage = job.text_stage or job.usage_stage
+    job.sampling.setdefault(stage, {})["structured_outputs"] = {"json": call_schema(forced, functions, parallel)}
+    job.fields["structured_outputs"] = field
+    job.forced_tool = forced
+
+
+def force_tool_call(req: Any, job: Any) -> None:
+    """Chat completions' forced tool_choice (its tools' schemas are what a constraint error is about)."""
+    functions = [(t.function.name, t.function.parameters) for t in req.tools]
+    force_call(job, req.forced_tool, functions, req.parallel_tool_calls, "tools")
 
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:

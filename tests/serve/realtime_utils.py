@@ -55,3 +55,10 @@ def speech_24k(seconds: float | None = None, offset_s: float = 0.0) -> np.ndarra
 
 def pcm16(x: np.ndarray) -> bytes:
     return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def ran_to_its_end(response) -> bool:
+    """A response that was neither cancelled nor failed: completed, or stopped by its token bound (OpenAI's
+    "incomplete" with reason max_output_tokens: the tiny random models rarely end a reply by themselves)."""
+    return response.status == "completed" or (response.status == "incomplete"
+                                               and response.status_details.reason == "max_output_tokens")

@@ -75,7 +75,7 @@ def test_realtime_spoken_turns_on_qwen3_omni(server):
     caches with the whole first turn."""
     import asyncio
 
-    from tests.serve.realtime_utils import pcm16, speech_24k, until
+    from tests.serve.realtime_utils import pcm16, ran_to_its_end, speech_24k, until
 
     session = {"type": "realtime", "audio": {"input": {"turn_detection": None}, "output": {"voice": "Ethan"}}}
 
@@ -92,7 +92,7 @@ def test_realtime_spoken_turns_on_qwen3_omni(server):
             await conn.response.create()
             seen: list = []
             first = (await until(conn, "response.done", seen)).response
-            assert first.status == "completed", first.status_details
+            assert ran_to_its_end(first), first.status_details
             chunks = [base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta"]
             assert chunks and all(len(c) % 2 == 0 for c in chunks)
             assert np.abs(np.frombuffer(b"".join(chunks), "<i2")).max() > 0
@@ -101,7 +101,7 @@ def test_realtime_spoken_turns_on_qwen3_omni(server):
                                                       "content": [{"type": "input_text", "text": "And then?"}]})
             await conn.response.create()
             second = (await until(conn, "response.done")).response
-            assert second.status == "completed"
+            assert ran_to_its_end(second)
             assert second.usage.input_token_details.cached_tokens >= (first.usage.input_tokens // 16 - 1) * 16 > 0
         finally:
             await conn.close()
@@ -250,6 +250,93 @@ def test_a_spoken_reply_with_tools_is_voiced_once_it_is_no_call(server, client):
     wait_idle(server)
 
 
+def test_realtime_forced_tool_choice_on_qwen3_omni(server):
+    """A forced tool_choice in a realtime session (a named function, then "required"): the reply is constrained to a
+    call, so even the random thinker makes a valid one, and it comes as function_call items only (no message item,
+    no audio); a reply cut short by max_output_tokens is no call and comes as the message's text, incomplete JSON."""
+    import asyncio
+    import json
+
+    from tests.serve.realtime_utils import ran_to_its_end, until
+
+    # bounded values: the random model fills an open integer until max_output_tokens
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"enum": [1, 2, 3]}},
+        "required": ["city", "days"], "additionalProperties": False}}
+    other = {"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}
+    thinker = server.omni._omni._backend.workers["thinker"].engine
+    real, grammars = thinker.add_request, []
+    calls = '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": ' \
+            '{"city": "Oslo", "days": 1}}]'
+
+    def spy(inp):
+        grammars.append(inp.sampling_params.structured_outputs["json"])
+        inp.sampling_params = inp.sampling_params.model_copy(update={"structured_outputs": None,
+                                                                     "forced_text": calls})
+        return real(inp)
+
+    async def go():
+        conn = await server.async_client().realtime.connect(model=MODEL).enter()
+        try:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "tools": [tool, other], "tool_choice": {
+                "type": "function", "name": "get_weather"}, "audio": {"input": {"turn_detection": None}}})
+            updated = (await until(conn, "session.updated")).session
+            assert updated.tool_choice.name == "get_weather"
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": ASK["content"]}]})
+            await conn.response.create(response={"max_output_tokens": 80})
+            seen: list = []
+            named = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(named), named.status_details
+            [call] = named.output
+            args = json.loads(call.arguments)
+            assert call.type == "function_call" and call.name == "get_weather" and set(args) == {"city", "days"}
+            assert not any(e.type.startswith(("response.output_audio", "response.content_part")) for e in seen)
+            done = next(e for e in seen if e.type == "response.function_call_arguments.done")
+            assert (done.call_id, done.arguments) == (call.call_id, call.arguments)
+
+            # "required": the reply is a list of calls of any tools; the random thinker never closes the list, so
+            # it is told the reply, in place of the grammar it was sent (which is checked)
+            thinker.add_request = spy
+            await conn.response.create(response={"tool_choice": "required"})
+            required = (await until(conn, "response.done")).response
+            del thinker.add_request
+            assert ran_to_its_end(required), required.status_details
+            assert [(o.type, o.name, json.loads(o.arguments)) for o in required.output] == [
+                ("function_call", "get_time", {"zone": "CET"}), ("function_call", "get_weather", {"city": "Oslo",
+                                                                                                   "days": 1})]
+            assert len({o.call_id for o in required.output}) == 2
+            [schema] = grammars
+            assert schema["type"] == "array" and schema["minItems"] == 1
+            assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"],
+                                                                                            ["get_time"]]
+
+            await conn.response.create(response={"max_output_tokens": 3})  # too short for a whole call
+            seen = []
+            cut = (await until(conn, "response.done", seen)).response
+            assert [o.type for o in cut.output] == ["message"] and cut.status == "incomplete"
+            assert cut.status_details.reason == "max_output_tokens" and cut.output[0].status == "incomplete"
+            text = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+            assert text and cut.output[0].content[0].transcript == text and cut.usage.output_tokens == 3
+            with pytest.raises(ValueError):
+                json.loads(text)
+            await conn.session.update(session={"type": "realtime", "tool_choice": {"type": "function",
+                                                                                   "name": "nope"}})
+            err = await until(conn, "error")
+            assert err.error.param == "session.tool_choice.name"
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        thinker.__dict__.pop("add_request", None)
+    wait_idle(server)
+
+
 def test_realtime_function_calls_on_qwen3_omni(server):
     """Realtime function calling (session.tools, as a voice agent uses it): a reply holding a Hermes call (the
     random thinker says what it is told) streams its text up to the call, then the call comes as a function_call
@@ -259,7 +346,7 @@ def test_realtime_function_calls_on_qwen3_omni(server):
     import json
 
     from omni.sampling_params import SamplingParams
-    from tests.serve.realtime_utils import until
+    from tests.serve.realtime_utils import ran_to_its_end, until
 
     tool = {"type": "function", "name": "get_weather", "description": "The forecast.",
             "parameters": WEATHER["function"]["parameters"]}
@@ -289,7 +376,7 @@ def test_realtime_function_calls_on_qwen3_omni(server):
             await conn.response.create()
             seen: list = []
             first = (await until(conn, "response.done", seen)).response
-            assert first.status == "completed", first.status_details
+            assert ran_to_its_end(first), first.status_details
             assert [o.type for o in first.output] == ["message", "function_call"]
             text = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
             assert text == "Checking.\n" == first.output[0].content[0].transcript  # no call markup
@@ -304,7 +391,7 @@ def test_realtime_function_calls_on_qwen3_omni(server):
             await conn.response.create()
             seen = []
             second = (await until(conn, "response.done", seen)).response
-            assert second.status == "completed" and [o.type for o in second.output] == ["message"]
+            assert ran_to_its_end(second) and [o.type for o in second.output] == ["message"]
             assert second.output[0].content[0].transcript == answer
             audio = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
             assert audio and np.abs(np.frombuffer(audio, "<i2")).max() > 0

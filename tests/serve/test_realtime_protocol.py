@@ -12,7 +12,7 @@ import pytest
 import websockets
 
 from tests.fakes import fake_factory
-from tests.serve.realtime_utils import pcm16, speech_24k, types, until
+from tests.serve.realtime_utils import pcm16, ran_to_its_end, speech_24k, types, until
 from tests.serve.server_utils import CHAIN, held, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,7 +60,9 @@ def test_session_created_update_and_a_text_turn(server):
             # the fake engines stream no deltas: the text is empty here (the tiny omni's tests read real text)
             assert "".join(deltas) == text_done.text
             r = done.response
-            assert r.status == "completed" and r.output[0].role == "assistant"
+            # the reply stopped at max_output_tokens: OpenAI's "incomplete", the item too
+            assert r.status == "incomplete" and r.status_details.reason == "max_output_tokens"
+            assert r.output[0].role == "assistant" and r.output[0].status == "incomplete"
             assert r.output[0].content[0].text == text_done.text
             assert r.usage.output_tokens == 5 and r.usage.input_tokens > 0  # max_output_tokens reached the thinker
     run(go())
@@ -104,6 +106,11 @@ BAD_EVENTS = [
      "session.tools", "unsupported_value"),
     ({"type": "session.update", "event_id": "e6b", "session": {"tool_choice": "required"}}, "session.tool_choice",
      "invalid_value"),
+    ({"type": "session.update", "event_id": "e6d", "session": {"tools": [{"type": "function", "name": "f"}],
+                                                              "tool_choice": {"type": "function", "name": "g"}}},
+     "session.tool_choice.name", "invalid_value"),
+    ({"type": "session.update", "event_id": "e6e", "session": {"tool_choice": {"type": "mcp", "server_label": "x"}}},
+     "session.tool_choice", "invalid_value"),
     ({"type": "conversation.item.create", "event_id": "e6c", "item": {"type": "function_call_output", "output": "x"}},
      "item.call_id", "missing_required_parameter"),
     ({"type": "session.update", "event_id": "e7", "session": {"audio": {"output": {"speed": 1.6}}}},  # OpenAI: 0.25-1.5
@@ -150,7 +157,7 @@ def test_bad_events_are_error_events_and_the_session_goes_on(server):
             await conn._connection.send("{not json")  # a malformed frame as a browser might send it
             assert (await until(conn, "error")).error.code == "invalid_json"
             _, done = await _text_turn(conn, "still here?")
-            assert done.response.status == "completed"
+            assert ran_to_its_end(done.response)
     run(go())
     wait_idle(server)
 
@@ -175,7 +182,7 @@ def test_a_second_response_while_one_runs_is_refused_and_cancel_ends_it(server):
             assert done.response.status_details.reason == "client_cancelled"
             assert done.response.output[0].status == "incomplete"
             _, again = await _text_turn(conn, "and now?")
-            assert again.response.status == "completed"
+            assert ran_to_its_end(again.response)
     run(go())
     wait_idle(server)
 
@@ -268,7 +275,7 @@ def test_api_key_and_idle_timeout():
                     await asyncio.sleep(1.5)  # three idle timeouts
                     release.set()
                     seen, done = await task
-                assert done.response.status == "completed" and "error" not in types(seen)
+                assert ran_to_its_end(done.response) and "error" not in types(seen)
         run(listening())
 
 
@@ -301,7 +308,7 @@ def test_audio_items_and_manual_commit(server):
             assert [c.type for c in added.item.content] == ["input_audio", "input_text"]
             await conn.response.create()
             done = await until(conn, "response.done")
-            assert done.response.status == "completed" and done.response.usage.input_tokens > 0
+            assert ran_to_its_end(done.response) and done.response.usage.input_tokens > 0
     run(go())
 
 
@@ -344,7 +351,7 @@ def test_input_audio_transcription_completes_or_fails_alone(server):
                 else:
                     assert ev.error.type == "invalid_request_error" and "__bad__" in ev.error.message
             _, done = await _text_turn(conn, "still here?")
-            assert done.response.status == "completed"
+            assert ran_to_its_end(done.response)
     run(go())
     wait_idle(server)
 
@@ -374,7 +381,7 @@ def test_out_of_band_responses(server):
                 assert not any(e.type.startswith("conversation.item") for e in events), types(events)
                 created = next(e for e in events if e.type == "response.created")
                 assert created.response.metadata == {"topic": label} == done.response.metadata
-                assert created.response.conversation_id is None and done.response.status == "completed"
+                assert created.response.conversation_id is None and ran_to_its_end(done.response)
                 tokens = done.response.usage.input_tokens
                 if label == "whole":
                     conversation_tokens = tokens
@@ -407,6 +414,6 @@ def test_out_of_band_responses(server):
                 assert done.response.id == oob and done.response.status == "cancelled"
                 release.set()
                 done = await until(conn, "response.done")
-            assert done.response.id == main and done.response.status == "completed"
+            assert done.response.id == main and ran_to_its_end(done.response)
     run(go())
     wait_idle(server)
