@@ -179,7 +179,7 @@ def _feature_extractor(cfg: dict[str, Any]) -> Any:
 def checked_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, Any],
                   where: str = "multi_modal_data.audio") -> np.ndarray:
     """The waveform as the encoder takes it (mono float32 at the model's rate, one Whisper window of
-    n_fft samples up to 30 s), or the RequestError / ValueError naming what is wrong."""
+    n_fft samples up to 30 s), or the RequestError naming what is wrong."""
     sr = cfg["audio_sampling_rate"]
     # one Whisper window (n_fft) at least
     wave = check_audio(wave, sampling_rate, sr, 400, where)
@@ -187,9 +187,9 @@ def checked_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, An
     # The encoder sees one window (30 s): the extractor would silently drop the rest, so longer audio is
     # refused, by its length alone, before any copy or mel frame of it is made.
     if wave.shape[0] > limit:
-        raise ValueError(f"{where}: {wave.shape[0] / sr:g} s of audio ({wave.shape[0]} samples at {sr} Hz), longer "
-                         f"than the {limit / sr:g} s ({limit} samples) the audio encoder takes; "
-                         "send it as several clips")
+        raise RequestError(f"{where}: {wave.shape[0] / sr:g} s of audio ({wave.shape[0]} samples at {sr} Hz), "
+                           f"longer than the {limit / sr:g} s ({limit} samples) the audio encoder takes; "
+                           "send it as several clips", field=where)
     return wave.astype(np.float32)
 
 

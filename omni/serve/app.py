@@ -9,6 +9,7 @@
                                 speech -> text by the pipeline's thinker (transcriptions.py): json / text, SSE
     WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime.py)
     GET  /v1/models             the one model: the pipeline
+    GET  /v1/models/{model}     that model (404 naming `model` for any other name)
     GET  /health                200 while the pipeline serves
     GET  /metrics               Prometheus text
 
@@ -37,7 +38,7 @@ from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
 from omni.serve.speech import create_speech
 from omni.serve.transcriptions import create_transcription, create_translation
-from omni.serve.translate import PipelineInfo
+from omni.serve.translate import PipelineInfo, check_model
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0  # a scrape waits this long for the stages' stats
@@ -94,6 +95,11 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.get("/v1/models")
     async def _models() -> JSONResponse:
         return JSONResponse(R.models(state.info.model, state.created))
+
+    @app.get("/v1/models/{model:path}")
+    async def _model(model: str) -> JSONResponse:  # client.models.retrieve (a served name may hold "/")
+        check_model(model, state.info)
+        return JSONResponse(R.model_card(model, state.created))
 
     @app.get("/health")
     async def _health() -> JSONResponse:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from omni.outputs import MultiModalInput, StageInput
+from omni.serve.audio import clips
 from omni.serve.translate import Job
 
 ASR_SYSTEM = "You are a speech recognition model."
@@ -41,10 +42,12 @@ def asr_job(info: Any, wave: np.ndarray, rate: int, *, task: str = "transcribe",
     """The clip (mono float32 at `rate`, the model's input rate) as one text-only request to the text stage;
     `logprobs`: each reply token's log-probability comes back (Run.logprobs)."""
     stage = info.text_stage or info.entry_stage
+    # a clip longer than the encoder's window is heard as consecutive clips of it, in one request
+    parts = clips(wave, rate)
     messages = [{"role": "system", "content": ASR_SYSTEM},
-                {"role": "user", "content": [{"type": "audio"},
+                {"role": "user", "content": [*({"type": "audio"} for _ in parts),
                                              {"type": "text", "text": instruction(task, language, prompt)}]}]
-    media = [MultiModalInput("audio", wave, sampling_rate=rate)]
+    media = [MultiModalInput("audio", part, sampling_rate=rate) for part in parts]
     sampling: dict[str, Any] = {"temperature": float(temperature), "max_tokens": max_tokens_for(len(wave) / rate)}
     if logprobs:
         sampling["logprobs"] = 0  # the sampled token's own, no alternatives

@@ -12,6 +12,7 @@ the streamed chunks concatenate to exactly the samples of the non-streamed WAV.
 from __future__ import annotations
 
 import io
+import re
 import wave
 from collections.abc import Iterator
 
@@ -32,7 +33,9 @@ def decode_audio(data: bytes, where: str, max_decoded_bytes: int, rate_out: int 
     try:
         info = sf.info(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - libsndfile's errors are RuntimeError/LibsndfileError/TypeError
-        raise bad_request(f"{where}: not a readable audio file (WAV, FLAC, OGG or MP3): {e}", where) from None
+        # libsndfile's own words, without the file object it names ("Error opening <_io.BytesIO ...>: ")
+        reason = re.sub(r"^Error opening <[^>]*>: ", "", str(e)).strip() or type(e).__name__
+        raise bad_request(f"{where}: not a readable audio file (WAV, FLAC, OGG or MP3): {reason}", where) from None
     if info.frames <= 0 or info.channels <= 0 or info.samplerate <= 0:
         raise bad_request(f"{where}: the audio holds no samples", where)
     decoded = int(info.frames) * int(info.channels) * 4
@@ -61,6 +64,22 @@ def decode_audio(data: bytes, where: str, max_decoded_bytes: int, rate_out: int 
         raise too_large(f"{where}: {mono.size} samples at {rate} Hz resample past the server's limit of "
                         f"{max_decoded_bytes} bytes (--max-media-mb)", where)
     return resample(mono, int(rate), rate_out), rate_out
+
+
+# The longest clip the omni thinkers' audio encoders take (one Whisper window: 30 s); the server cuts longer
+# audio it owns into clips (a realtime turn: realtime_conversation.py; a transcription: transcriptions.py).
+MODEL_CLIP_S = 30.0
+
+
+def clips(wave: np.ndarray, rate: int, max_s: float = MODEL_CLIP_S) -> list[np.ndarray]:
+    """The waveform cut into the fewest equal clips of at most `max_s` seconds (views, in order): equal, so that
+    no clip is a sliver shorter than the encoder's first window."""
+    limit = int(max_s * rate)
+    if wave.shape[0] <= limit:
+        return [wave]
+    n = -(-wave.shape[0] // limit)
+    size = -(-wave.shape[0] // n)
+    return [wave[i:i + size] for i in range(0, wave.shape[0], size)]
 
 
 def resampled_length(n: int, src: int, dst: int) -> int:

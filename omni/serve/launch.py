@@ -146,7 +146,9 @@ def serve_uvicorn(config: Any, settings: Any, backend: str | None) -> int:
                                                 timeout_graceful_shutdown=UVICORN_SHUTDOWN_S),
                                  app.state.omni.drain, settings.shutdown_grace_s)
         shown = f"[{host}]" if ":" in host else host
-        print(f"omni serve: {config.name} on http://{shown}:{port} (backend {omni.config.runtime.backend})",
+        # the name clients send as `model` (--served-model-name, else the pipeline's)
+        print(f"omni serve: {settings.served_model_name or config.name} on http://{shown}:{port} "
+              f"(backend {omni.config.runtime.backend})",
               flush=True)
         server.run(sockets=[sock])
     finally:

@@ -27,7 +27,8 @@ from omni.serve.metrics import ServerMetrics
 from omni.serve.shutdown import Drain, shutting_down
 
 logger = logging.getLogger(__name__)
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/audio/transcriptions",
+         "/v1/audio/translations", "/v1/realtime", "/v1/models", "/health", "/metrics")
 JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech")
 
 
@@ -70,7 +71,8 @@ class ServerMiddleware:
                                                     "see its log"))
         finally:
             self.drain.leave()
-            path = scope["path"] if scope["path"] in PATHS else "other"
+            path = scope["path"]
+            path = path if path in PATHS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
             code = str(status[0]) if status else "499"  # nothing sent: the client left first
             self.metrics.http.labels(path=path, status=code).inc()
 

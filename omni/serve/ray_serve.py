@@ -88,7 +88,8 @@ def run(config: PipelineConfig, settings: ServeSettings, backend: str | None = N
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(deployment(config, settings, backend), name=config.name, route_prefix="/")
-        print(f"omni serve: {config.name} on http://{settings.host}:{settings.port} (Ray Serve)", flush=True)
+        print(f"omni serve: {settings.served_model_name or config.name} on http://{settings.host}:{settings.port} "
+              "(Ray Serve)", flush=True)
         (stop or threading.Event()).wait()
     finally:
         try:

@@ -27,6 +27,8 @@ import contextlib
 import hmac
 import json
 import logging
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +86,7 @@ async def _deny(ws: WebSocket, err: ApiError) -> None:
 
 
 async def _close_with_error(ws: WebSocket, code: int, message: str, param: str | None, err_code: str) -> None:
-    body = {"type": "error", "event_id": "event_close", "error": {"type": "invalid_request_error",
+    body = {"type": "error", "event_id": f"event_{uuid.uuid4().hex[:24]}", "error": {"type": "invalid_request_error",
                                                                   "code": err_code, "message": message,
                                                                   "param": param, "event_id": None}}
     await ws.send_text(json.dumps(body))
@@ -136,11 +138,17 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     closer = asyncio.create_task(_close_when_stopped(hub, session, ws))
     try:
         await session.start()
+        idle_s = settings.session_idle_timeout_s
+        last_event = time.monotonic()
         while True:
+            # idle: no client event, and nothing running, for idle_s (counted from whichever ended last)
+            quiet = max(last_event, session.quiet_since)
+            timeout = idle_s if session.busy else idle_s - (time.monotonic() - quiet)
             try:
-                message = await asyncio.wait_for(ws.receive(), settings.session_idle_timeout_s)
+                message = await asyncio.wait_for(ws.receive(), max(timeout, 0.01))
             except asyncio.TimeoutError:
-                if session.busy:  # the client is listening to a response (or a transcription): not idle
+                quiet = max(last_event, session.quiet_since)
+                if session.busy or time.monotonic() - quiet < idle_s:  # listening to a response, or not yet
                     continue
                 outcome = "idle"
                 reason = f"no client event for {settings.session_idle_timeout_s:g} s (--session-idle-timeout-s)"
@@ -149,6 +157,7 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
                     await session.error(f"the session is closed: {reason}", None, "session_idle_timeout")
                     await ws.close(code=1000, reason=reason[:120])
                 break
+            last_event = time.monotonic()
             if message["type"] == "websocket.disconnect":
                 break
             data = message.get("text")

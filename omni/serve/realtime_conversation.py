@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from omni.outputs import MultiModalInput
+from omni.serve.audio import clips
 
 
 def _arguments(text: str) -> Any:
@@ -157,8 +158,10 @@ class Conversation:
             parts: list[dict[str, Any]] = []
             for p in item.parts:
                 if p.kind == "input_audio" and p.audio is not None:
-                    parts.append({"type": "audio"})
-                    media.append(MultiModalInput("audio", p.audio, sampling_rate=p.audio_rate))
+                    # a turn longer than the encoder's window is heard as consecutive clips of it
+                    for clip in clips(p.audio, p.audio_rate):
+                        parts.append({"type": "audio"})
+                        media.append(MultiModalInput("audio", clip, sampling_rate=p.audio_rate))
                 elif p.text:
                     parts.append({"type": "text", "text": p.text})
             if parts:

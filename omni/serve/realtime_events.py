@@ -103,7 +103,7 @@ class AudioOutput(_M):
     def _speed(cls, v: Any) -> Any:
         # OpenAI's Realtime range: the tempo of the reply's audio, its pitch kept (time_stretch.py)
         if v is not None and not (REALTIME_MIN_SPEED <= v <= REALTIME_MAX_SPEED):  # NaN fails too
-            raise ValueError(f"must be in [{REALTIME_MIN_SPEED}, {REALTIME_MAX_SPEED}] (1: as voiced), got {v}")
+            raise ValueError(f"must be in [{REALTIME_MIN_SPEED}, {REALTIME_MAX_SPEED}] (1: as voiced)")
         return v
 
 
@@ -232,7 +232,9 @@ def _item_kind(v: Any) -> str:
 
 
 AnyItem = Annotated[Annotated[Item, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                    | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+                    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                    Discriminator(_item_kind, custom_error_type="invalid_item_type",
+                                  custom_error_message="type: message, function_call or function_call_output")]
 ITEM_TAGS = frozenset({"message", "function_call", "function_call_output"})
 
 
@@ -340,6 +342,8 @@ def parse_client_event(text: str | bytes) -> Any:
         raw = json.loads(text)
     except ValueError as e:
         raise RealtimeEventError(f"the message is not JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # nested deeper than the decoder goes (a hostile or broken client)
+        raise RealtimeEventError("the message is JSON nested too deeply to read", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise RealtimeEventError("an event is a JSON object with a `type`", code="invalid_event")
     event_id = raw.get("event_id") if isinstance(raw.get("event_id"), str) else None

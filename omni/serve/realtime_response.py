@@ -74,6 +74,8 @@ class RealtimeResponse:
         # tool_choice "required" or a function's name: the reply is constrained to a call (tools.call_schema) and
         # comes as function_call items only, unspoken; a reply cut short by max_output_tokens is shown as text
         self.forced_tool: str | None = None
+        self.event_id: str | None = None  # the response.create's (None: a server VAD turn's)
+        self.limit_field = "session.max_output_tokens"  # where its max_output_tokens came from
         self.opened = False  # the message item announced (output_item.added ... content_part.added)
         self.calls: list[ConvItem] = []
 
@@ -87,7 +89,7 @@ class RealtimeResponse:
         mx = self.max_output_tokens
         sampling = {text_stage: {"max_tokens": mx}} if isinstance(mx, int) else {}
         fields = {"prompt": "conversation", "speaker": "session.audio.output.voice",
-                  "max_tokens": "response.max_output_tokens", "tools": "session.tools"}
+                  "max_tokens": self.limit_field, "tools": "session.tools"}
         job = Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
                   info.audio_stage if self.modality == "audio" else None, text_stage, [], fields)
         if self.forced_tool is not None:
@@ -200,7 +202,7 @@ class RealtimeResponse:
             status = "failed"
             details = {"type": "failed", "error": {"type": e.type, "code": e.code, "message": e.message}}
             with contextlib.suppress(Exception):
-                await session.error(f"the response failed: {e.message}", e.param, e.code, None, e.type)
+                await session.error(f"the response failed: {e.message}", e.param, e.code, self.event_id, e.type)
         except Exception as e:  # noqa: BLE001 - a bug fails the response, never the session
             logger.exception("realtime response %s failed", self.id)
             status = "failed"

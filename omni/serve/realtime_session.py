@@ -71,6 +71,7 @@ class Session:
         self.max_output_tokens: int | str = "inf"
         self.tools: list[E.RealtimeTool] = []  # session.tools: functions the model may call
         self.tool_choice: str | E.FunctionChoice = "auto"
+        self._ended_at = 0.0  # when the last response ended
         self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                             "silence_duration_ms": 500, "create_response": True,
                                             "interrupt_response": True}
@@ -379,10 +380,16 @@ class Session:
 
     async def _on_conversation_item_truncate(self, ev: E.ItemTruncate) -> None:
         item = self._item(ev.item_id, ev.event_id)
-        if item.role != "assistant" or ev.content_index >= len(item.parts) or \
-                item.parts[ev.content_index].kind != "output_audio":
-            raise RealtimeEventError("item_id: only an assistant item's output_audio part can be truncated",
+        if item.role != "assistant" or not any(p.kind == "output_audio" for p in item.parts):
+            raise RealtimeEventError("item_id: only an assistant item with output audio can be truncated",
+                                     "item_id", "invalid_value", ev.event_id)
+        if ev.content_index >= len(item.parts) or item.parts[ev.content_index].kind != "output_audio":
+            raise RealtimeEventError(f"content_index: {ev.content_index} is not the item's output_audio part",
                                      "content_index", "invalid_value", ev.event_id)
+        if self.response is not None and self.response.item is item:
+            # the user interrupted the reply still being made: it stops on every stage (keeping what was sent),
+            # then the truncation below keeps what was heard, so the next turn's prompt holds nothing more
+            await self.cancel_response("client_cancelled")
         if ev.audio_end_ms > item.audio_ms + 1:
             raise RealtimeEventError(f"audio_end_ms: {ev.audio_end_ms} ms is past the item's audio "
                                      f"({item.audio_ms:.0f} ms)", "audio_end_ms", "invalid_value", ev.event_id)
@@ -438,6 +445,13 @@ class Session:
         if self.response is resp:
             self.response = None
         self.out_of_band.pop(resp.id, None)
+        self._ended_at = time.monotonic()
+
+    @property
+    def quiet_since(self) -> float:
+        """time.monotonic() when the session last stopped being busy (its idle clock runs from there, or from the
+        client's last event, whichever is later)."""
+        return max(self._ended_at, self.transcriptions.ended_at)
 
     async def _create_response(self, params: E.ResponseParams | None, event_id: str | None) -> None:
         drain = self.server.drain
@@ -472,6 +486,9 @@ class Session:
                 tool_choice = params.tool_choice or tool_choice
                 self._check_tools(tools, tool_choice, "response", event_id)
         resp = new_response(self, _id("resp"), modality, voice, max_tokens)
+        resp.event_id = event_id  # a failure's error event names the response.create that asked for it
+        resp.limit_field = ("response.max_output_tokens" if params is not None and params.max_output_tokens
+                            is not None else "session.max_output_tokens")
         resp.speed, resp.audio_format = speed, out_format
         resp.in_conversation, resp.context = not out_of_band, context
         resp.metadata = params.metadata if params is not None else None
@@ -481,6 +498,9 @@ class Session:
         if not out_of_band:  # the turn's latency is the conversation's response's
             resp.t_turn, self.turn_t0 = self.turn_t0, None
         job = resp.job(instructions)
+        if not job.prompt.prompt:  # an out-of-band `input: []` without instructions: nothing to answer
+            raise RealtimeEventError("response.input: an empty input needs instructions (the model would be asked "
+                                     "nothing)", "response.input", "invalid_value", event_id)
         if out_of_band:
             self.out_of_band[resp.id] = resp
         else:

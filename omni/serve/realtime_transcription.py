@@ -16,6 +16,7 @@ name it was given. `language` (ISO-639-1) and `prompt` become part of the instru
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import logging
 from typing import Any
@@ -34,12 +35,18 @@ class Transcriptions:
     def __init__(self, session: Any):
         self.session = session
         self.tasks: set[asyncio.Task] = set()
+        self.ended_at = 0.0  # time.monotonic() when the last one ended (the session's idle clock starts there)
+
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.ended_at = time.monotonic()
 
     def start(self, item: ConvItem, config: dict[str, Any]) -> None:
         part = next(p for p in item.parts if p.kind == "input_audio")
         task = asyncio.create_task(self._run(item, part, config))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._done)
 
     async def _run(self, item: ConvItem, part: Part, config: dict[str, Any]) -> None:
         session, server = self.session, self.session.server

@@ -235,5 +235,9 @@ def completion_chunk(rid: str, model: str, created: int, text: str | None, *, fi
     return chunk
 
 
+def model_card(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "omni"}
+
+
 def models(model: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}]}
+    return {"object": "list", "data": [model_card(model, created)]}

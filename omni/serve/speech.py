@@ -79,7 +79,7 @@ class SpeechRequest(_Strict):
     @classmethod
     def _speed(cls, v: float | None) -> float | None:
         if v is not None and not (MIN_SPEED <= v <= MAX_SPEED):  # NaN fails too
-            raise ValueError(f"must be in [{MIN_SPEED}, {MAX_SPEED}] (1: as voiced), got {v}")
+            raise ValueError(f"must be in [{MIN_SPEED}, {MAX_SPEED}] (1: as voiced)")
         return v
 
     @property

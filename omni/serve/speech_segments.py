@@ -34,7 +34,7 @@ class VadOptions:
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
-    max_segment_s: float = 30.0
+    max_segment_s: float = 29.0  # the speech itself: with its padding a segment stays within one 30 s clip
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,3 +84,24 @@ def test_stream_failing_midway_is_counted_once_as_sent(omni, monkeypatch):
     events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error", events
     assert counts == {(PATH, "200"): 1.0}, counts
+
+
+def test_every_route_is_counted_by_its_own_path(omni):
+    """The speech-to-text routes and a model's own page are counted under their paths, not "other" (which is
+    left for routes this server does not have); `client.models.retrieve` gets the model or a 404 naming it."""
+    async def main() -> tuple[list[httpx2.Response], dict]:
+        app = create_app(omni, ServeSettings())
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://omni") as c:
+            out = [await c.get("/v1/models/tiny_chain"), await c.get("/v1/models/gpt-4o"),
+                   await c.post("/v1/audio/transcriptions", json={}), await c.post("/v1/audio/translations", json={}),
+                   await c.get("/v1/embeddings")]
+            return out, statuses((await c.get("/metrics")).text)
+
+    rs, counts = asyncio.run(main())
+    assert [r.status_code for r in rs] == [200, 404, 415, 415, 404]
+    assert {k: rs[0].json()[k] for k in ("id", "object", "owned_by")} == {"id": "tiny_chain", "object": "model",
+                                                                          "owned_by": "omni"}
+    assert rs[1].json()["error"]["param"] == "model" and rs[1].json()["error"]["code"] == "model_not_found"
+    assert counts == {("/v1/models/{model}", "200"): 1.0, ("/v1/models/{model}", "404"): 1.0,
+                      ("/v1/audio/transcriptions", "415"): 1.0, ("/v1/audio/translations", "415"): 1.0,
+                      ("other", "404"): 1.0}, counts

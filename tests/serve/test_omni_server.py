@@ -164,6 +164,19 @@ def test_image_and_audio_inputs(client):
     assert again.usage.prompt_tokens == text_only.usage.prompt_tokens + 6 + 2
 
 
+def test_audio_longer_than_the_encoder_takes_names_its_part(client):
+    """31 s of audio in one content part: the thinker's encoder takes 30 s; a 400 naming that part, streamed too
+    (the param was null: the stage raised a plain ValueError)."""
+    long_clip = {"type": "input_audio", "input_audio": {"data": stereo_wav_b64(16000, 31.0), "format": "wav"}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            r = client.chat.completions.create(model=MODEL, max_tokens=4, stream=stream, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "Listen."}, long_clip]}])
+            list(r) if stream else None
+        err = e.value.body
+        assert err["param"] == "messages[0].content[1].input_audio" and "30 s" in err["message"], err
+
+
 @pytest.mark.parametrize("kw,param", [
     (dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "audio.voice"),
     (dict(stop=["x"], **AUDIO_OUT), "stop"),
@@ -336,6 +349,7 @@ def test_transcription_errors_name_the_field(server, fields, files, status, para
     got, _, err = server.post("/v1/audio/transcriptions", body,
                               headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
     assert got == status and err["error"]["param"] == param, err
+    assert "<_io." not in err["error"]["message"]  # libsndfile's words, not the file object's repr
 
 
 def test_transcription_takes_multipart_only(server):

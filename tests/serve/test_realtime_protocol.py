@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 
 import pytest
 import websockets
@@ -135,6 +136,10 @@ BAD_EVENTS = [
     ({"type": "conversation.item.create", "event_id": "e13", "previous_item_id": "item_nope",
       "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}},
      "previous_item_id", "item_not_found"),
+    ({"type": "conversation.item.create", "event_id": "e13b", "item": {"type": "mcp_call", "id": "x"}}, "item",
+     "invalid_value"),
+    ({"type": "response.create", "event_id": "e13c", "response": {"conversation": "none", "input": []}},
+     "response.input", "invalid_value"),  # nothing to answer: no items, no instructions
     ({"type": "conversation.item.delete", "event_id": "e14", "item_id": "item_nope"}, "item_id", "item_not_found"),
     ({"type": "conversation.item.truncate", "event_id": "e15", "item_id": "item_nope", "content_index": 0,
       "audio_end_ms": 10}, "item_id", "item_not_found"),
@@ -155,6 +160,10 @@ def test_bad_events_are_error_events_and_the_session_goes_on(server):
                     (event, err.error)
                 assert err.error.type == "invalid_request_error" and err.error.message
             await conn._connection.send("{not json")  # a malformed frame as a browser might send it
+            assert (await until(conn, "error")).error.code == "invalid_json"
+            # nested deeper than the JSON decoder recurses: an error too, never a closed session
+            await conn._connection.send('{"type": "session.update", "session": {"metadata": ' + "[" * 5000
+                                        + "]" * 5000 + "}}")
             assert (await until(conn, "error")).error.code == "invalid_json"
             _, done = await _text_turn(conn, "still here?")
             assert ran_to_its_end(done.response)
@@ -276,6 +285,10 @@ def test_api_key_and_idle_timeout():
                     release.set()
                     seen, done = await task
                 assert ran_to_its_end(done.response) and "error" not in types(seen)
+                # the idle clock starts when the response ends: the client gets the whole period to speak
+                ended = time.monotonic()
+                err = await until(conn, "error", timeout_s=10)
+                assert err.error.code == "session_idle_timeout" and time.monotonic() - ended >= 0.45
         run(listening())
 
 

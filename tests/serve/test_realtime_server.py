@@ -471,3 +471,47 @@ def test_input_audio_transcription_by_the_pipelines_own_thinker(server):
                 {"type": "text", "text": instruction("transcribe", "en", None)}]}])
     assert same.choices[0].message.content == transcript and same.usage.completion_tokens == tokens
     wait_idle(server)
+
+
+def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
+    """A spoken turn longer than the audio encoder's 30 s window is heard as consecutive clips (it once failed
+    every later response of the session); truncating the reply still being made stops it and keeps only what was
+    heard (it was acknowledged, then undone by the rest of the reply); a response a stage refuses fails with an
+    error naming its response.create and the field."""
+    async def go():
+        conn = await _connect(server)
+        try:
+            await _append(conn, np.concatenate([speech_24k()] * 4), chunk_s=1.0)  # ~40 s of recorded speech
+            await conn.input_audio_buffer.commit()
+            await until(conn, "input_audio_buffer.committed")
+            await conn.response.create()
+            done = await until(conn, "response.done")
+            assert ran_to_its_end(done.response), done.response.status_details
+            assert done.response.usage.input_tokens > 800  # the whole 40 s were heard
+            await _text_item(conn, "And now?")
+            await conn.response.create()
+            assert ran_to_its_end((await until(conn, "response.done")).response)
+
+            await _text_item(conn, "Tell me a long story.")
+            with held(server, "talker"):  # the reply's text is out, its audio is not: the user stops it there
+                await conn.response.create()
+                seen: list = []
+                added = await until(conn, "response.output_item.added", seen)
+                await until(conn, "response.output_audio_transcript.delta", seen)
+                await conn.conversation.item.truncate(item_id=added.item.id, content_index=0, audio_end_ms=0)
+                truncated = await until(conn, "conversation.item.truncated", seen)
+            ended = next(e for e in seen if e.type == "response.done")  # the reply stopped before the ack
+            assert ended.response.status == "cancelled" and truncated.audio_end_ms == 0
+            await conn.conversation.item.retrieve(item_id=added.item.id)
+            item = (await until(conn, "conversation.item.retrieved")).item
+            assert item.status == "incomplete" and item.content[0].transcript == ""
+
+            await conn.response.create(event_id="too-long", response={"max_output_tokens": 4096})
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.param, err.error.code) == (
+                "too-long", "response.max_output_tokens", "context_length_exceeded"), err.error
+            assert (await until(conn, "response.done")).response.status == "failed"
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
