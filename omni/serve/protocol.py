@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from omni.errors import FIELD_ERROR
+from omni.serve.errors import accepts
 
 
 def field_error(field: str, text: str, code: str = "invalid_value") -> PydanticCustomError:
@@ -246,7 +247,8 @@ class _Common(_Strict):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling, (0, 1] (the text stage).")
     top_k: int | None = Field(None, ge=-1, description="Top-k sampling; 0 or -1: off (the text stage).")
     seed: int | None = Field(None, description="Per-request seed (the text stage).")
-    stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the text (not included).")
+    stop: Annotated[str | list[str] | None, accepts("a string or a list of up to 16 strings")] = Field(
+        None, description="Up to 16 strings that end the text (not included).")
     n: int | None = Field(None, ge=1, le=128, description="Number of choices (1-128, as OpenAI): each its own "
                           "request through the pipeline; with a seed, choice i samples with seed + i.")
     stream: bool | None = Field(None, description="Reply as server-sent events.")
@@ -327,7 +329,8 @@ class ChatCompletionRequest(_Common):
                                      "tokens at each position.")
     tools: list[ToolDef] | None = Field(None, description="Functions the model may call: shown to it through the "
                                         "text stage's chat template.")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, accepts(
+        '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')] = Field(
         None, description='"required" (one call or more of the tools) or {"type": "function", "function": {"name"}} '
         '(that one): the reply is constrained to the call\'s JSON (structured outputs) and comes back as '
         '`tool_calls`; "none": a text reply; "auto" (the default with tools): text or calls, read from the reply '
@@ -446,6 +449,18 @@ class CompletionRequest(_Common):
         if self.max_tokens == 0 and not self.echo:
             raise field_error("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
         return self
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt_of_ids(cls, v: Any) -> Any:
+        """OpenAI's batch of token-id lists: one list of ids is a prompt (as one string in a list is), more are
+        refused as a batch of strings is."""
+        if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (send several requests concurrently)")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in v[0]):
+                return v[0]
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -1,0 +1,162 @@
+"""400s for values a union field (`stop`, `prompt`, `tool_choice`) or a typed object (`tools[i]`) does not take:
+`param` names the field as the user wrote it, never a pydantic union member (`stop.str`, `prompt.str`,
+`tool_choice.NamedToolChoice.allowed_tools`), and the message says what the field takes."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import pytest
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from omni.serve.endpoints import parse
+from omni.serve.errors import ApiError, accepts, from_validation_error, loc_to_param
+from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
+
+MESSAGES = [{"role": "user", "content": "x"}]
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+def chat_error(**extra: Any) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse(ChatCompletionRequest, json.dumps({"model": "m", "messages": MESSAGES, **extra}).encode())
+    assert e.value.status == 400 and set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+    return e.value
+
+
+def completion_error(**extra: Any) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse(CompletionRequest, json.dumps({"model": "m", **extra}).encode())
+    assert e.value.status == 400
+    return e.value
+
+
+# --------------------------------------------------------------- the QA cases
+def test_stop_of_the_wrong_type_names_stop_and_what_it_takes():
+    e = chat_error(stop=5)
+    assert e.param == "stop" and e.code == "invalid_value", e.body()
+    assert e.message == "stop: expected a string or a list of up to 16 strings (got 5)"
+    for bad in ({"a": 1}, True, 1.5):
+        assert chat_error(stop=bad).param == "stop"
+
+
+def test_a_batch_of_token_id_lists_is_one_prompt_per_request():
+    e = completion_error(prompt=[[1, 2, 3], [4, 5]])
+    assert e.param == "prompt" and "one prompt per request" in e.message, e.body()
+    assert completion_error(prompt=["a", "b"]).message == e.message  # as a batch of strings
+    # a batch of one token list is that prompt, as a list of one string is
+    assert parse(CompletionRequest, json.dumps({"model": "m", "prompt": [[1, 2, 3]]}).encode()).prompt == [1, 2, 3]
+    for bad in ([["a"]], [[1, "a"]], 5):
+        e = completion_error(prompt=bad)
+        assert e.param == "prompt" and "expected a string, a list of integers or a list of strings" in e.message, \
+            e.body()
+
+
+def test_an_unsupported_tool_choice_names_tool_choice_and_what_is_supported():
+    e = chat_error(tools=TOOLS, tool_choice={"type": "allowed_tools",
+                                             "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
+                                                                                          "function": {"name": "f"}}]}})
+    assert (e.param, e.code) == ("tool_choice", "invalid_value"), e.body()
+    assert '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}' in e.message
+    assert 'got an object of type "allowed_tools"' in e.message
+    e = chat_error(tools=TOOLS, tool_choice="sometimes")
+    assert e.param == "tool_choice" and '"required"' in e.message and '(got "sometimes")' in e.message
+
+
+def test_a_named_tool_choice_keeps_its_own_field_errors():
+    """A value shaped like one member of the union (an object of type function) gets that member's error."""
+    e = chat_error(tools=TOOLS, tool_choice={"type": "function", "function": {"name": ""}})
+    assert e.param == "tool_choice.function.name", e.body()
+    e = chat_error(tools=TOOLS, tool_choice={"type": "function"})
+    assert (e.param, e.code) == ("tool_choice.function", "missing_required_parameter"), e.body()
+    e = chat_error(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}, "x": 1})
+    assert (e.param, e.code) == ("tool_choice.x", "unknown_parameter"), e.body()
+    e = chat_error(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})
+    assert e.param == "tool_choice.function.name" and "'g' is not one of the tools" in e.message
+
+
+def test_a_custom_tool_is_refused_by_its_type():
+    e = chat_error(tools=[{"type": "custom", "custom": {"name": "x"}}])
+    assert (e.param, e.code) == ("tools[0].type", "invalid_value"), e.body()
+    assert 'type "custom" is not supported (only "function")' in e.message
+    e = chat_error(tools=[*TOOLS, {"type": "custom", "custom": {"name": "x"}}])
+    assert e.param == "tools[1].type", e.body()
+
+
+def test_a_list_shaped_stop_names_its_bad_item():
+    e = chat_error(stop=["a", 3])
+    assert e.param == "stop[1]" and "valid string" in e.message, e.body()
+
+
+# ------------------------------------------------------------ non-union errors as before
+@pytest.mark.parametrize("extra,param,code,fragment", [
+    ({"temperature": -1}, "temperature", "invalid_value", "temperature: Input should be greater than or equal to 0"),
+    ({"temperature": "hot"}, "temperature", "invalid_value", "temperature:"),
+    ({"stop": ["a"] * 17}, "stop", "invalid_value", "stop: expected up to 16 non-empty strings"),
+    ({"stop": ""}, "stop", "invalid_value", "non-empty"),
+    ({"logprob": True}, "logprob", "unknown_parameter", "Unrecognized request argument supplied: logprob"),
+    ({"metadata": {"Key": 1}}, "metadata.Key", "invalid_value", "valid string"),  # a key, not a union member
+    ({"logit_bias": {"one": 2}}, "logit_bias.one", "invalid_value", ""),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value", 'type "xml" is not supported'),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
+     "tools[0].function.name", "invalid_value", "String should match pattern"),
+])
+def test_non_union_errors_name_their_field(extra, param, code, fragment):
+    e = chat_error(**extra)
+    assert (e.param, e.code) == (param, code), e.body()
+    assert fragment in e.message
+
+
+def test_content_parts_keep_their_paths():
+    e = chat_error(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}])
+    assert e.param == "messages[0].content[0].image_url.url", e.body()
+    e = chat_error(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]}])
+    assert (e.param, e.code) == ("messages[0].content[0].extra", "unknown_parameter"), e.body()
+
+
+# ------------------------------------------------------------ the general rules
+class _Named(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["named"]
+    name: str
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    plain: int | list[int] | None = None
+    choice: Literal["a", "b"] | _Named | None = None
+    worded: Annotated[str | list[str] | None, accepts("text or lines of text")] = None
+    nested: list[str | _Named] | None = None
+
+
+def model_error(**body: Any) -> ApiError:
+    with pytest.raises(ValidationError) as e:
+        _Model.model_validate_json(json.dumps(body))
+    return from_validation_error(e.value, PART_TAGS)
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"plain": "x"}, "plain", 'plain: expected an integer or a list of integers (got "x")'),
+    ({"plain": [1, "x"]}, "plain[1]", "plain[1]: Input should be a valid integer"),
+    ({"choice": 1}, "choice", 'choice: expected "a", "b" or an object (got 1)'),
+    ({"choice": {"type": "other"}}, "choice", 'choice: expected "a", "b" or an object of type "named" '
+     '(got an object of type "other")'),
+    ({"choice": {"type": "named", "name": 1}}, "choice.name", "choice.name: Input should be a valid string"),
+    ({"worded": 1}, "worded", "worded: expected text or lines of text (got 1)"),
+    ({"worded": [1]}, "worded[0]", "worded[0]: Input should be a valid string"),
+    ({"nested": ["a", 2]}, "nested[1]", "nested[1]: expected a string or an object (got 2)"),
+    ({"nested": [{"type": "named", "name": "n", "x": 1}]}, "nested[0].x", "Unrecognized request argument"),
+])
+def test_union_members_never_reach_param(body, param, message):
+    e = model_error(**body)
+    assert e.param == param, e.body()
+    assert message in e.message, e.body()
+
+
+def test_loc_to_param_drops_member_names():
+    assert loc_to_param(("stop", "str")) == "stop"
+    assert loc_to_param(("prompt", "list[int]", 1)) == "prompt[1]"
+    assert loc_to_param(("tool_choice", "NamedToolChoice", "function", "name")) == "tool_choice.function.name"
+    assert loc_to_param(("x", "function-after[_check(), str]")) == "x"
+    assert loc_to_param(("messages", 0, "content", 1, "image_url", "image_url", "url"), PART_TAGS) == \
+        "messages[0].content[1].image_url.url"
