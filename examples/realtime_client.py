@@ -98,7 +98,7 @@ async def converse(args: argparse.Namespace) -> None:
                         print(f"[turn {n}] assistant: ", end="", flush=True)
                         audio = b""
                         continue
-                    if event.response.status != "completed":
+                    if event.response.status not in ("completed", "incomplete"):  # incomplete: max tokens
                         raise SystemExit(f"[turn {n}] the response ended {event.response.status}")
                     out = args.out_dir / f"turn-{n}.wav"
                     save_wav(out, audio)

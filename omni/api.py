@@ -173,6 +173,11 @@ class Omni:
                 stages[n]["router"] = orch["routers"][n]
         return {"backend": self.backend, "requests": orch["requests"], "stages": stages}
 
+    def voices(self) -> tuple[str, ...]:
+        """The voices the pipeline speaks in: what its stage models report as `voices` in their stats (the
+        talkers: their speakers), sorted; () when no stage names any."""
+        return tuple(sorted({v for s in self.stats()["stages"].values() for v in s.get("voices") or ()}))
+
     def close(self) -> None:
         """Stop the stages (and the embedded Ray, if this started one). Idempotent."""
         self._finalizer()

@@ -108,6 +108,10 @@ class AsyncOmni:
         """Omni.stats(), off the event loop (on Ray it asks every stage actor)."""
         return await asyncio.get_running_loop().run_in_executor(None, self._omni.stats)
 
+    def voices(self) -> tuple[str, ...]:
+        """Omni.voices() (blocking: asks every stage once; the server calls it before it serves)."""
+        return self._omni.voices()
+
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 

@@ -58,10 +58,13 @@ def load_speakers(model_path: Path) -> dict[str, dict[str, Any]]:
 
 
 def speaker_params(speakers: dict[str, dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """A speaker's parameters by name, matched case-insensitively (as Qwen3-Omni's talker matches them, and as
+    `omni serve` checks a request's voice against the stage's `voices`)."""
     name = name or DEFAULT_SPEAKER
-    if name not in speakers:
+    found = speakers.get(name) or next((v for k, v in speakers.items() if k.lower() == name.lower()), None)
+    if found is None:
         raise RequestError(f"speaker: {name!r} is not available; choose one of {sorted(speakers)}", field="speaker")
-    return speakers[name]
+    return found
 
 
 def load_thinker_embedding(model_path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Embedding:
@@ -179,6 +182,9 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
                                          "thinker_hidden": np.zeros((rows, width), np.float32),
                                          "thinker_positions": positions}))
         return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"voices": sorted(self.speakers)}  # what `omni serve` checks a request's voice against
 
     @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:

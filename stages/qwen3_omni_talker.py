@@ -130,6 +130,9 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             # One [1, 3] projection, as transformers computes these three rows.
             self.tts_bos, self.tts_eos, self.tts_pad = talker.text_projection(thinker_embed(ids))[0]
 
+    def stats(self) -> dict[str, Any]:
+        return {"voices": sorted(self.config.speaker_id or {})}  # what `omni serve` checks a request's voice against
+
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):

@@ -127,52 +127,67 @@ class Session:
             await self.error(e.message, e.param, e.code, e.event_id)
 
     async def _on_session_update(self, ev: E.SessionUpdate) -> None:
+        """Every field is checked (and the VAD, when turned on, loaded) before any is applied: a refused update
+        changes nothing, as the client is told only by `session.updated`."""
         cfg = ev.session
         if cfg.model is not None and cfg.model != self.model:
             raise RealtimeEventError(f"session.model: this server serves `{self.model}`, not `{cfg.model}`",
                                      "session.model", "model_not_found", ev.event_id)
         if cfg.output_modalities is not None:
-            want = cfg.output_modalities[0]
-            self._check_modality(want, "session.output_modalities", ev.event_id)
-            self.modality = want
+            self._check_modality(cfg.output_modalities[0], "session.output_modalities", ev.event_id)
         audio = cfg.audio
-        if audio is not None and audio.input is not None and "turn_detection" in audio.input.model_fields_set:
-            td = audio.input.turn_detection
+        inp = audio.input if audio is not None else None
+        out = audio.output if audio is not None else None
+        voice = None
+        if out is not None and out.voice is not None:
+            voice = out.voice if isinstance(out.voice, str) else out.voice.id
+            self._check_voice(voice, "session.audio.output.voice", ev.event_id)
+        tools, choice = self.tools, self.tool_choice
+        if cfg.tools is not None or cfg.tool_choice is not None:
+            tools = self.tools if cfg.tools is None else cfg.tools
+            choice = cfg.tool_choice or self.tool_choice
+            self._check_tools(tools, choice, "session", ev.event_id)
+        td_set = inp is not None and "turn_detection" in inp.model_fields_set
+        if td_set and inp.turn_detection is not None and self.vad is None:  # the last step that may fail
+            await self._load_vad(ev.event_id, self.buffer_start_ms + self.buffer_samples * 1000 / RATE)
+        # ---- applied
+        if cfg.output_modalities is not None:
+            self.modality = cfg.output_modalities[0]
+        if td_set:
+            td = inp.turn_detection
             if td is None:
                 self.turn, self.vad = None, None
             else:
-                if self.vad is None:
-                    await self._load_vad(ev.event_id, self.buffer_start_ms + self.buffer_samples * 1000 / RATE)
                 base = self.turn or {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                      "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
                 self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
                 self.vad.configure(self.turn["threshold"], self.turn["prefix_padding_ms"],
                                    self.turn["silence_duration_ms"])
-        if audio is not None and audio.input is not None and "transcription" in audio.input.model_fields_set:
-            tr = audio.input.transcription
+        if inp is not None and "transcription" in inp.model_fields_set:
+            tr = inp.transcription
             self.transcription = None if tr is None else {"model": tr.model or self.model, "language": tr.language,
                                                           "prompt": tr.prompt}
-        if audio is not None and audio.output is not None and audio.output.voice is not None:
-            v = audio.output.voice
-            self.voice = v if isinstance(v, str) else v.id
-        if audio is not None and audio.output is not None and audio.output.speed is not None:
-            self.speed = float(audio.output.speed)
-        if audio is not None and audio.input is not None and audio.input.format is not None:
-            if audio.input.format.type != self.input_format:
-                self.input_format = audio.input.format.type
-                self.upsampler = None if self.input_format == "audio/pcm" else Rate3(up=True)
-        if audio is not None and audio.output is not None and audio.output.format is not None:
-            self.output_format = audio.output.format.type
+        if voice is not None:
+            self.voice = voice
+        if out is not None and out.speed is not None:
+            self.speed = float(out.speed)
+        if inp is not None and inp.format is not None and inp.format.type != self.input_format:
+            self.input_format = inp.format.type
+            self.upsampler = None if self.input_format == "audio/pcm" else Rate3(up=True)
+        if out is not None and out.format is not None:
+            self.output_format = out.format.type
         if cfg.instructions is not None:
             self.instructions = cfg.instructions
         if cfg.max_output_tokens is not None:
             self.max_output_tokens = cfg.max_output_tokens
-        if cfg.tools is not None or cfg.tool_choice is not None:
-            tools = self.tools if cfg.tools is None else cfg.tools
-            choice = cfg.tool_choice or self.tool_choice
-            self._check_tools(tools, choice, "session", ev.event_id)
-            self.tools, self.tool_choice = tools, choice
+        self.tools, self.tool_choice = tools, choice
         await self.send({"type": "session.updated", "session": self.shape()})
+
+    def _check_voice(self, voice: str, param: str, event_id: str | None) -> None:
+        """A voice the pipeline's talker would refuse, refused now (not at every response)."""
+        unknown = self.server.info.unknown_voice(voice, param)
+        if unknown is not None:
+            raise RealtimeEventError(unknown, param, "invalid_value", event_id)
 
     def _check_tools(self, tools: list[E.RealtimeTool], choice: str | E.FunctionChoice, at: str,
                      event_id: str | None) -> None:
@@ -475,6 +490,7 @@ class Session:
             if params.audio and params.audio.output and params.audio.output.voice is not None:
                 v = params.audio.output.voice
                 voice = v if isinstance(v, str) else v.id
+                self._check_voice(voice, "response.audio.output.voice", event_id)
             if params.audio and params.audio.output and params.audio.output.speed is not None:
                 speed = float(params.audio.output.speed)
             if params.audio and params.audio.output and params.audio.output.format is not None:

@@ -95,6 +95,8 @@ def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
     """The thinker prompt (instructions, input) with its reply forced to `input`; audio wanted."""
     if info.audio_stage is None:
         raise bad_request(f"model: pipeline {info.model!r} has no audio output stage", "model")
+    if unknown := info.unknown_voice(req.speaker, req.voice_field):
+        raise bad_request(unknown, req.voice_field)
     if req.response_format not in encodable():
         raise bad_request(f"response_format: {req.response_format!r} has no encoder on this server; one of "
                           f"{', '.join(encodable())}", "response_format", "unsupported_value")

@@ -38,13 +38,26 @@ class PipelineInfo:
     entry_stage: str
     text_stage: str | None  # its text is the reply's content
     audio_stage: str | None  # its audio is the reply's audio
+    # The voices its stages speak in (their models' `voices` stats, read once at start: Omni.voices()); () when no
+    # stage names them, and then a request's voice is left to the stage that takes it
+    voices: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, config: PipelineConfig, served_model_name: str | None = None) -> "PipelineInfo":
+    def of(cls, config: PipelineConfig, served_model_name: str | None = None,
+           voices: tuple[str, ...] = ()) -> "PipelineInfo":
         finals = {s.name: s.final_output for s in config.stages}
         first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
         entry = next(s.name for s in config.stages if not s.inputs)
-        return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"))
+        return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"),
+                   tuple(voices))
+
+    def unknown_voice(self, voice: str | None, field: str) -> str | None:
+        """Why `voice` cannot be spoken (the message, naming `field`), or None: checked before any stage runs,
+        so that a stream never starts for a voice its talker would refuse (matched case-insensitively, as the
+        talkers match it)."""
+        if voice is None or not self.voices or voice.lower() in (v.lower() for v in self.voices):
+            return None
+        return f"{field}: {voice!r} is not a voice of this pipeline; choose one of {list(self.voices)}"
 
 
 @dataclass(slots=True)
@@ -174,6 +187,8 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
             message["tool_call_id"] = msg.tool_call_id
         messages.append(message)
     extra = {"speaker": req.audio.voice} if req.audio is not None and req.audio.voice else {}
+    if "audio" in want and (unknown := info.unknown_voice(extra.get("speaker"), "audio.voice")):
+        raise bad_request(unknown, "audio.voice")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools)
     job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,

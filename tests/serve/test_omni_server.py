@@ -182,12 +182,26 @@ def test_audio_longer_than_the_encoder_takes_names_its_part(client):
     (dict(stop=["x"], **AUDIO_OUT), "stop"),
     (dict(stream=True, **AUDIO_OUT), "audio.format"),
     (dict(audio={"voice": "Chelsie", "format": "wav"}), "audio"),
+    # streamed: refused before the stream starts (it once sent the thinker's text, then an error event)
+    (dict(stream=True, modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"}), "audio.voice"),
 ])
 def test_audio_option_errors(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         r = client.chat.completions.create(model=MODEL, messages=HELLO, **kw)
         list(r) if kw.get("stream") else None
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_pipeline_names_its_voices_and_matches_them_in_any_case(server, client):
+    """The talker's speakers are the server's voices (checked at the edge); "chelsie" is Chelsie, as Qwen3-Omni's
+    talker matches its speakers."""
+    assert server.omni.voices() == ("Chelsie", "Ethan")
+    msgs = [client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+                                           audio={"voice": voice, "format": "wav"}).choices[0].message
+            for voice in ("Chelsie", "chelsie")]
+    assert msgs[0].audio.data == msgs[1].audio.data
+    got, _, err = server.post("/v1/audio/speech", {"model": MODEL, "input": "Hi.", "voice": {"id": "alloy"}})
+    assert got == 400 and err["error"]["param"] == "voice.id" and "Chelsie" in err["error"]["message"], err
 
 
 def test_chat_client_example(server, tmp_path):

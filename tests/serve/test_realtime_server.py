@@ -515,3 +515,32 @@ def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
             await conn.close()
     run(go())
     wait_idle(server)
+
+
+def test_a_refused_session_update_changes_nothing_and_voices_are_checked(server):
+    """session.update is all or nothing (a refused field once left the fields before it applied, unannounced), and
+    a voice the talker does not have (OpenAI's default "alloy") is refused at the update, not at every response."""
+    async def go():
+        conn = await _connect(server)
+        try:
+            await conn.session.update(event_id="bad", session={
+                "type": "realtime", "output_modalities": ["text"], "instructions": "SHOULD NOT APPLY",
+                "audio": {"input": {"turn_detection": {"type": "server_vad"}}, "output": {"voice": "alloy"}}})
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.param) == ("bad", "session.audio.output.voice"), err.error
+            assert "Chelsie" in err.error.message
+            await conn.session.update(session={"type": "realtime"})
+            now = (await until(conn, "session.updated")).session
+            assert now.output_modalities == ["audio"] and now.instructions == ""
+            assert now.audio.input.turn_detection is None and now.audio.output.voice == "Chelsie"
+            await _text_item(conn, "Hello")
+            await conn.response.create(event_id="r", response={"audio": {"output": {"voice": "nova"}}})
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.param) == ("r", "response.audio.output.voice"), err.error
+            await conn.response.create(response={"audio": {"output": {"voice": "ethan"}}})
+            assert ran_to_its_end((await until(conn, "response.done")).response)
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
+
