@@ -112,6 +112,10 @@ class StageOutput:
     # prompt token decoded alone (the first one's text, which prompt_logprobs has no entry for, included).
     prompt_text: str | None = None
     prompt_token_texts: list[str] | None = None
+    # The prompt's placeholder tokens per modality ({"audio": 750, "image": 6}; the rest is text) and how many of
+    # them the prefix cache held (usage's audio / image / cached token details)
+    prompt_mm_tokens: dict[str, int] = field(default_factory=dict)
+    cached_mm_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

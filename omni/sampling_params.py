@@ -63,6 +63,9 @@ class SamplingParams(BaseModel):
         "do not depend on the rest of the batch. None uses the global RNG.",
     )
     max_tokens: int = Field(16, description="Maximum number of tokens to generate, >= 1.")
+    max_tokens_fit: bool = Field(
+        False, description="max_tokens is a bound only: a prompt that leaves less room in max_model_len generates "
+        "up to max_model_len instead of being refused (the Realtime API's max_output_tokens).")
     min_tokens: int = Field(
         0,
         description="Generate at least this many tokens before the end-of-sequence token or a stop token "

@@ -150,7 +150,7 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
                                field="prompt")
         ids = expand_placeholders(ids, items, self.image_token_id, self.audio_token_id)
         positions, delta = self.rope_index(ids, items)
-        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items), key=lambda f: f.offset)
+        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens, it.modality) for it in items), key=lambda f: f.offset)
         return PreparedPrompt(ids, feats, None, {"thinker": _ThinkerRequest(items, positions, delta)})
 
     def rope_index(self, ids: list[int], items: list[MMItem]) -> tuple[torch.Tensor, int]:

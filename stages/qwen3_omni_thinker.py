@@ -141,7 +141,7 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
                                field="prompt")
         ids = expand_placeholders(ids, items, self.image_token_id, self.audio_token_id)
         positions, delta = self.rope_index(ids, items) if any(it.modality == "image" for it in items) else (None, 0)
-        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens) for it in items),
+        feats = sorted((MultiModalFeature(it.mm_hash, it.offset, it.num_tokens, it.modality) for it in items),
                        key=lambda f: f.offset)
         return PreparedPrompt(ids, feats, None, {"thinker": _ThinkerRequest(sorted(items, key=lambda it: it.offset),
                                                                            positions, delta)})

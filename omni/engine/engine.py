@@ -203,6 +203,9 @@ class StageEngine:
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         self.checks.not_empty(token_ids)
         n = len(token_ids)
+        if params.max_tokens_fit and n < self.max_model_len and n + params.max_tokens > self.max_model_len:
+            room = self.max_model_len - n  # what the prompt leaves
+            params = params.model_copy(update={"max_tokens": room, "min_tokens": min(params.min_tokens, room)})
         forced = self._forced_reply(params)
         if forced is not None and not inp.input_complete:
             raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "
@@ -443,6 +446,11 @@ class StageEngine:
         )
         report = prompt_report(req, self.tokenizer)
         out.prompt_text, out.prompt_token_texts, out.prompt_logprobs = report.text, report.token_texts, report.logprobs
+        cached = out.num_cached_tokens
+        for f in req.mm_features:  # the cached prefix covers [0, cached): the part of each input inside it
+            kind = f.modality or "other"
+            out.prompt_mm_tokens[kind] = out.prompt_mm_tokens.get(kind, 0) + f.length
+            out.cached_mm_tokens[kind] = out.cached_mm_tokens.get(kind, 0) + max(0, min(f.length, cached - f.offset))
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             streamed = self.streams.final_text(rid)

@@ -33,6 +33,7 @@ class MultiModalFeature:
     mm_hash: str
     offset: int
     length: int
+    modality: str = ""  # "image" | "audio" | ...: usage counts the prompt's tokens per modality (not hashed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mm_hash, str) or not self.mm_hash:

@@ -58,6 +58,7 @@ def asr_job(info: Any, wave: np.ndarray, rate: int, *, task: str = "transcribe",
 
 def asr_usage(run: Any) -> dict[str, Any]:
     """OpenAI's token usage of a transcription (its input: the clip's tokens and the instruction's)."""
+    audio = run.prompt_mm_tokens.get("audio", 0)  # the clip's placeholder tokens; the rest is the instruction
     return {"type": "tokens", "total_tokens": run.prompt_tokens + run.completion_tokens,
             "input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
-            "input_token_details": {"text_tokens": run.prompt_tokens, "audio_tokens": 0}}
+            "input_token_details": {"text_tokens": run.prompt_tokens - audio, "audio_tokens": audio}}

@@ -69,6 +69,16 @@ class Choices:
         return min(known) if known else None
 
     @property
+    def prompt_mm_tokens(self) -> dict[str, int]:
+        return self.runs[0].prompt_mm_tokens  # one prompt for every choice
+
+    @property
+    def cached_mm_tokens(self) -> dict[str, int]:
+        """Those of the choice with the fewest cached tokens (as cached_tokens)."""
+        known = [r for r in self.runs if r.cached_tokens is not None]
+        return min(known, key=lambda r: r.cached_tokens).cached_mm_tokens if known else {}
+
+    @property
     def finish_reason(self) -> str | None:
         """The first choice's (the request's own when n == 1); None until it is known."""
         return self.runs[0].finish_reason

@@ -142,7 +142,10 @@ def serve_uvicorn(config: Any, settings: Any, backend: str | None) -> int:
         app = create_app(omni, settings)
         # The drain ends omni's streams itself; sse-starlette must not cut them when uvicorn is told to exit.
         AppStatus.disable_automatic_graceful_drain()
-        server = _server_class()(uvicorn.Config(app, log_level=settings.log_level, lifespan="off",
+        # a realtime frame as large as the audio a session may buffer (base64: 4/3 of --max-media-mb) arrives and
+        # is answered as an event (uvicorn's 16 MiB default closed the socket, 1009, before the session saw it)
+        ws_max = max(16 * 2**20, settings.max_media_bytes * 4 // 3 + 2**20)
+        server = _server_class()(uvicorn.Config(app, log_level=settings.log_level, lifespan="off", ws_max_size=ws_max,
                                                 timeout_graceful_shutdown=UVICORN_SHUTDOWN_S),
                                  app.state.omni.drain, settings.shutdown_grace_s)
         shown = f"[{host}]" if ":" in host else host

@@ -34,6 +34,7 @@ from omni.serve.errors import ApiError
 from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Part, new_item_id
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
+from omni.serve.responses import input_token_details
 from omni.serve.time_stretch import TimeStretch
 from omni.serve.tool_parser import ToolCallStream
 from omni.serve.tools import force_call, reply_tool_calls
@@ -77,6 +78,7 @@ class RealtimeResponse:
         self.event_id: str | None = None  # the response.create's (None: a server VAD turn's)
         self.limit_field = "session.max_output_tokens"  # where its max_output_tokens came from
         self.opened = False  # the message item announced (output_item.added ... content_part.added)
+        self.message_done = False  # ... and its done events sent (before a call's item, when the reply calls)
         self.calls: list[ConvItem] = []
 
     def job(self, instructions: str | None) -> Job:
@@ -87,7 +89,8 @@ class RealtimeResponse:
         prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra, tools=self.tools or None)
         text_stage = info.text_stage or info.entry_stage
         mx = self.max_output_tokens
-        sampling = {text_stage: {"max_tokens": mx}} if isinstance(mx, int) else {}
+        # max_output_tokens is a bound (the protocol's): a long conversation generates up to max_model_len
+        sampling = {text_stage: {"max_tokens": mx, "max_tokens_fit": True}} if isinstance(mx, int) else {}
         fields = {"prompt": "conversation", "speaker": "session.audio.output.voice",
                   "max_tokens": self.limit_field, "tools": "session.tools"}
         job = Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
@@ -114,15 +117,11 @@ class RealtimeResponse:
                                "audio": {"output": {"format": format_shape(self.audio_format),
                                                     "voice": self.voice}}, "usage": None}
         if run is not None:
-            # The text stage's counts (audio and image inputs are tokens of its prompt too); cached_tokens
+            # The text stage's counts, its prompt split by kind (text, audio, image placeholders); cached_tokens
             # is its prefix-cache hit (unknown, 0, for a response cancelled before the stage finished).
-            cached = run.cached_tokens or 0
             out["usage"] = {"total_tokens": run.prompt_tokens + run.completion_tokens,
                             "input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
-                            "input_token_details": {"cached_tokens": cached, "text_tokens": run.prompt_tokens,
-                                                    "audio_tokens": 0, "image_tokens": 0,
-                                                    "cached_tokens_details": {"text_tokens": cached,
-                                                                              "audio_tokens": 0, "image_tokens": 0}},
+                            "input_token_details": input_token_details(run),
                             "output_token_details": {"text_tokens": run.completion_tokens, "audio_tokens": 0}}
         return out
 
@@ -184,6 +183,9 @@ class RealtimeResponse:
             if parser is not None:
                 rest, calls = parser.finish()
                 await send_text(rest)
+                if calls and self.opened:  # the message is whole: it is done before the next item is added
+                    item.status = "completed"
+                    await self._message_done()
                 for call in calls or []:
                     await self._add_call(call)
             if self.forced_tool is not None:
@@ -273,11 +275,12 @@ class RealtimeResponse:
             await session.send({"type": "conversation.item.done", "item": item.shape()})
 
     async def _done_events(self, status: str, details: dict[str, Any] | None, run: Run | None) -> None:
-        if self.opened:
+        if self.opened and not self.message_done:
             await self._message_done()
         await self.session.send({"type": "response.done", "response": self.shape(status, run, details)})
 
     async def _message_done(self) -> None:
+        self.message_done = True
         send, item, part, ids = self.session.send, self.item, self.item.parts[0], self.ids
         if self.modality == "audio":
             await send({"type": "response.output_audio.done", **ids})

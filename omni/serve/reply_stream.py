@@ -100,6 +100,9 @@ class Run:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens: int | None = None  # known once the text stage finished
+        # the prompt's audio / image placeholder tokens, and those of them the cache held (known with cached_tokens)
+        self.prompt_mm_tokens: dict[str, int] = {}
+        self.cached_mm_tokens: dict[str, int] = {}
         self.logprobs: list[TokenLogprob] | None = None  # the reply tokens', when the request asked
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt tokens', when asked
         # The prompt decoded, whole and token by token (SamplingParams.echo_prompt: completions' echo)
@@ -233,6 +236,7 @@ class Run:
             self.prompt_tokens = len(item.prompt_token_ids)
             self.completion_tokens = len(item.token_ids)
             self.cached_tokens = item.num_cached_tokens
+            self.prompt_mm_tokens, self.cached_mm_tokens = item.prompt_mm_tokens, item.cached_mm_tokens
             if item.logprobs is not None:
                 self.logprobs = item.logprobs  # all of them (deltas carried them too, when it streamed)
             self.prompt_logprobs = item.prompt_logprobs

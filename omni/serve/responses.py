@@ -31,11 +31,25 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def input_token_details(run: Usage) -> dict[str, Any]:
+    """The prompt's tokens by kind, as OpenAI's realtime and transcription usage splits them: text (everything but
+    the media placeholders), audio, image, and the cached ones the same way (the cache holds a prefix)."""
+    mm, cached_mm = run.prompt_mm_tokens, run.cached_mm_tokens
+    cached = run.cached_tokens or 0
+    audio, image = mm.get("audio", 0), mm.get("image", 0)
+    c_audio, c_image = cached_mm.get("audio", 0), cached_mm.get("image", 0)
+    return {"text_tokens": run.prompt_tokens - sum(mm.values()), "audio_tokens": audio, "image_tokens": image,
+            "cached_tokens": cached,
+            "cached_tokens_details": {"text_tokens": cached - sum(cached_mm.values()), "audio_tokens": c_audio,
+                                      "image_tokens": c_image}}
+
+
 def usage(run: Usage) -> dict[str, Any]:
     u: dict[str, Any] = {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
                          "total_tokens": run.prompt_tokens + run.completion_tokens}
     if run.cached_tokens is not None:  # unknown when a stop string ended the text early
-        u["prompt_tokens_details"] = {"cached_tokens": run.cached_tokens}
+        u["prompt_tokens_details"] = {"cached_tokens": run.cached_tokens,
+                                      "audio_tokens": run.prompt_mm_tokens.get("audio", 0)}
     return u
 
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 
@@ -50,6 +51,14 @@ class SegmentedRun:
     def cached_tokens(self) -> int | None:
         known = [r.cached_tokens for r in self.runs if r.cached_tokens is not None]
         return sum(known) if known else None
+
+    @property
+    def prompt_mm_tokens(self) -> dict[str, int]:
+        return _summed(r.prompt_mm_tokens for r in self.runs)
+
+    @property
+    def cached_mm_tokens(self) -> dict[str, int]:
+        return _summed(r.cached_mm_tokens for r in self.runs)
 
     @property
     def finish_reason(self) -> str | None:
@@ -106,3 +115,11 @@ class SegmentedRun:
                     await t
             for r in self.runs:
                 await r.aclose()
+
+
+def _summed(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -80,6 +80,21 @@ def test_kv_cache_smaller_than_max_model_len_lowers_it_with_a_warning(tiny_llama
     assert "max_model_len 256" in msg and "lowered to 32" in msg
 
 
+def test_max_tokens_fit_generates_up_to_max_model_len_instead_of_refusing(tiny_llama):
+    """SamplingParams.max_tokens_fit (the Realtime API's max_output_tokens is a bound): a prompt that leaves less
+    room than max_tokens generates to max_model_len and ends "length"; a prompt that leaves none is still refused."""
+    engine = make_engine(tiny_llama, name="thinker", num_blocks=64, block_size=4, max_model_len=32)
+    fit = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30, ignore_eos=True, max_tokens_fit=True)
+    engine.add_request(StageInput("fit", prompt_token_ids=list(range(5, 25)), sampling_params=fit))
+    with pytest.raises(ValueError, match="exceed max_model_len 32"):  # without the flag: refused, as before
+        engine.add_request(_inp("plain", list(range(5, 25)), max_tokens=30))
+    with pytest.raises(ValueError, match="prompt: 32 tokens"):  # no room at all
+        engine.add_request(StageInput("full", prompt_token_ids=list(range(5, 37)), sampling_params=fit))
+    out = run_to_completion(engine)["fit"]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12  # 20 + 12 = max_model_len
+    assert_no_leak(engine)
+
+
 def test_request_that_cannot_fit_is_rejected_at_once_and_the_batch_runs(tiny_llama):
     engine = make_engine(tiny_llama, name="thinker", num_blocks=8, block_size=4, max_model_len=256)
     engine.add_request(_inp("innocent", [5, 6, 7]))

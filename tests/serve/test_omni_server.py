@@ -159,6 +159,7 @@ def test_image_and_audio_inputs(client):
     assert r.choices[0].message.content
     # 56x84 image -> 6 tokens (2x3 merged patches); 1 s of audio at 16 kHz -> 25 tokens; + 2 x (bos, eos)
     assert r.usage.prompt_tokens == text_only.usage.prompt_tokens + 6 + 25 + 4
+    assert r.usage.prompt_tokens_details.audio_tokens == 25 and text_only.usage.prompt_tokens_details.audio_tokens == 0
     again = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_url(1)}}, {"type": "text", "text": "Describe."}]}])
     assert again.usage.prompt_tokens == text_only.usage.prompt_tokens + 6 + 2
@@ -253,6 +254,8 @@ def test_transcriptions_and_translations_with_the_openai_client(server, client):
     want, tokens = _asr_by_chat(client, data, "transcribe", "en")
     got = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en")
     assert got.text == want and got.usage.output_tokens == tokens and got.usage.input_tokens > 30
+    details = got.usage.input_token_details  # 2 s of audio: 50 placeholder tokens; the rest is the instruction
+    assert (details.audio_tokens, details.text_tokens) == (50, got.usage.input_tokens - 50)
     as_text = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), language="en",
                                                  response_format="text")
     assert as_text == want

@@ -379,6 +379,10 @@ def test_realtime_function_calls_on_qwen3_omni(server):
             first = (await until(conn, "response.done", seen)).response
             assert ran_to_its_end(first), first.status_details
             assert [o.type for o in first.output] == ["message", "function_call"]
+            # each output item is done before the next is added (the message once held its done events to the end)
+            items = [(e.type.rsplit(".", 1)[-1], e.output_index) for e in seen
+                     if e.type in ("response.output_item.added", "response.output_item.done")]
+            assert items == [("added", 0), ("done", 0), ("added", 1), ("done", 1)], items
             text = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
             assert text == "Checking.\n" == first.output[0].content[0].transcript  # no call markup
             assert not any(e.type == "response.output_audio.delta" for e in seen)  # a call has no speech

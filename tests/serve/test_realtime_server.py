@@ -73,8 +73,9 @@ def test_spoken_turn_then_a_cached_second_turn(server):
                 e for e in seen if e.type == "response.output_audio_transcript.done").transcript
             assert r1.output[0].content[0].transcript == transcript
             assert types(seen).index("response.output_audio.delta") < types(seen).index("response.output_audio.done")
-            # the audio of a 3 s clip at the model's rate: a long prompt, not a handful of tokens
-            assert r1.usage.input_tokens > 60
+            # the audio of a 3 s clip at the model's rate: 75 audio tokens (25 a second), the rest text
+            d1 = r1.usage.input_token_details
+            assert (d1.audio_tokens, d1.image_tokens, d1.text_tokens) == (75, 0, r1.usage.input_tokens - 75)
             await _text_item(conn, "And then?")
             await conn.response.create()
             done2 = await until(conn, "response.done")
@@ -83,6 +84,9 @@ def test_spoken_turn_then_a_cached_second_turn(server):
             # turn 2 re-sends turn 1 (the spoken item: the same 16 kHz audio) and its reply: the thinker's
             # prefix cache holds at least turn 1's prompt, all but its last partial block of 16
             assert r2.usage.input_token_details.cached_tokens >= (r1.usage.input_tokens // 16 - 1) * 16 > 0
+            d2 = r2.usage.input_token_details  # the clip is inside the cached prefix: its 75 tokens are cached
+            assert d2.audio_tokens == 75 and d2.cached_tokens_details.audio_tokens == 75
+            assert d2.cached_tokens_details.text_tokens == d2.cached_tokens - 75
             assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
             assert committed.item_id != r1.output[0].id
         finally:
@@ -477,7 +481,7 @@ def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
     """A spoken turn longer than the audio encoder's 30 s window is heard as consecutive clips (it once failed
     every later response of the session); truncating the reply still being made stops it and keeps only what was
     heard (it was acknowledged, then undone by the rest of the reply); a response a stage refuses fails with an
-    error naming its response.create and the field."""
+    error naming its response.create and the field, and max_output_tokens is a bound, never a reservation."""
     async def go():
         conn = await _connect(server)
         try:
@@ -506,10 +510,13 @@ def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
             item = (await until(conn, "conversation.item.retrieved")).item
             assert item.status == "incomplete" and item.content[0].transcript == ""
 
-            await conn.response.create(event_id="too-long", response={"max_output_tokens": 4096})
+            # max_output_tokens is a bound: more than the context leaves is not an error (it failed every turn)
+            await conn.response.create(response={"max_output_tokens": 4096, "output_modalities": ["text"]})
+            assert ran_to_its_end((await until(conn, "response.done")).response)
+            await conn.response.create(event_id="too-long", response={"instructions": "Listen. " * 2100})
             err = await until(conn, "error")
             assert (err.error.event_id, err.error.param, err.error.code) == (
-                "too-long", "response.max_output_tokens", "context_length_exceeded"), err.error
+                "too-long", "conversation", "context_length_exceeded"), err.error
             assert (await until(conn, "response.done")).response.status == "failed"
         finally:
             await conn.close()
