@@ -178,6 +178,12 @@ class Omni:
         talkers: their speakers), sorted; () when no stage names any."""
         return tuple(sorted({v for s in self.stats()["stages"].values() for v in s.get("voices") or ()}))
 
+    def shows_tools(self) -> bool | None:
+        """Whether a request's `tools` reach the entry stage's model (its stats' `shows_tools`: False for a model
+        whose own prompt format has no tools, which refuses them); None when the stage does not say (a chat
+        template shows them)."""
+        return self.stats()["stages"][self.graph.entry_stages[0]].get("shows_tools")
+
     def close(self) -> None:
         """Stop the stages (and the embedded Ray, if this started one). Idempotent."""
         self._finalizer()

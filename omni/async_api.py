@@ -112,6 +112,10 @@ class AsyncOmni:
         """Omni.voices() (blocking: asks every stage once; the server calls it before it serves)."""
         return self._omni.voices()
 
+    def shows_tools(self) -> bool | None:
+        """Omni.shows_tools() (blocking, as voices())."""
+        return self._omni.shows_tools()
+
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 

@@ -471,6 +471,9 @@ class StageEngine:
         extra.update(device=str(self.model.device), tensor_cache_worker_time_s=self.rows.worker_time_s,
                      tensor_cache_write_time_s=self.rows.write_time_s, rows_deliver_time_s=self.rows.deliver_time_s,
                      rows_delivered=self.rows.rows_delivered)
+        if type(self.model).preprocess is not AutoregressiveStageModel.preprocess:
+            # it renders its own prompts: whether a request's tools reach the model (else they are refused)
+            extra["shows_tools"] = bool(self.model.renders_tools)
         extra.update(self.model.stats())
         return StageStats(
             stage=self.name,

@@ -194,6 +194,10 @@ class Session:
         """Calls are read from the reply as chat completions' "auto" reads them: with the server's parser; a
         forced choice constrains the reply to a call of the tools (or of the one named)."""
         names = [t.name for t in tools]
+        if tools and self.server.info.shows_tools is False:  # refused now, not by every response
+            raise RealtimeEventError(f"{at}.tools: pipeline {self.model!r} shows its model no tools (its thinker's "
+                                     "own prompt format has none); send no tools", f"{at}.tools",
+                                     "unsupported_value", event_id)
         if len(set(names)) != len(names):
             raise RealtimeEventError(f"{at}.tools: function names must be unique, got {names}", f"{at}.tools",
                                      "invalid_value", event_id)

@@ -41,15 +41,18 @@ class PipelineInfo:
     # The voices its stages speak in (their models' `voices` stats, read once at start: Omni.voices()); () when no
     # stage names them, and then a request's voice is left to the stage that takes it
     voices: tuple[str, ...] = ()
+    # False: the entry stage's model renders its own prompt without tools (Qwen2.5-Omni's thinker): a request
+    # with tools is refused at the edge; None: not known (the stage decides)
+    shows_tools: bool | None = None
 
     @classmethod
-    def of(cls, config: PipelineConfig, served_model_name: str | None = None,
-           voices: tuple[str, ...] = ()) -> "PipelineInfo":
+    def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),
+           shows_tools: bool | None = None) -> "PipelineInfo":
         finals = {s.name: s.final_output for s in config.stages}
         first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
         entry = next(s.name for s in config.stages if not s.inputs)
         return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"),
-                   tuple(voices))
+                   tuple(voices), shows_tools)
 
     def unknown_voice(self, voice: str | None, field: str) -> str | None:
         """Why `voice` cannot be spoken (the message, naming `field`), or None: checked before any stage runs,

@@ -37,6 +37,7 @@ def client(server):
 
 def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     assert "ethan" in [v.lower() for v in server.omni.voices()]  # the talker's speakers: the server's voices
+    assert server.omni.shows_tools() is True  # its thinker renders Qwen3's function-calling format
     msg = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT).choices[0].message
     assert msg.content and msg.audio.transcript == msg.content
     with wave.open(io.BytesIO(base64.b64decode(msg.audio.data))) as w:

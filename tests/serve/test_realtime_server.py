@@ -536,6 +536,13 @@ def test_a_refused_session_update_changes_nothing_and_voices_are_checked(server)
             err = await until(conn, "error")
             assert (err.error.event_id, err.error.param) == ("bad", "session.audio.output.voice"), err.error
             assert "Chelsie" in err.error.message
+            # tools on a thinker whose prompt format has none: refused at the update (it failed every response)
+            assert server.omni.shows_tools() is False
+            await conn.session.update(event_id="tools", session={"type": "realtime", "tools": [
+                {"type": "function", "name": "f"}], "tool_choice": "required"})
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.param, err.error.code) == ("tools", "session.tools",
+                                                                             "unsupported_value"), err.error
             await conn.session.update(session={"type": "realtime"})
             now = (await until(conn, "session.updated")).session
             assert now.output_modalities == ["audio"] and now.instructions == ""
