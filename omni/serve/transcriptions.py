@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -181,21 +181,35 @@ async def _serve(state: ServerState, request: Request, task: str) -> Response:
                   temperature=req.temperature, fields=FIELDS, logprobs=_wants_logprobs(req))
     state.admit()
     run = Run(state.omni, job, settings.default_audio_rate, state.metrics)
-    reason = "abort"
-    handed_over = False
-    try:
-        await race(request, run.start(), state.drain.stopping)
-        if getattr(req, "stream", False):
-            handed_over = True
-            return EventSourceResponse(_events(state, run, _wants_logprobs(req)), sep="\n", ping=15)
-        text = await race(request, _text(run), state.drain.stopping)
-        reason = run.finish_reason or "stop"
+
+    async def reply() -> Response:
+        text = await _text(run)
         if req.response_format == "text":
             return PlainTextResponse(text)
         body: dict[str, Any] = {"text": text, "usage": asr_usage(run)}
         if _wants_logprobs(req):
             body["logprobs"] = _logprobs(run.logprobs or [])
         return JSONResponse(body)
+
+    return await _answer(state, request, run, getattr(req, "stream", False),
+                         lambda: _events(state, run, _wants_logprobs(req)), reply)
+
+
+async def _answer(state: ServerState, request: Request, run: Run | SegmentedRun, stream: bool,
+                  events: Callable[[], AsyncIterator[dict[str, str]]], reply: Callable[[], Awaitable[Response]]
+                  ) -> Response:
+    """Start the run, then hand it to the SSE stream (which releases it) or await the reply; a client that went
+    away, a refusal or the end of the reply leaves the run (aborted where it still runs) and releases it."""
+    reason = "abort"
+    handed_over = False
+    try:
+        await race(request, run.start(), state.drain.stopping)
+        if stream:
+            handed_over = True
+            return EventSourceResponse(events(), sep="\n", ping=15)
+        response = await race(request, reply(), state.drain.stopping)
+        reason = run.finish_reason or "stop"
+        return response
     except ClientGone:
         return Response(status_code=499)
     except ApiError:
@@ -240,15 +254,9 @@ async def _serve_segments(state: ServerState, request: Request, req: _Form, task
                     logprobs=logprobs or req.response_format == "verbose_json") for s in spans]
     state.admit()
     runs = SegmentedRun(state.omni, jobs, spans, settings.default_audio_rate)
-    reason = "abort"
-    handed_over = False
-    try:
-        await race(request, runs.start(), state.drain.stopping)
-        if getattr(req, "stream", False):
-            handed_over = True
-            return EventSourceResponse(_segment_events(state, runs, logprobs), sep="\n", ping=15)
-        segments = await race(request, _collect(runs), state.drain.stopping)
-        reason = runs.finish_reason or "stop"
+
+    async def reply() -> Response:
+        segments = await _collect(runs)
         fmt = req.response_format
         if fmt == "srt" or fmt == "vtt":
             return PlainTextResponse((to_srt if fmt == "srt" else to_vtt)(segments),
@@ -263,15 +271,9 @@ async def _serve_segments(state: ServerState, request: Request, req: _Form, task
         if logprobs:
             body["logprobs"] = [lp for seg in segments for lp in _logprobs(seg.token_logprobs)]
         return JSONResponse(body)
-    except ClientGone:
-        return Response(status_code=499)
-    except ApiError:
-        reason = "error"
-        raise
-    finally:
-        if not handed_over:
-            await runs.aclose()
-            state.release(runs, reason)
+
+    return await _answer(state, request, runs, getattr(req, "stream", False),
+                         lambda: _segment_events(state, runs, logprobs), reply)
 
 
 async def _collect(runs: SegmentedRun) -> list[Any]:
@@ -306,40 +308,45 @@ def _done_event(text: str, run: Any, lps: list[Any] | None) -> dict[str, str]:
     return {"data": json.dumps(body)}
 
 
-async def _events(state: ServerState, run: Run, logprobs: bool) -> AsyncIterator[dict[str, str]]:
-    reason, text = "abort", ""
+async def _run_pieces(run: Run) -> AsyncIterator[tuple[str, list[Any]]]:
+    async for ev in run.events():
+        if isinstance(ev, TextEvent) and ev.text:
+            yield ev.text, ev.logprobs or []
+
+
+async def _segment_pieces(runs: SegmentedRun) -> AsyncIterator[tuple[str, list[Any]]]:
+    """One piece a segment, in the clip's order, each as soon as it and those before it are transcribed."""
+    first = True
+    async for seg in runs.segments():
+        piece = seg.text.strip()
+        if piece:
+            yield (piece if first else " " + piece), seg.token_logprobs
+            first = False
+
+
+def _events(state: ServerState, run: Run, logprobs: bool) -> AsyncIterator[dict[str, str]]:
+    return _sse(state, run, _run_pieces(run), logprobs)
+
+
+def _segment_events(state: ServerState, runs: SegmentedRun, logprobs: bool) -> AsyncIterator[dict[str, str]]:
+    return _sse(state, runs, _segment_pieces(runs), logprobs)
+
+
+async def _sse(state: ServerState, run: Run | SegmentedRun, pieces: AsyncIterator[tuple[str, list[Any]]],
+               logprobs: bool) -> AsyncIterator[dict[str, str]]:
+    """`transcript.text.delta` a piece, then `.done` with the text (an `error` event once the status line is
+    gone); the run is released at the end, however it ends."""
+    reason, text, lps = "abort", "", []
     try:
-        async for ev in run.events():
-            if isinstance(ev, TextEvent) and ev.text:
-                text += ev.text
-                yield _delta(ev.text, (ev.logprobs or []) if logprobs else None)
+        async for piece, piece_lps in pieces:
+            text += piece
+            lps.extend(piece_lps)
+            yield _delta(piece, piece_lps if logprobs else None)
         reason = run.finish_reason or "stop"
-        yield _done_event(text, run, (run.logprobs or []) if logprobs else None)
+        yield _done_event(text, run, lps if logprobs else None)
     except ApiError as e:
         reason = "error"
         yield _error_event(e)
     finally:
         await run.aclose()
         state.release(run, reason)
-
-
-async def _segment_events(state: ServerState, runs: SegmentedRun, logprobs: bool) -> AsyncIterator[dict[str, str]]:
-    """One delta a segment, in the clip's order, each as soon as it and those before it are transcribed."""
-    reason, text, lps = "abort", "", []
-    try:
-        async for seg in runs.segments():
-            piece = seg.text.strip()
-            if not piece:
-                continue
-            piece = piece if not text else " " + piece
-            text += piece
-            lps.extend(seg.token_logprobs)
-            yield _delta(piece, seg.token_logprobs if logprobs else None)
-        reason = runs.finish_reason or "stop"
-        yield _done_event(text, runs, lps if logprobs else None)
-    except ApiError as e:
-        reason = "error"
-        yield _error_event(e)
-    finally:
-        await runs.aclose()
-        state.release(runs, reason)
