@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from omni import registry
 from omni.config import PipelineConfig
 from omni.config_loader import load_config
 from omni.sampling_params import SamplingParams, resolve_sampling_params
@@ -41,6 +42,10 @@ def _close_backend(backend: Any) -> None:
         backend.close()
     except Exception:  # noqa: BLE001 - at interpreter exit, never raise
         logger.exception("closing the pipeline backend failed")
+
+
+# Tokens a downstream stage adds around the sequence it is handed (Qwen's talkers: a few codec markers)
+_MARKER_SLACK = 8
 
 
 class Omni:
@@ -177,6 +182,22 @@ class Omni:
         """The voices the pipeline speaks in: what its stage models report as `voices` in their stats (the
         talkers: their speakers), sorted; () when no stage names any."""
         return tuple(sorted({v for s in self.stats()["stages"].values() for v in s.get("voices") or ()}))
+
+    def context_reserve(self) -> int:
+        """Tokens of the entry stage's context a reply must leave free for the stages after it: each downstream
+        autoregressive stage's prompt is the entry stage's sequence (a talker's: the thinker's prompt and reply,
+        plus a few markers), and it needs room for its own max_tokens, and for any shorter max_model_len of its own
+        (the stages' stats: the lengths in force). 0 for a single stage."""
+        stats = self.stats()["stages"]
+        entry = self.graph.entry_stages[0]
+        entry_len = stats[entry].get("max_model_len") or 0
+        reserve = 0
+        for name, stage in self.graph.stages.items():
+            if name == entry or not registry.stage_model_entry(stage.model).autoregressive:
+                continue
+            own_len = stats[name].get("max_model_len") or entry_len
+            reserve = max(reserve, stage.sampling.max_tokens + max(0, entry_len - own_len) + _MARKER_SLACK)
+        return reserve
 
     def shows_tools(self) -> bool | None:
         """Whether a request's `tools` reach the entry stage's model (its stats' `shows_tools`: False for a model

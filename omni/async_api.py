@@ -116,6 +116,10 @@ class AsyncOmni:
         """Omni.shows_tools() (blocking, as voices())."""
         return self._omni.shows_tools()
 
+    def context_reserve(self) -> int:
+        """Omni.context_reserve() (blocking, as voices())."""
+        return self._omni.context_reserve()
+
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 

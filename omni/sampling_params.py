@@ -64,8 +64,12 @@ class SamplingParams(BaseModel):
     )
     max_tokens: int = Field(16, description="Maximum number of tokens to generate, >= 1.")
     max_tokens_fit: bool = Field(
-        False, description="max_tokens is a bound only: a prompt that leaves less room in max_model_len generates "
-        "up to max_model_len instead of being refused (the Realtime API's max_output_tokens).")
+        False, description="max_tokens is a bound only: a prompt that leaves less room in max_model_len (less "
+        "reserve_tokens) generates up to there instead of being refused (the Realtime API's max_output_tokens); "
+        "a prompt that leaves no room at all is still refused.")
+    reserve_tokens: int = Field(
+        0, ge=0, description="With max_tokens_fit: tokens of max_model_len the reply leaves free (the sequence is "
+        "a downstream stage's prompt, which needs room for that stage's own tokens).")
     min_tokens: int = Field(
         0,
         description="Generate at least this many tokens before the end-of-sequence token or a stop token "

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni.errors import RequestError, StageError
+from omni.errors import ContextLengthError, RequestError, StageError
 from omni.outputs import StageInput, StageOutput, TokenLogprob
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 
@@ -203,9 +203,16 @@ class StageEngine:
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         self.checks.not_empty(token_ids)
         n = len(token_ids)
-        if params.max_tokens_fit and n < self.max_model_len and n + params.max_tokens > self.max_model_len:
-            room = self.max_model_len - n  # what the prompt leaves
-            params = params.model_copy(update={"max_tokens": room, "min_tokens": min(params.min_tokens, room)})
+        if params.max_tokens_fit:
+            room = self.max_model_len - n - params.reserve_tokens  # what the prompt leaves the reply
+            if room < 1:
+                raise ContextLengthError(
+                    f"prompt: {n} tokens leave no room for a reply in max_model_len {self.max_model_len} of stage "
+                    f"{self.name!r}{self.checks.max_len_note} (with {params.reserve_tokens} tokens kept free for the "
+                    "stages after it); shorten the prompt", stage=self.name, field="prompt",
+                    limit=self.max_model_len - params.reserve_tokens, actual=n)
+            if params.max_tokens > room:
+                params = params.model_copy(update={"max_tokens": room, "min_tokens": min(params.min_tokens, room)})
         forced = self._forced_reply(params)
         if forced is not None and not inp.input_complete:
             raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "

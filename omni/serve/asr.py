@@ -48,7 +48,9 @@ def asr_job(info: Any, wave: np.ndarray, rate: int, *, task: str = "transcribe",
                 {"role": "user", "content": [*({"type": "audio"} for _ in parts),
                                              {"type": "text", "text": instruction(task, language, prompt)}]}]
     media = [MultiModalInput("audio", part, sampling_rate=rate) for part in parts]
-    sampling: dict[str, Any] = {"temperature": float(temperature), "max_tokens": max_tokens_for(len(wave) / rate)}
+    # the token bound is a bound only: a long clip whose prompt fits the context is transcribed (max_tokens_fit)
+    sampling: dict[str, Any] = {"temperature": float(temperature), "max_tokens": max_tokens_for(len(wave) / rate),
+                                "max_tokens_fit": True}
     if logprobs:
         sampling["logprobs"] = 0  # the sampled token's own, no alternatives
     prompt_input = StageInput("", prompt=messages, mm_inputs=media)

@@ -106,6 +106,23 @@ class ConvItem:
 class Conversation:
     def __init__(self) -> None:
         self.items: list[ConvItem] = []
+        # Items left out of the model's context by truncation ("auto": the conversation outgrew the thinker's
+        # max_model_len); they stay in the conversation (retrieve, delete), and stay out of every later prompt,
+        # so that the prompts keep one prefix for the caches.
+        self.dropped: set[str] = set()
+
+    def drop_oldest(self, count: int) -> int:
+        """Leave the `count` oldest items in the context out of it, then any that would start the context with
+        something but a user message (a reply or a call's output without its question); the newest item always
+        stays. Returns how many were dropped (0: nothing left to drop)."""
+        kept = [i for i in self.items if i.id not in self.dropped]
+        if len(kept) <= 1:
+            return 0
+        n = min(count, len(kept) - 1)
+        while n < len(kept) - 1 and not (kept[n].type == "message" and kept[n].role == "user"):
+            n += 1
+        self.dropped.update(i.id for i in kept[:n])
+        return n
 
     def find(self, item_id: str) -> ConvItem | None:
         return next((i for i in self.items if i.id == item_id), None)
@@ -129,6 +146,7 @@ class Conversation:
         if item is None:
             return False
         self.items.remove(item)
+        self.dropped.discard(item_id)
         return True
 
     def prompt(self, instructions: str | None) -> tuple[list[dict[str, Any]], list[MultiModalInput]]:
@@ -138,6 +156,8 @@ class Conversation:
         if instructions:
             messages.append({"role": "system", "content": instructions})
         for item in self.items:
+            if item.id in self.dropped:
+                continue
             if item.type == "function_call":
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": _arguments(item.arguments)}}

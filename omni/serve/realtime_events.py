@@ -34,7 +34,9 @@ class _M(BaseModel):
 
 def _unsupported(name: str, v: Any, accepted: tuple[Any, ...] = (None,)) -> Any:
     if v not in accepted:
-        raise ValueError(f"this server does not implement {name}: send it absent or null")
+        values = [json.dumps(a) for a in accepted if a is not None]
+        raise ValueError(f"this server does not implement {name} {json.dumps(v)[:60]}: send it absent or null"
+                         + (f", or {' or '.join(values)}" if values else ""))
     return v
 
 
@@ -136,6 +138,12 @@ class FunctionChoice(_M):
     name: str = Field(min_length=1, max_length=64)
 
 
+def _max_output_tokens(v: Any) -> Any:
+    if isinstance(v, int) and not 1 <= v <= 4096:
+        raise ValueError("an integer in 1..4096 or 'inf'")
+    return v
+
+
 def _tool_choice(v: Any) -> Any:
     # "required" and a named function constrain the reply to a call (structured outputs, as chat completions)
     if v is None or v in ("auto", "none", "required"):
@@ -170,7 +178,7 @@ class SessionConfig(_M):
     @field_validator("tracing", "truncation", "include", "prompt")
     @classmethod
     def _none(cls, v: Any, info: Any) -> Any:
-        ok = {"tracing": (None,), "truncation": (None, "disabled"), "include": (None, []),
+        ok = {"tracing": (None,), "truncation": (None, "auto", "disabled"), "include": (None, []),
               "prompt": (None,)}[info.field_name]
         return _unsupported(info.field_name, v, ok)
 
@@ -182,9 +190,7 @@ class SessionConfig(_M):
     @field_validator("max_output_tokens")
     @classmethod
     def _max(cls, v: Any) -> Any:
-        if isinstance(v, int) and not 1 <= v <= 4096:
-            raise ValueError("an integer in 1..4096 or 'inf'")
-        return v
+        return _max_output_tokens(v)
 
 
 # ------------------------------------------------------------------- items
@@ -269,6 +275,11 @@ class ResponseParams(_M):
     @classmethod
     def _choice(cls, v: Any) -> Any:
         return _tool_choice(v)
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _max(cls, v: Any) -> Any:
+        return _max_output_tokens(v)
 
 
 # ------------------------------------------------------------------ events

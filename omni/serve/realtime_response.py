@@ -76,6 +76,7 @@ class RealtimeResponse:
         # comes as function_call items only, unspoken; a reply cut short by max_output_tokens is shown as text
         self.forced_tool: str | None = None
         self.event_id: str | None = None  # the response.create's (None: a server VAD turn's)
+        self.instructions: str | None = None  # those its job was made with (a truncated context's job too)
         self.limit_field = "session.max_output_tokens"  # where its max_output_tokens came from
         self.opened = False  # the message item announced (output_item.added ... content_part.added)
         self.message_done = False  # ... and its done events sent (before a call's item, when the reply calls)
@@ -83,14 +84,17 @@ class RealtimeResponse:
 
     def job(self, instructions: str | None) -> Job:
         """The whole conversation as one request (realtime_conversation.py), this response's options."""
+        self.instructions = instructions
         info = self.session.server.info
         messages, media = self.context.prompt(instructions)
         extra = {"speaker": self.voice} if self.voice else {}
         prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra, tools=self.tools or None)
         text_stage = info.text_stage or info.entry_stage
         mx = self.max_output_tokens
-        # max_output_tokens is a bound (the protocol's): a long conversation generates up to max_model_len
-        sampling = {text_stage: {"max_tokens": mx, "max_tokens_fit": True}} if isinstance(mx, int) else {}
+        # max_output_tokens (or "inf": the stage's own max_tokens) is a bound (the protocol's): a long conversation
+        # generates up to max_model_len; only a prompt that fills it is refused (then truncated: _start)
+        fit = {"max_tokens_fit": True, "reserve_tokens": info.context_reserve if self.modality == "audio" else 0}
+        sampling = {text_stage: {"max_tokens": mx, **fit} if isinstance(mx, int) else fit}
         fields = {"prompt": "conversation", "speaker": "session.audio.output.voice",
                   "max_tokens": self.limit_field, "tools": "session.tools"}
         job = Job(f"{self.id}-{uuid.uuid4().hex[:8]}", prompt, sampling, text_stage,
@@ -170,7 +174,7 @@ class RealtimeResponse:
 
         try:
             await self.begin()
-            await run.start()
+            run = await self._start(run)
             async for ev in run.events():
                 if isinstance(ev, TextEvent):
                     if self.forced_tool is None:  # (a forced call's JSON is read whole, at the end)
@@ -213,6 +217,33 @@ class RealtimeResponse:
         finally:
             await run.aclose()  # shielded: aborts the request on every stage where it still runs
         await self.end(status, details, run, sent_ms)
+
+    async def _start(self, run: Run) -> Run:
+        """The run started; a conversation that outgrew the thinker's context is truncated (session truncation
+        "auto", as OpenAI's default): its oldest items leave the prompt, 1, 2, 4, ... at a time, until the prompt
+        fits (each try is refused at admission, before any compute)."""
+        server, drop = self.session.server, 1
+        before = set(self.context.dropped)  # restored if no truncation makes it fit (its instructions are too long)
+        while True:
+            try:
+                await run.start()
+                return run
+            except ApiError as e:
+                if e.code != "context_length_exceeded" or e.param != "conversation":
+                    raise
+                if self.session.truncation != "auto" or self.context is not self.session.conversation:
+                    e.message += ("; the conversation no longer fits the model's context: delete items "
+                                  "(conversation.item.delete) or set session.truncation \"auto\"")
+                    raise
+                if not self.context.drop_oldest(drop):
+                    self.context.dropped = before
+                    raise
+                drop *= 2
+                run = Run(server.omni, self.job(self.instructions), server.settings.default_audio_rate,
+                          server.metrics)
+            except BaseException:  # cancelled while a retry starts: that run is left too (the caller's is not it)
+                await run.aclose()
+                raise
 
     async def begin(self) -> None:
         await self.session.send({"type": "response.created", "response": self.shape("in_progress")})

@@ -72,6 +72,9 @@ class Session:
         self.tools: list[E.RealtimeTool] = []  # session.tools: functions the model may call
         self.tool_choice: str | E.FunctionChoice = "auto"
         self._ended_at = 0.0  # when the last response ended
+        # "auto" (OpenAI's default): a conversation that outgrew the thinker's context loses its oldest items from
+        # the prompts (Conversation.drop_oldest); "disabled": such a response fails, naming the conversation
+        self.truncation = "auto"
         self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                                             "silence_duration_ms": 500, "create_response": True,
                                             "interrupt_response": True}
@@ -112,7 +115,7 @@ class Session:
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools],
                 "tool_choice": (self.tool_choice.model_dump() if isinstance(self.tool_choice, E.FunctionChoice)
                                 else self.tool_choice),
-                "tracing": None, "truncation": "disabled", "include": None, "prompt": None}
+                "tracing": None, "truncation": self.truncation, "include": None, "prompt": None}
 
     async def start(self) -> None:
         await self.send({"type": "session.created", "session": self.shape()})
@@ -180,6 +183,8 @@ class Session:
             self.instructions = cfg.instructions
         if cfg.max_output_tokens is not None:
             self.max_output_tokens = cfg.max_output_tokens
+        if cfg.truncation is not None:
+            self.truncation = cfg.truncation
         self.tools, self.tool_choice = tools, choice
         await self.send({"type": "session.updated", "session": self.shape()})
 

@@ -44,15 +44,17 @@ class PipelineInfo:
     # False: the entry stage's model renders its own prompt without tools (Qwen2.5-Omni's thinker): a request
     # with tools is refused at the edge; None: not known (the stage decides)
     shows_tools: bool | None = None
+    # Tokens of the text stage's context a spoken reply leaves free for the stages after it (Omni.context_reserve)
+    context_reserve: int = 0
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),
-           shows_tools: bool | None = None) -> "PipelineInfo":
+           shows_tools: bool | None = None, context_reserve: int = 0) -> "PipelineInfo":
         finals = {s.name: s.final_output for s in config.stages}
         first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
         entry = next(s.name for s in config.stages if not s.inputs)
         return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"),
-                   tuple(voices), shows_tools)
+                   tuple(voices), shows_tools, context_reserve)
 
     def unknown_voice(self, voice: str | None, field: str) -> str | None:
         """Why `voice` cannot be spoken (the message, naming `field`), or None: checked before any stage runs,

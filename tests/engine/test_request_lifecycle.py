@@ -90,8 +90,13 @@ def test_max_tokens_fit_generates_up_to_max_model_len_instead_of_refusing(tiny_l
         engine.add_request(_inp("plain", list(range(5, 25)), max_tokens=30))
     with pytest.raises(ValueError, match="prompt: 32 tokens"):  # no room at all
         engine.add_request(StageInput("full", prompt_token_ids=list(range(5, 37)), sampling_params=fit))
-    out = run_to_completion(engine)["fit"]
-    assert out.finish_reason == "length" and len(out.token_ids) == 12  # 20 + 12 = max_model_len
+    reserved = fit.model_copy(update={"reserve_tokens": 4})  # 4 tokens kept free for the stages after it
+    engine.add_request(StageInput("reserved", prompt_token_ids=list(range(5, 25)), sampling_params=reserved))
+    with pytest.raises(ValueError, match="prompt: 28 tokens leave no room"):
+        engine.add_request(StageInput("no-room", prompt_token_ids=list(range(5, 33)), sampling_params=reserved))
+    outs = run_to_completion(engine)
+    assert outs["fit"].finish_reason == "length" and len(outs["fit"].token_ids) == 12  # 20 + 12 = max_model_len
+    assert len(outs["reserved"].token_ids) == 8  # 20 + 8 + 4 = max_model_len
     assert_no_leak(engine)
 
 

@@ -46,11 +46,13 @@ def test_session_created_update_and_a_text_turn(server):
             created = await conn.recv()
             assert created.type == "session.created" and created.session.model == MODEL
             assert created.session.output_modalities == ["text"]  # no audio stage in this pipeline
+            assert created.session.truncation == "auto"  # OpenAI's default: oldest items leave a full context
             await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
-                                               "max_output_tokens": 5,
+                                               "max_output_tokens": 5, "truncation": "disabled",
                                                "audio": {"input": {"turn_detection": None}}})
             updated = await until(conn, "session.updated")
             assert updated.session.instructions == "Be brief." and updated.session.max_output_tokens == 5
+            assert updated.session.truncation == "disabled"
             assert updated.session.audio.input.turn_detection is None
             seen, done = await _text_turn(conn, "Hello")
             assert types(seen)[:2] == ["conversation.item.added", "conversation.item.done"]
@@ -125,6 +127,9 @@ BAD_EVENTS = [
      "invalid_value"),
     ({"type": "session.update", "event_id": "e7e", "session": {"audio": {"input": {"noise_reduction": {
         "type": "near_field"}}}}}, "session.audio.input.noise_reduction", "invalid_value"),
+    ({"type": "session.update", "event_id": "e7f", "session": {"truncation": {"type": "retention_ratio",
+                                                                             "retention_ratio": 0.5}}},
+     "session.truncation", "invalid_value"),  # "auto" (the default) and "disabled" only
     ({"type": "input_audio_buffer.append", "event_id": "e8", "audio": "not base64!"}, "audio", "invalid_value"),
     ({"type": "input_audio_buffer.append", "event_id": "e9", "audio": base64.b64encode(b"abc").decode()}, "audio",
      "invalid_value"),
@@ -144,6 +149,8 @@ BAD_EVENTS = [
     ({"type": "conversation.item.truncate", "event_id": "e15", "item_id": "item_nope", "content_index": 0,
       "audio_end_ms": 10}, "item_id", "item_not_found"),
     ({"type": "response.cancel", "event_id": "e16"}, None, "response_cancel_not_active"),
+    ({"type": "response.create", "event_id": "e16b", "response": {"max_output_tokens": 0}},
+     "response.max_output_tokens", "invalid_value"),  # as session.update refuses it (it started a response)
     ({"type": "response.create", "event_id": "e17", "response": {"conversation": "conv_1"}}, "response.conversation",
      "invalid_value"),
 ]

@@ -487,7 +487,7 @@ def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
         try:
             await _append(conn, np.concatenate([speech_24k()] * 4), chunk_s=1.0)  # ~40 s of recorded speech
             await conn.input_audio_buffer.commit()
-            await until(conn, "input_audio_buffer.committed")
+            first_user = (await until(conn, "input_audio_buffer.committed")).item_id
             await conn.response.create()
             done = await until(conn, "response.done")
             assert ran_to_its_end(done.response), done.response.status_details
@@ -518,6 +518,22 @@ def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
             assert (err.error.event_id, err.error.param, err.error.code) == (
                 "too-long", "conversation", "context_length_exceeded"), err.error
             assert (await until(conn, "response.done")).response.status == "failed"
+
+            # another 40 s turn: the conversation outgrows the thinker's 2,048 tokens; truncation "auto" (OpenAI's
+            # default) leaves its oldest items out of the prompt (it failed every later response), and keeps them
+            # in the conversation. The failed response above dropped nothing (its instructions alone were too long).
+            await _append(conn, np.concatenate([speech_24k()] * 4), chunk_s=1.0)
+            await conn.input_audio_buffer.commit()
+            await until(conn, "input_audio_buffer.committed")
+            await conn.response.create()
+            done = (await until(conn, "response.done")).response
+            assert ran_to_its_end(done), done.status_details
+            # the prompt left the talker (its 32 tokens, a few markers) room: the thinker's reserve
+            assert server.omni.context_reserve() == 32 + 8
+            assert 1000 < done.usage.input_tokens <= 2048 - 40 - done.usage.output_tokens
+            assert done.usage.input_token_details.audio_tokens < 1100
+            await conn.conversation.item.retrieve(item_id=first_user)
+            assert (await until(conn, "conversation.item.retrieved")).item.id == first_user
         finally:
             await conn.close()
     run(go())

@@ -154,3 +154,23 @@ def test_verbose_json_segments():
     assert translated["language"] == "en" and translated["segments"][0]["temperature"] == 0.2
     assert to_verbose_json([], task="transcribe", language=None, duration_s=1, temperature=0,
                            usage={})["language"] == "unknown"
+
+
+def test_a_long_clip_is_heard_as_equal_clips_and_its_token_bound_is_a_bound():
+    """A transcription of 70 s: three clips of the encoder's 30 s window at most, equal (no sliver shorter than the
+    encoder's first window), in one request; its generous token bound is a bound only (max_tokens_fit: a clip
+    whose prompt fits the context is transcribed, it was refused for the bound's sake)."""
+    from omni.serve.asr import asr_job, max_tokens_for
+    from omni.serve.audio import clips
+    from omni.serve.translate import PipelineInfo
+
+    info = PipelineInfo("m", ["thinker"], "thinker", "thinker", None)
+    wave = np.arange(16000 * 70, dtype=np.float32)
+    job = asr_job(info, wave, 16000)
+    assert job.sampling["thinker"]["max_tokens_fit"] is True
+    assert job.sampling["thinker"]["max_tokens"] == max_tokens_for(70)
+    parts = [m.data for m in job.prompt.mm_inputs]
+    assert [p.shape[0] for p in parts] == [373334, 373334, 373332]
+    np.testing.assert_array_equal(np.concatenate(parts), wave)
+    assert [c["type"] for c in job.prompt.prompt[1]["content"]] == ["audio", "audio", "audio", "text"]
+    assert len(clips(wave[:16000 * 30], 16000)) == 1
