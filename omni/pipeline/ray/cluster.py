@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -40,22 +42,107 @@ def init_ray(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, s
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     address = runtime.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:  # a cluster, or the cluster of the Ray job we run in
-        ray.init(address=address, namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
-        temp_dir, watcher = None, None
-    else:
-        # Embedded local Ray. Ray 2.60 turns token auth on by default; a private
-        # throwaway cluster does not need it.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
-        watcher = temp_reaper.watch(temp_dir)  # removes it if this driver is SIGKILLed
-        # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
-        num_cpus = max(os.cpu_count() or 1, math.ceil(sum(s.resources.num_cpus * s.replicas for s in stages)))
-        ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
-                 namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
-    if sigterm is not None:
-        signal.signal(signal.SIGTERM, sigterm)
+    temp_dir, watcher = None, None
+    try:
+        with _signals_deferred(main_thread) as deferred:
+            if address:  # a cluster, or the cluster of the Ray job we run in
+                ray.init(address=address, namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+            else:
+                # Embedded local Ray. Ray 2.60 turns token auth on by default; a private
+                # throwaway cluster does not need it.
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                temp_dir = tempfile.mkdtemp(prefix="omni-ray-")
+                watcher = temp_reaper.watch(temp_dir)  # removes it if this driver is SIGKILLed
+                # Logical CPUs only gate scheduling: never let a small machine leave a stage unplaced.
+                num_cpus = max(os.cpu_count() or 1,
+                               math.ceil(sum(s.resources.num_cpus * s.replicas for s in stages)))
+                ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
+                         namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
+    except SystemExit as e:
+        # ray.init sets its own SIGTERM handler (sys.exit) first thing: a SIGTERM while it ran came this way
+        if e.code != signal.SIGTERM:
+            _abandon(temp_dir, watcher)
+            raise
+        deferred = [signal.SIGTERM]
+    except BaseException:
+        _abandon(temp_dir, watcher)  # a node half started is stopped, not left to linger
+        raise
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+    if deferred:  # Ctrl-C / SIGTERM while Ray started: let go of it, then take the signal's own way out
+        _abandon(temp_dir, watcher)
+        handler = sigterm if deferred[0] == signal.SIGTERM else signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(deferred[0], None)
+        raise KeyboardInterrupt
     return True, temp_dir, watcher
+
+
+def _abandon(temp_dir: str | None, watcher: Any) -> None:
+    """Let go of a Ray this driver was starting: the node (or connection) stopped, its leftovers reaped."""
+    try:
+        ray.shutdown()
+    finally:
+        if temp_dir:
+            _reap(temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        temp_reaper.stop(watcher)
+
+
+@contextlib.contextmanager
+def _signals_deferred(main_thread: bool) -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM held while ray.init runs (yields the ones received): interrupted midway, it left the
+    node's agent processes orphaned and its driver sometimes crashed in native code on the way out (a segfault
+    exit instead of 130). A second Ctrl-C still interrupts at once. Signals the process ignores stay ignored."""
+    deferred: list[int] = []
+    if not main_thread:
+        yield deferred
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in deferred:
+            raise KeyboardInterrupt  # pressed again: the user will not wait
+        deferred.append(signum)
+
+    held = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, previous in held.items():
+        if previous is not signal.SIG_IGN:
+            signal.signal(sig, hold)
+    try:
+        yield deferred
+    finally:
+        for sig, previous in held.items():
+            if previous is not signal.SIG_IGN and previous is not None:
+                signal.signal(sig, previous)
+
+
+def _reap(temp_dir: str, grace_s: float = 2.0) -> None:
+    """Stop what ray.shutdown left of the embedded node: processes of this user holding files under its temp
+    dir (its logs). A node stopped while its agents were still starting (a Ctrl-C or SIGTERM during start-up)
+    left them orphaned for a minute or more."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    mine, uid = os.getpid(), os.getuid()
+    left_over = []
+    for p in psutil.process_iter(["pid", "uids"]):
+        try:
+            if p.pid == mine or p.info["uids"] is None or p.info["uids"].real != uid:
+                continue
+            if any(f.path.startswith(temp_dir) for f in p.open_files()):
+                left_over.append(p)
+        except (psutil.Error, OSError):
+            continue  # gone, or not ours to look at
+    try:
+        for p in left_over:
+            p.terminate()
+        _, alive = psutil.wait_procs(left_over, timeout=grace_s)
+        for p in alive:
+            p.kill()
+    except psutil.Error:
+        pass
 
 
 def schedulable(resources: dict[str, float]) -> dict[str, float]:
@@ -95,8 +182,11 @@ def release(actors: list[Any], owns_ray: bool, temp_dir: str | None, watcher: An
             ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-    if owns_ray and ray.is_initialized():
-        ray.shutdown()
+    if owns_ray:
+        if ray.is_initialized():
+            ray.shutdown()
+        if temp_dir:
+            _reap(temp_dir)
     elif ray.is_initialized():
         # ray.kill only asks the GCS; on a cluster we do not own, wait until
         # the actors are really gone so their CPUs/GPUs are free when close()
