@@ -200,6 +200,9 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
     from omni.prompts import to_stage_input
 
     prompts: list[Any] = list(args.prompt)
+    for i, p in enumerate(prompts):
+        if not p.strip():  # refused now, not once the models have loaded
+            raise ValueError(f"--prompt: prompt {i + 1} is empty")
     if args.prompts_file:
         path: Path = args.prompts_file
         if not path.is_file():

@@ -64,6 +64,13 @@ def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engi
     assert f"--prompts-file {prompts}:3: " in err and expected in err, err
 
 
+def test_an_empty_prompt_is_refused_before_anything_loads(tmp_path, capsys, no_engines):
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(yaml.safe_dump(chain_config()))
+    assert cli.main(["run", str(cfg), "--prompt", "hi", "--prompt", "  "]) == 2
+    assert one_line_error(capsys) == "error: --prompt: prompt 2 is empty"
+
+
 @pytest.mark.parametrize("stage,expected", [
     (real_stage("a", model_path="/nonexistent/model"),
      "stage 'a': model_path: model path '/nonexistent/model' does not exist"),

@@ -86,9 +86,9 @@ def test_cycle_is_named():
     assert "cycle: a -> b -> c -> a" in msg
 
 
-def test_no_entry_stage():
+def test_no_entry_stage_is_the_cycle_it_holds():
     msg = err(cfg_with(stage("a", inputs=["b"]), stage("b", inputs=["a"], final_output="text")))
-    assert "no entry stage" in msg
+    assert "cycle: a -> b -> a" in msg
 
 
 def test_no_final_output():

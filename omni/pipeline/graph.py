@@ -81,11 +81,11 @@ class StageGraph:
                     self.streaming_edges[(edge.stage, s.name)] = edge
 
         self.entry_stages = [n for n in names if not self.upstream[n]]
+        self._check_acyclic(names)  # first: a graph whose every stage has inputs usually holds a cycle, named
         if not self.entry_stages:
             raise ConfigError(
                 "stages: no entry stage: every stage has inputs; at least one stage must have "
                 "no `inputs` (it receives the prompt)")
-        self._check_acyclic(names)
         self.order = self._topological_order(names)
 
         self.final_stages = [n for n in self.order if self.stages[n].final_output is not None]
