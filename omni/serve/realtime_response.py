@@ -7,9 +7,11 @@
     response.output_item.done, conversation.item.done, response.done (status, status_details, usage)
 
 With tools (a parser set), the reply's text goes out up to a call's markup and the message item is announced
-only once it has content (with a forced tool_choice, the reply is constrained to calls: nothing but them); each call read from the reply then becomes a function_call item (output_item.added,
-conversation.item.added, function_call_arguments.delta / .done, output_item.done, conversation.item.done),
-and a spoken reply is voiced once its text is whole and holds no call (reply_stream.Run, Job.voice_after).
+only once it has content (and is done before the first call's item is added); each call read from the reply
+then becomes a function_call item (output_item.added, conversation.item.added, function_call_arguments.delta /
+.done, output_item.done, conversation.item.done), and a spoken reply is voiced once its text is whole and holds
+no call (reply_stream.Run, Job.voice_after). With a forced tool_choice the reply is constrained to calls and
+nothing but their items is sent.
 
 Its task is cancelled for `response.cancel`, a barge-in or a closed socket: the request is aborted on
 every stage (Run.aclose), and the assistant item keeps the text that was sent with the audio that was
