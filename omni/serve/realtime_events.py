@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
+                      field_validator, model_validator)
 
 from omni.serve.errors import loc_to_param
 
@@ -153,6 +153,11 @@ def _tool_choice(v: Any) -> Any:
     raise ValueError('"auto", "none", "required" or {"type": "function", "name": ...} (MCP tools are not served)')
 
 
+# Fields the session and a response share, checked the same way in both
+MaxOutputTokens = Annotated[int | Literal["inf"] | None, AfterValidator(_max_output_tokens)]
+ToolChoice = Annotated[Any, AfterValidator(_tool_choice)]
+
+
 def forced_tool(choice: str | FunctionChoice | None) -> str | None:
     """What a reply must be: "required" (calls of any tools), a function's name, or None (text or calls)."""
     if isinstance(choice, FunctionChoice):
@@ -166,10 +171,11 @@ class SessionConfig(_M):
     instructions: str | None = None
     output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
     audio: AudioConfig | None = None
-    max_output_tokens: int | Literal["inf"] | None = None
+    max_output_tokens: MaxOutputTokens = None
     tools: list[RealtimeTool] | None = Field(None, max_length=128, description="Functions the model may call "
                                              "(the reply is read for Hermes calls: realtime_response.py).")
-    tool_choice: Any = Field(None, description='auto (default), none, required or {"type": "function", "name"}.')
+    tool_choice: ToolChoice = Field(None, description='auto (default), none, required or {"type": "function", '
+                                    '"name"}.')
     tracing: Any = None
     truncation: Any = None
     include: Any = None
@@ -181,16 +187,6 @@ class SessionConfig(_M):
         ok = {"tracing": (None,), "truncation": (None, "auto", "disabled"), "include": (None, []),
               "prompt": (None,)}[info.field_name]
         return _unsupported(info.field_name, v, ok)
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice(cls, v: Any) -> Any:
-        return _tool_choice(v)
-
-    @field_validator("max_output_tokens")
-    @classmethod
-    def _max(cls, v: Any) -> Any:
-        return _max_output_tokens(v)
 
 
 # ------------------------------------------------------------------- items
@@ -252,7 +248,7 @@ class ResponseAudio(_M):
 class ResponseParams(_M):
     output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
     instructions: str | None = None
-    max_output_tokens: int | Literal["inf"] | None = None
+    max_output_tokens: MaxOutputTokens = None
     audio: ResponseAudio | None = None
     conversation: Literal["auto", "none"] | None = Field(
         None, description='"none": an out-of-band response, kept out of the conversation (it may run beside the '
@@ -260,7 +256,7 @@ class ResponseParams(_M):
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response's events.")
     tools: list[RealtimeTool] | None = Field(None, max_length=128, description="This response's tools (else the "
                                              "session's).")
-    tool_choice: Any = None
+    tool_choice: ToolChoice = None
     input: list[dict[str, Any]] | None = Field(
         None, description="The response's own context instead of the conversation: items, or "
         '{"type": "item_reference", "id"} of the conversation\'s ([]: nothing but the instructions).')
@@ -270,16 +266,6 @@ class ResponseParams(_M):
     @classmethod
     def _none(cls, v: Any, info: Any) -> Any:
         return _unsupported(info.field_name, v)
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice(cls, v: Any) -> Any:
-        return _tool_choice(v)
-
-    @field_validator("max_output_tokens")
-    @classmethod
-    def _max(cls, v: Any) -> Any:
-        return _max_output_tokens(v)
 
 
 # ------------------------------------------------------------------ events

@@ -49,6 +49,9 @@ from omni.serve.realtime_response import RATE, RealtimeResponse, format_shape, n
 from omni.serve.realtime_transcription import Transcriptions
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
+# OpenAI's server VAD defaults: a session starts with them, and a turn detection turned on again starts from them
+DEFAULT_TURN = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                "create_response": True, "interrupt_response": True}
 
 
 def _id(prefix: str) -> str:
@@ -75,9 +78,7 @@ class Session:
         # "auto" (OpenAI's default): a conversation that outgrew the thinker's context loses its oldest items from
         # the prompts (Conversation.drop_oldest); "disabled": such a response fails, naming the conversation
         self.truncation = "auto"
-        self.turn: dict[str, Any] | None = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                                            "silence_duration_ms": 500, "create_response": True,
-                                            "interrupt_response": True}
+        self.turn: dict[str, Any] | None = dict(DEFAULT_TURN)
         self.conversation = Conversation()
         # session.audio.input.transcription ({model, language, prompt}), or None: each committed audio item is
         # transcribed by the pipeline's text stage beside the response (realtime_transcription.py)
@@ -161,8 +162,7 @@ class Session:
             if td is None:
                 self.turn, self.vad = None, None
             else:
-                base = self.turn or {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                                     "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+                base = self.turn or DEFAULT_TURN
                 self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
                 self.vad.configure(self.turn["threshold"], self.turn["prefix_padding_ms"],
                                    self.turn["silence_duration_ms"])

@@ -92,29 +92,26 @@ def _abandon(temp_dir: str | None, watcher: Any) -> None:
 
 @contextlib.contextmanager
 def _signals_deferred(main_thread: bool) -> Iterator[list[int]]:
-    """Ctrl-C and SIGTERM held while ray.init runs (yields the ones received): interrupted midway, it left the
-    node's agent processes orphaned and its driver sometimes crashed in native code on the way out (a segfault
-    exit instead of 130). A second Ctrl-C still interrupts at once. Signals the process ignores stay ignored."""
+    """Ctrl-C held while ray.init runs (yields the ones received): interrupted midway, it left the node's agent
+    processes orphaned and its driver sometimes crashed in native code on the way out (a segfault exit instead of
+    130). A second Ctrl-C still interrupts at once; an ignored SIGINT stays ignored. (SIGTERM cannot be held:
+    ray.init sets its own handler first thing; init_ray takes the SystemExit it raises.)"""
     deferred: list[int] = []
-    if not main_thread:
+    previous = signal.getsignal(signal.SIGINT) if main_thread else signal.SIG_IGN
+    if previous is signal.SIG_IGN or previous is None:
         yield deferred
         return
 
     def hold(signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and signal.SIGINT in deferred:
+        if deferred:
             raise KeyboardInterrupt  # pressed again: the user will not wait
         deferred.append(signum)
 
-    held = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig, previous in held.items():
-        if previous is not signal.SIG_IGN:
-            signal.signal(sig, hold)
+    signal.signal(signal.SIGINT, hold)
     try:
         yield deferred
     finally:
-        for sig, previous in held.items():
-            if previous is not signal.SIG_IGN and previous is not None:
-                signal.signal(sig, previous)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _reap(temp_dir: str, grace_s: float = 2.0) -> None:
