@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(run)
     run.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     run.add_argument("--prompts-file", type=Path,
-                     help="one prompt per line, or .jsonl: a JSON string or object per line")
+                     help="one prompt per line, or .jsonl: a JSON string or object per line, as the Python API "
+                          'takes it: {"prompt": "What is said here?", "multi_modal_data": {"audio": "clip.wav"}}; '
+                          "under multi_modal_data, image (PNG, JPEG, WEBP, GIF, BMP) and audio (WAV, FLAC, OGG, "
+                          "MP3: read at its own sampling rate) name files, relative to the prompts file's folder, "
+                          'one or a list ({"image": ["a.png", "b.png"]}); every line and file is checked before '
+                          "anything loads")
     run.add_argument("--output-dir", type=Path, help="write results.jsonl and per-stage text/audio/hidden files")
     run.add_argument("--max-tokens", type=int, help="max_tokens for every stage (overrides the config)")
     run.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
@@ -197,6 +202,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------ run
 def _read_prompts(args: argparse.Namespace) -> list[Any]:
     """--prompt values and the --prompts-file lines, every one checked before anything loads."""
+    from omni.prompt_media import read_media_paths
     from omni.prompts import to_stage_input
 
     prompts: list[Any] = list(args.prompt)
@@ -221,7 +227,9 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
                 if not isinstance(prompt, (str, dict)):
                     raise ValueError(f"--prompts-file {path}:{i}: expected a JSON string or object, "
                                      f"got {type(prompt).__name__}: {ln.strip()[:40]}")
-                to_stage_input(prompt, f"--prompts-file {path}:{i}", str)  # raises ValueError naming the field
+                where = f"--prompts-file {path}:{i}"
+                prompt = read_media_paths(prompt, path.parent, where)  # media files read now, not after loading
+                to_stage_input(prompt, where, str)  # raises ValueError naming the field
                 prompts.append(prompt)
         else:
             prompts.extend(ln for _, ln in lines)
@@ -302,6 +310,14 @@ def _append_audio(wavs: dict[tuple[str, str], Any], key: tuple[str, str], path: 
     wavs[key].writeframes(pcm.tobytes())
 
 
+def _prompt_of(prompt: Any) -> Any:
+    """What a RequestOutput shows of a prompt, as Omni.generate's do: its text (or chat messages, or token
+    ids), not the media read from its files (a waveform would fill the --json output)."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt") if prompt.get("prompt") is not None else prompt.get("prompt_token_ids")
+    return prompt
+
+
 def _on_stream_event(ev: Any, prompts: list[Any], order: list[str], results: dict[str, Any],
                      current: tuple[str, str] | None, wavs: dict[tuple[str, str], Any], out: Any,
                      audio_dir: Path) -> tuple[str, str] | None:
@@ -311,7 +327,7 @@ def _on_stream_event(ev: Any, prompts: list[Any], order: list[str], results: dic
     rid = ev.request_id
     if rid not in results:
         order.append(rid)
-        results[rid] = RequestOutput(rid, prompts[len(order) - 1] if len(order) <= len(prompts) else None)
+        results[rid] = RequestOutput(rid, _prompt_of(prompts[len(order) - 1]) if len(order) <= len(prompts) else None)
     i = order.index(rid)
     if not isinstance(ev, StageDelta):
         if ev.error:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from omni import registry
 from omni.sampling_params import SamplingParams, check_prefill_fits
-from omni.strict import no_bool_for_number
+from omni.strict import StrictFlag, no_bool_for_number
 
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -93,7 +93,7 @@ class SchedulerConfig(_Model):
         None, ge=1, description="Maximum sequence length (prompt + output). None: the model's maximum. "
         "Lowered (with a warning) to what the KV cache holds; a request whose prompt + max_tokens exceeds "
         "it is rejected when it arrives.")
-    enable_chunked_prefill: bool = Field(
+    enable_chunked_prefill: StrictFlag = Field(
         True, description="Split long prompts over several steps instead of requiring one step for them.")
 
     @model_validator(mode="after")
@@ -142,8 +142,8 @@ class InputEdge(_Model):
     """One input of a stage: `inputs: [thinker]` is `inputs: [{stage: thinker}]`."""
 
     stage: str = Field(description="The upstream stage.")
-    stream: bool = Field(
-        False, strict=True, description="Stream the upstream's output in while it runs: this stage admits the request on "
+    stream: StrictFlag = Field(
+        False, description="Stream the upstream's output in while it runs: this stage admits the request on "
         "the first chunk and its prompt grows chunk by chunk (it waits, without holding up its batch, when "
         "it has consumed all it got). Needs an input processor with a chunk form.")
     chunk_tokens: int = Field(
@@ -168,14 +168,14 @@ class StageConfig(_Model):
         "None: the upstream generated token ids become the prompt.")
     final_output: Literal["text", "tokens", "audio", "hidden"] | None = Field(
         None, description="Return this stage's outputs to the caller, as this kind.")
-    enable_prefix_caching: bool = Field(
+    enable_prefix_caching: StrictFlag = Field(
         True, description="Reuse KV blocks (and the stage tensor cache) across requests sharing a prefix. "
         "Default: on, and off for a one-shot (not autoregressive) stage, which has no KV cache.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache geometry.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching limits.")
     sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Default sampling parameters of this stage.")
-    use_chat_template: bool = Field(
+    use_chat_template: StrictFlag = Field(
         False, description="Apply the tokenizer's chat template to text prompts.")
     resources: ResourcesConfig = Field(
         default_factory=ResourcesConfig, description="Resources of the stage's Ray actor.")
@@ -280,7 +280,10 @@ class RuntimeConfig(_Model):
         "then fails with an error naming the edge.")
     stage_start_timeout_s: float = Field(
         300.0, gt=0, description="Time a stage may take to start (model load, waiting for resources).")
-    log_to_driver: bool = Field(
+    wait_for_nodes: StrictFlag = Field(
+        False, description="On Ray, a stage whose actor no node of the cluster can hold (resources) is refused at "
+        "start. true: wait for a node that can, up to stage_start_timeout_s (an autoscaling cluster adds one).")
+    log_to_driver: StrictFlag = Field(
         False, description="Forward the stage actors' stdout/stderr to this process (embedded Ray).")
     max_pending_requests: int = Field(
         256, ge=1, description="Requests `omni serve` runs at once (>= 1); past it a new request gets "

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from omni.config import PipelineConfig
 from omni.errors import ConfigError
 from omni.pipeline.graph import StageGraph
+from omni.pydantic_errors import problems, render, union_message
 from omni.strict import load_yaml
 
 
@@ -62,17 +63,20 @@ def merge_stage_overrides(base: Mapping[str, Mapping[str, Any]],
 
 
 def _unwrap(ann: Any) -> Any:
-    """list[X] -> X, X | None -> X."""
+    """list[X] -> X, X | None -> X, str | Model -> Model (the one model of a union: what an object there is)."""
     while typing.get_origin(ann) in (list, typing.Union, types.UnionType):
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         if len(args) != 1:
-            break
+            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(models) != 1:
+                break
+            args = models
         ann = args[0]
     return ann
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model class validating the object at `loc` (for 'allowed keys' hints)."""
+    """The pydantic model class validating the object at `loc` (as the user wrote it; for 'allowed keys' hints)."""
     cls: Any = PipelineConfig
     for part in loc:
         if isinstance(part, int):
@@ -84,16 +88,21 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 
 def _format_errors(err: ValidationError, raw: Mapping[str, Any]) -> str:
-    """One line per error: "stage 'talker': cache.block_size: <what is wrong> (got 0)"."""
+    """One line per problem: "stage 'talker': cache.block_size: <what is wrong> (got 0)".
+
+    Paths are written as in the YAML (`inputs[0].stream`); a value that no member of a union field takes is
+    one problem saying what the field takes (`cache.memory_budget_mb: expected a number or "auto" (got
+    "lots")`), never one complaint per member under pydantic's names (`memory_budget_mb.float`,
+    `inputs.0.InputEdge`). A value shaped like one member (an object for `str | InputEdge`) gets its errors."""
     stages = raw.get("stages") if isinstance(raw, Mapping) else None
     lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
+    for problem in problems(err.errors()):
+        e, loc = problem.error, problem.user_loc()
         msg = e["msg"]
         for prefix in ("Value error, ", "Assertion failed, "):
             if msg.startswith(prefix):
                 msg = msg[len(prefix):]
-        if msg.startswith(("stage '", "stages")):  # our own messages already say where
+        if problem.union is None and msg.startswith(("stage '", "stages")):  # our own messages already say where
             lines.append(msg)
             continue
         where, rest = "", loc
@@ -103,7 +112,9 @@ def _format_errors(err: ValidationError, raw: Mapping[str, Any]) -> str:
                 name = stages[loc[1]].get("name")
             where = f"stage {name!r}" if isinstance(name, str) else f"stages[{loc[1]}]"
             rest = loc[2:]
-        if e["type"] == "extra_forbidden":
+        if problem.union is not None:
+            text = union_message(problem.union)
+        elif e["type"] == "extra_forbidden":
             model = _model_at(loc[:-1])
             allowed = f" (allowed: {', '.join(model.model_fields)})" if model else ""
             text, rest = f"unknown key {str(loc[-1])!r}{allowed}", rest[:-1]
@@ -113,8 +124,7 @@ def _format_errors(err: ValidationError, raw: Mapping[str, Any]) -> str:
             text = msg
         else:
             text = f"{msg} (got {e.get('input')!r})"
-        field = ".".join(str(p) for p in rest)
-        lines.append(": ".join([p for p in (where, field) if p] + [text]))
+        lines.append(": ".join([p for p in (where, render(rest)) if p] + [text]))
     return "; ".join(dict.fromkeys(lines))
 
 

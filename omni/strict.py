@@ -3,15 +3,18 @@
 - `load_yaml`: a mapping with the same key twice is an error naming both lines
   (PyYAML silently keeps the last value: `cache:` written twice loses the first).
 - `no_bool_for_number`: `block_size: true` is an error (pydantic's lax mode reads it as 1).
+- `StrictFlag`: a boolean field takes true or false only (pydantic's lax mode reads 1, "yes", "true",
+  "on" as true: `enable_prefix_caching: "no"` would be false by luck, `enable_prefix_caching: 2` an error).
 """
 from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import ValidationInfo
+from pydantic import StrictBool, ValidationError, ValidationInfo, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import PydanticCustomError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -45,3 +48,14 @@ def no_bool_for_number(cls: Any, value: Any, info: ValidationInfo) -> Any:
     if isinstance(value, bool) and info.field_name and _is_number(cls.model_fields[info.field_name].annotation):
         raise ValueError(f"expected a number, got {str(value).lower()}")
     return value
+
+
+def _true_or_false(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        # One message naming the two values the field takes, in YAML's words, not pydantic's "valid boolean".
+        raise PydanticCustomError("bool_type", "expected true or false") from None
+
+
+StrictFlag = Annotated[StrictBool, WrapValidator(_true_or_false)]

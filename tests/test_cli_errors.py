@@ -2,7 +2,9 @@
 line or field, before anything loads; Ctrl-C and SIGTERM exit quietly with 130 / 143."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +66,31 @@ def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engi
     assert f"--prompts-file {prompts}:3: " in err and expected in err, err
 
 
+@pytest.mark.parametrize("media,expected", [
+    ({"audio": "nope.wav"}, "multi_modal_data.audio[0]: no such file: {dir}/nope.wav"),
+    ({"audio": ["clip.wav", "text.wav"]},
+     "multi_modal_data.audio[1]: {dir}/text.wav: not a readable audio file (WAV, FLAC, OGG or MP3)"),
+    ({"image": "clip.wav"}, "multi_modal_data.image[0]: {dir}/clip.wav: not a readable image (PNG, JPEG"),
+    ({"image": ["sub"]}, "multi_modal_data.image[0]: not a file: {dir}/sub"),
+    ({"image": ""}, "multi_modal_data.image[0]: expected a file path, got an empty string"),
+])
+def test_a_bad_media_file_exits_2_naming_the_line_field_and_file(tmp_path, capsys, no_engines, media, expected):
+    from tests.serve.realtime_utils import speech_wav
+
+    folder = tmp_path / "prompts"  # the paths are relative to the prompts file's folder, not the cwd
+    (folder / "sub").mkdir(parents=True)
+    shutil.copy(speech_wav(), folder / "clip.wav")
+    (folder / "text.wav").write_text("not audio")
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(yaml.safe_dump(chain_config()))
+    prompts = folder / "p.jsonl"
+    prompts.write_text('"fine"\n' + json.dumps({"prompt": "x", "multi_modal_data": media}) + "\n")
+    # Refused before anything starts: `no_engines` fails the test if a stage is built.
+    assert cli.main(["run", str(cfg), "--prompts-file", str(prompts)]) == 2
+    err = one_line_error(capsys)
+    assert f"--prompts-file {prompts}:2: " + expected.format(dir=folder) in err, err
+
+
 def test_an_empty_prompt_is_refused_before_anything_loads(tmp_path, capsys, no_engines):
     cfg = tmp_path / "chain.yaml"
     cfg.write_text(yaml.safe_dump(chain_config()))
@@ -77,6 +104,10 @@ def test_an_empty_prompt_is_refused_before_anything_loads(tmp_path, capsys, no_e
     (real_stage("a", model_path="builtin:tiny-gpt"), "stage 'a': model_path: unknown builtin model 'tiny-gpt'"),
     (real_stage("a", tokenizer="/nonexistent/tok"), "stage 'a': tokenizer: tokenizer path '/nonexistent/tok'"),
     (real_stage("a", cache={"block_size": True}), "stage 'a': cache.block_size: expected a number, got true"),
+    (real_stage("a", inputs=[5], cache={"memory_budget_mb": "lots"}),
+     "stage 'a': inputs[0]: expected a string or an object (got 5); "
+     'stage \'a\': cache.memory_budget_mb: expected a number or "auto" (got "lots")'),
+    (real_stage("a", enable_prefix_caching=1), "stage 'a': enable_prefix_caching: expected true or false (got 1)"),
 ])
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_config_errors_exit_2_before_anything_starts(tmp_path, capsys, no_engines, command, stage, expected):
@@ -85,6 +116,20 @@ def test_config_errors_exit_2_before_anything_starts(tmp_path, capsys, no_engine
     # Before anything starts: `no_engines` fails the test if a stage is built (no clock needed).
     assert cli.main([command, str(cfg), *(["--prompt", "hi"] if command == "run" else [])]) == 2
     assert expected in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ('{"talker": {"inputs": [7]}}', "stage 'talker': inputs[0]: expected a string or an object (got 7)"),
+    ('{"thinker": {"cache": {"memory_budget_mb": "lots"}}}',
+     'stage \'thinker\': cache.memory_budget_mb: expected a number or "auto" (got "lots")'),
+    ('{"thinker": {"enable_prefix_caching": "yes"}}',
+     "stage 'thinker': enable_prefix_caching: expected true or false (got 'yes')"),
+])
+def test_stage_overrides_errors_exit_2_naming_the_field(tmp_path, capsys, no_engines, overrides, expected):
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(yaml.safe_dump(chain_config()))
+    assert cli.main(["run", str(cfg), "--prompt", "hi", "--stage-overrides", overrides]) == 2
+    assert one_line_error(capsys) == f"error: {expected}"
 
 
 def test_duplicate_yaml_key_names_both_lines(tmp_path, capsys):

@@ -200,12 +200,95 @@ def test_prefix_caching_on_non_autoregressive_model():
     ({"sampling": {"max_tokens": 0}}, "stage 'a': sampling.max_tokens: max_tokens must be an integer >= 1, got 0"),
     ({"sampling": {"top_p": 1.5}}, "stage 'a': sampling.top_p: top_p must be in (0, 1]"),
     ({"sampling": {"temprature": 1.0}}, "stage 'a': sampling: unknown key 'temprature'"),
-    ({"enable_prefix_caching": "maybe"}, "stage 'a': enable_prefix_caching: Input should be a valid boolean"),
+    ({"enable_prefix_caching": "maybe"}, "stage 'a': enable_prefix_caching: expected true or false (got 'maybe')"),
     ({"inputs": "x"}, "stage 'a': inputs: Input should be a valid list"),
 ])
 def test_invalid_numbers_and_values(field, expect):
     msg = err(cfg_with(stage("a", **{"final_output": "text", **field})))
     assert expect in msg, msg
+
+
+# ------------------------------------------------------------------ unions
+@pytest.mark.parametrize("field,expect", [
+    ({"inputs": [5]}, "stage 'a': inputs[0]: expected a string or an object (got 5)"),
+    ({"inputs": [None]}, "stage 'a': inputs[0]: expected a string or an object (got null)"),
+    ({"cache": {"memory_budget_mb": "lots"}},
+     'stage \'a\': cache.memory_budget_mb: expected a number or "auto" (got "lots")'),
+    # shaped like one member (an object: an edge): that member's own error, its name not in the path
+    ({"inputs": [{"stage": "e", "chunk_tokens": 0}]},
+     "stage 'a': inputs[0].chunk_tokens: Input should be greater than or equal to 1 (got 0)"),
+    ({"inputs": [{"stag": "e"}]}, "stage 'a': inputs[0]: unknown key 'stag' (allowed: stage, stream, chunk_tokens)"),
+])
+def test_a_union_field_says_what_it_takes(field, expect):
+    msg = err(cfg_with(stage("e"), stage("a", **{"final_output": "text", **field})))
+    assert expect in msg, msg
+    for member in ("InputEdge", ".str", ".float", "literal[", ".0"):  # pydantic's names for the union's members
+        assert member not in msg, msg
+
+
+def test_a_union_error_is_one_problem_next_to_the_others():
+    msg = err(cfg_with(stage("e"), stage("a", final_output="text", inputs=[5], cache={"memory_budget_mb": "lots"},
+                                         dtype="fp8")))
+    assert msg.split("; ") == [
+        "stage 'a': inputs[0]: expected a string or an object (got 5)",
+        'stage \'a\': cache.memory_budget_mb: expected a number or "auto" (got "lots")',
+        "stage 'a': dtype: Input should be 'float32', 'float16' or 'bfloat16' (got 'fp8')",
+    ]
+
+
+def test_mapping_keys_that_look_like_member_names_stay_in_the_path():
+    # Two bad custom resources with CamelCase names are two fields, not a union's members.
+    msg = err(cfg_with(stage("a", final_output="text", resources={"custom": {"TPU": "x", "HPU": "y"}})))
+    assert "stage 'a': resources.custom.TPU: Input should be a valid number" in msg, msg
+    assert "stage 'a': resources.custom.HPU: Input should be a valid number" in msg, msg
+
+
+def test_union_errors_from_stage_overrides_json():
+    msg = err(chain_config(), '{"talker": {"inputs": [7], "cache": {"memory_budget_mb": "lots"}}}')
+    assert msg == ("stage 'talker': inputs[0]: expected a string or an object (got 7); "
+                   'stage \'talker\': cache.memory_budget_mb: expected a number or "auto" (got "lots")'), msg
+
+
+# ------------------------------------------------------------------ booleans
+BOOL_FIELDS = [
+    lambda v: cfg_with(stage("a", final_output="text", enable_prefix_caching=v)),
+    lambda v: cfg_with(stage("a", final_output="text", use_chat_template=v)),
+    lambda v: cfg_with(stage("a", final_output="text", scheduler={"enable_chunked_prefill": v})),
+    lambda v: cfg_with(stage("e"), stage("a", final_output="text", inputs=[{"stage": "e", "stream": v}])),
+    lambda v: cfg_with(stage("a", final_output="text"), runtime={"log_to_driver": v}),
+]
+BOOL_NAMES = ["stage 'a': enable_prefix_caching", "stage 'a': use_chat_template",
+              "stage 'a': scheduler.enable_chunked_prefill", "stage 'a': inputs[0].stream", "runtime.log_to_driver"]
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "true", "false", "on", None])
+@pytest.mark.parametrize("make,name", list(zip(BOOL_FIELDS, BOOL_NAMES)), ids=BOOL_NAMES)
+def test_boolean_fields_take_only_true_or_false(make, name, value):
+    msg = err(make(value))
+    assert f"{name}: expected true or false (got {value!r})" in msg, msg
+
+
+def test_every_boolean_field_of_the_config_is_strict():
+    """A new `bool` field of omni/config.py must be a StrictFlag too (the table above covers each one)."""
+    import omni.config as config_module
+    from pydantic import BaseModel
+
+    found = set()
+    for cls in vars(config_module).values():
+        if isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == config_module.__name__:
+            for name, info in cls.model_fields.items():
+                if info.annotation is bool:
+                    assert any(getattr(m, "strict", False) for m in info.metadata), f"{cls.__name__}.{name}"
+                    found.add(name)
+    assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver"}
+
+
+def test_boolean_fields_take_true_and_false():
+    for make, name in zip(BOOL_FIELDS, BOOL_NAMES):
+        for value in (True, False):
+            load_config(make(value))
+    assert load_config(chain_config(), '{"thinker": {"enable_prefix_caching": false}}').stages[0] \
+        .enable_prefix_caching is False
 
 
 def test_invalid_stage_name():

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from omni.errors import FIELD_ERROR
-from omni.serve.errors import accepts
+from omni.pydantic_errors import accepts
 
 
 def field_error(field: str, text: str, code: str = "invalid_value") -> PydanticCustomError:

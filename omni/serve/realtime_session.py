@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from omni.pydantic_errors import loc_to_param
 from omni.serve import g711
 from omni.serve import realtime_events as E
 from omni.serve.audio import pcm16_to_float, resample
-from omni.serve.errors import loc_to_param
 from omni.serve.g711 import Rate3
 from omni.serve.realtime_conversation import ConvItem, Conversation, Part, new_item_id
 from omni.serve.realtime_events import RealtimeEventError

@@ -252,17 +252,67 @@ def test_stage_that_fails_to_start():
     assert "stage 'talker' failed to start" in str(ei.value) and "weights not found" in str(ei.value)
 
 
-def test_unsatisfiable_resources_time_out_with_a_clear_error():
+def test_resources_that_fit_a_node_but_are_taken_time_out_with_a_clear_error():
+    # The shared cluster's one node has 8 CPUs: each stage fits it alone, not both at once. The one placed
+    # second waits for CPUs that may be freed (other actors go), until its stage_start_timeout_s.
     data = ray_chain(stage_start_timeout_s=2)
-    data["stages"][1]["resources"] = {"custom": {"tpu_pod": 1}}
+    for s in data["stages"]:
+        s["resources"] = {"num_cpus": 5}
     t0 = time.monotonic()
     with pytest.raises(StageStartError) as ei:
         Omni(data, engine_factory=fake_factory)
     assert time.monotonic() - t0 >= 2.0  # waited its stage_start_timeout_s; the message says which limit
     msg = str(ei.value)
-    # (on a loaded machine the thinker may be listed too: worker processes start slowly)
-    assert "'talker' did not start within 2s (runtime.stage_start_timeout_s)" in msg
-    assert "Requested resources:" in msg and "tpu_pod" in msg and "'CPU'" in msg
+    assert "did not start within 2s (runtime.stage_start_timeout_s)" in msg
+    assert "Requested resources:" in msg and "'num_cpus': 5.0" in msg and "'CPU'" in msg
+
+
+@pytest.mark.parametrize("resources,field,key,amount", [
+    ({"num_cpus": 64}, "resources.num_cpus", "CPU", 64),
+    ({"num_gpus": 4}, "resources.num_gpus", "GPU", 4),
+    ({"custom": {"tpu_pod": 1}}, "resources.custom.tpu_pod", "tpu_pod", 1),
+])
+def test_resources_no_node_has_fail_at_once_naming_the_numbers(resources, field, key, amount):
+    data = ray_chain(stage_start_timeout_s=120)  # waiting it out would take minutes
+    data["stages"][1]["resources"] = resources
+    most = ray.cluster_resources().get(key, 0.0)  # the shared cluster is one node: its total is the node's
+    t0 = time.monotonic()
+    with pytest.raises(StageStartError) as ei:
+        Omni(data, engine_factory=fake_factory)
+    assert time.monotonic() - t0 < 10.0  # refused, not waited for (expected: well under a second)
+    e = ei.value
+    assert (e.stage, e.field, e.code, e.actual, e.limit) == ("talker", field, "insufficient_resources", amount, most)
+    assert str(e).startswith(f"stage 'talker': {field}: the stage's actor asks for {amount:g} {key}, but no node "
+                             f"of the Ray cluster has that many (the most any of its 1 node(s) has: {most:g})")
+    # Nothing was started: a pipeline that fits opens on the same cluster at once.
+    with Omni(ray_chain(), engine_factory=fake_factory) as o:
+        assert o.generate(["hi"], SamplingParams(max_tokens=1), use_tqdm=False)[0].error is None
+
+
+def test_a_demand_each_part_of_which_is_on_another_node_is_refused(monkeypatch):
+    """An actor runs on one node: CPUs on one node and a GPU on another do not make a place for it."""
+    from omni.config_loader import load_config
+    from omni.pipeline.ray import cluster
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "memory": 1e9}},
+             {"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]  # a dead node holds nothing
+    monkeypatch.setattr(cluster.ray, "nodes", lambda: nodes)
+    data = ray_chain()
+    data["stages"][1]["resources"] = {"num_cpus": 4, "num_gpus": 1}
+    with pytest.raises(StageStartError) as ei:
+        cluster.check_fits(load_config(data).stages)
+    assert (ei.value.stage, ei.value.field) == ("talker", "resources")
+    assert str(ei.value) == ("stage 'talker': resources: the stage's actor asks for 4 CPU, 1 GPU on one node, but "
+                             "no node of the Ray cluster has all of it (its nodes: 8 CPU, 0 GPU; 2 CPU, 1 GPU; on an "
+                             "autoscaling cluster, runtime.wait_for_nodes: true waits up to stage_start_timeout_s "
+                             "for one)")
+    data["stages"][1]["resources"] = {"num_gpus": 8}
+    with pytest.raises(StageStartError, match=r"resources\.num_gpus: .* asks for 8 GPU, .*\(the most any of its "
+                                              r"2 node\(s\) has: 1\)"):
+        cluster.check_fits(load_config(data).stages)
+    data["stages"][1]["resources"] = {"num_cpus": 2, "num_gpus": 0.5}  # fits the second node
+    cluster.check_fits(load_config(data).stages)
 
 
 def test_cuda_stage_without_gpu_reservation_is_a_config_error():
@@ -284,3 +334,17 @@ def test_close_kills_the_actors_but_not_a_ray_it_did_not_start():
 def test_numpy_outputs_only(chain):
     [out] = chain.generate("np", use_tqdm=False, return_hidden_states=True)
     assert isinstance(out.outputs["thinker"].hidden_states, np.ndarray)
+
+
+def test_wait_for_nodes_waits_for_a_node_instead_of_refusing():
+    """An autoscaling cluster adds a node for a pending actor: runtime.wait_for_nodes leaves the demand to Ray,
+    which the stage's start timeout then bounds (the timeout's error, not the refusal)."""
+    data = ray_chain(stage_start_timeout_s=2)
+    data["runtime"]["wait_for_nodes"] = True
+    data["stages"][1]["resources"] = {"custom": {"tpu_pod": 1}}
+    t0 = time.monotonic()
+    with pytest.raises(StageStartError) as ei:
+        Omni(data, engine_factory=fake_factory)
+    assert time.monotonic() - t0 >= 2.0
+    assert "did not start within 2s (runtime.stage_start_timeout_s)" in str(ei.value)
+    assert ei.value.code != "insufficient_resources"

@@ -10,7 +10,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from omni.serve.endpoints import parse
-from omni.serve.errors import ApiError, accepts, from_validation_error, loc_to_param
+from omni.pydantic_errors import accepts, loc_to_param
+from omni.serve.errors import ApiError, from_validation_error
 from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "x"}]

@@ -40,7 +40,7 @@ from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.ray.actor import StageActor
-from omni.pipeline.ray.cluster import GET_TIMEOUT_S, init_ray, release, schedulable
+from omni.pipeline.ray.cluster import GET_TIMEOUT_S, check_fits, init_ray, release, schedulable
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.replica_stats import merge_replica_stats
 
@@ -84,6 +84,8 @@ class RayBackend:
         self._start_timeout_s = config.runtime.stage_start_timeout_s
         self._owns_ray, self._temp_dir, self._temp_watcher = init_ray(config.runtime, config.stages)
         try:
+            if not config.runtime.wait_for_nodes:  # at once, not after stage_start_timeout_s: no node can hold it
+                check_fits(config.stages)
             snap = registry.snapshot()
             tag = uuid.uuid4().hex[:8]
             names = {n: [_actor_name(config.name, self.graph.stages[n], i, tag)

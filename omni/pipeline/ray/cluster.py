@@ -6,6 +6,7 @@
     release()       kill the stage actors, then shut the embedded Ray down (and remove its temp dir), or,
                     on a cluster we do not own, wait_dead(): until the actors are really gone
     schedulable()   what the cluster can give, in the words of a stage's `resources`
+    check_fits()    a stage whose actor no node can hold is refused at once (Ray would leave it pending)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from omni.config import RuntimeConfig, StageConfig
+from omni.errors import StageStartError
 from omni.pipeline.ray import temp_reaper
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,50 @@ def schedulable(resources: dict[str, float]) -> dict[str, float]:
     """The resources a stage can ask for (no node ids, no memory byte counts)."""
     return {k: round(v, 3) for k, v in sorted(resources.items())
             if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+
+def _demand(stage: StageConfig) -> dict[str, tuple[float, str]]:
+    """One actor's demand in Ray's resource names, each with the field of `resources` that sets it."""
+    r = stage.resources
+    out = {"CPU": (r.num_cpus, "resources.num_cpus"), "GPU": (r.num_gpus, "resources.num_gpus")}
+    out.update({name: (amount, f"resources.custom.{name}") for name, amount in r.custom.items()})
+    return {key: (amount, field) for key, (amount, field) in out.items() if amount > 0}
+
+
+def _holds(node: dict[str, float], demand: dict[str, tuple[float, str]]) -> bool:
+    return all(node.get(key, 0.0) + 1e-9 >= amount for key, (amount, _) in demand.items())
+
+
+def check_fits(stages: list[StageConfig]) -> None:
+    """StageStartError for the first stage whose actor no alive node could hold even if it were idle: Ray
+    leaves such an actor pending ("infeasible") without failing it, so the stage would only fail once
+    runtime.stage_start_timeout_s ran out. An actor runs on one node, so a demand counts against each
+    node's total, not the cluster's sum. A demand some node holds, but not now (its resources taken by
+    other actors), is left to Ray: it is placed when they are freed, or times out as before. An autoscaling
+    cluster adds nodes for pending actors: runtime.wait_for_nodes skips this check (the error says so)."""
+    nodes = [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
+    for stage in stages:
+        demand = _demand(stage)
+        if not demand or any(_holds(node, demand) for node in nodes):
+            continue
+        where = f"stage {stage.name!r}"
+        for key, (amount, field) in demand.items():  # a resource no node has enough of
+            most = max((node.get(key, 0.0) for node in nodes), default=0.0)
+            if amount > most + 1e-9:
+                raise StageStartError(
+                    f"{where}: {field}: the stage's actor asks for {amount:g} {key}, but no node of the Ray "
+                    f"cluster has that many (the most any of its {len(nodes)} node(s) has: {most:g}); an actor "
+                    f"runs on one node: lower {field} or add a node that has it (on an autoscaling cluster, "
+                    f"runtime.wait_for_nodes: true waits up to stage_start_timeout_s for one)",
+                    stage=stage.name, field=field, code="insufficient_resources", limit=most, actual=amount)
+        # Every resource is on some node, never all of them on one.
+        wanted = ", ".join(f"{amount:g} {key}" for key, (amount, _) in demand.items())
+        have = "; ".join(", ".join(f"{node.get(key, 0.0):g} {key}" for key in demand) for node in nodes)
+        raise StageStartError(
+            f"{where}: resources: the stage's actor asks for {wanted} on one node, but no node of the Ray "
+            f"cluster has all of it (its nodes: {have}; on an autoscaling cluster, runtime.wait_for_nodes: "
+            f"true waits up to stage_start_timeout_s for one)", stage=stage.name, field="resources",
+            code="insufficient_resources")
 
 
 def _actor_name(pipeline: str, stage: StageConfig, replica: int, tag: str) -> str:
