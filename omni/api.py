@@ -199,6 +199,13 @@ class Omni:
             reserve = max(reserve, stage.sampling.max_tokens + max(0, entry_len - own_len) + _MARKER_SLACK)
         return reserve
 
+    def min_spoken_tokens(self) -> int:
+        """The fewest tokens a reply of the entry stage must have for the stages after it to voice it as it is
+        generated: the most any stage's stats ask of its input (`min_upstream_tokens`; a talker's 2: it voices its
+        thinker's reply from the thinker's rows of the reply's tokens, and the token sampled last has no row);
+        1 when no stage asks."""
+        return max([1] + [int(s.get("min_upstream_tokens") or 1) for s in self.stats()["stages"].values()])
+
     def shows_tools(self) -> bool | None:
         """Whether a request's `tools` reach the entry stage's model (its stats' `shows_tools`: False for a model
         whose own prompt format has no tools, which refuses them); None when the stage does not say (a chat

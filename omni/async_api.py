@@ -120,6 +120,10 @@ class AsyncOmni:
         """Omni.context_reserve() (blocking, as voices())."""
         return self._omni.context_reserve()
 
+    def min_spoken_tokens(self) -> int:
+        """Omni.min_spoken_tokens() (blocking, as voices())."""
+        return self._omni.min_spoken_tokens()
+
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 

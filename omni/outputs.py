@@ -116,6 +116,10 @@ class StageOutput:
     # them the prefix cache held (usage's audio / image / cached token details)
     prompt_mm_tokens: dict[str, int] = field(default_factory=dict)
     cached_mm_tokens: dict[str, int] = field(default_factory=dict)
+    # On a final stage's output (the orchestrator sets it): the tokens each stage this one takes its input from
+    # generated for the request, by stage name. A vocoder's output is the only one the caller gets of a talker's
+    # work, so this is where the talker's codec tokens reach usage (OpenAI's audio tokens).
+    upstream_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

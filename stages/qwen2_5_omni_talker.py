@@ -184,7 +184,10 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"voices": sorted(self.speakers)}  # what `omni serve` checks a request's voice against
+        # voices: what `omni serve` checks a request's voice against; min_upstream_tokens: reply row k is the thinker's
+        # hidden state of token k, which exists once token k + 1 is sampled, so a reply of one token has no row
+        # (preprocess refuses it; `omni serve` voices such a reply by forcing its text and eos: Omni.min_spoken_tokens)
+        return {"voices": sorted(self.speakers), "min_upstream_tokens": 2}
 
     @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:

@@ -131,7 +131,10 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             self.tts_bos, self.tts_eos, self.tts_pad = talker.text_projection(thinker_embed(ids))[0]
 
     def stats(self) -> dict[str, Any]:
-        return {"voices": sorted(self.config.speaker_id or {})}  # what `omni serve` checks a request's voice against
+        # voices: what `omni serve` checks a request's voice against; min_upstream_tokens: as transformers builds the
+        # talker's prompt, the row of the thinker's last token is never used, so a reply of one token has none to
+        # voice (preprocess refuses it; `omni serve` voices it by forcing its text and eos: Omni.min_spoken_tokens)
+        return {"voices": sorted(self.config.speaker_id or {}), "min_upstream_tokens": 2}
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,

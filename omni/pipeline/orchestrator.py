@@ -15,7 +15,9 @@ an opaque *handle* per (stage, request) (the StageOutput itself in-process, an
 ObjectRef on Ray) plus a small *summary* (error, text, tokens; heavy arrays
 only for final stages). The downstream stage's worker applies its input
 processor to the upstream outputs where it runs (stage_worker.py), so tensors
-go stage-to-stage directly.
+go stage-to-stage directly. What it does read of a summary, the number of tokens the stage
+generated, rides on the outputs of the final stages fed by it (StageOutput.upstream_tokens:
+a talker's codec tokens on its vocoder's output, usage's audio tokens).
 
 Request ids are unique among the requests in flight: checked here (and by each
 stage's scheduler); a finished or aborted id may be reused.
@@ -66,6 +68,8 @@ class _Req:
     inputs: dict[str, Any] = field(default_factory=dict)  # upstream handles of a stage that may be retried
     retried: set[str] = field(default_factory=set)  # stages it was sent to a second replica of
     streamed: set[str] = field(default_factory=set)  # stages whose deltas reached the caller
+    generated: dict[str, int] = field(default_factory=dict)  # finished stage -> the tokens it generated
+    held: list[str] = field(default_factory=list)  # final stages whose outputs wait for their inputs' counts
 
 
 class Orchestrator:
@@ -258,10 +262,11 @@ class Orchestrator:
             self._fail(ev.request_id, st, ev.stage,
                        err.replace(f"stage {ev.stage!r} failed: {err.message}", stage=err.stage or ev.stage))
             return
+        st.generated[ev.stage] = len(out.token_ids)
         if self.graph.is_final(ev.stage):
             st.outputs[ev.stage] = out
-            if st.stream:
-                self._push_event(ev.request_id, out)
+            st.held.append(ev.stage)
+        self._release_finals(ev.request_id, st)
         st.handles[ev.stage] = ev.handle
         for d in self.graph.downstream[ev.stage]:
             ups = self.graph.upstream[d]
@@ -277,6 +282,21 @@ class Orchestrator:
             self._counts["finished"] += 1
             outputs = {n: st.outputs[n] for n in self.graph.final_stages}
             self._results[ev.request_id] = RequestOutput(ev.request_id, _prompt_of(st.request), outputs)
+
+    def _release_finals(self, rid: str, st: _Req) -> None:
+        """Final outputs whose input stages have all finished get their `upstream_tokens` (how the talker's codec
+        token count reaches the caller: the talker is no final stage) and go to a streaming caller. One waits here
+        while an input has not: on Ray a consumer on a streaming edge may be polled finished before its producer
+        (two actors, no order between their events), and its output must not leave without that count."""
+        for stage in list(st.held):
+            inputs = self.graph.upstream[stage]
+            if not all(u in st.finished for u in inputs):
+                continue
+            st.held.remove(stage)
+            out = st.outputs[stage]
+            out.upstream_tokens = {u: st.generated.get(u, 0) for u in inputs}
+            if st.stream:
+                self._push_event(rid, out)
 
     def _push_event(self, rid: str, item: StageDelta | StageOutput) -> None:
         """Queue an item for the caller. Deltas of one stage that the caller has not taken yet are

@@ -51,7 +51,7 @@ def _error(err: ApiError) -> JSONResponse:
 def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAPI:
     settings = settings or ServeSettings()
     info = PipelineInfo.of(omni.config, settings.served_model_name, omni.voices(), omni.shows_tools(),
-                           omni.context_reserve())
+                           omni.context_reserve(), omni.min_spoken_tokens())
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state

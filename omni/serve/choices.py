@@ -64,6 +64,10 @@ class Choices:
         return sum(r.completion_tokens for r in self.runs)
 
     @property
+    def audio_tokens(self) -> int:
+        return sum(r.audio_tokens for r in self.runs)
+
+    @property
     def cached_tokens(self) -> int | None:
         known = [r.cached_tokens for r in self.runs if r.cached_tokens is not None]
         return min(known) if known else None

@@ -232,7 +232,9 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         vllm = req.omni_stream_format == "vllm-omni"
         text_mod = "text" if vllm else None
         audio_ids = [R.new_id("audio") for _ in run.runs]
-        speaks = run.job.audio_stage is not None and not vllm  # the text is also the audio's transcript
+        # the text is also the audio's transcript (a reply voiced once its text is whole too, unless it may be a call)
+        job = run.job
+        speaks = (job.audio_stage is not None or (job.voice_after is not None and job.tool_parser is None)) and not vllm
         chunk = lambda delta, **kw: R.chat_chunk(rid, model, created, delta, **kw)  # noqa: E731
         for index in range(len(run.runs)):
             yield chunk({"role": "assistant", "content": ""}, modality=text_mod, index=index)

@@ -40,7 +40,7 @@ from omni.serve.responses import input_token_details
 from omni.serve.time_stretch import TimeStretch
 from omni.serve.tool_parser import ToolCallStream
 from omni.serve.tools import force_call, reply_tool_calls
-from omni.serve.translate import Job
+from omni.serve.translate import Job, voice_short_replies
 
 logger = logging.getLogger(__name__)
 RATE = 24000  # the protocol's pcm16 rate
@@ -108,6 +108,7 @@ class RealtimeResponse:
         elif self.tool_parser is not None:
             job.tool_parser = self.tool_parser
             job.voice_after, job.audio_stage = job.audio_stage, None  # a call has no speech
+        voice_short_replies(job, info)
         return job
 
     def outputs(self) -> list[dict[str, Any]]:
@@ -123,12 +124,15 @@ class RealtimeResponse:
                                "audio": {"output": {"format": format_shape(self.audio_format),
                                                     "voice": self.voice}}, "usage": None}
         if run is not None:
-            # The text stage's counts, its prompt split by kind (text, audio, image placeholders); cached_tokens
-            # is its prefix-cache hit (unknown, 0, for a response cancelled before the stage finished).
-            out["usage"] = {"total_tokens": run.prompt_tokens + run.completion_tokens,
-                            "input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
+            # The text stage's prompt split by kind (text, audio, image placeholders); cached_tokens is its
+            # prefix-cache hit (unknown, 0, for a response cancelled before the stage finished). The output is the
+            # reply's text tokens and its audio's codec tokens (0 until the audio stage finished).
+            output = run.completion_tokens + run.audio_tokens
+            out["usage"] = {"total_tokens": run.prompt_tokens + output,
+                            "input_tokens": run.prompt_tokens, "output_tokens": output,
                             "input_token_details": input_token_details(run),
-                            "output_token_details": {"text_tokens": run.completion_tokens, "audio_tokens": 0}}
+                            "output_token_details": {"text_tokens": run.completion_tokens,
+                                                     "audio_tokens": run.audio_tokens}}
         return out
 
     async def run(self, job: Job) -> None:

@@ -17,7 +17,9 @@ the deltas already carried (the whole waveform of a one-shot stage).
 A reply that may be a tool call and is to be spoken (chat's tool_choice "auto" with audio out, Job.voice_after)
 runs text only; once its text is whole and holds no call, a second request voices it: the same prompt (a
 prefix-cache hit) with the text stage's reply forced to that text, the audio stage's audio then follows the
-text. A call is never voiced (it has no speech).
+text. A call is never voiced (it has no speech). A spoken reply bounded to fewer tokens than the audio stages
+can voice (translate.voice_short_replies) is voiced that way too: the forced reply is its text and an
+end-of-sequence token, enough for the talker, which voices every reply token but the last.
 """
 from __future__ import annotations
 
@@ -98,7 +100,9 @@ class Run:
         self.text = ""  # the reply's text so far (stop strings applied)
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # the text stage's reply
+        # The codec tokens the reply's audio was decoded from (its talker's, voicing included): OpenAI's audio tokens
+        self.audio_tokens = 0
         self.cached_tokens: int | None = None  # known once the text stage finished
         # the prompt's audio / image placeholder tokens, and those of them the cache held (known with cached_tokens)
         self.prompt_mm_tokens: dict[str, int] = {}
@@ -160,7 +164,8 @@ class Run:
                 raise internal("the pipeline ended the request before its reply was complete")
         finally:
             await self.aclose()
-        if self.job.voice_after is not None and self.text.strip() and parse_tool_calls(self.text)[1] is None:
+        if (self.job.voice_after is not None and self.text.strip()
+                and (self.job.tool_parser is None or parse_tool_calls(self.text)[1] is None)):
             async for ev in self._voiced():
                 yield ev
 
@@ -171,9 +176,10 @@ class Run:
         stage = job.usage_stage
         sampling = {s: dict(p) for s, p in job.sampling.items() if s != stage}
         sampling[stage] = {"forced_text": self.text}
+        where = job.fields.get("prompt", "messages")  # what holds the reply's text: chat's messages, a conversation
         voice = dataclasses.replace(job, request_id=f"{job.request_id}-voice", sampling=sampling, text_stage=None,
                                     audio_stage=job.voice_after, voice_after=None, tool_parser=None, stops=[],
-                                    fields={**job.fields, "forced_text": "messages", "max_tokens": "messages"})
+                                    fields={**job.fields, "forced_text": where, "max_tokens": where})
         self._voice = run = Run(self.omni, voice, self.default_rate)
         self.voiced = True
         try:
@@ -184,6 +190,7 @@ class Run:
                         self.observer.first_audio(time.monotonic() - self.t0)
                     self._audio_seen = True
                     yield ev
+            self.audio_tokens = run.audio_tokens  # the voicing's thinker tokens were forced: the reply counts once
         finally:
             self._voice = None
             await run.aclose()
@@ -241,6 +248,9 @@ class Run:
                 self.logprobs = item.logprobs  # all of them (deltas carried them too, when it streamed)
             self.prompt_logprobs = item.prompt_logprobs
             self.prompt_text, self.prompt_token_texts = item.prompt_text, item.prompt_token_texts
+        if item.stage == job.audio_stage:
+            # what the stages feeding the audio stage generated (the text stage's own reply is text, not audio)
+            self.audio_tokens = sum(n for stage, n in item.upstream_tokens.items() if stage != job.usage_stage)
         if item.stage == job.audio_stage and item.audio is not None:
             full = np.asarray(item.audio, dtype=np.float32).reshape(-1)
             out += self._audio(full[self._audio_sent:], item.passthrough.get("sampling_rate"))

@@ -22,7 +22,7 @@ from omni.serve.audio import encode_wav, to_pcm16
 from omni.serve.tool_parser import parse_tool_calls
 from omni.serve.tools import reply_tool_calls
 
-Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completion_tokens, cached_tokens
+Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completion_tokens, audio_tokens, cached_tokens
 
 AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field; this server keeps nothing)
 
@@ -44,9 +44,19 @@ def input_token_details(run: Usage) -> dict[str, Any]:
                                       "image_tokens": c_image}}
 
 
+def speaks(run: Usage) -> bool:
+    """Whether the reply was asked for audio (at once, or voiced once its text is whole)."""
+    return run.job.audio_stage is not None or run.job.voice_after is not None
+
+
 def usage(run: Usage) -> dict[str, Any]:
-    u: dict[str, Any] = {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
-                         "total_tokens": run.prompt_tokens + run.completion_tokens}
+    """OpenAI's chat usage: the completion is the reply's text tokens and, for a spoken reply, its audio tokens
+    (the talker's codec tokens), each also in completion_tokens_details."""
+    completion = run.completion_tokens + run.audio_tokens
+    u: dict[str, Any] = {"prompt_tokens": run.prompt_tokens, "completion_tokens": completion,
+                         "total_tokens": run.prompt_tokens + completion}
+    if speaks(run):
+        u["completion_tokens_details"] = {"text_tokens": run.completion_tokens, "audio_tokens": run.audio_tokens}
     if run.cached_tokens is not None:  # unknown when a stop string ended the text early
         u["prompt_tokens_details"] = {"cached_tokens": run.cached_tokens,
                                       "audio_tokens": run.prompt_mm_tokens.get("audio", 0)}

@@ -11,7 +11,8 @@ Replies:
                                      audio, the other formats once the waveform is complete
     stream_format "sse"              `speech.audio.delta` events (base64 `audio`: pcm16 chunks as they come
                                      for `pcm`, the whole file in one delta otherwise), then `speech.audio.done`
-                                     with the usage (the thinker's prompt and reply tokens)
+                                     with the usage (input: the thinker's prompt and forced reply
+                                     tokens; output: the talker's codec tokens)
 
 Errors before any audio (a bad field, an unknown voice the talker refuses, an encoder this build lacks)
 are HTTP errors naming the field: a streamed reply starts only once its first audio exists. `aac` is refused.
@@ -118,8 +119,10 @@ def _sse(payload: dict[str, Any]) -> dict[str, str]:
 
 
 def _usage(run: Run) -> dict[str, int]:
-    return {"input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
-            "total_tokens": run.prompt_tokens + run.completion_tokens}
+    """OpenAI's speech usage: the input is what the thinker read (its prompt, and its reply forced to `input`:
+    nothing of it sampled), the output what was generated, the talker's codec tokens (OpenAI's audio tokens)."""
+    read = run.prompt_tokens + run.completion_tokens
+    return {"input_tokens": read, "output_tokens": run.audio_tokens, "total_tokens": read + run.audio_tokens}
 
 
 class _Reply:

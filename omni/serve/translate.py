@@ -46,15 +46,18 @@ class PipelineInfo:
     shows_tools: bool | None = None
     # Tokens of the text stage's context a spoken reply leaves free for the stages after it (Omni.context_reserve)
     context_reserve: int = 0
+    # The fewest tokens of a text-stage reply the stages after it can voice as it is generated
+    # (Omni.min_spoken_tokens: 2 for a talker, which voices every reply token but the last)
+    min_spoken_tokens: int = 1
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),
-           shows_tools: bool | None = None, context_reserve: int = 0) -> "PipelineInfo":
+           shows_tools: bool | None = None, context_reserve: int = 0, min_spoken_tokens: int = 1) -> "PipelineInfo":
         finals = {s.name: s.final_output for s in config.stages}
         first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
         entry = next(s.name for s in config.stages if not s.inputs)
         return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"),
-                   tuple(voices), shows_tools, context_reserve)
+                   tuple(voices), shows_tools, context_reserve, min_spoken_tokens)
 
     def unknown_voice(self, voice: str | None, field: str) -> str | None:
         """Why `voice` cannot be spoken (the message, naming `field`), or None: checked before any stage runs,
@@ -90,7 +93,8 @@ class Job:
     # chat's tool_choice "auto": the format the reply's calls are read in (tool_parser.py); None: not read
     tool_parser: str | None = None
     # tool_choice "auto" with audio out: the audio stage that voices the reply once its whole text is known to
-    # hold no tool call (a call has no speech); the request itself runs text only (reply_stream.Run)
+    # hold no tool call (a call has no speech); the request itself runs text only (reply_stream.Run). Also a
+    # spoken reply bounded below what the audio stages voice as it comes (voice_short_replies)
     voice_after: str | None = None
 
     def sampling_param(self, stage: str, name: str) -> str:
@@ -211,7 +215,19 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
         job.tool_parser = settings.tool_call_parser
         if job.audio_stage is not None:
             job.voice_after, job.audio_stage = job.audio_stage, None
+    voice_short_replies(job, info)
     return job
+
+
+def voice_short_replies(job: Job, info: PipelineInfo) -> None:
+    """A spoken reply whose max_tokens is below info.min_spoken_tokens runs text only and is voiced once its text
+    is whole (Job.voice_after): a talker voices the thinker's reply from the thinker's rows of its tokens, and
+    the row of the last token sampled is never computed, so a one-token reply has nothing it could take
+    (transformers' generate fails on it too). Its voicing forces the thinker's reply to that text and an
+    end-of-sequence token: the talker then voices the whole text, what the user reads is what they hear."""
+    bound = job.sampling.get(job.usage_stage, {}).get("max_tokens")
+    if job.audio_stage is not None and isinstance(bound, int) and bound < info.min_spoken_tokens:
+        job.voice_after, job.audio_stage = job.audio_stage, None
 
 
 def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str) -> Job:

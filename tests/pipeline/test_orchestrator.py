@@ -153,6 +153,59 @@ def test_stream_yields_final_outputs_as_stages_finish(chain):
     assert len(bad) == 1 and bad[0].stage == "thinker" and "fake stage error" in bad[0].error.message
 
 
+def test_final_outputs_carry_what_their_input_stages_generated():
+    """The chain's talker output says how many tokens its thinker generated (a vocoder's says its talker's: usage's
+    audio tokens), in generate's outputs and in a stream; the entry stage's has no inputs."""
+    with Omni(chain_config(), engine_factory=fake_factory) as o:
+        [out] = o.generate("hi", use_tqdm=False)
+        streamed = [ev for ev in o.stream("hi") if isinstance(ev, StageOutput)]
+    assert out.outputs["talker"].upstream_tokens == {"thinker": 3} and out.outputs["thinker"].upstream_tokens == {}
+    assert [(e.stage, e.upstream_tokens) for e in streamed] == [("thinker", {}), ("talker", {"thinker": 3})]
+
+
+def test_a_final_output_polled_before_its_producer_waits_for_its_count():
+    """On Ray a consumer on a streaming edge may be polled finished before its producer (two actors, no order
+    between their events): its output reaches the caller only once the producer's count is known, with it."""
+    from omni.config_loader import load_config
+    from omni.pipeline.backend import StageEvent
+    from omni.pipeline.graph import StageGraph
+    from omni.pipeline.orchestrator import Orchestrator
+
+    cfg = load_config({"name": "voice", "runtime": {"backend": "local"}, "stages": [
+        stage("thinker", final_output="text"), stage("talker", inputs=["thinker"]),
+        stage("vocoder", inputs=[{"stage": "talker", "stream": True}], final_output="audio")]})
+
+    class Scripted:  # the events the test hands it, in its order
+        def __init__(self):
+            self.submitted, self.events = [], []
+
+        def submit(self, sub):
+            self.submitted.append(sub.stage)
+
+        def poll(self, timeout_s):
+            events, self.events = self.events, []
+            return events
+
+        def abort(self, stage, request_id, replica=0):
+            pass
+
+    backend = Scripted()
+    orch = Orchestrator(StageGraph(cfg.stages), backend)
+    orch.add_request(StageInput("r", prompt="hi"), stream=True)
+    done = lambda stage, n: StageEvent(stage, "r", StageOutput("r", stage, token_ids=list(range(n))))  # noqa: E731
+    backend.events = [done("thinker", 4)]
+    orch.step()
+    assert backend.submitted == ["thinker", "talker", "vocoder"]
+    assert [(e.stage, e.upstream_tokens) for e in orch.pop_events("r")] == [("thinker", {})]
+    backend.events = [done("vocoder", 0)]
+    orch.step()
+    assert orch.pop_events("r") == [] and not orch.is_done("r")  # held: the talker's count is not known yet
+    backend.events = [done("talker", 7)]
+    orch.step()
+    assert [(e.stage, e.upstream_tokens) for e in orch.pop_events("r")] == [("vocoder", {"talker": 7})]
+    assert orch.pop_result("r").outputs["vocoder"].upstream_tokens == {"talker": 7}
+
+
 def test_stream_close_aborts_the_rest():
     with Omni(chain_config(), engine_factory=fake_factory) as o:
         it = o.stream(["a", "__hang__"])

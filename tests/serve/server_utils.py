@@ -204,6 +204,29 @@ def held(server: Any, stage: str, after_steps: int = 0,
         del engine.step  # the class's step again
 
 
+@contextlib.contextmanager
+def produced(server: Any, stage: str) -> Iterator[dict[str, list[int]]]:
+    """While inside: request id -> the token ids `stage` generated for it, read off its engine's finished outputs
+    (local backend, in this process; aborted requests are not in it): what usage must count."""
+    omni = getattr(server, "omni", None) or server
+    engine = omni._omni._backend.workers[stage].engine
+    real_step = engine.step
+    got: dict[str, list[int]] = {}
+
+    def step() -> Any:
+        out = real_step()
+        for o in out.finished:
+            if o.error is None:
+                got[o.request_id] = list(o.token_ids)
+        return out
+
+    engine.step = step
+    try:
+        yield got
+    finally:
+        del engine.step
+
+
 def generating(n: int) -> Callable[[Any], bool]:
     """For `held(until=...)`: `n` requests of the stage have sampled at least one token."""
     return lambda engine: sum(r.num_output_tokens > 0 for r in engine.scheduler.running) >= n

@@ -14,7 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.server_utils import OMNI, REPO, serve_in_process, wait_idle
+from tests.serve.server_utils import OMNI, REPO, produced, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "qwen2_5_omni_tiny"
@@ -93,6 +93,66 @@ def test_text_only_reply_skips_the_audio_stages(server, client):
     assert r.choices[0].message.content and r.choices[0].message.audio is None
     m = server.metrics()
     assert m.get(("omni_time_to_first_token_seconds_count", (("stage", "thinker"),)), 0) >= 1
+    wait_idle(server)
+
+
+def check_spoken_usage(usage, thinker: dict[str, list[int]], talker: dict[str, list[int]]) -> None:
+    """OpenAI's usage of a spoken reply: completion_tokens = the text's tokens + the audio's, the audio's being the
+    codec tokens the talker generated (`thinker` / `talker`: what each stage generated, `server_utils.produced`)."""
+    (text,), (codes,) = thinker.values(), talker.values()
+    details = usage.completion_tokens_details
+    assert (details.text_tokens, details.audio_tokens) == (len(text), len(codes)) and len(codes) > 0
+    assert usage.completion_tokens == len(text) + len(codes)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_usage_counts_the_talkers_codec_tokens_as_audio_tokens(server, client):
+    """Non-streamed, and in the streamed usage chunk (stream_options.include_usage); a text-only reply has none."""
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+        full = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT)
+    check_spoken_usage(full.usage, thinker, talker)
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
+                                                     stream_options={"include_usage": True}, **PCM_OUT))
+    check_spoken_usage(chunks[-1].usage, thinker, talker)
+    text = client.chat.completions.create(model=MODEL, messages=HELLO)
+    assert text.usage.completion_tokens == full.usage.completion_tokens_details.text_tokens  # greedy: the same text
+    wait_idle(server)
+
+
+def test_a_one_token_spoken_reply_is_voiced(server, client):
+    """max_completion_tokens 1 with audio out: the talker voices a thinker reply from the thinker's rows of its
+    tokens, and the token sampled last has none (transformers' generate fails on a one-token reply too), so the
+    reply's text is voiced once it is whole: the thinker's reply forced to that text and eos. The reply is cut by
+    its bound ("length"), speaks, and its usage counts its one text token and the voicing's codec tokens."""
+    tokenizer = server.omni._omni._backend.workers["thinker"].engine.tokenizer
+    eos = server.omni._omni._backend.workers["thinker"].engine.model.eos_token_id
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=1, **AUDIO_OUT)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content
+    assert choice.message.audio.transcript == choice.message.content
+    samples, _ = wav_samples(base64.b64decode(choice.message.audio.data))
+    assert samples.size > 0
+    (reply,) = [ids for rid, ids in thinker.items() if not rid.endswith("-voice")]
+    assert len(reply) == 1  # the bound reached the thinker
+    voiced = thinker[next(rid for rid in thinker if rid.endswith("-voice"))]
+    assert voiced == tokenizer.encode(choice.message.content, add_special_tokens=False) + [eos]
+    (codes,) = talker.values()
+    details = r.usage.completion_tokens_details
+    assert (details.text_tokens, details.audio_tokens) == (1, len(codes))
+    assert r.usage.completion_tokens == 1 + len(codes)
+    # streamed: the text (also the audio's transcript, as OpenAI streams an audio reply's text), then its audio
+    text, transcript, pcm = "", "", b""
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=1, stream=True,
+                                                **PCM_OUT):
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        if delta.audio is not None:
+            transcript += getattr(delta.audio, "transcript", None) or ""
+            pcm += base64.b64decode(getattr(delta.audio, "data", None) or "")
+    assert text == transcript == choice.message.content
+    np.testing.assert_array_equal(np.frombuffer(pcm, "<i2"), samples)
     wait_idle(server)
 
 

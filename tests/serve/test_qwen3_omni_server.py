@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-from tests.serve.server_utils import REPO, serve_in_process, wait_idle
-from tests.serve.test_omni_server import png_url, stereo_wav_b64
+from tests.serve.server_utils import REPO, produced, serve_in_process, wait_idle
+from tests.serve.test_omni_server import check_spoken_usage, png_url, stereo_wav_b64
 
 pytestmark = pytest.mark.timeout(300)
 CONFIG = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"
@@ -52,6 +52,39 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
             chunks.append(np.frombuffer(base64.b64decode(delta.audio.data), "<i2"))
     assert text == msg.content and len(chunks) >= 2
     np.testing.assert_array_equal(np.concatenate(chunks), samples)
+    wait_idle(server)
+
+
+def test_usage_counts_the_talkers_codec_tokens_and_a_one_token_reply_is_voiced(server, client):
+    """As on Qwen2.5-Omni (test_omni_server.py): usage's audio tokens are the codec tokens the talker generated (one
+    per frame, its first codebook: the code predictor's residual codes ride on those positions), non-streamed and in
+    the streamed usage chunk; max_completion_tokens 1 with audio out (transformers' generate fails on a one-token
+    reply: its talker prompt takes the row of the reply's first token, which exists once a second is sampled) is
+    voiced once its text is whole, the thinker's reply forced to that text and eos."""
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+        full = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT)
+    check_spoken_usage(full.usage, thinker, talker)
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
+                                                     stream_options={"include_usage": True}, **PCM_OUT))
+    check_spoken_usage(chunks[-1].usage, thinker, talker)
+
+    engine = server.omni._omni._backend.workers["thinker"].engine
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=1, **AUDIO_OUT)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content
+    assert choice.message.audio.transcript == choice.message.content
+    with wave.open(io.BytesIO(base64.b64decode(choice.message.audio.data))) as w:
+        assert w.getnframes() > 0
+    voiced = thinker.pop(next(rid for rid in thinker if rid.endswith("-voice")))
+    assert [len(ids) for ids in thinker.values()] == [1]
+    forced = engine.tokenizer.encode(choice.message.content, add_special_tokens=False) + [engine.model.eos_token_id]
+    assert voiced == forced  # the voicing's thinker reply: the text and eos
+    (codes,) = talker.values()
+    details = r.usage.completion_tokens_details
+    assert (details.text_tokens, details.audio_tokens) == (1, len(codes))
+    assert r.usage.completion_tokens == 1 + len(codes)
     wait_idle(server)
 
 
@@ -105,6 +138,18 @@ def test_realtime_spoken_turns_on_qwen3_omni(server):
             second = (await until(conn, "response.done")).response
             assert ran_to_its_end(second)
             assert second.usage.input_token_details.cached_tokens >= (first.usage.input_tokens // 16 - 1) * 16 > 0
+            # a spoken reply bounded to one token: voiced (its text forced with eos), "incomplete" by its bound
+            seen = []
+            with produced(server, "talker") as talker:
+                await conn.response.create(response={"max_output_tokens": 1})
+                short = (await until(conn, "response.done", seen)).response
+            assert short.status == "incomplete" and short.status_details.reason == "max_output_tokens"
+            assert short.output[0].content[0].transcript and not any(e.type == "error" for e in seen)
+            assert any(e.type == "response.output_audio.delta" for e in seen)
+            (codes,) = talker.values()
+            details = short.usage.output_token_details
+            assert (details.text_tokens, details.audio_tokens) == (1, len(codes))
+            assert short.usage.output_tokens == 1 + len(codes)
         finally:
             await conn.close()
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.serve.realtime_utils import pcm16, ran_to_its_end, speech_24k, types, until
-from tests.serve.server_utils import OMNI, generating, held, serve_in_process, wait_idle
+from tests.serve.server_utils import OMNI, generating, held, produced, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "qwen2_5_omni_tiny"
@@ -87,7 +87,8 @@ def test_spoken_turn_then_a_cached_second_turn(server):
             d2 = r2.usage.input_token_details  # the clip is inside the cached prefix: its 75 tokens are cached
             assert d2.audio_tokens == 75 and d2.cached_tokens_details.audio_tokens == 75
             assert d2.cached_tokens_details.text_tokens == d2.cached_tokens - 75
-            assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
+            # (the reply's text tokens: its audio's codec tokens are output, never in a prompt)
+            assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_token_details.text_tokens
             assert committed.item_id != r1.output[0].id
         finally:
             await conn.close()
@@ -96,6 +97,52 @@ def test_spoken_turn_then_a_cached_second_turn(server):
     m = server.metrics()
     assert m[("omni_realtime_turn_latency_seconds_count", ())] >= 1
     assert server.stage_gauges("omni_stage_prefix_cache_hits_total")["talker"] > 0
+
+
+def test_usage_counts_the_audio_and_a_one_token_reply_is_voiced(server):
+    """response.done's usage: output_tokens = the reply's text tokens + its audio's, the codec tokens the talker
+    generated (output_token_details). max_output_tokens 1 on a spoken reply: the talker voices a thinker reply
+    from the thinker's rows of its tokens and the token sampled last has none (transformers' generate fails on a
+    one-token reply too), so the reply's text is voiced once whole, the thinker's reply forced to it and eos: the
+    response ends "incomplete" (its bound), with its one token's text and that text's audio, never "failed"."""
+    tokenizer = server.omni._omni._backend.workers["thinker"].engine.tokenizer
+    eos = server.omni._omni._backend.workers["thinker"].engine.model.eos_token_id
+
+    async def turn(conn, **response):
+        seen: list = []
+        with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
+            await _text_item(conn, "Hello there")
+            await conn.response.create(**({"response": response} if response else {}))
+            done = (await until(conn, "response.done", seen)).response
+        return seen, done, thinker, talker
+
+    async def go():
+        conn = await _connect(server)
+        try:
+            seen, done, thinker, talker = await turn(conn)
+            assert ran_to_its_end(done), done.status_details
+            (text,), (codes,) = thinker.values(), talker.values()
+            u = done.usage
+            assert (u.output_token_details.text_tokens, u.output_token_details.audio_tokens) == (len(text), len(codes))
+            assert u.output_tokens == len(text) + len(codes) and u.total_tokens == u.input_tokens + u.output_tokens
+
+            seen, done, thinker, talker = await turn(conn, max_output_tokens=1)
+            assert done.status == "incomplete" and done.status_details.reason == "max_output_tokens"
+            transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+            assert transcript and done.output[0].content[0].transcript == transcript
+            assert _audio(seen).size > 0 and not any(e.type == "error" for e in seen)
+            (reply,) = [ids for rid, ids in thinker.items() if not rid.endswith("-voice")]
+            assert len(reply) == 1
+            voiced = thinker[next(rid for rid in thinker if rid.endswith("-voice"))]
+            assert voiced == tokenizer.encode(transcript, add_special_tokens=False) + [eos]
+            (codes,) = talker.values()
+            u = done.usage
+            assert (u.output_token_details.text_tokens, u.output_token_details.audio_tokens) == (1, len(codes))
+            assert u.output_tokens == 1 + len(codes)
+        finally:
+            await conn.close()
+    run(go())
+    wait_idle(server)
 
 
 def test_cancel_mid_response(server):
@@ -530,7 +577,7 @@ def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
             assert ran_to_its_end(done), done.status_details
             # the prompt left the talker (its 32 tokens, a few markers) room: the thinker's reserve
             assert server.omni.context_reserve() == 32 + 8
-            assert 1000 < done.usage.input_tokens <= 2048 - 40 - done.usage.output_tokens
+            assert 1000 < done.usage.input_tokens <= 2048 - 40 - done.usage.output_token_details.text_tokens
             assert done.usage.input_token_details.audio_tokens < 1100
             await conn.conversation.item.retrieve(item_id=first_user)
             assert (await until(conn, "conversation.item.retrieved")).item.id == first_user

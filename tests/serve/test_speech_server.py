@@ -13,7 +13,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.serve.server_utils import OMNI, serve_in_process, wait_idle
+from tests.serve.server_utils import OMNI, produced, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "qwen2_5_omni_tiny"
@@ -99,10 +99,11 @@ def test_streamed_pcm_arrives_in_chunks_and_equals_the_wav(client, reference):
     np.testing.assert_array_equal(np.frombuffer(b"".join(chunks), "<i2"), samples)
 
 
-def test_sse_deltas_and_done_with_usage(client, reference):
+def test_sse_deltas_and_done_with_usage(server, client, reference):
     samples, _ = reference
     events = []
-    with client.audio.speech.with_streaming_response.create(
+    with produced(server, "thinker") as thinker, produced(server, "talker") as talker, \
+            client.audio.speech.with_streaming_response.create(
             model=MODEL, input=TEXT, voice="Chelsie", response_format="pcm", stream_format="sse") as resp:
         for line in resp.iter_lines():
             if line.startswith("data:"):
@@ -112,9 +113,12 @@ def test_sse_deltas_and_done_with_usage(client, reference):
     audio = b"".join(base64.b64decode(d["audio"]) for d in deltas)
     np.testing.assert_array_equal(np.frombuffer(audio, "<i2"), samples)
     usage = events[-1]["usage"]
-    assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    # the thinker's reply: the input's tokens and eos
-    assert usage["output_tokens"] >= 5
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    # generated: the audio, the talker's codec tokens (OpenAI's speech output tokens are audio tokens); read: the
+    # thinker's prompt and its reply forced to the input (the input's tokens and eos, nothing of it sampled)
+    (codes,), (forced,) = talker.values(), thinker.values()
+    assert usage["output_tokens"] == len(codes) > 0
+    assert usage["input_tokens"] > len(forced) >= 5
     # SSE with a file format: the whole file in one delta
     with client.audio.speech.with_streaming_response.create(
             model=MODEL, input=TEXT, voice="Chelsie", response_format="wav", stream_format="sse") as resp:
