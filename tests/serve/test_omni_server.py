@@ -106,15 +106,22 @@ def check_spoken_usage(usage, thinker: dict[str, list[int]], talker: dict[str, l
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_usage_counts_the_talkers_codec_tokens_as_audio_tokens(server, client):
-    """Non-streamed, and in the streamed usage chunk (stream_options.include_usage); a text-only reply has none."""
+def check_usage_streamed_and_not(server, client, model: str, wav_out: dict, pcm_out: dict):
+    """check_spoken_usage on a reply non-streamed and on the streamed usage chunk (stream_options.include_usage);
+    returns the non-streamed completion."""
     with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
-        full = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT)
+        full = client.chat.completions.create(model=model, messages=HELLO, **wav_out)
     check_spoken_usage(full.usage, thinker, talker)
     with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
-        chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
-                                                     stream_options={"include_usage": True}, **PCM_OUT))
+        chunks = list(client.chat.completions.create(model=model, messages=HELLO, stream=True,
+                                                     stream_options={"include_usage": True}, **pcm_out))
     check_spoken_usage(chunks[-1].usage, thinker, talker)
+    return full
+
+
+def test_usage_counts_the_talkers_codec_tokens_as_audio_tokens(server, client):
+    """Non-streamed, and in the streamed usage chunk (stream_options.include_usage); a text-only reply has none."""
+    full = check_usage_streamed_and_not(server, client, MODEL, AUDIO_OUT, PCM_OUT)
     text = client.chat.completions.create(model=MODEL, messages=HELLO)
     assert text.usage.completion_tokens == full.usage.completion_tokens_details.text_tokens  # greedy: the same text
     wait_idle(server)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.serve.server_utils import REPO, produced, serve_in_process, wait_idle
-from tests.serve.test_omni_server import check_spoken_usage, png_url, stereo_wav_b64
+from tests.serve.test_omni_server import check_usage_streamed_and_not, png_url, stereo_wav_b64
 
 pytestmark = pytest.mark.timeout(300)
 CONFIG = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"
@@ -61,13 +61,7 @@ def test_usage_counts_the_talkers_codec_tokens_and_a_one_token_reply_is_voiced(s
     the streamed usage chunk; max_completion_tokens 1 with audio out (transformers' generate fails on a one-token
     reply: its talker prompt takes the row of the reply's first token, which exists once a second is sampled) is
     voiced once its text is whole, the thinker's reply forced to that text and eos."""
-    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
-        full = client.chat.completions.create(model=MODEL, messages=HELLO, **AUDIO_OUT)
-    check_spoken_usage(full.usage, thinker, talker)
-    with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
-        chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
-                                                     stream_options={"include_usage": True}, **PCM_OUT))
-    check_spoken_usage(chunks[-1].usage, thinker, talker)
+    full = check_usage_streamed_and_not(server, client, MODEL, AUDIO_OUT, PCM_OUT)
 
     engine = server.omni._omni._backend.workers["thinker"].engine
     with produced(server, "thinker") as thinker, produced(server, "talker") as talker:
