@@ -5,6 +5,7 @@ On the session's shared Ray cluster (tests/conftest.py: `ray_cluster`).
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -348,3 +349,35 @@ def test_wait_for_nodes_waits_for_a_node_instead_of_refusing():
     assert time.monotonic() - t0 >= 2.0
     assert "did not start within 2s (runtime.stage_start_timeout_s)" in str(ei.value)
     assert ei.value.code != "insufficient_resources"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_actors_start_is_held_then_delivered_once_they_are_gone(sig):
+    """Ctrl-C / SIGTERM while the stage actors load: interrupted midway, a Ray call could end in an abort in Ray's
+    native code. The signal is held (cluster.HeldSignals), the wait for the actors ends within a slice, the actors
+    are killed, and only then does the application's own handler run (the CLI's: exit 130 / 143)."""
+    def slow(stage):  # runs in the actor while it starts
+        time.sleep(30)
+        return fake_factory(stage)
+
+    seen: list[tuple[int, set[str]]] = []
+    names_before = set(ray.util.list_named_actors())
+
+    def app_handler(signum, frame):  # what the CLI installs: record, then take KeyboardInterrupt's way out
+        seen.append((signum, set(ray.util.list_named_actors()) - names_before))  # stage actors still there
+        raise KeyboardInterrupt
+
+    previous = signal.signal(sig, app_handler)
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), sig))
+    try:
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            Omni(ray_chain(stage_start_timeout_s=60), engine_factory=slow)
+        took = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        signal.signal(sig, previous)
+    # Delivered once, to the application's handler, once no stage actor was left (not inside a Ray wait).
+    assert seen == [(sig, set())]
+    assert took < 20, took  # not the actors' 30 s load, nor the 60 s start timeout

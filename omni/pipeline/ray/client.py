@@ -40,10 +40,12 @@ from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.ray.actor import StageActor
-from omni.pipeline.ray.cluster import GET_TIMEOUT_S, check_fits, init_ray, release, schedulable
+from omni.pipeline.ray.cluster import GET_TIMEOUT_S, HeldSignals, check_fits, init_ray, release, schedulable
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.replica_stats import merge_replica_stats
 
+# How long one wait for the actors to start lasts before it looks at a held Ctrl-C / SIGTERM (HeldSignals).
+_SIGNAL_SLICE_S = 0.2
 MAX_ABORTS_KEPT = 256  # aborts remembered for a reused request id, before the finished ones are dropped
 
 logger = logging.getLogger(__name__)
@@ -83,36 +85,51 @@ class RayBackend:
         self._poll_lock = threading.Lock()
         self._start_timeout_s = config.runtime.stage_start_timeout_s
         self._owns_ray, self._temp_dir, self._temp_watcher = init_ray(config.runtime, config.stages)
-        try:
-            if not config.runtime.wait_for_nodes:  # at once, not after stage_start_timeout_s: no node can hold it
-                check_fits(config.stages)
-            snap = registry.snapshot()
-            tag = uuid.uuid4().hex[:8]
-            names = {n: [_actor_name(config.name, self.graph.stages[n], i, tag)
-                         for i in range(self.graph.stages[n].replicas)] for n in self.graph.order}
-            # Consumers first: a stage that streams into others looks their replicas up by name.
-            for name in reversed(self.graph.order):
-                s = self.graph.stages[name]
-                peers = {d: names[d] for d, _ in self.graph.streams_to(name)}
-                self.replica_actors[name] = []
-                for i in range(s.replicas):
-                    cls = ray.remote(StageActor).options(
-                        name=names[name][i],
-                        num_cpus=s.resources.num_cpus,
-                        num_gpus=s.resources.num_gpus,
-                        resources=dict(s.resources.custom) or None,
-                        max_restarts=s.max_restarts,
-                        max_task_retries=0,
-                        # Replicas over as many nodes as fit them: a node lost takes one replica, not all.
-                        scheduling_strategy="SPREAD" if s.replicas > 1 else "DEFAULT",
-                    )
-                    self.replica_actors[name].append(cls.remote(
-                        s, self.graph.emits_hidden_states(name), snap, engine_factory, peers,
-                        config.runtime.stream_chunk_timeout_s, i))
-            self._wait_ready(config.runtime.stage_start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        # Ctrl-C / SIGTERM while the actors start are held (cluster.HeldSignals): _wait_ready looks at them
+        # between short waits, and the signal is delivered once the actors (and an embedded node) are let go of.
+        held = HeldSignals()
+        with held:
+            try:
+                self._start_actors(config, engine_factory, held)
+            except BaseException:
+                self.close()
+                if not held:
+                    raise
+                # A start failure while a signal was held is the signal's doing: a SIGTERM or Ctrl-C sent to the
+                # process group (timeout(1), a terminal) kills the stage actors too. The signal's way out.
+            else:
+                if held:
+                    self.close()
+        held.deliver()
+
+    def _start_actors(self, config: PipelineConfig, engine_factory: EngineFactory | None,
+                      held: HeldSignals) -> None:
+        if not config.runtime.wait_for_nodes:  # at once, not after stage_start_timeout_s: no node can hold it
+            check_fits(config.stages)
+        snap = registry.snapshot()
+        tag = uuid.uuid4().hex[:8]
+        names = {n: [_actor_name(config.name, self.graph.stages[n], i, tag)
+                     for i in range(self.graph.stages[n].replicas)] for n in self.graph.order}
+        # Consumers first: a stage that streams into others looks their replicas up by name.
+        for name in reversed(self.graph.order):
+            s = self.graph.stages[name]
+            peers = {d: names[d] for d, _ in self.graph.streams_to(name)}
+            self.replica_actors[name] = []
+            for i in range(s.replicas):
+                cls = ray.remote(StageActor).options(
+                    name=names[name][i],
+                    num_cpus=s.resources.num_cpus,
+                    num_gpus=s.resources.num_gpus,
+                    resources=dict(s.resources.custom) or None,
+                    max_restarts=s.max_restarts,
+                    max_task_retries=0,
+                    # Replicas over as many nodes as fit them: a node lost takes one replica, not all.
+                    scheduling_strategy="SPREAD" if s.replicas > 1 else "DEFAULT",
+                )
+                self.replica_actors[name].append(cls.remote(
+                    s, self.graph.emits_hidden_states(name), snap, engine_factory, peers,
+                    config.runtime.stream_chunk_timeout_s, i))
+        self._wait_ready(config.runtime.stage_start_timeout_s, held)
 
     @property
     def actors(self) -> dict[str, Any]:
@@ -122,22 +139,19 @@ class RayBackend:
         """How an error names the replica ("" for a stage with one)."""
         return f"replica {replica}: " if self.graph.stages[stage].replicas > 1 else ""
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, held: HeldSignals | None = None) -> None:
+        """Every replica's ready() answered, its start error raised as soon as it comes; waits in short slices
+        so that a held Ctrl-C / SIGTERM (`held`) ends the wait within one (the caller then lets go)."""
         refs = {actor.ready.remote(): (n, i) for n in self.graph.order
                 for i, actor in enumerate(self.replica_actors[n])}
-        ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        for ref in ready:
-            name, i = refs[ref]
-            where = f"stage {name!r}" + (f" (replica {i})" if self.graph.stages[name].replicas > 1 else "")
-            try:
-                ray.get(ref, timeout=GET_TIMEOUT_S)
-            except RayTaskError as e:  # ready() raised the stage's start error
-                if isinstance(e.cause, StageStartError):
-                    raise StageStartError(str(e.cause), stage=name) from None
-                raise StageStartError(f"{where} failed to start: {describe(e)}", stage=name) from None
-            except RayError as e:  # e.g. the actor process died while loading
-                raise StageStartError(f"{where} failed to start: its Ray actor failed: {describe(e)}",
-                                      stage=name) from None
+        not_ready = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while not_ready and not held and (left := deadline - time.monotonic()) > 0:
+            ready, not_ready = ray.wait(not_ready, num_returns=len(not_ready), timeout=min(left, _SIGNAL_SLICE_S))
+            for ref in ready:
+                self._check_started(ref, *refs[ref])
+        if held:
+            return
         if not_ready:
             names = list(dict.fromkeys(refs[r][0] for r in not_ready))
             wanted = {n: self.graph.stages[n].resources.model_dump() for n in names}
@@ -145,6 +159,19 @@ class RayBackend:
                 f"stage(s) {', '.join(map(repr, names))} did not start within {timeout_s:g}s "
                 f"(runtime.stage_start_timeout_s). Requested resources: {wanted}; "
                 f"available in the cluster now: {schedulable(ray.available_resources())}", stage=names[0])
+
+    def _check_started(self, ref: Any, name: str, i: int) -> None:
+        """A replica's ready() answer: its start error (the stage's own, or its actor's death) raised."""
+        where = f"stage {name!r}" + (f" (replica {i})" if self.graph.stages[name].replicas > 1 else "")
+        try:
+            ray.get(ref, timeout=GET_TIMEOUT_S)
+        except RayTaskError as e:  # ready() raised the stage's start error
+            if isinstance(e.cause, StageStartError):
+                raise StageStartError(str(e.cause), stage=name) from None
+            raise StageStartError(f"{where} failed to start: {describe(e)}", stage=name) from None
+        except RayError as e:  # e.g. the actor process died while loading
+            raise StageStartError(f"{where} failed to start: its Ray actor failed: {describe(e)}",
+                                  stage=name) from None
 
     # ------------------------------------------------------------- backend
     # After a replica's actor fails, the replica is *gated*: a `ready()` call that Ray

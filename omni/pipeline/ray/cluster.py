@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -19,7 +18,6 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -45,8 +43,10 @@ def init_ray(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, s
     sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     address = runtime.ray_address or os.environ.get("RAY_ADDRESS")
     temp_dir, watcher = None, None
+    # SIGTERM cannot be held here: ray.init sets its own handler first thing (the SystemExit below).
+    held = HeldSignals((signal.SIGINT,))
     try:
-        with _signals_deferred(main_thread) as deferred:
+        with held:
             if address:  # a cluster, or the cluster of the Ray job we run in
                 ray.init(address=address, namespace=runtime.namespace, log_to_driver=runtime.log_to_driver)
             else:
@@ -65,19 +65,17 @@ def init_ray(runtime: RuntimeConfig, stages: list[StageConfig]) -> tuple[bool, s
         if e.code != signal.SIGTERM:
             _abandon(temp_dir, watcher)
             raise
-        deferred = [signal.SIGTERM]
+        held.received.insert(0, signal.SIGTERM)
+        held.previous[signal.SIGTERM] = sigterm
     except BaseException:
         _abandon(temp_dir, watcher)  # a node half started is stopped, not left to linger
         raise
     finally:
         if sigterm is not None:
             signal.signal(signal.SIGTERM, sigterm)
-    if deferred:  # Ctrl-C / SIGTERM while Ray started: let go of it, then take the signal's own way out
+    if held.received:  # Ctrl-C / SIGTERM while Ray started: let go of it, then take the signal's own way out
         _abandon(temp_dir, watcher)
-        handler = sigterm if deferred[0] == signal.SIGTERM else signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            handler(deferred[0], None)
-        raise KeyboardInterrupt
+        held.deliver()
     return True, temp_dir, watcher
 
 
@@ -92,28 +90,52 @@ def _abandon(temp_dir: str | None, watcher: Any) -> None:
         temp_reaper.stop(watcher)
 
 
-@contextlib.contextmanager
-def _signals_deferred(main_thread: bool) -> Iterator[list[int]]:
-    """Ctrl-C held while ray.init runs (yields the ones received): interrupted midway, it left the node's agent
-    processes orphaned and its driver sometimes crashed in native code on the way out (a segfault exit instead of
-    130). A second Ctrl-C still interrupts at once; an ignored SIGINT stays ignored. (SIGTERM cannot be held:
-    ray.init sets its own handler first thing; init_ray takes the SystemExit it raises.)"""
-    deferred: list[int] = []
-    previous = signal.getsignal(signal.SIGINT) if main_thread else signal.SIG_IGN
-    if previous is signal.SIG_IGN or previous is None:
-        yield deferred
-        return
+class HeldSignals:
+    """Ctrl-C (and SIGTERM) held while Ray starts something, then delivered once it is let go of.
 
-    def hold(signum: int, frame: Any) -> None:
-        if deferred:
+    Interrupted midway, a Ray call that starts the node or the stage actors left the node's agents orphaned
+    and sometimes crashed the driver in Ray's native code on its way out (an abort instead of exit 130/143).
+    Inside `with`, the signals are recorded in `received` (the caller's waits run in short slices and look
+    at it); a second Ctrl-C still interrupts at once (the user will not wait); an ignored signal stays
+    ignored; off the main thread nothing is held (Python runs handlers there only). Once the caller has let
+    go of what it started, `deliver()` runs the first signal's own handler (the CLI's: exit 130 or 143) and
+    raises KeyboardInterrupt, the way out Ray's blocking calls let through."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.signals = signals
+        self.received: list[int] = []
+        self.previous: dict[int, Any] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.received)
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        if self.received and signum == signal.SIGINT:
             raise KeyboardInterrupt  # pressed again: the user will not wait
-        deferred.append(signum)
+        self.received.append(signum)
 
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield deferred
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    def __enter__(self) -> "HeldSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                previous = signal.getsignal(sig)
+                if previous is not signal.SIG_IGN and previous is not None:
+                    self.previous[sig] = signal.signal(sig, self._hold)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self.previous.items():
+            if signal.getsignal(sig) == self._hold:  # (a bound method is a new object at each access)
+                signal.signal(sig, previous)
+
+    def deliver(self) -> None:
+        """The first signal received, on its own handler's way out; KeyboardInterrupt if that handler returns."""
+        if not self.received:
+            return
+        signum = self.received[0]
+        handler = self.previous.get(signum)
+        if callable(handler):
+            handler(signum, None)
+        raise KeyboardInterrupt
 
 
 def _reap(temp_dir: str, grace_s: float = 2.0) -> None:
