@@ -3,6 +3,7 @@ the exit-status convention of an error, and loading a config checked against thi
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -25,8 +26,9 @@ def load_checked(config: str, overrides: str | None, memory_gb: float | None = N
         from omni.config import MemoryConfig
         from omni.errors import ConfigError
 
-        if not memory_gb > 0:
-            raise ConfigError(f"--memory-gb: must be > 0, got {memory_gb:g}", field="--memory-gb")
+        if not (math.isfinite(memory_gb) and memory_gb > 0):  # inf has no bytes: the plan would fail converting it
+            raise ConfigError(f"--memory-gb: expected a finite number of GiB > 0 (got {memory_gb:g})",
+                              field="--memory-gb")
         mem = cfg.runtime.memory or MemoryConfig()
         runtime = cfg.runtime.model_copy(update={"memory": mem.model_copy(update={"budget_gb": memory_gb})})
         cfg = cfg.model_copy(update={"runtime": runtime})

@@ -71,13 +71,17 @@ class CacheReport:
 class TokenLogprob:
     """A generated token's log-probability, and the most likely tokens at its step (SamplingParams.logprobs:
     how many), from the model's raw logits (before penalties, bias and temperature: vLLM's default). `token`
-    is the token's text decoded alone (None on a stage without a tokenizer)."""
+    is the token's text decoded alone (None on a stage without a tokenizer); `token_bytes` its raw bytes
+    (engine/token_bytes.py: a token holding part of a UTF-8 character decodes alone to U+FFFD, its bytes
+    are still its own)."""
 
     token_id: int
     logprob: float
     token: str | None = None
-    top: list[tuple[int, float, str | None]] = field(default_factory=list)  # (id, logprob, text), best first
+    # (id, logprob, text, raw bytes), best first; text and bytes None on a stage without a tokenizer
+    top: list[tuple[int, float, str | None, bytes | None]] = field(default_factory=list)
     rank: int | None = None  # 1 + the tokens more likely than this one (prompt logprobs: vLLM's `rank`)
+    token_bytes: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -152,6 +156,12 @@ class StageDelta:
     prompt_text: str | None = None
     prompt_token_texts: list[str] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On its first delta, with the prompt ids: what the finished StageOutput reports of the prompt's tokens (its
+    # prefix-cache hit, its multimodal placeholder tokens per modality and those of them cached), known from the
+    # request's first scheduling on. A caller that leaves before the end (a cancelled reply) still has them.
+    num_cached_tokens: int | None = None
+    prompt_mm_tokens: dict[str, int] | None = None
+    cached_mm_tokens: dict[str, int] | None = None
 
 
 def error_output(stage: str, request_id: str, error: OmniError | str, reason: str = "error") -> StageOutput:

@@ -66,6 +66,8 @@ def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
             raise _bad(where, "prompt_token_ids", "expected a list of ints")
         ids = [int(t) for t in ids]
+        if not ids:  # no stage can make a prompt of no tokens: refused here, before a model loads
+            raise _bad(where, "prompt_token_ids", "the prompt is empty (0 tokens)")
     embeds = p.get("prompt_embeds")
     if embeds is not None:
         try:
@@ -74,6 +76,8 @@ def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
             raise _bad(where, "prompt_embeds", "expected a [num_tokens, hidden] array of numbers") from None
         if embeds.ndim != 2:
             raise _bad(where, "prompt_embeds", f"expected shape [num_tokens, hidden], got {embeds.shape}")
+        if ids is None and not embeds.shape[0]:
+            raise _bad(where, "prompt_embeds", "the prompt is empty (0 rows)")
     for key in ("request_id", "cache_salt"):
         if p.get(key) is not None and not isinstance(p[key], str):
             raise _bad(where, key, f"expected a str, got {type(p[key]).__name__}")

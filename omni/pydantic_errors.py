@@ -230,12 +230,38 @@ def _one_of(alternatives: list[str]) -> str:
     return alternatives[0] if len(alternatives) == 1 else f"{', '.join(alternatives[:-1])} or {alternatives[-1]}"
 
 
-def shown(value: Any) -> str:
-    """A value as the user wrote it (JSON), cut short."""
+def shown(value: Any, width: int = 60) -> str:
+    """A value as the user wrote it (JSON), cut short to `width` characters: every message that echoes a value
+    shortens it here."""
     try:
-        return json.dumps(value)[:60]
+        return cut(json.dumps(value), width, '"')
     except (TypeError, ValueError):
-        return repr(value)[:60]
+        return cut(repr(value), width, "'\"")
+
+
+def cut(text: str, width: int, quotes: str = '"') -> str:
+    """`text` (JSON, or a repr with `quotes`) in at most `width` characters, the cut marked by `…`. A string the
+    cut falls in is closed after the mark (`"aaaa…"`) and no escape sequence is split: a plain slice dropped the
+    closing quote, and the reader could not tell where the shown value ends."""
+    if len(text) <= width:
+        return text
+    kept = text[:max(width - 2, 1)]
+    quote, escape = "", -1  # the string the cut falls in (its quote), where its last escape starts
+    i = 0
+    while i < len(kept):
+        ch = kept[i]
+        if quote and ch == "\\":
+            escape = i
+            i += 6 if kept[i + 1:i + 2] == "u" else 2  # \uXXXX, or \n, \", ...
+            continue
+        if quote and ch == quote:
+            quote = ""
+        elif not quote and ch in quotes:
+            quote = ch
+        i += 1
+    if quote and i > len(kept):  # the last escape runs past the cut: leave it out whole
+        kept = kept[:escape]
+    return f"{kept}…{quote}"
 
 
 def got(value: Any) -> str:

@@ -21,7 +21,7 @@ import yaml
 
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, RequestError, StageStartError
-from omni.outputs import StageOutput
+from omni.outputs import StageInput, StageOutput
 from tests.engine_utils import assert_no_leak
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,7 +196,10 @@ REQUEST_ROWS = [
     RequestRow("ids_negative", {"prompt_token_ids": [5, -1]}, ("prompt_token_ids: token id -1",), False),
     RequestRow("ids_out_of_vocab", {"prompt_token_ids": [10**9]}, ("prompt_token_ids: token id 1000000000",
                                                                    "out of vocabulary"), False),
-    RequestRow("ids_empty", {"prompt_token_ids": []}, ("prompt: the prompt is empty",), False),
+    RequestRow("ids_empty", {"prompt_token_ids": []},
+               ("prompts[0]: prompt_token_ids: the prompt is empty (0 tokens)",)),
+    RequestRow("embeds_empty", {"prompt_embeds": np.zeros((0, 64), dtype=np.float32)},
+               ("prompts[0]: prompt_embeds: the prompt is empty (0 rows)",)),
     RequestRow("text_empty", {"prompt": ""}, ("prompt: the prompt is empty",), False),
     RequestRow("too_long", {"prompt_token_ids": [5] * 300}, ("prompt: 300 tokens + max_tokens 3",
                                                               "exceed max_model_len 256 of stage 'thinker'"), False),
@@ -349,6 +352,33 @@ def test_bad_media(row: RequestRow, omni):
     # The media rows share the chain rows' same-batch check (the same admission path); a whole
     # Qwen2.5-Omni request (thinker, talker, token2wav) afterwards proves the pipeline serves.
     check_request_row(omni, row, with_media(image=img(28, 28, 3), audio=(wave(), 16000)), OMNI_GOOD, in_batch=False)
+
+
+QWEN3 = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"
+QWEN3_GOOD = {"thinker": {"max_tokens": 2}, "talker": {"max_tokens": 4}}
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    with Omni(QWEN3, backend="local") as o:
+        yield o
+
+
+@pytest.mark.parametrize("pipeline,sampling", [("chain", GOOD), ("omni", OMNI_GOOD), ("qwen3", QWEN3_GOOD)])
+def test_empty_token_ids_are_the_callers_fault_on_every_entry_stage(pipeline, sampling, request):
+    """No prompt tokens is refused naming the field on every entry stage model, not only on those whose own
+    preprocessing happens to survive 0 tokens (Qwen2.5-Omni's thinker failed with an internal IndexError, a
+    stage_failed StageError)."""
+    o = request.getfixturevalue(pipeline)
+    with pytest.raises(RequestError, match=r"^prompts\[0\]: prompt_token_ids: the prompt is empty \(0 tokens\)$"):
+        o.generate([{"prompt_token_ids": []}], sampling, use_tqdm=False)  # the edge refuses the dict form
+    # A StageInput is taken as is: the entry stage itself must refuse it, with the typed error.
+    [out] = o.generate([StageInput("bad", prompt_token_ids=[])], sampling, use_tqdm=False)
+    err = out.error
+    assert isinstance(err, RequestError), repr(err)
+    assert (err.stage, err.field, err.code, err.request_id) == ("thinker", "prompt_token_ids", "invalid_value", "bad")
+    assert err.message.endswith(": prompt_token_ids: the prompt is empty (0 tokens)"), err.message
+    assert_serves_and_holds_nothing(o, "Hello", sampling)
 
 
 def test_out_of_vocabulary_stop_token_ids_are_refused_with_the_numbers(chain):

@@ -49,6 +49,7 @@ def one_line_error(capsys) -> str:
     ("[1, 2]", "expected a JSON string or object, got list"),
     ("{}", "needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'"),
     ('{"prompt_token_ids": "12"}', "prompt_token_ids: expected a list of ints"),
+    ('{"prompt_token_ids": []}', "prompt_token_ids: the prompt is empty (0 tokens)"),
     ('{"prompt": [{"role": "user"}]}', "prompt.messages[0].content: expected text or a list of content parts"),
     ('{"prompt": [{"role": "user", "content": [{"type": "video"}]}]}', "messages[0].content[0]: expected a dict"),
     ('{"prompt": "x", "multi_modal_data": {"audio": [[[0.1], 16000, 1]]}}', "multi_modal_data.audio[0]"),
@@ -89,6 +90,17 @@ def test_a_bad_media_file_exits_2_naming_the_line_field_and_file(tmp_path, capsy
     assert cli.main(["run", str(cfg), "--prompts-file", str(prompts)]) == 2
     err = one_line_error(capsys)
     assert f"--prompts-file {prompts}:2: " + expected.format(dir=folder) in err, err
+
+
+@pytest.mark.parametrize("command,value", [("plan", "inf"), ("serve", "inf"), ("run", "nan"), ("run", "0")])
+def test_memory_gb_is_refused_in_gib_before_anything_loads(tmp_path, capsys, no_engines, command, value):
+    """--memory-gb is in GiB: what it cannot be is said in GiB, as typed (inf crashed the plan converting it to
+    bytes, a traceback instead of this line)."""
+    cfg = tmp_path / "chain.yaml"
+    cfg.write_text(yaml.safe_dump(chain_config()))
+    extra = ["--prompt", "hi"] if command == "run" else []
+    assert cli.main([command, str(cfg), "--memory-gb", value, *extra]) == 2
+    assert one_line_error(capsys) == f"error: --memory-gb: expected a finite number of GiB > 0 (got {value})"
 
 
 def test_an_empty_prompt_is_refused_before_anything_loads(tmp_path, capsys, no_engines):

@@ -256,9 +256,11 @@ BOOL_FIELDS = [
     lambda v: cfg_with(stage("a", final_output="text", scheduler={"enable_chunked_prefill": v})),
     lambda v: cfg_with(stage("e"), stage("a", final_output="text", inputs=[{"stage": "e", "stream": v}])),
     lambda v: cfg_with(stage("a", final_output="text"), runtime={"log_to_driver": v}),
+    lambda v: cfg_with(stage("a", final_output="text"), runtime={"wait_for_nodes": v}),
 ]
 BOOL_NAMES = ["stage 'a': enable_prefix_caching", "stage 'a': use_chat_template",
-              "stage 'a': scheduler.enable_chunked_prefill", "stage 'a': inputs[0].stream", "runtime.log_to_driver"]
+              "stage 'a': scheduler.enable_chunked_prefill", "stage 'a': inputs[0].stream", "runtime.log_to_driver",
+              "runtime.wait_for_nodes"]
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "true", "false", "on", None])
@@ -280,7 +282,8 @@ def test_every_boolean_field_of_the_config_is_strict():
                 if info.annotation is bool:
                     assert any(getattr(m, "strict", False) for m in info.metadata), f"{cls.__name__}.{name}"
                     found.add(name)
-    assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver"}
+    assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver",
+                     "wait_for_nodes"}
 
 
 def test_boolean_fields_take_true_and_false():

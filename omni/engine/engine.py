@@ -47,6 +47,7 @@ from .stage_model import AutoregressiveStageModel
 from .step_profile import StepProfile
 from .structured_output import GrammarCompiler
 from .tensor_cache import StageTensorCache
+from .token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class StageEngine:
                                      tokenizer_path=config.tokenizer_path)
         self.model = model
         self.tokenizer = model.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         max_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         num_blocks = self._num_blocks(config, model, max_len)
         capacity = num_blocks * config.block_size
@@ -189,6 +191,7 @@ class StageEngine:
         rid = inp.request_id
         params = resolve_sampling_params(inp.sampling_params, self.config.default_sampling)
         self.checks.sampling(params)
+        self.checks.given_not_empty(inp)  # before any stage model's preprocess: none need handle 0 tokens
         prepared = self.model.preprocess(inp)
         if prepared is None and inp.mm_inputs:  # the stage model would silently drop them
             kinds = sorted({m.modality for m in inp.mm_inputs})
@@ -218,7 +221,11 @@ class StageEngine:
             raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "
                                "request's input still streams in", stage=self.name,
                                field="sampling_params.forced_token_ids")
-        self.checks.fits(n, params.max_tokens if forced is None else len(forced))
+        if forced is None:
+            self.checks.fits(n, params.max_tokens)
+        else:
+            self.checks.fits(n, len(forced), "sampling_params.forced_token_ids" if params.forced_token_ids is not None
+                             else "sampling_params.forced_text")
         if params.prompt_logprobs is not None and (forced is not None or not inp.input_complete):
             raise RequestError("sampling_params.prompt_logprobs: needs a complete prompt and a sampled reply (not a "
                                "streamed input, nor a forced reply)", stage=self.name,
@@ -339,9 +346,13 @@ class StageEngine:
     def abort(self, request_id: str) -> None:
         """Finish the request now (unknown ids: nothing happens); the next step() reports it."""
         for req in self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED):
+            # what the stage knew of the prompt when it stopped (its cache hit and split by kind), as a finished
+            # output reports it: the prompt was read whether or not the reply was done
+            mm, cached_mm = req.mm_token_counts()
             self._aborted.append(StageOutput(
                 request_id, self.name, prompt_token_ids=list(req.prompt_token_ids),
-                token_ids=list(req.output_token_ids), finished=True, finish_reason="abort"))
+                token_ids=list(req.output_token_ids), finished=True, finish_reason="abort",
+                num_cached_tokens=max(req.num_cached_tokens, 0), prompt_mm_tokens=mm, cached_mm_tokens=cached_mm))
         self._release_finished()
 
     def take_evicted_blocks(self) -> tuple[list[bytes], bool]:
@@ -418,12 +429,14 @@ class StageEngine:
         aborted one, nor a forced reply, whose tokens were not sampled), with the tokens' texts."""
         done = {r.request_id: r for r in finished}
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        raw = self.token_bytes or (lambda t: None)
         for rid, (lp, top) in logprobs.items():
             req = self.scheduler.requests.get(rid) or done.get(rid)
             if req is None or req.forced_token_ids is not None or len(req.output_logprobs) >= req.num_output_tokens:
                 continue
             token = req.output_token_ids[len(req.output_logprobs)]
-            req.output_logprobs.append(TokenLogprob(token, lp, text(token), [(t, p, text(t)) for t, p in top]))
+            req.output_logprobs.append(TokenLogprob(token, lp, text(token), [(t, p, text(t), raw(t)) for t, p in top],
+                                                    token_bytes=raw(token)))
 
     def _release_finished(self) -> None:
         """The one release point: drop the runner's, the model's and the rows' state of every request
@@ -453,11 +466,7 @@ class StageEngine:
         )
         report = prompt_report(req, self.tokenizer)
         out.prompt_text, out.prompt_token_texts, out.prompt_logprobs = report.text, report.token_texts, report.logprobs
-        cached = out.num_cached_tokens
-        for f in req.mm_features:  # the cached prefix covers [0, cached): the part of each input inside it
-            kind = f.modality or "other"
-            out.prompt_mm_tokens[kind] = out.prompt_mm_tokens.get(kind, 0) + f.length
-            out.cached_mm_tokens[kind] = out.cached_mm_tokens.get(kind, 0) + max(0, min(f.length, cached - f.offset))
+        out.prompt_mm_tokens, out.cached_mm_tokens = req.mm_token_counts()
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             streamed = self.streams.final_text(rid)

@@ -12,6 +12,8 @@ from typing import Any
 
 from omni.outputs import TokenLogprob
 
+from .token_bytes import TokenBytes
+
 
 @dataclass(slots=True)
 class PromptReport:
@@ -28,10 +30,11 @@ def prompt_report(req: Any, tokenizer: Any) -> PromptReport:
         out.text = tokenizer.decode(list(ids))
     if params.prompt_logprobs is not None:
         text = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
+        raw = TokenBytes(tokenizer) if tokenizer is not None else (lambda t: None)
         texts = [text(t) for t in ids]  # each prompt token alone, decoded once for both lists below
         # req.prompt_logprobs[k] is prompt position k + 1's (the first position has none)
         out.logprobs = [None] + [
-            TokenLogprob(t, lp, texts[k + 1], [(i, p, text(i)) for i, p in top], rank)
+            TokenLogprob(t, lp, texts[k + 1], [(i, p, text(i), raw(i)) for i, p in top], rank, raw(t))
             for k, (t, lp, top, rank) in enumerate(req.prompt_logprobs)]
         if params.echo_prompt and tokenizer is not None:
             out.token_texts = texts

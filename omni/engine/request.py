@@ -165,6 +165,18 @@ class Request:
     def block_hasher(self) -> "BlockHasher | None":
         return self._block_hasher
 
+    def mm_token_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The prompt's multimodal placeholder tokens per modality, and those of them inside its cached prefix
+        [0, num_cached_tokens) (usage splits the prompt by kind): known from the request's first scheduling on."""
+        cached = max(self.num_cached_tokens, 0)
+        prompt: dict[str, int] = {}
+        hit: dict[str, int] = {}
+        for f in self.mm_features:
+            kind = f.modality or "other"
+            prompt[kind] = prompt.get(kind, 0) + f.length
+            hit[kind] = hit.get(kind, 0) + max(0, min(f.length, cached - f.offset))
+        return prompt, hit
+
     @property
     def is_finished(self) -> bool:
         """True for the FINISHED_* statuses."""

@@ -6,6 +6,7 @@ knows and the edge does not, checked when a request arrives and when its input g
                      cannot come)
     prompt_embeds    [num_tokens, width] of finite numbers
     text prompts     tokenized here (entry stage only)
+    empty prompts    refused before the stage model's own preprocessing sees them
 
 Every refusal is a RequestError naming the stage, the field and the numbers; the stage keeps serving.
 """
@@ -51,15 +52,19 @@ class RequestChecker:
         if params.logit_bias:
             self.token_ids(params.logit_bias, "sampling_params.logit_bias")
 
-    def fits(self, num_prompt: int, max_tokens: int) -> None:
-        """Admission: what cannot fit is refused now, never left waiting for room that cannot come."""
+    def fits(self, num_prompt: int, max_tokens: int, forced: str | None = None) -> None:
+        """Admission: what cannot fit is refused now, never left waiting for room that cannot come. `forced`: the
+        field of a reply forced to given tokens, `max_tokens` their count (what such a reply asks for is its
+        tokens: the request's max_tokens plays no part, and the error must not cite it)."""
         limit, total = self.max_model_len, num_prompt + max_tokens
         if total > limit:
-            # The prompt alone fits: it is max_tokens that asks for too much.
-            field = "prompt" if num_prompt >= limit else "sampling_params.max_tokens"
+            reply, fix = ((f"max_tokens {max_tokens}", "lower max_tokens") if forced is None
+                          else (f"a forced reply of {max_tokens} tokens", "the forced reply"))
+            # The prompt alone fits: it is the reply that asks for too much.
+            field = "prompt" if num_prompt >= limit else (forced or "sampling_params.max_tokens")
             raise ContextLengthError(
-                f"prompt: {num_prompt} tokens + max_tokens {max_tokens} = {total} exceed max_model_len {limit} of "
-                f"stage {self.stage!r}{self.max_len_note}; shorten the prompt or lower max_tokens",
+                f"prompt: {num_prompt} tokens + {reply} = {total} exceed max_model_len {limit} of "
+                f"stage {self.stage!r}{self.max_len_note}; shorten the prompt or {fix}",
                 stage=self.stage, field=field, limit=limit, actual=total)
 
     def prompt_embeds(self, value: Any, num_tokens: int, width: int) -> np.ndarray:
@@ -89,6 +94,17 @@ class RequestChecker:
                                stage=self.stage, field="prompt")
         return tokenize_prompt(self.tokenizer, inp.prompt, self.use_chat_template, self.stage, inp.tools)
 
-    def not_empty(self, ids: list[int]) -> None:
+    def given_not_empty(self, inp: StageInput) -> None:
+        """A prompt sent as no token ids (or no embedding rows) is empty whatever the stage model would make of
+        it. Checked before the model's own preprocessing sees it: a model's prompt builder need not handle a
+        prompt of 0 tokens (the Qwen2.5-Omni thinker's rotary index fails on one with an IndexError, which
+        would read as the stage's failure, not the caller's)."""
+        if inp.prompt_token_ids is not None:
+            if len(inp.prompt_token_ids) == 0:
+                self.not_empty([], "prompt_token_ids")
+        elif inp.prompt is None and inp.prompt_embeds is not None and np.shape(inp.prompt_embeds)[:1] == (0,):
+            raise RequestError("prompt_embeds: the prompt is empty (0 rows)", stage=self.stage, field="prompt_embeds")
+
+    def not_empty(self, ids: list[int], field: str = "prompt") -> None:
         if not ids:
-            raise RequestError("prompt: the prompt is empty (0 tokens)", stage=self.stage, field="prompt")
+            raise RequestError(f"{field}: the prompt is empty (0 tokens)", stage=self.stage, field=field)

@@ -109,6 +109,8 @@ class RequestStreams:
                 delta.logprobs = req.output_logprobs[st.sent_tokens - len(new):st.sent_tokens]
             if not st.sent_prompt:
                 delta.prompt_token_ids, st.sent_prompt = list(req.prompt_token_ids), True
+                delta.num_cached_tokens = max(req.num_cached_tokens, 0)  # scheduled by now: its cache hit is known
+                delta.prompt_mm_tokens, delta.cached_mm_tokens = req.mm_token_counts()
             if new and not st.sent_echo and req.sampling_params.echo_prompt:
                 # The prompt is computed by the time a token is sampled, so its logprobs are all there.
                 report = prompt_report(req, self.tokenizer)

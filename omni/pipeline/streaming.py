@@ -118,7 +118,10 @@ def merge_chunks(a: StageDelta, b: StageDelta) -> StageDelta:
                       logprobs=_joined(a.logprobs, b.logprobs),
                       prompt_text=_first(a.prompt_text, b.prompt_text),
                       prompt_token_texts=_first(a.prompt_token_texts, b.prompt_token_texts),
-                      prompt_logprobs=_first(a.prompt_logprobs, b.prompt_logprobs))
+                      prompt_logprobs=_first(a.prompt_logprobs, b.prompt_logprobs),
+                      num_cached_tokens=_first(a.num_cached_tokens, b.num_cached_tokens),
+                      prompt_mm_tokens=_first(a.prompt_mm_tokens, b.prompt_mm_tokens),
+                      cached_mm_tokens=_first(a.cached_mm_tokens, b.cached_mm_tokens))
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

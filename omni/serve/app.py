@@ -3,7 +3,7 @@
     app = create_app(AsyncOmni("stage_configs/tiny_chain.yaml"), ServeSettings())
 
     POST /v1/chat/completions   text, images (data: URLs), audio (base64); text and audio replies; SSE
-    POST /v1/completions        text
+    POST /v1/completions        text or token ids, one prompt or a batch (a choice per prompt and n)
     POST /v1/audio/speech       text -> speech (speech.py): wav / pcm / flac / mp3 / opus, streamed or SSE
     POST /v1/audio/transcriptions, /v1/audio/translations
                                 speech -> text by the pipeline's thinker (transcriptions.py): json / text, SSE

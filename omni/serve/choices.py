@@ -6,14 +6,18 @@ prefix cache once one choice has prefilled them. A request with a `seed` gives c
 every stage whose sampling the request seeded (vLLM's n samples differ too), so the reply is
 reproducible and its choices are not copies of each other; greedy choices are equal, as in vLLM.
 
-    choices = Choices(omni, job, n, ...)
+A completions request may hold a batch of prompts: one Job per prompt, n choices of each, choice
+`prompt_index * n + i` (vLLM's order), all submitted at once, so that the stages batch them.
+
+    choices = Choices(omni, job, n, ...)     # or Choices(omni, [job per prompt], n, ...)
     await choices.start()                    # every choice submitted and alive, or ApiError (none left running)
     async for index, ev in choices.events():  # TextEvent / AudioEvent of choice `index`, in arrival order
         ...
 
-Usage adds up as OpenAI's does: the prompt once, the completion tokens of every choice; cached tokens are
-the fewest any choice had (what the prompt cost at least once). One failing choice fails the request:
-the others are aborted on every stage. Leaving early (closing `events()`, a cancelled task) aborts them all.
+Usage adds up as OpenAI's does: each prompt once, the completion tokens of every choice; a prompt's cached
+tokens are the fewest any of its choices had (what the prompt cost at least once). One failing choice fails
+the request: the others are aborted on every stage. Leaving early (closing `events()`, a cancelled task)
+aborts them all.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import anyio
 
@@ -48,16 +52,23 @@ class Choices:
     """See the module docstring; the Run-like face (`start`, `aclose`, the usage fields, `finish_reason`,
     `t0`, `job`) is what the endpoints' admission and metrics read."""
 
-    def __init__(self, omni: AsyncOmni, job: Job, n: int, default_rate: int, observer: Observer | None = None):
-        self.job = job
-        self.runs = [Run(omni, choice_job(job, i, n), default_rate, observer) for i in range(n)]
+    def __init__(self, omni: AsyncOmni, job: Job | list[Job], n: int, default_rate: int,
+                 observer: Observer | None = None):
+        jobs = job if isinstance(job, list) else [job]
+        self.job = jobs[0]  # what every prompt's job shares (the request's options)
+        self.n = n
+        self.runs = [Run(omni, choice_job(j, i, n), default_rate, observer) for j in jobs for i in range(n)]
         self.t0 = time.monotonic()
         self._tasks: list[asyncio.Task] = []
+
+    def _prompts(self) -> list[list[Run]]:
+        """The runs of each prompt (its n choices), in order."""
+        return [self.runs[k:k + self.n] for k in range(0, len(self.runs), self.n)]
 
     # -------------------------------------------------------------- usage
     @property
     def prompt_tokens(self) -> int:
-        return max((r.prompt_tokens for r in self.runs), default=0)
+        return sum(max(r.prompt_tokens for r in runs) for runs in self._prompts())
 
     @property
     def completion_tokens(self) -> int:
@@ -69,18 +80,18 @@ class Choices:
 
     @property
     def cached_tokens(self) -> int | None:
-        known = [r.cached_tokens for r in self.runs if r.cached_tokens is not None]
-        return min(known) if known else None
+        """Each prompt's fewest (None until every prompt's is known)."""
+        fewest = [_fewest_cached(runs) for runs in self._prompts()]
+        return None if any(r is None for r in fewest) else sum(r.cached_tokens for r in fewest)
 
     @property
     def prompt_mm_tokens(self) -> dict[str, int]:
-        return self.runs[0].prompt_mm_tokens  # one prompt for every choice
+        return _summed(runs[0].prompt_mm_tokens for runs in self._prompts())  # one prompt for its choices
 
     @property
     def cached_mm_tokens(self) -> dict[str, int]:
-        """Those of the choice with the fewest cached tokens (as cached_tokens)."""
-        known = [r for r in self.runs if r.cached_tokens is not None]
-        return min(known, key=lambda r: r.cached_tokens).cached_mm_tokens if known else {}
+        """Those of each prompt's choice with the fewest cached tokens (as cached_tokens)."""
+        return _summed(r.cached_mm_tokens for r in map(_fewest_cached, self._prompts()) if r is not None)
 
     @property
     def finish_reason(self) -> str | None:
@@ -142,3 +153,16 @@ class Choices:
                     await t
             for r in self.runs:
                 await r.aclose()
+
+
+def _fewest_cached(runs: list[Run]) -> Run | None:
+    known = [r for r in runs if r.cached_tokens is not None]
+    return min(known, key=lambda r: r.cached_tokens) if known else None
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -38,7 +38,7 @@ from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
 from omni.serve.tool_parser import ToolCallStream
 from omni.serve.tools import reply_tool_calls
-from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_job
+from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_jobs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,12 +65,12 @@ class ServerState:
     def max_pending(self) -> int:
         return self.omni.config.runtime.max_pending_requests
 
-    def admit(self, count: int = 1) -> None:
-        """Room for `count` pipeline requests (a request's n choices), or 503; more than the limit itself
-        could never fit: 400 naming `n`."""
+    def admit(self, count: int = 1, what: str | None = None, param: str = "n") -> None:
+        """Room for `count` pipeline requests (a request's n choices, of each of its prompts), or 503; more than
+        the limit itself could never fit: 400 naming `param` (`n`; `prompt` for a batch), `what` saying why."""
         if count > self.max_pending:
-            raise bad_request(f"n: {count} choices are {count} pipeline requests, more than this server runs at "
-                              f"once ({self.max_pending}, runtime.max_pending_requests)", "n")
+            raise bad_request(f"{param}: {what or f'{count} choices'} are {count} pipeline requests, more than this "
+                              f"server runs at once ({self.max_pending}, runtime.max_pending_requests)", param)
         if self.pending + count > self.max_pending:
             raise ApiError(503, f"the server is running {self.pending} requests, its limit "
                            f"(runtime.max_pending_requests) is {self.max_pending}; retry later", type="server_error",
@@ -129,11 +129,15 @@ def _sse(payload: dict[str, Any]) -> dict[str, str]:
 
 async def _serve(state: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest,
                  run_for: Any, reply: Any, stream: Any) -> Response:
-    """Admission (one slot per choice), the run, the reply; `run_for() -> Choices` builds the run (off the
-    loop), `reply(run) -> Response` collects a non-streamed one, `stream(run) -> async iterator of SSE events`
-    streams."""
-    count = req.choices
-    state.admit(count)
+    """Admission (one slot per choice of every prompt), the run, the reply; `run_for() -> Choices` builds the run
+    (off the loop), `reply(run) -> Response` collects a non-streamed one, `stream(run) -> async iterator of SSE
+    events` streams."""
+    prompts = len(req.prompts) if isinstance(req, CompletionRequest) else 1
+    count = prompts * req.choices
+    if prompts > 1:
+        state.admit(count, f"{prompts} prompts x {req.choices} choices", "prompt")
+    else:
+        state.admit(count)
     run: Choices | None = None
     handed_over = False
     reason = "error"
@@ -284,7 +288,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     rid, created, model = R.new_id("cmpl"), int(time.time()), state.info.model
 
     def run_for() -> Choices:
-        return Choices(state.omni, completion_job(req, state.info, rid), req.choices,
+        return Choices(state.omni, completion_jobs(req, state.info, rid), req.choices,
                        state.settings.default_audio_rate, state.metrics)
 
     async def reply(run: Choices) -> Response:

@@ -96,8 +96,7 @@ def from_validation_error(err: ValidationError, tags: frozenset[str] = frozenset
         param = f"{param}.{field}" if param else field
         msg = e["ctx"]["text"]
         code = e["ctx"].get("code", code)
-    value = repr(e.get("input"))
-    value_got = f" (got {value[:60]})" if not isinstance(e.get("input"), (dict, list)) else ""
+    value_got = f" (got {shown(e.get('input'))})" if not isinstance(e.get("input"), (dict, list)) else ""
     return bad_request(f"{param}: {msg}{value_got}" if param else msg, param, code)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import socket
 import sys
@@ -25,7 +26,12 @@ from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
 # uvicorn's own graceful wait, once the drain is over: only the last bytes of responses already
 # ended are left to send by then.
 UVICORN_SHUTDOWN_S = 5
-_FLAGS = {"max_body_bytes": "--max-body-mb", "max_media_bytes": "--max-media-mb"}  # settings field -> option
+# Size options are given in MiB, ServeSettings holds bytes: settings field -> (option, its argparse dest). Their
+# errors speak in the option's unit: the bound converted back to MiB and the value as it was typed, not bytes.
+_SIZE_FLAGS = {"max_body_bytes": ("--max-body-mb", "max_body_mb"),
+               "max_media_bytes": ("--max-media-mb", "max_media_mb")}
+_MIB = 2**20
+_BOUNDS = {"ge": "greater than or equal to", "gt": "greater than", "le": "less than or equal to", "lt": "less than"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,14 +59,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's")
 
 
+def _mib_bytes(flag: str, value: float | None) -> int | None:
+    """A size option's MiB as the bytes ServeSettings holds (ConfigError for nan / inf, which have none)."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        from omni.errors import ConfigError
+
+        raise ConfigError(f"{flag}: expected a finite number of MiB (got {value:g})", field=flag)
+    return int(value * _MIB)
+
+
+def _size_error(err: Any, flag: str, given: float) -> str:
+    """A size option's validation error in MiB, as the option was given (the settings' bound is in bytes)."""
+    ctx = err.get("ctx") or {}
+    bound = next(((words, ctx[k]) for k, words in _BOUNDS.items() if k in ctx), None)
+    msg = (f"Input should be {bound[0]} {bound[1] / _MIB:.10g} MiB" if bound is not None
+           else err["msg"].removeprefix("Value error, "))
+    return f"{flag}: {msg} (got {given:g})"
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     from omni.serve.settings import ServeSettings
 
-    mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
     return ServeSettings.from_env(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-        max_body_bytes=mb(args.max_body_mb), max_media_items=args.max_media_items,
-        max_media_bytes=mb(args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms,
+        max_body_bytes=_mib_bytes("--max-body-mb", args.max_body_mb), max_media_items=args.max_media_items,
+        max_media_bytes=_mib_bytes("--max-media-mb", args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms,
         shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level, max_sessions=args.max_sessions,
         session_idle_timeout_s=args.session_idle_timeout_s, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser)
@@ -180,8 +205,11 @@ def main(args: argparse.Namespace) -> int:
         msg = err["msg"].removeprefix("Value error, ")
         if not err["loc"]:  # a rule across options (--enable-auto-tool-choice needs --tool-call-parser): it names them
             return error(msg)
-        flag = _FLAGS.get(str(err["loc"][0]), "--" + str(err["loc"][0]).replace("_", "-"))
-        return error(f"{flag}: {msg} (got {err.get('input')!r})")
+        name = str(err["loc"][0])
+        if name in _SIZE_FLAGS:
+            flag, dest = _SIZE_FLAGS[name]
+            return error(_size_error(err, flag, getattr(args, dest)))
+        return error(f"--{name.replace('_', '-')}: {msg} (got {err.get('input')!r})")
     if args.ray_serve:
         from omni.serve.ray_serve import run
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from omni.errors import FIELD_ERROR
-from omni.pydantic_errors import accepts
+from omni.pydantic_errors import accepts, shown
 
 
 def field_error(field: str, text: str, code: str = "invalid_value") -> PydanticCustomError:
@@ -63,9 +63,9 @@ def _check_unsupported(req: BaseModel, table: dict[str, tuple[Any, ...]]) -> Non
     for name, accepted in table.items():
         value = getattr(req, name)
         if not any(_same(value, a) for a in accepted):
-            shown = ", ".join("null" if a is None else json.dumps(a) for a in accepted)
-            raise field_error(name, f"this server does not implement it: send it absent or as {shown} "
-                              f"(got {json.dumps(value)[:60]})", "unsupported_parameter")
+            nothing = ", ".join("null" if a is None else json.dumps(a) for a in accepted)
+            raise field_error(name, f"this server does not implement it: send it absent or as {nothing} "
+                              f"(got {shown(value)})", "unsupported_parameter")
 
 
 class _Strict(BaseModel):
@@ -160,6 +160,9 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
+        if self.content is not None and not self.content:
+            # OpenAI refuses it (400, empty_array) rather than read it as no message: so does this server
+            raise field_error("content", "empty array: expected text or at least one content part", "empty_array")
         if self.content is None and self.tool_calls:
             return self  # an assistant turn that only called tools
         if self.content is None:
@@ -429,8 +432,16 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] = Field(description="The prompt: text, or token ids.")
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], accepts(
+        "a string, a list of token ids, or a batch of prompts (a list of strings or a list of token-id lists)"
+    )] = Field(
+        description="The prompt: text or token ids; or a batch of prompts (a list of strings, or a list of token-id "
+        "lists), every one run at once: one choice per prompt and n, index prompt_index * n + i (vLLM's order).")
     logprobs: int | None = Field(None, ge=0, le=5, description="Return each token's log-probability and those "
                                  "of the 0..5 most likely tokens at its position (the text stage).")
     max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most (the text stage); 0 only "
@@ -450,27 +461,49 @@ class CompletionRequest(_Common):
             raise field_error("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
         return self
 
-    @field_validator("prompt", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _one_prompt_of_ids(cls, v: Any) -> Any:
-        """OpenAI's batch of token-id lists: one list of ids is a prompt (as one string in a list is), more are
-        refused as a batch of strings is."""
-        if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (send several requests concurrently)")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in v[0]):
-                return v[0]
-        return v
+    def _prompt_items(cls, data: Any) -> Any:
+        """A list prompt checked item by item, so that a bad prompt of a batch is refused naming it (`prompt[2]`,
+        `prompt[2][5]` for a token id); what no shape takes at all is then refused by the field's type (`prompt`)."""
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(prompt, list):
+            return data
+        if not prompt:
+            raise field_error("prompt", "must not be empty")
+        first = prompt[0]
+        if _token_id(first):  # one prompt, as token ids
+            bad = next((j for j, t in enumerate(prompt) if not _token_id(t)), None)
+            if bad is not None:
+                raise field_error(f"prompt[{bad}]", "expected a token id (an integer), as prompt[0] is")
+            return data
+        if not isinstance(first, (str, list)):
+            raise field_error("prompt[0]", "expected a string, a list of token ids or a token id")
+        kind = "a string" if isinstance(first, str) else "a list of token ids"
+        for i, item in enumerate(prompt):
+            if not isinstance(item, type(first)):
+                raise field_error(f"prompt[{i}]", f"expected {kind}, as prompt[0] is (a batch is of one kind)")
+            if not item:
+                raise field_error(f"prompt[{i}]", "must not be empty")
+            bad = next((j for j, t in enumerate(item) if not _token_id(t)), None) if isinstance(item, list) else None
+            if bad is not None:
+                raise field_error(f"prompt[{i}][{bad}]", "expected a token id (an integer)")
+        return data
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (send several requests concurrently)")
-        elif not v:
+    def _not_empty(cls, v: str | list[int] | list[str] | list[list[int]]) -> Any:
+        if not v:
             raise ValueError("must not be empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts in order: one, or the batch's."""
+        p = self.prompt
+        if isinstance(p, str) or _token_id(p[0]):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     @property
     def token_limit(self) -> int | None:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
                       field_validator, model_validator)
 
-from omni.pydantic_errors import loc_to_param
+from omni.pydantic_errors import loc_to_param, shown
 
 
 class RealtimeEventError(Exception):
@@ -35,7 +35,7 @@ class _M(BaseModel):
 def _unsupported(name: str, v: Any, accepted: tuple[Any, ...] = (None,)) -> Any:
     if v not in accepted:
         values = [json.dumps(a) for a in accepted if a is not None]
-        raise ValueError(f"this server does not implement {name} {json.dumps(v)[:60]}: send it absent or null"
+        raise ValueError(f"this server does not implement {name} {shown(v)}: send it absent or null"
                          + (f", or {' or '.join(values)}" if values else ""))
     return v
 

@@ -125,8 +125,9 @@ class RealtimeResponse:
                                                     "voice": self.voice}}, "usage": None}
         if run is not None:
             # The text stage's prompt split by kind (text, audio, image placeholders); cached_tokens is its
-            # prefix-cache hit (unknown, 0, for a response cancelled before the stage finished). The output is the
-            # reply's text tokens and its audio's codec tokens (0 until the audio stage finished).
+            # prefix-cache hit. Known from the stage's first delta, so a response cancelled (or failed) after its
+            # prompt was read reports them as a completed one does (0 only for one cancelled before). The output is
+            # the reply's text tokens and its audio's codec tokens (0 until the audio stage finished).
             output = run.completion_tokens + run.audio_tokens
             out["usage"] = {"total_tokens": run.prompt_tokens + output,
                             "input_tokens": run.prompt_tokens, "output_tokens": output,

@@ -103,7 +103,8 @@ class Run:
         self.completion_tokens = 0  # the text stage's reply
         # The codec tokens the reply's audio was decoded from (its talker's, voicing included): OpenAI's audio tokens
         self.audio_tokens = 0
-        self.cached_tokens: int | None = None  # known once the text stage finished
+        # known from the text stage's first delta (its prompt was read: a cancelled reply's usage still counts it)
+        self.cached_tokens: int | None = None
         # the prompt's audio / image placeholder tokens, and those of them the cache held (known with cached_tokens)
         self.prompt_mm_tokens: dict[str, int] = {}
         self.cached_mm_tokens: dict[str, int] = {}
@@ -219,6 +220,10 @@ class Run:
                     self.prompt_logprobs = item.prompt_logprobs
                     out.append(TextEvent(item.prompt_text, echo=True))
                 self.prompt_tokens = item.num_prompt_tokens or self.prompt_tokens
+                if item.num_cached_tokens is not None and self.cached_tokens is None:  # (the first delta's)
+                    self.cached_tokens = item.num_cached_tokens
+                    self.prompt_mm_tokens = dict(item.prompt_mm_tokens or {})
+                    self.cached_mm_tokens = dict(item.cached_mm_tokens or {})
                 self.completion_tokens += len(item.token_ids)
                 if item.logprobs is not None:
                     if self.logprobs is None:

@@ -57,7 +57,7 @@ def usage(run: Usage) -> dict[str, Any]:
                          "total_tokens": run.prompt_tokens + completion}
     if speaks(run):
         u["completion_tokens_details"] = {"text_tokens": run.completion_tokens, "audio_tokens": run.audio_tokens}
-    if run.cached_tokens is not None:  # unknown when a stop string ended the text early
+    if run.cached_tokens is not None:  # known from the first delta on (unknown only if none came)
         u["prompt_tokens_details"] = {"cached_tokens": run.cached_tokens,
                                       "audio_tokens": run.prompt_mm_tokens.get("audio", 0)}
     return u
@@ -77,17 +77,20 @@ def _lp(x: float) -> float:
     return max(x, _MIN_LOGPROB)
 
 
-def _token_entry(token: str | None, logprob: float) -> dict[str, Any]:
+def token_entry(token: str | None, logprob: float, raw: bytes | None) -> dict[str, Any]:
+    """One token as OpenAI lists it: its text, log-probability and bytes, the token's own (TokenLogprob.token_bytes:
+    a token holding part of a character has the text U+FFFD but not its bytes); its text's UTF-8 where the stage
+    has no tokenizer to say."""
     text = token or ""
-    return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(raw if raw is not None else text.encode("utf-8"))}
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    """OpenAI's chat `logprobs`: per token its text, log-probability, UTF-8 bytes and `top_logprobs`."""
+    """OpenAI's chat `logprobs`: per token its text, log-probability, bytes and `top_logprobs`."""
     if entries is None:
         return None
-    return {"content": [{**_token_entry(e.token, e.logprob),
-                         "top_logprobs": [_token_entry(t, lp) for _, lp, t in e.top]} for e in entries],
+    return {"content": [{**token_entry(e.token, e.logprob, e.token_bytes),
+                         "top_logprobs": [token_entry(t, lp, raw) for _, lp, t, raw in e.top]} for e in entries],
             "refusal": None}
 
 
@@ -101,7 +104,7 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
         offsets.append(offset)
         offset += len(e.token or "")
     return {"tokens": [e.token or "" for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t, _raw in e.top} for e in entries], "text_offset": offsets}
 
 
 def prompt_logprobs(entries: list[TokenLogprob | None] | None) -> list[dict[str, Any] | None] | None:
@@ -114,7 +117,7 @@ def prompt_logprobs(entries: list[TokenLogprob | None] | None) -> list[dict[str,
         if e is None:
             out.append(None)
             continue
-        pos = {str(t): {"logprob": _lp(lp), "rank": r, "decoded_token": text} for r, (t, lp, text) in
+        pos = {str(t): {"logprob": _lp(lp), "rank": r, "decoded_token": text} for r, (t, lp, text, _raw) in
                enumerate(e.top, start=1)}
         pos[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}
         out.append(pos)
@@ -194,7 +197,7 @@ def echo_logprobs(run: Any) -> dict[str, Any]:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        top = {(t or ""): _lp(lp) for _, lp, t in e.top}
+        top = {(t or ""): _lp(lp) for _, lp, t, _raw in e.top}
         top[texts[i]] = _lp(e.logprob)
         out["token_logprobs"].append(_lp(e.logprob))
         out["top_logprobs"].append(top)

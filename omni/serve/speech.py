@@ -37,6 +37,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from omni.errors import ContextLengthError, OmniError
 from omni.outputs import StageInput
 from omni.serve.audio import pcm16_chunks
 from omni.serve.endpoints import ClientGone, ServerState, parse, race
@@ -112,6 +113,20 @@ def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
     job = Job(request_id, prompt, {info.entry_stage: {"forced_text": req.input}}, None, info.audio_stage,
               info.entry_stage, [], fields)
     return job
+
+
+class _SpeechRun(Run):
+    """A speech request's run: a context that cannot hold the voiced input is refused in this endpoint's words.
+    omni's own ("prompt: N tokens + a forced reply of M tokens ...") speak of a prompt and a forced reply, neither
+    of which the caller sent: they sent `input`, which is both the user turn of the prompt and the reply voiced."""
+
+    def _error(self, err: OmniError) -> ApiError:
+        if isinstance(err, ContextLengthError) and err.limit is not None and err.actual is not None:
+            err = err.replace(message=(
+                f"input: too long to voice: the voiced reply needs {err.actual} tokens of the model's context (the "
+                f"prompt holding the input, then the input again as the reply spoken), more than the {err.limit} "
+                f"it holds (max_model_len of stage {err.stage!r}); shorten input"))
+        return super()._error(err)
 
 
 def _sse(payload: dict[str, Any]) -> dict[str, str]:
@@ -200,7 +215,7 @@ async def create_speech(state: ServerState, request: Request) -> Any:
     job = speech_job(req, state.info, new_id("speech"))
     fmt, media_type = req.response_format, MEDIA_TYPES[req.response_format]
     state.admit()
-    run = Run(state.omni, job, state.settings.default_audio_rate, state.metrics)
+    run = _SpeechRun(state.omni, job, state.settings.default_audio_rate, state.metrics)
     reply = _Reply(state, run, 1.0 if req.speed is None else req.speed)
     handed_over = False
     try:

@@ -39,6 +39,7 @@ from omni.serve.audio import decode_audio
 from omni.serve.endpoints import ClientGone, ServerState, race
 from omni.serve.errors import ApiError, bad_request, from_validation_error
 from omni.serve.reply_stream import Run, TextEvent
+from omni.serve.responses import token_entry
 from omni.serve.segmented_asr import SegmentedRun
 from omni.serve.speech_segments import VadOptions, speech_segments
 from omni.serve.transcript_formats import joined_text, to_srt, to_verbose_json, to_vtt
@@ -229,9 +230,8 @@ def _wants_logprobs(req: _Form) -> bool:
 
 
 def _logprobs(lps: list[Any]) -> list[dict[str, Any]]:
-    """OpenAI's transcription logprobs: each reply token's text, log-probability and UTF-8 bytes."""
-    return [{"token": lp.token or "", "logprob": lp.logprob, "bytes": list((lp.token or "").encode("utf-8"))}
-            for lp in lps]
+    """OpenAI's transcription logprobs: each reply token's text, log-probability and bytes (the token's own)."""
+    return [token_entry(lp.token, lp.logprob, lp.token_bytes) for lp in lps]
 
 
 async def _serve_segments(state: ServerState, request: Request, req: _Form, task: str, wave: np.ndarray,
@@ -310,7 +310,8 @@ def _done_event(text: str, run: Any, lps: list[Any] | None) -> dict[str, str]:
 
 async def _run_pieces(run: Run) -> AsyncIterator[tuple[str, list[Any]]]:
     async for ev in run.events():
-        if isinstance(ev, TextEvent) and ev.text:
+        # a piece with no text may still carry tokens (one whose character the next token completes, an eos)
+        if isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
             yield ev.text, ev.logprobs or []
 
 
@@ -322,6 +323,8 @@ async def _segment_pieces(runs: SegmentedRun) -> AsyncIterator[tuple[str, list[A
         if piece:
             yield (piece if first else " " + piece), seg.token_logprobs
             first = False
+        else:  # no text, but its tokens still count (their logprobs)
+            yield "", seg.token_logprobs
 
 
 def _events(state: ServerState, run: Run, logprobs: bool) -> AsyncIterator[dict[str, str]]:
@@ -335,13 +338,20 @@ def _segment_events(state: ServerState, runs: SegmentedRun, logprobs: bool) -> A
 async def _sse(state: ServerState, run: Run | SegmentedRun, pieces: AsyncIterator[tuple[str, list[Any]]],
                logprobs: bool) -> AsyncIterator[dict[str, str]]:
     """`transcript.text.delta` a piece, then `.done` with the text (an `error` event once the status line is
-    gone); the run is released at the end, however it ends."""
-    reason, text, lps = "abort", "", []
+    gone); the run is released at the end, however it ends. Every reply token's logprob is streamed once: those
+    of tokens with no text of their own yet (part of a character the next token completes) go with the next
+    delta, as the text they are part of; any left at the end (an eos) in a last delta with no text."""
+    reason, text, lps, waiting = "abort", "", [], []
     try:
         async for piece, piece_lps in pieces:
-            text += piece
             lps.extend(piece_lps)
-            yield _delta(piece, piece_lps if logprobs else None)
+            waiting.extend(piece_lps)
+            if piece:
+                text += piece
+                yield _delta(piece, waiting if logprobs else None)
+                waiting = []
+        if waiting and logprobs:
+            yield _delta("", waiting)
         reason = run.finish_reason or "stop"
         yield _done_event(text, run, lps if logprobs else None)
     except ApiError as e:

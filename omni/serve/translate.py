@@ -230,16 +230,24 @@ def voice_short_replies(job: Job, info: PipelineInfo) -> None:
         job.voice_after, job.audio_stage = job.audio_stage, None
 
 
-def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str) -> Job:
+def completion_jobs(req: CompletionRequest, info: PipelineInfo, request_id: str) -> list[Job]:
+    """One Job per prompt of the request: its one prompt's, or a batch's in order (request ids `<id>-<k>`)."""
+    if len(req.prompts) == 1:
+        return [completion_job(req, info, request_id)]
+    return [completion_job(req, info, f"{request_id}-{k}", k) for k in range(len(req.prompts))]
+
+
+def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str, index: int | None = None) -> Job:
+    """The Job of the request's one prompt (index None: errors name `prompt`), or of its batch's prompt `index`
+    (errors name `prompt[index]`, the prompt the user can fix)."""
     if info.text_stage is None:
         raise bad_request(f"model: pipeline {info.model!r} has no text output stage; use /v1/chat/completions",
                           "model")
-    p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], str):
-        p = p[0]
+    p = req.prompts[0 if index is None else index]
+    where = "prompt" if index is None else f"prompt[{index}]"
     prompt = (StageInput("", prompt=p, cache_salt=req.cache_salt) if isinstance(p, str)
               else StageInput("", prompt_token_ids=list(p), cache_salt=req.cache_salt))
-    fields = {"prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
+    fields = {"prompt": where, "prompt_token_ids": where, "max_tokens": "max_tokens"}
     job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, req.stops, fields)
     _sampling(req, info, job)
     if req.echo:

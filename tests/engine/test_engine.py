@@ -330,8 +330,9 @@ def test_logprobs_are_transformers_raw_log_softmax(tiny_qwen2):
         assert len(e.top) == 3 and e.top[0][0] == e.token_id == int(ref_lp[i].argmax())  # greedy: the best
         assert all(a[1] >= b[1] for a, b in zip(e.top, e.top[1:]))
         order = np.argsort(-ref_lp[i])[:4]
-        for rank, (tid, lp, text) in enumerate(e.top):
+        for rank, (tid, lp, text, raw) in enumerate(e.top):
             assert abs(lp - ref_lp[i, tid]) <= atol and text == engine.tokenizer.decode([tid])
+            assert raw.decode("utf-8", "replace") == text  # (the token's own bytes: tests/engine/test_token_bytes.py)
             if ref_lp[i, order[rank]] - ref_lp[i, order[rank + 1]] > 2 * atol:
                 assert tid == order[rank], (i, rank)
     assert_no_leak(engine)

@@ -112,8 +112,13 @@ def test_forced_reply_refusals_name_the_field(tiny_llama):
         _forced(engine, "v", [5, 6], [7, vocab + 3])
     assert e.value.field == "sampling_params.forced_token_ids" and e.value.actual == vocab + 3
     with pytest.raises(ContextLengthError) as e:
-        _forced(engine, "l", _ids(40, 9, vocab), _ids(30, 10, vocab))
+        _forced(engine, "l", _ids(40, 9, vocab), _ids(30, 10, vocab), max_tokens=30)
     assert e.value.actual == 70 and e.value.limit == 64
+    # The reply's tokens are what asked for the room: the error names them, not a max_tokens (here it happens to
+    # be 30 as well; a caller who sent forced_text never sent one at all).
+    assert e.value.field == "sampling_params.forced_token_ids"
+    assert e.value.message == ("prompt: 40 tokens + a forced reply of 30 tokens = 70 exceed max_model_len 64 of stage "
+                               f"{engine.name!r}; shorten the prompt or the forced reply")
     with pytest.raises(RequestError, match="still streams in") as e:
         engine.add_request(StageInput("g", prompt_token_ids=[5, 6], input_complete=False,
                                       sampling_params=SamplingParams(forced_token_ids=[7, 8])))

@@ -296,7 +296,7 @@ def test_merged_deltas_lose_nothing():
     lp = lambda t: TokenLogprob(t, -0.5, f"t{t}", [(t, -0.5, f"t{t}")], 1)  # noqa: E731
     a = StageDelta("r", "thinker", [1, 2], "ab", 5, 7, False, {"hidden_states": np.ones((2, 3), np.float32)}, 5,
                    [9, 9, 9, 9, 9], np.ones(4, np.float32), 24000, [lp(1), lp(2)], "the prompt", ["the", " prompt"],
-                   [None, lp(9)])
+                   [None, lp(9)], 4, {"audio": 2}, {"audio": 1})
     b = StageDelta("r", "thinker", [3], "c", 5, 8, True, {"hidden_states": np.zeros((1, 3), np.float32)}, 7,
                    None, np.zeros(2, np.float32), 24000, [lp(3)])
     m = merge_chunks(a, b)
@@ -306,5 +306,7 @@ def test_merged_deltas_lose_nothing():
     assert (m.token_ids, m.text, m.finished, m.num_computed_tokens, m.rows_start) == ([1, 2, 3], "abc", True, 8, 5)
     assert m.logprobs == [lp(1), lp(2), lp(3)] and m.prompt_token_ids == [9] * 5
     assert (m.prompt_text, m.prompt_token_texts, m.prompt_logprobs) == ("the prompt", ["the", " prompt"], [None, lp(9)])
+    # the prompt's split by kind rides on the first delta only: a merge keeps it (a cancelled reply's usage needs it)
+    assert (m.num_cached_tokens, m.prompt_mm_tokens, m.cached_mm_tokens) == (4, {"audio": 2}, {"audio": 1})
     np.testing.assert_array_equal(m.rows["hidden_states"], np.concatenate([np.ones((2, 3)), np.zeros((1, 3))]))
     np.testing.assert_array_equal(m.audio, np.concatenate([np.ones(4), np.zeros(2)]))

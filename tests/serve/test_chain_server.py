@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.server_utils import CHAIN, held, serve_in_process, wait_idle
+from tests.serve.server_utils import CHAIN, generating, held, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny_chain"
@@ -301,6 +301,129 @@ def test_n_choices_chat_and_completions(client):
         for c in ch.choices:
             streamed[c.index] += c.text
     assert [streamed[0], streamed[1]] == [c.text for c in two.choices]
+
+
+def test_streamed_logprobs_name_every_token_once_with_its_own_bytes(client):
+    """A reply token holding part of a UTF-8 character (its text alone is U+FFFD; the reply's text waits for the
+    next token): streamed, it still has its logprob, once, so the chunks list the non-streamed reply's tokens token by
+    token; and its `bytes` are the token's own (not U+FFFD's), so every token's bytes join into the reply's text."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=24, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    partial = [e for e in content if e.token == "\ufffd"]
+    assert partial  # the greedy reply to this prompt has such a token: the case under test
+    assert all(bytes(e.bytes) != "\ufffd".encode() for e in partial)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == whole.choices[0].message.content
+    streamed = [e for ch in client.chat.completions.create(**kw, stream=True)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    # (values a rounding apart at most: the second request hits the first one's prefix-cache blocks)
+    assert [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    comp = client.completions.create(model=MODEL, prompt="a", max_tokens=24, logprobs=1)
+    chunks = client.completions.create(model=MODEL, prompt="a", max_tokens=24, logprobs=1, stream=True)
+    assert [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == \
+        comp.choices[0].logprobs.tokens
+
+
+BATCH = ["The capital of France is", "Once upon a time", "a"]
+
+
+def test_completions_batch_of_prompts_is_each_prompt_alone(client):
+    """A batch of prompts (OpenAI's legacy API and vLLM take one; lm-evaluation-harness's local-completions sends
+    them): one choice per prompt, in order, each what that prompt alone gives (greedy), text, logprobs and finish
+    reason; as token-id lists too; usage adds up every prompt and every choice; echo with max_tokens 0 (a
+    loglikelihood batch) returns each prompt alone."""
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, logprobs=1) for p in BATCH]
+    batch = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=5, logprobs=1)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [(c.text, c.logprobs.tokens, c.finish_reason) for c in batch.choices] == \
+        [(a.choices[0].text, a.choices[0].logprobs.tokens, a.choices[0].finish_reason) for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 15 and batch.usage.total_tokens == batch.usage.prompt_tokens + 15
+
+    ids = [[1, 2, 3, 4, 5], [42, 43], [9]]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=4) for p in ids]
+    batch = client.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == 8 and batch.usage.completion_tokens == 12
+
+    scored = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=0, echo=True, logprobs=1)
+    one = [client.completions.create(model=MODEL, prompt=p, max_tokens=0, echo=True, logprobs=1) for p in BATCH]
+    assert [(c.text, c.logprobs.tokens) for c in scored.choices] == \
+        [(o.choices[0].text, o.choices[0].logprobs.tokens) for o in one]
+    assert [c.text for c in scored.choices] == BATCH
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in one)
+
+
+def test_completions_batch_with_n_and_streamed(client):
+    """n choices of each prompt of a batch: choice prompt_index * n + i (vLLM's order), with a seed the sample n=1 of
+    that prompt gives with seed + i; streamed, every chunk names its choice, the prompts' choices come interleaved as
+    they are produced, and each choice's pieces add up to the non-streamed choice, echo included; the usage too."""
+    kw = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=11)
+    two = client.completions.create(prompt=BATCH[:2], n=2, **kw)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [c.text for c in two.choices] == [client.completions.create(prompt=p, **{**kw, "seed": 11 + i})
+                                             .choices[0].text for p in BATCH[:2] for i in range(2)]
+    texts, finished, order, usage = {}, {}, [], None
+    for ch in client.completions.create(prompt=BATCH[:2], n=2, stream=True, stream_options={"include_usage": True},
+                                        **kw):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            order += [c.index] if c.text else []
+            if c.finish_reason is not None:
+                finished[c.index] = c.finish_reason
+    assert [texts[i] for i in range(4)] == [c.text for c in two.choices]
+    assert finished == {c.index: c.finish_reason for c in two.choices}
+    assert order.index(2) < len(order) - 1 - order[::-1].index(0)  # prompt 1's text starts before prompt 0's ends
+    assert (usage.prompt_tokens, usage.completion_tokens) == (two.usage.prompt_tokens, two.usage.completion_tokens)
+
+    echoed = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=3, echo=True, logprobs=1)
+    streamed = {}
+    for ch in client.completions.create(model=MODEL, prompt=BATCH, max_tokens=3, echo=True, logprobs=1, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in echoed.choices]
+    assert all(c.text.startswith(p) for c, p in zip(echoed.choices, BATCH))
+
+
+def test_completions_batch_errors_name_the_prompt(server, client):
+    """A bad prompt of a batch is a 400 naming it (`prompt[1]`), whether the server or the text stage refuses it; the
+    prompts already submitted are aborted, and the server keeps serving; a batch larger than the server ever runs at
+    once is a 400 naming `prompt`."""
+    for prompt, param, code in [(["Hi", ""], "prompt[1]", "invalid_value"),
+                                (["Hi", [1, 2]], "prompt[1]", "invalid_value"),
+                                ([[1, 2], [3, "x"]], "prompt[1][1]", "invalid_value"),
+                                ([[1, 2], [3, 10**9]], "prompt[1]", "invalid_value"),
+                                (["Hi", "There", "word " * 300], "prompt[2]", "context_length_exceeded")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert (e.value.body["param"], e.value.body["code"]) == (param, code), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # more than the server ever runs at once (256 by default)
+        client.completions.create(model=MODEL, prompt=["Hi"] * 129, n=2, max_tokens=2)
+    assert e.value.body["param"] == "prompt" and "129 prompts x 2 choices" in e.value.body["message"]
+    wait_idle(server)
+    assert client.completions.create(model=MODEL, prompt=BATCH, max_tokens=2).usage.completion_tokens == 6
+
+
+def test_disconnect_mid_batch_aborts_every_prompt(server, client):
+    """The prompts of a batch run at once (the text stage batches them), and a client that leaves mid-stream aborts
+    every one of them on every stage."""
+    def aborted() -> float:
+        return server.metrics().get(("omni_pipeline_requests_total", (("outcome", "aborted"),)), 0.0)
+
+    before = aborted()
+    with held(server, "thinker", until=generating(3)):
+        stream = client.completions.create(model=MODEL, prompt=BATCH, max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        engine = server.omni._omni._backend.workers["thinker"].engine
+        assert len(engine.scheduler.running) == 3  # all three prompts in the thinker's batch
+        stream.close()
+        kv = wait_idle(server)
+    assert not any(kv.values()) and aborted() == before + 3
 
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},

@@ -41,16 +41,22 @@ def test_stop_of_the_wrong_type_names_stop_and_what_it_takes():
         assert chat_error(stop=bad).param == "stop"
 
 
-def test_a_batch_of_token_id_lists_is_one_prompt_per_request():
-    e = completion_error(prompt=[[1, 2, 3], [4, 5]])
-    assert e.param == "prompt" and "one prompt per request" in e.message, e.body()
-    assert completion_error(prompt=["a", "b"]).message == e.message  # as a batch of strings
-    # a batch of one token list is that prompt, as a list of one string is
-    assert parse(CompletionRequest, json.dumps({"model": "m", "prompt": [[1, 2, 3]]}).encode()).prompt == [1, 2, 3]
-    for bad in ([["a"]], [[1, "a"]], 5):
+def test_a_batch_of_prompts_is_taken_and_a_bad_prompt_of_it_named():
+    """completions' batches (strings, or token-id lists) are prompts of their own; a list of one is that prompt, a
+    list of ids one prompt; a bad prompt of a batch is refused naming it (and the token id: `prompt[1][0]`)."""
+    def prompts(p):
+        return parse(CompletionRequest, json.dumps({"model": "m", "prompt": p}).encode()).prompts
+
+    assert prompts([[1, 2, 3], [4, 5]]) == [[1, 2, 3], [4, 5]] and prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([[1, 2, 3]]) == prompts([1, 2, 3]) == [[1, 2, 3]] and prompts(["a"]) == prompts("a") == ["a"]
+    for bad, param in ((["a", ""], "prompt[1]"), (["a", [1]], "prompt[1]"), ([[1], ["a"]], "prompt[1][0]"),
+                       ([[1, "a"]], "prompt[0][1]"), ([1, "a"], "prompt[1]"), ([[1], []], "prompt[1]"),
+                       ([{"a": 1}], "prompt[0]"), ([True], "prompt[0]"), ([], "prompt")):
         e = completion_error(prompt=bad)
-        assert e.param == "prompt" and "expected a string, a list of integers or a list of strings" in e.message, \
-            e.body()
+        assert (e.param, e.code) == (param, "invalid_value"), (bad, e.body())
+    for bad in (5, {"a": 1}):
+        e = completion_error(prompt=bad)
+        assert e.param == "prompt" and "a batch of prompts" in e.message, e.body()
 
 
 def test_an_unsupported_tool_choice_names_tool_choice_and_what_is_supported():
@@ -161,3 +167,45 @@ def test_loc_to_param_drops_member_names():
     assert loc_to_param(("x", "function-after[_check(), str]")) == "x"
     assert loc_to_param(("messages", 0, "content", 1, "image_url", "image_url", "url"), PART_TAGS) == \
         "messages[0].content[1].image_url.url"
+
+
+# ------------------------------------------------------------ empty content, values shown cut
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user", "content": []}], "messages[0].content"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": []}], "messages[1].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [],
+                                          "tool_calls": [{"id": "c", "type": "function",
+                                                          "function": {"name": "f", "arguments": "{}"}}]}],
+     "messages[1].content"),
+])
+def test_an_empty_content_array_is_refused_naming_it(messages, param):
+    """As OpenAI answers it (400, empty_array): an empty list of parts is no message, not an empty one."""
+    e = chat_error(messages=messages)
+    assert (e.param, e.code) == (param, "empty_array"), e.body()
+    assert e.message == f"{param}: empty array: expected text or at least one content part"
+
+
+@pytest.mark.parametrize("value,text", [
+    ("a" * 4097, '"' + "a" * 57 + '…"'),
+    ("x" * 56 + '"quoted"', '"' + "x" * 56 + '…"'),  # the cut falls in the escape \": no half of it is shown
+    ("é" * 40, '"' + r"\u00e9" * 9 + '…"'),
+    ([1, 2, "b" * 80], '[1, 2, "' + "b" * 50 + '…"'),
+    ("short", '"short"'),
+    (7, "7"),
+], ids=["long", "escape_at_the_cut", "non_ascii", "in_a_list", "short", "number"])
+def test_a_value_shown_cut_keeps_its_quotes(value, text):
+    """Every message that echoes a value cuts it with pydantic_errors.shown: the cut is marked and a string the cut
+    falls in still closes (a plain slice printed `(got 'aaaa…aaa)`, its closing quote gone)."""
+    from omni.pydantic_errors import shown
+
+    assert shown(value) == text and len(text) <= 60
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"messages": [{"role": "r" * 100, "content": "x"}]}, "messages[0].role"),  # pydantic's own error
+    ({"reasoning_effort": "r" * 100}, "reasoning_effort"),  # a field this server does not implement
+])
+def test_a_long_value_in_a_400_is_shown_cut_with_its_quotes(extra, param):
+    e = chat_error(**extra)
+    assert e.param == param, e.body()
+    assert e.message.endswith('(got "' + "r" * 57 + '…")'), e.body()

@@ -335,6 +335,35 @@ def test_transcriptions_and_translations_with_the_openai_client(server, client):
     wait_idle(server)
 
 
+def test_transcription_logprobs_stream_every_token_with_its_own_bytes(server, client):
+    """include[]=logprobs: one logprob per reply token, streamed and not alike, token by token. The clip's greedy
+    reply has a token holding part of a UTF-8 character (its text alone is U+FFFD, its text waits for the next
+    token): the stream still carries its logprob, with the delta of the text it is part of; and its `bytes` are the
+    token's own, so the tokens' bytes join into the transcript."""
+    from tests.serve.realtime_utils import speech_wav
+
+    data = speech_wav().read_bytes()
+    whole = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), include=["logprobs"])
+    lps = whole.logprobs
+    assert len(lps) == whole.usage.output_tokens
+    partial = [lp for lp in lps if lp.token == "\ufffd"]
+    assert partial  # the case under test
+    assert all(bytes(int(b) for b in lp.bytes) != "\ufffd".encode() for lp in partial)
+    assert b"".join(bytes(int(b) for b in lp.bytes) for lp in lps).decode("utf-8", "replace") == whole.text
+    events = list(client.audio.transcriptions.create(model=MODEL, file=("clip.wav", data), include=["logprobs"],
+                                                     stream=True))
+    deltas, done = events[:-1], events[-1]
+    assert {e.type for e in deltas} == {"transcript.text.delta"} and done.type == "transcript.text.done"
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    for got in (streamed, done.logprobs):
+        assert [(lp.token, lp.bytes) for lp in got] == [(lp.token, lp.bytes) for lp in lps]
+        # (values a rounding apart at most: the second request hits the first one's prefix-cache blocks)
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
+    for e in deltas:  # each delta's tokens spell its text
+        assert b"".join(bytes(int(b) for b in lp.bytes) for lp in e.logprobs).decode("utf-8", "replace") == e.delta
+    wait_idle(server)
+
+
 def _speech_slice(data: bytes, start_s: float, end_s: float) -> bytes:
     """The samples [start_s, end_s) of a 16 kHz 16-bit WAV as a WAV of their own (the same int16 values: the
     server decodes them to the same floats as the slice it cut from the whole clip)."""

@@ -206,6 +206,62 @@ def test_barge_in_with_server_vad(server):
     assert server.metrics()[("omni_realtime_barge_ins_total", ())] >= 1
 
 
+def test_a_cancelled_response_splits_its_prompt_as_a_completed_one(server):
+    """A response cancelled on its first delta (response.cancel, or a server-VAD barge-in) read its whole prompt:
+    response.done's input_token_details split it (text, audio, cached) exactly as the same prompt run to completion
+    does. (They said every prompt token was text and none cached: the split only came with the stage's final
+    output, which a cancelled reply never waits for.) The completed run compared with comes after the cancelled ones
+    and a first completed run before them, so all of them meet the prefix cache in the same state."""
+    clip = base64.b64encode(pcm16(speech_24k(3.0))).decode()
+    vad = {"type": "realtime", "audio": {"output": {"voice": "Chelsie"}, "input": {"turn_detection": {
+        "type": "server_vad", "threshold": 0.5, "silence_duration_ms": 1000, "prefix_padding_ms": 200}}}}
+
+    async def turn(session, stop=None):
+        """The clip as the conversation's one item, one response: run to its end, or stopped by `stop` at its
+        first delta (the talker held meanwhile, so the reply cannot end first)."""
+        conn = await _connect(server, session)
+        try:
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_audio", "audio": clip}]})
+            await until(conn, "conversation.item.done")
+            if stop is None:
+                await conn.response.create()
+                return (await until(conn, "response.done")).response
+            with held(server, "talker", until=generating(1)) as release:
+                await conn.response.create()
+                while not (await conn.recv()).type.startswith(("response.output_audio", "response.output_text")):
+                    pass
+                await stop(conn)
+                done = await until(conn, "response.done")
+                release.set()
+            return done.response
+        finally:
+            await conn.close()
+
+    async def cancel(conn):
+        await conn.response.cancel()
+
+    async def barge_in(conn):  # silence, then speech over the reply in progress
+        await _append(conn, np.zeros(12000, np.float32))
+        await _append(conn, speech_24k(2.0, offset_s=3.0))
+
+    async def go():
+        first = await turn(MANUAL)
+        cancelled = await turn(MANUAL, cancel)
+        barged = await turn(vad, barge_in)
+        completed = await turn(MANUAL)
+        assert ran_to_its_end(first) and ran_to_its_end(completed), (first.status_details, completed.status_details)
+        assert (cancelled.status, cancelled.status_details.reason) == ("cancelled", "client_cancelled")
+        assert (barged.status, barged.status_details.reason) == ("cancelled", "turn_detected")
+        want = completed.usage.input_token_details
+        assert want.audio_tokens == 75 and want.cached_tokens > 0 and want.cached_tokens_details.audio_tokens > 0
+        for r in (cancelled, barged):
+            assert r.usage.input_tokens == completed.usage.input_tokens
+            assert r.usage.input_token_details == want, (r.usage.input_token_details, want)
+    run(go())
+    wait_idle(server)
+
+
 def test_silence_and_noise_start_no_turn(server):
     vad = {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
 

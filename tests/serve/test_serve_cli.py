@@ -22,6 +22,22 @@ def test_bad_config_and_options_exit_2(tmp_path, capsys):
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--max-body-mb", "0", "Input should be greater than or equal to 0.0009765625 MiB (got 0)"),  # 1 KiB
+    ("--max-body-mb", "0.0005", "Input should be greater than or equal to 0.0009765625 MiB (got 0.0005)"),
+    ("--max-body-mb", "-2.5", "Input should be greater than or equal to 0.0009765625 MiB (got -2.5)"),
+    ("--max-media-mb", "0", "Input should be greater than or equal to 9.536743164e-07 MiB (got 0)"),  # 1 byte
+    ("--max-body-mb", "nan", "expected a finite number of MiB (got nan)"),
+    ("--max-media-mb", "inf", "expected a finite number of MiB (got inf)"),
+])
+def test_a_size_option_is_refused_in_its_own_unit(capsys, flag, value, expected):
+    """The size options are in MiB: a refusal states the bound in MiB and echoes the value as typed (it said
+    `>= 1024 (got 0)`, the settings' bytes, and a typed -2.5 came back as -2621440); nan / inf, which have no
+    bytes, exit 2 the same way instead of a traceback."""
+    assert cli.main(["serve", str(CHAIN), "--backend", "local", flag, value]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {flag}: {expected}"
+
+
 def test_a_taken_port_exits_1_before_loading(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

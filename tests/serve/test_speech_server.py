@@ -183,6 +183,29 @@ def test_errors_name_the_field(server, client, kw, param):
     wait_idle(server)
 
 
+def test_too_long_an_input_is_refused_in_the_endpoints_words(server, client):
+    """The caller sent `input`, nothing else: the refusal speaks of it and of the room its voicing needs, never of a
+    prompt or a max_tokens they did not send (it said `prompt: 1048 tokens + max_tokens 1001 = 2049 exceed ...`)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model=MODEL, input="1" * 1000, voice="Chelsie", response_format="wav")
+    body = e.value.body
+    assert (body["param"], body["code"]) == ("input", "context_length_exceeded"), body
+    assert body["message"] == (  # the thinker's prompt holds the input, then its reply is the input again (+ eos)
+        "input: too long to voice: the voiced reply needs 2049 tokens of the model's context (the prompt holding the "
+        "input, then the input again as the reply spoken), more than the 2048 it holds (max_model_len of stage "
+        "'thinker'); shorten input")
+    wait_idle(server)
+
+
+def test_an_input_past_4096_characters_is_shown_cut_with_its_quotes(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model=MODEL, input="a" * 4097, voice="Chelsie")
+    body = e.value.body
+    assert body["param"] == "input", body
+    # cut short, and marked so, with both quotes: the shown value ends where the quote closes
+    assert body["message"] == 'input: String should have at most 4096 characters (got "' + "a" * 57 + '…")'
+
+
 def test_streamed_errors_before_audio_are_http_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         with client.audio.speech.with_streaming_response.create(

@@ -141,3 +141,31 @@ def test_preempted_multimodal_requests_still_match_transformers(thinker_stage, h
         assert outs[inp.request_id].token_ids == ref, inp.request_id
     assert stage.encoder_runs == 2
     assert_no_leak(engine)
+
+
+def test_the_first_delta_and_an_abort_report_the_prompts_split_as_its_final_output(thinker_stage):
+    """What usage splits a prompt by (its prefix-cache hit, its placeholder tokens per modality and those of them
+    cached) is known once the prompt is scheduled: the first delta of a streamed request carries it, and so does
+    an aborted request's output, as the finished output reports it. A reply cancelled midway (reply_stream.Run)
+    reads it there: it never sees the final output."""
+    from tests.stages.omni_utils import audio
+
+    stage = _fresh(thinker_stage)
+    engine = make_engine(None, model=stage, block_size=4)
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is it?"}]}]
+
+    def request(rid: str, **kw) -> StageInput:
+        return StageInput(rid, prompt=messages, mm_inputs=[MultiModalInput("audio", audio(3, 1.0), 16000)],
+                          sampling_params=GREEDY, **kw)
+
+    _run(engine, [request("warm")])  # the caches hold the prompt from here on: every run below hits alike
+    engine.add_request(request("cut", stream=True))
+    first = engine.step().deltas[0]
+    engine.abort("cut")
+    (aborted,) = engine.step().aborted
+    done = _run(engine, [request("done")])["done"]
+    assert done.prompt_mm_tokens == {"audio": 25} and done.cached_mm_tokens["audio"] > 0  # 1 s: 25 audio tokens
+    want = (done.num_cached_tokens, done.prompt_mm_tokens, done.cached_mm_tokens)
+    assert (first.num_cached_tokens, first.prompt_mm_tokens, first.cached_mm_tokens) == want
+    assert (aborted.num_cached_tokens, aborted.prompt_mm_tokens, aborted.cached_mm_tokens) == want
+    assert_no_leak(engine)
