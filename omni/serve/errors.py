@@ -93,7 +93,8 @@ def from_validation_error(err: ValidationError, tags: frozenset[str] = frozenset
     code = "invalid_value"
     if e["type"] == FIELD_ERROR:  # a model validator naming its field (as data: protocol.field_error)
         field = e["ctx"]["field"]
-        param = f"{param}.{field}" if param else field
+        # (a field's own validator names a part of it: `[2]` under `prompt` is `prompt[2]`)
+        param = (f"{param}{field}" if not field or field.startswith("[") else f"{param}.{field}") if param else field
         msg = e["ctx"]["text"]
         code = e["ctx"].get("code", code)
     value_got = f" (got {shown(e.get('input'))})" if not isinstance(e.get("input"), (dict, list)) else ""

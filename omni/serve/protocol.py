@@ -461,34 +461,35 @@ class CompletionRequest(_Common):
             raise field_error("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
         return self
 
-    @model_validator(mode="before")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_items(cls, data: Any) -> Any:
+    def _prompt_items(cls, prompt: Any) -> Any:
         """A list prompt checked item by item, so that a bad prompt of a batch is refused naming it (`prompt[2]`,
-        `prompt[2][5]` for a token id); what no shape takes at all is then refused by the field's type (`prompt`)."""
-        prompt = data.get("prompt") if isinstance(data, dict) else None
+        `prompt[2][5]` for a token id); what no shape takes at all is then refused by the field's type (`prompt`).
+        (A field validator, not the model's: a model `before` validator would have the whole request validated
+        from Python objects, where strict mode refuses JSON's string keys of logit_bias.)"""
         if not isinstance(prompt, list):
-            return data
+            return prompt
         if not prompt:
-            raise field_error("prompt", "must not be empty")
+            raise field_error("", "must not be empty")
         first = prompt[0]
         if _token_id(first):  # one prompt, as token ids
             bad = next((j for j, t in enumerate(prompt) if not _token_id(t)), None)
             if bad is not None:
-                raise field_error(f"prompt[{bad}]", "expected a token id (an integer), as prompt[0] is")
-            return data
+                raise field_error(f"[{bad}]", "expected a token id (an integer), as prompt[0] is")
+            return prompt
         if not isinstance(first, (str, list)):
-            raise field_error("prompt[0]", "expected a string, a list of token ids or a token id")
+            raise field_error("[0]", "expected a string, a list of token ids or a token id")
         kind = "a string" if isinstance(first, str) else "a list of token ids"
         for i, item in enumerate(prompt):
             if not isinstance(item, type(first)):
-                raise field_error(f"prompt[{i}]", f"expected {kind}, as prompt[0] is (a batch is of one kind)")
+                raise field_error(f"[{i}]", f"expected {kind}, as prompt[0] is (a batch is of one kind)")
             if not item:
-                raise field_error(f"prompt[{i}]", "must not be empty")
+                raise field_error(f"[{i}]", "must not be empty")
             bad = next((j for j, t in enumerate(item) if not _token_id(t)), None) if isinstance(item, list) else None
             if bad is not None:
-                raise field_error(f"prompt[{i}][{bad}]", "expected a token id (an integer)")
-        return data
+                raise field_error(f"[{i}][{bad}]", "expected a token id (an integer)")
+        return prompt
 
     @field_validator("prompt")
     @classmethod

@@ -303,27 +303,35 @@ def test_n_choices_chat_and_completions(client):
     assert [streamed[0], streamed[1]] == [c.text for c in two.choices]
 
 
-def test_streamed_logprobs_name_every_token_once_with_its_own_bytes(client):
-    """A reply token holding part of a UTF-8 character (its text alone is U+FFFD; the reply's text waits for the
-    next token): streamed, it still has its logprob, once, so the chunks list the non-streamed reply's tokens token by
-    token; and its `bytes` are the token's own (not U+FFFD's), so every token's bytes join into the reply's text."""
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=24, logprobs=True, top_logprobs=2)
-    whole = client.chat.completions.create(**kw)
+def test_streamed_logprobs_name_every_token_once_with_its_own_bytes(server, client):
+    """Reply tokens holding part of a UTF-8 character (each one's text alone is U+FFFD; the reply's text waits for
+    the token that completes the character): streamed, each still has its logprob, once, so the chunks list the
+    non-streamed reply's tokens token by token; and their `bytes` are the token's own (not U+FFFD's), so every
+    token's bytes join into the reply's text. logit_bias makes the reply such tokens whatever the random model's
+    numerics: the two bytes of "é" (0xC3 0xA9; byte-level BPE spells them "Ã" and "©"); a cache salt per request
+    keeps each one uncached, so streamed and not compute the same sums."""
+    tok = server.omni._omni._backend.workers["thinker"].engine.model.tokenizer
+    lead, cont = tok.convert_tokens_to_ids("\u00c3"), tok.convert_tokens_to_ids("\u00a9")
+    assert tok.unk_token_id not in (lead, cont) and lead != cont
+
+    def kw(salt: str) -> dict:
+        return dict(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=12, logprobs=True,
+                    top_logprobs=2, logit_bias={str(lead): 100, str(cont): 100}, extra_body={"cache_salt": salt})
+
+    whole = client.chat.completions.create(**kw("bytes-whole"))
     content = whole.choices[0].logprobs.content
-    partial = [e for e in content if e.token == "\ufffd"]
-    assert partial  # the greedy reply to this prompt has such a token: the case under test
-    assert all(bytes(e.bytes) != "\ufffd".encode() for e in partial)
+    assert [e.token for e in content] == ["\ufffd"] * 12  # each token alone is part of a character
+    assert {bytes(e.bytes) for e in content} <= {b"\xc3", b"\xa9"}
     assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == whole.choices[0].message.content
-    streamed = [e for ch in client.chat.completions.create(**kw, stream=True)
+    streamed = [e for ch in client.chat.completions.create(**kw("bytes-streamed"), stream=True)
                 if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
-    # (values a rounding apart at most: the second request hits the first one's prefix-cache blocks)
-    assert [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in streamed] == \
-        [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
-    comp = client.completions.create(model=MODEL, prompt="a", max_tokens=24, logprobs=1)
-    chunks = client.completions.create(model=MODEL, prompt="a", max_tokens=24, logprobs=1, stream=True)
+    assert [(e.token, e.bytes, e.logprob, [(t.token, t.bytes) for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.bytes, e.logprob, [(t.token, t.bytes) for t in e.top_logprobs]) for e in content]
+    ckw = dict(model=MODEL, prompt="a", max_tokens=12, logprobs=1, logit_bias={str(lead): 100, str(cont): 100})
+    comp = client.completions.create(**ckw, extra_body={"cache_salt": "bytes-comp"})
+    chunks = client.completions.create(**ckw, stream=True, extra_body={"cache_salt": "bytes-comp-streamed"})
     assert [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == \
-        comp.choices[0].logprobs.tokens
+        comp.choices[0].logprobs.tokens and len(comp.choices[0].logprobs.tokens) == 12
 
 
 BATCH = ["The capital of France is", "Once upon a time", "a"]
