@@ -37,7 +37,13 @@ from omni.prompts import to_stage_input
 logger = logging.getLogger(__name__)
 
 
-def _close_backend(backend: Any) -> None:
+def _close_pipeline(orch: Orchestrator, backend: Any) -> None:
+    # The requests in flight fail first (BackendClosedError, at once): a caller still waiting for one, in another
+    # thread or in a stream, must not wait for its timeout on stages that are gone.
+    try:
+        orch.close()
+    except Exception:  # noqa: BLE001 - at interpreter exit, never raise
+        logger.exception("failing the requests in flight failed")
     try:
         backend.close()
     except Exception:  # noqa: BLE001 - at interpreter exit, never raise
@@ -89,7 +95,7 @@ class Omni:
         self._orch = Orchestrator(self.graph, self._backend, config.runtime.request_timeout_s)
         self._ids = itertools.count()
         # Closes the backend (Ray actors, embedded Ray) at interpreter exit or when collected.
-        self._finalizer = weakref.finalize(self, _close_backend, self._backend)
+        self._finalizer = weakref.finalize(self, _close_pipeline, self._orch, self._backend)
 
     @property
     def backend(self) -> str:
@@ -213,7 +219,9 @@ class Omni:
         return self.stats()["stages"][self.graph.entry_stages[0]].get("shows_tools")
 
     def close(self) -> None:
-        """Stop the stages (and the embedded Ray, if this started one). Idempotent."""
+        """Stop the stages (and the embedded Ray, if this started one). Idempotent. Requests still running
+        (a `generate` in another thread, an unfinished `stream`) end at once with a BackendClosedError: the
+        RequestOutput's `error`, a stream's final StageOutput's `error`."""
         self._finalizer()
 
     def __enter__(self) -> "Omni":

@@ -104,6 +104,15 @@ class AsyncOmni:
         """Abort a running request on every stage; False if it is not running."""
         return self._orch.abort(request_id)
 
+    def complete(self, request_id: str) -> bool:
+        """The caller has all it asked for of a running request (a text-only reply whose text is whole): stop
+        what still runs of it (the audio stages nobody listens to) on every stage. Unlike `abort`, it counts as
+        finished in stats()' requests. False if it is not running."""
+        with self._lock:
+            if self._closed or request_id not in self._waiters:
+                return False
+            return self._orch.abort(request_id, complete=True)
+
     async def stats(self) -> dict[str, Any]:
         """Omni.stats(), off the event loop (on Ray it asks every stage actor)."""
         return await asyncio.get_running_loop().run_in_executor(None, self._omni.stats)

@@ -202,7 +202,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------ run
 def _read_prompts(args: argparse.Namespace) -> list[Any]:
     """--prompt values and the --prompts-file lines, every one checked before anything loads."""
-    from omni.prompt_media import read_media_paths
+    from omni.prompt_media import check_inline_media, read_media_paths
     from omni.prompts import to_stage_input
 
     prompts: list[Any] = list(args.prompt)
@@ -219,6 +219,7 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
             raise ValueError(f"--prompts-file {path}: cannot read it: {e}") from None
         lines = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]
         if path.suffix == ".jsonl":
+            id_lines: dict[str, int] = {}  # request_id -> the line that named it first
             for i, ln in lines:
                 try:
                     prompt = json.loads(ln)
@@ -229,7 +230,14 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
                                      f"got {type(prompt).__name__}: {ln.strip()[:40]}")
                 where = f"--prompts-file {path}:{i}"
                 prompt = read_media_paths(prompt, path.parent, where)  # media files read now, not after loading
-                to_stage_input(prompt, where, str)  # raises ValueError naming the field
+                # raises ValueError naming the field; inline arrays get the shape check no stage would make
+                # until the models have loaded
+                check_inline_media(to_stage_input(prompt, where, str), where)
+                rid = prompt.get("request_id") if isinstance(prompt, dict) else None
+                if rid is not None:
+                    if rid in id_lines:  # else the pipeline refuses it only once the models have loaded
+                        raise ValueError(f"{where}: request_id: {rid!r} is already used on line {id_lines[rid]}")
+                    id_lines[rid] = i
                 prompts.append(prompt)
         else:
             prompts.extend(ln for _, ln in lines)

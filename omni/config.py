@@ -305,7 +305,8 @@ class MemoryConfig(_Model):
         "(host: available RAM; GPU: free memory), of which 90% is planned.")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="A GPU's budget as a fraction of its total memory (0..1], as vLLM's "
-        "option; takes precedence over budget_gb for GPUs.")
+        "option. With both set, this is each GPU's budget and budget_gb the host's (CPU stages, tensor caches, "
+        "block pools).")
 
 
 class WorkloadPlanConfig(_Model):

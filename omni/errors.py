@@ -150,7 +150,7 @@ class StageStartError(StageError):
 
 
 class BackendClosedError(OmniError):
-    """The pipeline was used after close()."""
+    """The pipeline was used after close(), or closed while the request was running."""
 
     default_code = "shutting_down"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from omni.errors import RequestError
+from omni.outputs import StageInput
 from omni.serve.errors import ApiError
 
 # The decoders check the size a header announces before decoding. Here the files are the user's own, on
@@ -69,3 +70,20 @@ def _read_path(modality: str, name: str, folder: Path, where: str, field: str) -
         raise RequestError(f"{at}: cannot read {file}: {e.strerror or e}", field=field) from None
     except ApiError as e:  # the decoder's words, already naming the line, the field and the file
         raise RequestError(e.message, field=field) from None
+
+
+def check_inline_media(inp: StageInput, where: str) -> None:
+    """The shape of each array a line gives inline (not as a file path): an image HxW or HxWxC with C in
+    (1, 3, 4), an audio waveform 1-D. The stage makes the same check at admission, but from the CLI that is
+    after the models have loaded; file contents are what the decoders made, already right."""
+    seen: dict[str, int] = {}
+    for m in inp.mm_inputs:
+        k = seen.get(m.modality, 0)
+        seen[m.modality] = k + 1
+        field, shape = f"multi_modal_data.{m.modality}[{k}]", m.data.shape
+        if m.modality == "image" and (len(shape) not in (2, 3) or (len(shape) == 3 and shape[-1] not in (1, 3, 4))):
+            raise RequestError(f"{where}: {field}: expected a file path, or an HxW or HxWxC array with C in "
+                               f"(1, 3, 4), got shape {shape}", field=field)
+        if m.modality == "audio" and len(shape) != 1:
+            raise RequestError(f"{where}: {field}: expected a file path, or a mono 1-D waveform, got shape {shape}",
+                               field=field)

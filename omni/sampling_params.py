@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from omni.errors import FIELD_ERROR
 
-from omni.strict import no_bool_for_number
+from omni.strict import StrictFlag, no_bool_for_number
 from omni.structured_spec import check_spec
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns
@@ -63,7 +63,7 @@ class SamplingParams(BaseModel):
         "do not depend on the rest of the batch. None uses the global RNG.",
     )
     max_tokens: int = Field(16, description="Maximum number of tokens to generate, >= 1.")
-    max_tokens_fit: bool = Field(
+    max_tokens_fit: StrictFlag = Field(
         False, description="max_tokens is a bound only: a prompt that leaves less room in max_model_len (less "
         "reserve_tokens) generates up to there instead of being refused (the Realtime API's max_output_tokens); "
         "a prompt that leaves no room at all is still refused.")
@@ -79,7 +79,7 @@ class SamplingParams(BaseModel):
         default_factory=list,
         description="Extra token ids (>= 0) that end generation; the stop token is kept in the output.",
     )
-    ignore_eos: bool = Field(
+    ignore_eos: StrictFlag = Field(
         False, description="Keep generating past the end-of-sequence token (benchmarks)."
     )
     repetition_penalty: float = Field(
@@ -115,7 +115,7 @@ class SamplingParams(BaseModel):
         "(the first has none) and the `prompt_logprobs` most likely tokens at its position, from the raw logits. "
         "The request then recomputes its whole prompt (a prefix-cache hit has no logits to give).",
     )
-    echo_prompt: bool = Field(
+    echo_prompt: StrictFlag = Field(
         False,
         description="The finished output also carries the prompt decoded by the stage's tokenizer (`prompt_text`) "
         "and, with prompt_logprobs, each prompt token decoded alone (`prompt_token_texts`): what the completions "

@@ -54,13 +54,20 @@ def one_line_error(capsys) -> str:
     ('{"prompt": [{"role": "user", "content": [{"type": "video"}]}]}', "messages[0].content[0]: expected a dict"),
     ('{"prompt": "x", "multi_modal_data": {"audio": [[[0.1], 16000, 1]]}}', "multi_modal_data.audio[0]"),
     ('{"prompt": "x", "request_id": 7}', "request_id: expected a str, got int"),
+    # inline arrays: their shape is checked now, not by the stage once the models have loaded
+    ('{"prompt": "x", "multi_modal_data": {"image": 5}}',
+     "multi_modal_data.image[0]: expected a file path, or an HxW or HxWxC array with C in (1, 3, 4), got shape ()"),
+    ('{"prompt": "x", "multi_modal_data": {"image": [[[[0, 0, 0, 0, 0]]]]}}', "image[0]: expected a file path, or an HxW"),
+    ('{"prompt": "x", "multi_modal_data": {"audio": [[[0.1, 0.2]]]}}',
+     "multi_modal_data.audio[0]: expected a file path, or a mono 1-D waveform, got shape (1, 2)"),
+    ('{"prompt": "x", "request_id": "fine"}', "request_id: 'fine' is already used on line 1"),
     ("{oops", "invalid JSON"),
 ])
 def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engines, line, expected):
     cfg = tmp_path / "chain.yaml"
     cfg.write_text(yaml.safe_dump(chain_config()))
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('"fine"\n\n' + line + "\n")  # the bad one is on line 3
+    prompts.write_text('{"prompt": "fine", "request_id": "fine"}\n\n' + line + "\n")  # the bad one is on line 3
     # Refused before anything starts: `no_engines` fails the test if a stage is built (no clock needed).
     assert cli.main(["run", str(cfg), "--prompts-file", str(prompts)]) == 2
     err = one_line_error(capsys)

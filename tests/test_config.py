@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -257,10 +258,14 @@ BOOL_FIELDS = [
     lambda v: cfg_with(stage("e"), stage("a", final_output="text", inputs=[{"stage": "e", "stream": v}])),
     lambda v: cfg_with(stage("a", final_output="text"), runtime={"log_to_driver": v}),
     lambda v: cfg_with(stage("a", final_output="text"), runtime={"wait_for_nodes": v}),
+    lambda v: cfg_with(stage("a", final_output="text", sampling={"ignore_eos": v})),
+    lambda v: cfg_with(stage("a", final_output="text", sampling={"echo_prompt": v})),
+    lambda v: cfg_with(stage("a", final_output="text", sampling={"max_tokens_fit": v})),
 ]
 BOOL_NAMES = ["stage 'a': enable_prefix_caching", "stage 'a': use_chat_template",
               "stage 'a': scheduler.enable_chunked_prefill", "stage 'a': inputs[0].stream", "runtime.log_to_driver",
-              "runtime.wait_for_nodes"]
+              "runtime.wait_for_nodes", "stage 'a': sampling.ignore_eos", "stage 'a': sampling.echo_prompt",
+              "stage 'a': sampling.max_tokens_fit"]
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "true", "false", "on", None])
@@ -271,19 +276,31 @@ def test_boolean_fields_take_only_true_or_false(make, name, value):
 
 
 def test_every_boolean_field_of_the_config_is_strict():
-    """A new `bool` field of omni/config.py must be a StrictFlag too (the table above covers each one)."""
+    """A new `bool` field of omni/config.py, or of the SamplingParams a stage's `sampling:` holds, must be a
+    StrictFlag too (the table above covers each one)."""
     import omni.config as config_module
+    import omni.sampling_params as sampling_module
     from pydantic import BaseModel
 
     found = set()
-    for cls in vars(config_module).values():
-        if isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == config_module.__name__:
-            for name, info in cls.model_fields.items():
-                if info.annotation is bool:
-                    assert any(getattr(m, "strict", False) for m in info.metadata), f"{cls.__name__}.{name}"
-                    found.add(name)
+    for module in (config_module, sampling_module):
+        for cls in vars(module).values():
+            if isinstance(cls, type) and issubclass(cls, BaseModel) and cls.__module__ == module.__name__:
+                for name, info in cls.model_fields.items():
+                    if info.annotation is bool:
+                        assert any(getattr(m, "strict", False) for m in info.metadata), f"{cls.__name__}.{name}"
+                        found.add(name)
     assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver",
-                     "wait_for_nodes"}
+                     "wait_for_nodes", "ignore_eos", "echo_prompt", "max_tokens_fit"}
+
+
+@pytest.mark.parametrize("value", ["false", 1])
+def test_sampling_booleans_are_strict_in_stage_overrides_and_the_python_api(value):
+    msg = err(chain_config(), json.dumps({"thinker": {"sampling": {"ignore_eos": value}}}))
+    assert f"stage 'thinker': sampling.ignore_eos: expected true or false (got {value!r})" in msg, msg
+    with pytest.raises(ValueError, match="expected true or false"):
+        SamplingParams(echo_prompt=value)
+    assert SamplingParams(ignore_eos=True, echo_prompt=False, max_tokens_fit=True).ignore_eos is True
 
 
 def test_boolean_fields_take_true_and_false():

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from omni.config import PipelineConfig
+from omni.errors import BackendClosedError
 from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine
 from omni.pipeline.graph import StageGraph
@@ -52,11 +53,15 @@ class LocalBackend:
 
     def submit(self, sub: Submission) -> None:
         # In-process the upstream handles are the StageOutputs themselves: the worker takes it as is.
+        if sub.stage not in self.replicas:
+            raise BackendClosedError("the pipeline is closed", stage=sub.stage)
         self.replicas[sub.stage][sub.replica].submit(sub)
 
     def abort(self, stage: str, request_id: str, replica: int = 0) -> None:
         # Applied at once, so that the engine forgets the id before it can be reused.
         with self._lock:
+            if stage not in self.replicas:  # closed: nothing runs any more
+                return
             worker = self.replicas[stage][replica]
             worker.abort(request_id)
             worker.drain()
@@ -92,7 +97,8 @@ class LocalBackend:
 
     def close(self) -> None:
         self.threads.restore()
-        replicas, self.replicas = self.replicas, {}
+        with self._lock:  # a poll in another thread (a generate still running) finishes its tick first
+            replicas, self.replicas = self.replicas, {}
         for ws in replicas.values():
             for w in ws:
                 try:

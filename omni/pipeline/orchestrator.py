@@ -41,7 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni.errors import OmniError, RequestAbortedError, RequestError, RequestTimeoutError, StageError, as_omni_error
+from omni.errors import (BackendClosedError, OmniError, RequestAbortedError, RequestError, RequestTimeoutError,
+                         StageError, as_omni_error)
 from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import Backend, StageEvent, Submission
 from omni.pipeline.graph import StageGraph
@@ -52,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------ orchestrator
+# How a request that ends early counts in stats()' requests, by the kind of its end (_fail).
+_OUTCOME = {"error": "failed", "abort": "aborted", "timeout": "timed_out", "complete": "finished"}
+
+
 @dataclass(slots=True)
 class _Req:
     request: StageInput
@@ -84,6 +89,7 @@ class Orchestrator:
         self._results: dict[str, RequestOutput] = {}
         self._events: dict[str, list[StageOutput]] = {}  # streamed final-stage outputs
         self._counts = {"total": 0, "finished": 0, "failed": 0, "aborted": 0, "timed_out": 0}
+        self._closed = False
         self._stage_counts = {n: {"submitted": 0, "completed": 0, "errors": 0, "retried": 0} for n in graph.order}
         self.routing = PipelineRouting(graph)
         self.routing.load_tokenizer()  # now, not under the lock of the first request
@@ -95,6 +101,8 @@ class Orchestrator:
         """Start `request` on every entry stage. `sampling`: stage -> params (None: stage defaults)."""
         rid = request.request_id
         with self._lock:
+            if self._closed:
+                raise BackendClosedError("this pipeline is closed", request_id=rid)
             if rid in self._reqs or rid in self._results:
                 raise RequestError(f"request_id {rid!r} is already in use", field="request_id",
                                    code="duplicate_request_id", request_id=rid)
@@ -186,18 +194,35 @@ class Orchestrator:
         self._submit(st, stage, st.inputs.get(stage), exclude=(ev.replica,))
         return True
 
-    def abort(self, request_id: str) -> bool:
-        """Abort on every stage; the request finishes with an "aborted" error. False if unknown."""
+    def abort(self, request_id: str, *, complete: bool = False) -> bool:
+        """Abort on every stage; the request finishes with an "aborted" error. False if unknown.
+
+        `complete`: the caller already has all it asked for (a text-only reply whose text is whole: the audio
+        stages it did not want are stopped), so the request counts as finished, not aborted."""
         with self._lock:
             st = self._reqs.get(request_id)
             if st is None:
                 return False
             self._fail(request_id, st, None, RequestAbortedError(f"request {request_id!r} was aborted",
-                                                                 request_id=request_id), kind="abort")
+                                                                 request_id=request_id),
+                       kind="complete" if complete else "abort")
             return True
 
-    def _fail(self, rid: str, st: _Req, stage: str | None, error: OmniError, kind: str = "error") -> None:
-        """Finish `rid` with `error` (kind: error | abort | timeout) and abort it where it still runs."""
+    def close(self) -> None:
+        """Fail every request in flight with BackendClosedError (counted aborted) and refuse new ones: the
+        backend is closing, and nothing it ran would ever answer them (a caller would wait for its timeout).
+        Idempotent. Their stages are not aborted one by one: closing the backend releases them all."""
+        with self._lock:
+            self._closed = True
+            for rid, st in list(self._reqs.items()):
+                self._fail(rid, st, None, BackendClosedError(
+                    f"the pipeline was closed while request {rid!r} was running", request_id=rid),
+                           kind="abort", abort_stages=False)
+
+    def _fail(self, rid: str, st: _Req, stage: str | None, error: OmniError, kind: str = "error",
+              abort_stages: bool = True) -> None:
+        """Finish `rid` with `error` (kind: error | abort | timeout | complete: see abort) and abort it where it
+        still runs (unless not `abort_stages`)."""
         if stage is not None and kind == "error":
             cut = [d for d, _ in self.graph.streams_to(stage) if d in st.submitted and d not in st.finished]
             if cut:  # say which streaming edges lost their producer mid-stream
@@ -205,15 +230,15 @@ class Orchestrator:
                                       + ", ".join(f"{stage} -> {d}" for d in cut) + " were cut off")
         if error.request_id is None:
             error = error.replace(request_id=rid)
-        for s in st.submitted - st.finished:
+        for s in st.submitted - st.finished if abort_stages else ():
             if s != stage:
                 self.backend.abort(s, rid, replica=self.routing.replica_of(st.lineage, s))
         for s in list(st.lineage.placed):
             self.routing.released(st.lineage, s)
         st.inputs.clear()
         del self._reqs[rid]
-        self._counts[{"error": "failed", "abort": "aborted", "timeout": "timed_out"}[kind]] += 1
-        reason = "abort" if kind == "abort" else "error"
+        self._counts[_OUTCOME[kind]] += 1
+        reason = "abort" if kind in ("abort", "complete") else "error"
         self._results[rid] = RequestOutput(rid, _prompt_of(st.request), dict(st.outputs),
                                            finished=True, error=error)
         if st.stream:

@@ -70,7 +70,8 @@ class ServerState:
         the limit itself could never fit: 400 naming `param` (`n`; `prompt` for a batch), `what` saying why."""
         if count > self.max_pending:
             raise bad_request(f"{param}: {what or f'{count} choices'} are {count} pipeline requests, more than this "
-                              f"server runs at once ({self.max_pending}, runtime.max_pending_requests)", param)
+                              f"server runs at once ({self.max_pending}, runtime.max_pending_requests)", param,
+                              "invalid_value")
         if self.pending + count > self.max_pending:
             raise ApiError(503, f"the server is running {self.pending} requests, its limit "
                            f"(runtime.max_pending_requests) is {self.max_pending}; retry later", type="server_error",

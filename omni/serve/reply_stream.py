@@ -201,6 +201,8 @@ class Run:
         cancelled scope (a client that went away)."""
         agen, self._agen = self._agen, None
         if agen is not None:
+            if self.complete:  # what still runs was not asked for: the request counts finished, not aborted
+                self.omni.complete(self.job.request_id)
             with anyio.CancelScope(shield=True):
                 await agen.aclose()
         if self._voice is not None:

@@ -96,7 +96,10 @@ def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
 
 def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
     """OpenAI's (legacy) completions `logprobs`: tokens, token_logprobs, top_logprobs (text -> log-probability)
-    and text_offset (each token's first character in the text, from `offset`)."""
+    and text_offset (each token's first character in the text, from `offset`).
+
+    Each top_logprobs entry holds the sampled token first, then the `logprobs` most likely ones (up to
+    logprobs + 1 entries, as OpenAI and vLLM: with logprobs 0 the sampled token alone, not {})."""
     if entries is None:
         return None
     offsets = []
@@ -104,7 +107,9 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
         offsets.append(offset)
         offset += len(e.token or "")
     return {"tokens": [e.token or "" for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{(t or ""): _lp(lp) for _, lp, t, _raw in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{(e.token or ""): _lp(e.logprob), **{(t or ""): _lp(lp) for _, lp, t, _raw in e.top}}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def prompt_logprobs(entries: list[TokenLogprob | None] | None) -> list[dict[str, Any] | None] | None:

@@ -80,6 +80,22 @@ def test_logprobs_chat_and_completions_streamed_and_not(client):
     assert got == list(zip(lp.tokens, lp.text_offset))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_0_lists_the_sampled_token(client, stream):
+    """logprobs: 0 is the sampled token alone in each top_logprobs entry (OpenAI, vLLM), not {}."""
+    kw = dict(model=MODEL, prompt="Hello there", max_tokens=4, logprobs=0)
+    if stream:
+        lps = [ch.choices[0].logprobs for ch in client.completions.create(**kw, stream=True)
+               if ch.choices and ch.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        tops = [top for lp in lps for top in lp.top_logprobs]
+        token_lps = [p for lp in lps for p in lp.token_logprobs]
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        tokens, tops, token_lps = lp.tokens, lp.top_logprobs, lp.token_logprobs
+    assert len(tokens) == 4 and tops == [{t: p} for t, p in zip(tokens, token_lps)], (tokens, tops)
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, _, body = server.get("/health")
@@ -412,6 +428,7 @@ def test_completions_batch_errors_name_the_prompt(server, client):
     with pytest.raises(openai.BadRequestError) as e:  # more than the server ever runs at once (256 by default)
         client.completions.create(model=MODEL, prompt=["Hi"] * 129, n=2, max_tokens=2)
     assert e.value.body["param"] == "prompt" and "129 prompts x 2 choices" in e.value.body["message"]
+    assert e.value.body["code"] == "invalid_value", e.value.body  # a code, as every other 400
     wait_idle(server)
     assert client.completions.create(model=MODEL, prompt=BATCH, max_tokens=2).usage.completion_tokens == 6
 

@@ -104,6 +104,7 @@ def test_choices_take_one_slot_each(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, n=2)
     assert e.value.body["param"] == "n" and "max_pending_requests" in e.value.body["message"]
+    assert e.value.body["code"] == "invalid_value", e.value.body
     assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, n=1).choices[0].message.content
 
 
