@@ -36,6 +36,7 @@ from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequ
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
+from omni.serve.speech_formats import encodable
 from omni.serve.tool_parser import ToolCallStream
 from omni.serve.tools import reply_tool_calls
 from omni.serve.translate import PipelineInfo, chat_job, check_model, completion_jobs
@@ -215,6 +216,10 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                           "use stop_token_ids with audio output", "stop")
     rid, created, model = R.new_id("chatcmpl"), int(time.time()), state.info.model
     fmt = req.audio.format if req.audio is not None else "wav"
+    if fmt != "pcm16" and fmt not in encodable():
+        raise bad_request(f"audio.format: {fmt!r} has no encoder on this server; one of "
+                          f"{', '.join(f for f in encodable() if f != 'pcm')}, pcm16", "audio.format",
+                          "unsupported_value")
 
     def run_for() -> Choices:
         return Choices(state.omni, chat_job(req, state.info, state.settings, rid), req.choices,

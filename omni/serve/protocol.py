@@ -205,8 +205,11 @@ class StreamOptions(_Strict):
 class AudioOutput(_Strict):
     voice: str | None = Field(None, description="The speaker (Qwen2.5-Omni: Chelsie or Ethan); None: the "
                               "pipeline's default.")
-    format: Literal["wav", "pcm16"] = Field("wav", description="wav, or pcm16 (16-bit little-endian mono "
-                                            "at the pipeline's rate; required when streaming).")
+    # OpenAI's chat audio formats; which of mp3 / flac / opus this server encodes is asked of libsndfile at
+    # request time (speech_formats.encodable), aac never: a 400 naming audio.format.
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"] = Field(
+        "wav", description="wav, mp3, flac, opus (where the installed libsndfile encodes them) or pcm16 (16-bit "
+        "little-endian mono at the pipeline's rate; required when streaming).")
 
 
 class JsonSchemaFormat(_Strict):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from omni.outputs import TokenLogprob
-from omni.serve.audio import encode_wav, to_pcm16
+from omni.serve.speech_formats import encode
 from omni.serve.tool_parser import parse_tool_calls
 from omni.serve.tools import reply_tool_calls
 
@@ -65,7 +65,7 @@ def usage(run: Usage) -> dict[str, Any]:
 
 def audio_message(samples: list[np.ndarray], rate: int, fmt: str, transcript: str) -> dict[str, Any]:
     wave = np.concatenate(samples) if samples else np.zeros(0, np.float32)
-    data = encode_wav(wave, rate) if fmt == "wav" else to_pcm16(wave)
+    data = encode(wave, rate, "pcm" if fmt == "pcm16" else fmt)  # chat's pcm16 is the speech endpoint's pcm
     return {"id": new_id("audio"), "data": base64.b64encode(data).decode("ascii"),
             "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": transcript}
 

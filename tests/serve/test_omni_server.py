@@ -67,6 +67,30 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     wait_idle(server)
 
 
+def test_audio_reply_in_each_of_openais_chat_formats(server, client):
+    """audio.format takes OpenAI's chat formats: flac decodes to exactly the WAV's samples (the same greedy reply),
+    mp3 and opus to audio of the same length give or take the codec's padding; aac has no encoder: a 400."""
+    import soundfile as sf
+
+    def reply(fmt: str) -> bytes:
+        msg = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+                                             audio={"voice": "Chelsie", "format": fmt}).choices[0].message
+        return base64.b64decode(msg.audio.data)
+
+    ref, rate = wav_samples(reply("wav"))
+    flac, flac_rate = sf.read(io.BytesIO(reply("flac")), dtype="int16")
+    assert flac_rate == rate and ref.size > 0
+    np.testing.assert_array_equal(flac, ref)
+    for fmt, head in (("mp3", (b"ID3", b"\xff")), ("opus", (b"OggS",))):
+        data = reply(fmt)
+        assert data.startswith(head), (fmt, data[:8])
+        x, r = sf.read(io.BytesIO(data), dtype="float32")
+        assert abs(x.size / r - ref.size / rate) < 0.1 and np.abs(x).max() > 0, (fmt, x.size, r)
+    with pytest.raises(openai.BadRequestError) as e:
+        reply("aac")
+    assert e.value.body["param"] == "audio.format" and "flac" in e.value.body["message"], e.value.body
+
+
 def test_n_audio_replies(server, client):
     """n=2 with audio: each choice speaks its own text (its own audio id); greedy choices say the same, with the
     same waveform as the n=1 reply; streamed, each choice's pcm16 chunks add up to that waveform."""
