@@ -107,14 +107,20 @@ class Omni:
 
     # ------------------------------------------------------------ requests
     def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool = True,
-                 return_hidden_states: bool = False) -> list[RequestOutput]:
+                 return_hidden_states: bool = False,
+                 output_modalities: Sequence[str] | None = None) -> list[RequestOutput]:
         """Run every prompt through the pipeline; one RequestOutput per prompt, in input order.
+
+        `output_modalities` (e.g. ["text"]): the final outputs wanted (the stages' `final_output`s: text,
+        tokens, audio, hidden); only the stages they need run (a text-only reply skips the talker and the
+        vocoder). None: every final output.
 
         A request that fails (a stage error, timeout or abort) has `error` set; others are unaffected.
         Per-token rows (hidden states, mm_outputs) are dropped from the outputs unless
         `return_hidden_states` (or the stage's final_output is "hidden").
         """
-        rids = self._submit(prompts, sampling_params, return_hidden_states, stream=False)
+        rids = self._submit(prompts, sampling_params, return_hidden_states, stream=False,
+                            output_modalities=output_modalities)
         results: dict[str, RequestOutput] = {}
         remaining = set(rids)
         from tqdm.auto import tqdm
@@ -140,16 +146,18 @@ class Omni:
             bar.close()
         return [results[r] for r in rids]
 
-    def stream(self, prompts: Any, sampling_params: Any = None, *,
-               return_hidden_states: bool = False) -> Iterator[StageDelta | StageOutput]:
+    def stream(self, prompts: Any, sampling_params: Any = None, *, return_hidden_states: bool = False,
+               output_modalities: Sequence[str] | None = None) -> Iterator[StageDelta | StageOutput]:
         """Yield progress as it happens: a StageDelta whenever a stage generated tokens for a request
         (`token_ids`, and `text` once it is final: concatenated they give the stage's final text),
         then each final stage's StageOutput as soon as that stage finishes the request.
 
         A failed request yields one StageOutput with `error` set (its `stage` is where it failed).
         Closing the iterator early aborts the requests still running (on every stage).
+        `output_modalities`: as for generate.
         """
-        rids = self._submit(prompts, sampling_params, return_hidden_states, stream=True)
+        rids = self._submit(prompts, sampling_params, return_hidden_states, stream=True,
+                            output_modalities=output_modalities)
         remaining = list(rids)
         try:
             while remaining:
@@ -235,14 +243,17 @@ class Omni:
         if not self._finalizer.alive:
             raise BackendClosedError("this Omni pipeline is closed")
 
-    def _submit(self, prompts: Any, sampling_params: Any, hidden: bool, stream: bool) -> list[str]:
+    def _submit(self, prompts: Any, sampling_params: Any, hidden: bool, stream: bool,
+                output_modalities: Sequence[str] | None = None) -> list[str]:
         self._check_open()
+        self.graph.stages_for(output_modalities)  # a bad value is refused before anything runs
         inputs = [self._to_input(i, p) for i, p in enumerate(_as_list(prompts))]
         sampling = self._per_stage_sampling(sampling_params)
         rids: list[str] = []
         try:
             for inp in inputs:
-                rids.append(self._orch.add_request(inp, sampling, return_hidden_states=hidden, stream=stream))
+                rids.append(self._orch.add_request(inp, sampling, return_hidden_states=hidden, stream=stream,
+                                                   output_modalities=output_modalities))
         except BaseException:
             for rid in rids:
                 self._orch.abort(rid)

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,9 +75,12 @@ class AsyncOmni:
 
     # ------------------------------------------------------------ requests
     async def generate(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
-                       return_hidden_states: bool = False) -> RequestOutput:
-        """Run one prompt through the pipeline; its RequestOutput (`error` set when it failed)."""
-        rid, waiter = self._add(prompt, sampling_params, request_id, return_hidden_states, stream=False)
+                       return_hidden_states: bool = False,
+                       output_modalities: Sequence[str] | None = None) -> RequestOutput:
+        """Run one prompt through the pipeline; its RequestOutput (`error` set when it failed).
+        `output_modalities`: as Omni.generate's (only the stages the wanted outputs need run)."""
+        rid, waiter = self._add(prompt, sampling_params, request_id, return_hidden_states, stream=False,
+                                output_modalities=output_modalities)
         try:
             while True:
                 item = await waiter.queue.get()
@@ -87,10 +90,13 @@ class AsyncOmni:
             self._forget(rid)
 
     async def stream(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
-                     return_hidden_states: bool = False) -> AsyncIterator[StageDelta | StageOutput]:
+                     return_hidden_states: bool = False,
+                     output_modalities: Sequence[str] | None = None) -> AsyncIterator[StageDelta | StageOutput]:
         """Yield one prompt's StageDeltas as they happen, then each final stage's StageOutput (a failed
-        request yields one StageOutput with `error` set). Leaving early aborts the request."""
-        rid, waiter = self._add(prompt, sampling_params, request_id, return_hidden_states, stream=True)
+        request yields one StageOutput with `error` set). Leaving early aborts the request.
+        `output_modalities`: as Omni.generate's."""
+        rid, waiter = self._add(prompt, sampling_params, request_id, return_hidden_states, stream=True,
+                                output_modalities=output_modalities)
         try:
             while True:
                 item = await waiter.queue.get()
@@ -160,7 +166,7 @@ class AsyncOmni:
 
     # ------------------------------------------------------------- helpers
     def _add(self, prompt: Any, sampling_params: Any, request_id: str | None, hidden: bool,
-             stream: bool) -> tuple[str, _Waiter]:
+             stream: bool, output_modalities: Sequence[str] | None = None) -> tuple[str, _Waiter]:
         if self._closed:
             raise BackendClosedError("this AsyncOmni pipeline is closed")
         if isinstance(prompt, (list, tuple)):
@@ -174,7 +180,8 @@ class AsyncOmni:
         sampling = self._omni._per_stage_sampling(sampling_params)
         waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue(), stream)
         with self._lock:
-            rid = self._orch.add_request(inp, sampling, return_hidden_states=hidden, stream=stream)
+            rid = self._orch.add_request(inp, sampling, return_hidden_states=hidden, stream=stream,
+                                         output_modalities=output_modalities)
             self._waiters[rid] = waiter
         self._work.set()
         return rid, waiter

@@ -18,11 +18,11 @@ stage hands them out only to callers who ask (return_hidden_states).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from omni import registry
-from omni.errors import ConfigError
+from omni.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
     from omni.config import InputEdge, PipelineConfig, StageConfig
@@ -177,6 +177,28 @@ class StageGraph:
 
     def is_final(self, name: str) -> bool:
         return self.stages[name].final_output is not None
+
+    def stages_for(self, output_modalities: Iterable[str] | None) -> frozenset[str]:
+        """The stages a request runs to produce the final outputs of `output_modalities` (text | tokens | audio
+        | hidden; None: every final output): the final stages that give one of them and everything upstream of
+        those. A text-only reply of a thinker -> talker -> vocoder pipeline runs the thinker alone.
+        RequestError (field output_modalities) for a modality no final stage gives."""
+        if output_modalities is None:
+            return frozenset(self.order)
+        wanted = list(dict.fromkeys([output_modalities] if isinstance(output_modalities, str) else output_modalities))
+        given = sorted({self.stages[n].final_output for n in self.final_stages})
+        unknown = [m for m in wanted if m not in given]
+        if not wanted or unknown:
+            what = f"{unknown[0]!r} is not an output of this pipeline" if unknown else "empty"
+            raise RequestError(f"output_modalities: {what}; its final stages give {', '.join(given)}",
+                               field="output_modalities", code="unsupported_value")
+        need, todo = set(), [n for n in self.final_stages if self.stages[n].final_output in wanted]
+        while todo:
+            n = todo.pop()
+            if n not in need:
+                need.add(n)
+                todo.extend(self.upstream[n])
+        return frozenset(need)
 
     def emits_hidden_states(self, name: str) -> bool:
         """Whether stage `name` hands every request's per-token rows out (see the module docstring)."""

@@ -1,9 +1,13 @@
 """Orchestrator: routes each request through the stage graph.
 
     add_request ──> entry stages
-    stage S finished request R ──> for each downstream D of S:
+    stage S finished request R ──> for each downstream D of S that R needs:
         all of D's inputs finished R?  ──> submit R to D with {input: output handle}
-    every stage finished R ──> RequestOutput(outputs of the final stages)
+    every stage R needs finished R ──> RequestOutput(outputs of the final stages)
+
+What a request needs: the final stages of its `output_modalities` (all by default) and every
+stage upstream of them (graph.stages_for): a text-only reply of thinker -> talker -> vocoder
+runs the thinker alone.
 
 Streaming edges S ~> D: D is submitted together with S (`stream_from=S`); S hands D
 its output chunk by chunk while it runs, stage to stage (the backend carries the
@@ -37,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +79,9 @@ class _Req:
     streamed: set[str] = field(default_factory=set)  # stages whose deltas reached the caller
     generated: dict[str, int] = field(default_factory=dict)  # finished stage -> the tokens it generated
     held: list[str] = field(default_factory=list)  # final stages whose outputs wait for their inputs' counts
+    # The stages this request runs (graph.stages_for its output_modalities): a text-only reply never
+    # reaches the audio stages, so nothing of theirs can fail it.
+    needed: frozenset[str] = frozenset()
 
 
 class Orchestrator:
@@ -97,9 +104,11 @@ class Orchestrator:
     # ------------------------------------------------------------ requests
     def add_request(self, request: StageInput, sampling: Mapping[str, Any] | None = None, *,
                     return_hidden_states: bool = False, stream: bool = False,
-                    timeout_s: float | None = None) -> str:
-        """Start `request` on every entry stage. `sampling`: stage -> params (None: stage defaults)."""
+                    timeout_s: float | None = None, output_modalities: Collection[str] | None = None) -> str:
+        """Start `request` on every entry stage it needs. `sampling`: stage -> params (None: stage defaults).
+        `output_modalities`: the final outputs wanted (None: all); only the stages they need run."""
         rid = request.request_id
+        needed = self.graph.stages_for(output_modalities)
         with self._lock:
             if self._closed:
                 raise BackendClosedError("this pipeline is closed", request_id=rid)
@@ -108,13 +117,13 @@ class Orchestrator:
                                    code="duplicate_request_id", request_id=rid)
             timeout_s = timeout_s or self.request_timeout_s
             st = _Req(request, dict(sampling or {}), return_hidden_states, timeout_s,
-                      time.monotonic() + timeout_s, stream, self.routing.lineage(request))
+                      time.monotonic() + timeout_s, stream, self.routing.lineage(request), needed=needed)
             self._reqs[rid] = st
             self._counts["total"] += 1
             if stream:
                 self._events[rid] = []
             for stage in self.graph.entry_stages:
-                if not self._submit(st, stage, None):
+                if stage in needed and not self._submit(st, stage, None):
                     break
         return rid
 
@@ -127,7 +136,7 @@ class Orchestrator:
         if replica is None:
             replica = self._place(st, stage, exclude)
         targets = tuple(StreamTarget(d, edge.chunk_tokens, g.needs_rows(d), self._place(st, d))
-                        for d, edge in g.streams_to(stage))
+                        for d, edge in g.streams_to(stage) if d in st.needed)
         st.submitted.add(stage)
         self._stage_counts[stage]["submitted"] += 1
         try:
@@ -288,24 +297,24 @@ class Orchestrator:
                        err.replace(f"stage {ev.stage!r} failed: {err.message}", stage=err.stage or ev.stage))
             return
         st.generated[ev.stage] = len(out.token_ids)
-        if self.graph.is_final(ev.stage):
+        if self.graph.is_final(ev.stage):  # (of the stages it runs)
             st.outputs[ev.stage] = out
             st.held.append(ev.stage)
         self._release_finals(ev.request_id, st)
         st.handles[ev.stage] = ev.handle
         for d in self.graph.downstream[ev.stage]:
             ups = self.graph.upstream[d]
-            if d not in st.submitted and all(u in st.finished for u in ups):
+            if d in st.needed and d not in st.submitted and all(u in st.finished for u in ups):
                 if not self._submit(st, d, {u: st.handles[u] for u in ups}):
                     return
         # Drop handles nobody will consume any more (frees objects in Ray's store).
         for s in list(st.handles):
-            if all(d in st.submitted for d in self.graph.downstream[s]):
+            if all(d in st.submitted or d not in st.needed for d in self.graph.downstream[s]):
                 del st.handles[s]
-        if len(st.finished) == len(self.graph.order):
+        if st.needed <= st.finished:
             del self._reqs[ev.request_id]
             self._counts["finished"] += 1
-            outputs = {n: st.outputs[n] for n in self.graph.final_stages}
+            outputs = {n: st.outputs[n] for n in self.graph.final_stages if n in st.needed}
             self._results[ev.request_id] = RequestOutput(ev.request_id, _prompt_of(st.request), outputs)
 
     def _release_finals(self, rid: str, st: _Req) -> None:

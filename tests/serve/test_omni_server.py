@@ -113,8 +113,21 @@ def test_n_audio_replies(server, client):
 
 
 def test_text_only_reply_skips_the_audio_stages(server, client):
+    """A text-only reply runs the thinker alone: the talker and token2wav never get it (a one-token reply, which the
+    talker cannot voice, once failed the request on Ray, where the talker got the thinker's chunk before the
+    abort). The same for a batch of one-token completions, lm-evaluation-harness style."""
+    submitted = lambda: {n: s["orchestrator"]["submitted"]  # noqa: E731
+                         for n, s in server.omni._omni.stats()["stages"].items()}
+    before = submitted()
     r = client.chat.completions.create(model=MODEL, messages=HELLO)
     assert r.choices[0].message.content and r.choices[0].message.audio is None
+    one = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+    batch = client.completions.create(model=MODEL, prompt=["A", "B", "C"], max_tokens=1)
+    assert len(batch.choices) == 3
+    after = submitted()
+    assert after["thinker"] - before["thinker"] == 5
+    assert after["talker"] == before["talker"] and after["token2wav"] == before["token2wav"]
     m = server.metrics()
     assert m.get(("omni_time_to_first_token_seconds_count", (("stage", "thinker"),)), 0) >= 1
     wait_idle(server)
