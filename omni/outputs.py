@@ -55,6 +55,9 @@ class StageInput:
     # Functions the model may call (OpenAI's `tools`, JSON schemas): given to the stage's chat template with
     # the chat messages (a stage whose prompt renderer takes none refuses them, naming `tools`).
     tools: list[dict[str, Any]] | None = None
+    # False: a text prompt is tokenized as it is, even on a stage with `use_chat_template` (the completions
+    # endpoint's prompt, as vLLM's: no template); None: the stage's config decides.
+    chat_template: bool | None = None
 
 
 @dataclass(slots=True)

@@ -92,7 +92,8 @@ class RequestChecker:
         if self.tokenizer is None:
             raise RequestError(f"prompt: stage {self.stage} has no tokenizer; send prompt_token_ids instead",
                                stage=self.stage, field="prompt")
-        return tokenize_prompt(self.tokenizer, inp.prompt, self.use_chat_template, self.stage, inp.tools)
+        return tokenize_prompt(self.tokenizer, inp.prompt, self.use_chat_template and inp.chat_template is not False,
+                               self.stage, inp.tools)
 
     def given_not_empty(self, inp: StageInput) -> None:
         """A prompt sent as no token ids (or no embedding rows) is empty whatever the stage model would make of

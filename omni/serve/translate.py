@@ -245,7 +245,8 @@ def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str, 
                           "model")
     p = req.prompts[0 if index is None else index]
     where = "prompt" if index is None else f"prompt[{index}]"
-    prompt = (StageInput("", prompt=p, cache_salt=req.cache_salt) if isinstance(p, str)
+    # A text prompt is the model's input as it is (vLLM's completions never apply a chat template).
+    prompt = (StageInput("", prompt=p, cache_salt=req.cache_salt, chat_template=False) if isinstance(p, str)
               else StageInput("", prompt_token_ids=list(p), cache_salt=req.cache_salt))
     fields = {"prompt": where, "prompt_token_ids": where, "max_tokens": "max_tokens"}
     job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, req.stops, fields)

@@ -124,8 +124,9 @@ class DriverTokenizer:
         if self.state != "ok":
             return None
         try:
-            return tokenize_prompt(self._tok, request.prompt, self.stage.use_chat_template, self.stage.name,
-                                   request.tools)
+            return tokenize_prompt(self._tok, request.prompt,
+                                   self.stage.use_chat_template and request.chat_template is not False,
+                                   self.stage.name, request.tools)
         except Exception:  # noqa: BLE001 - a bad prompt is the stage's to report
             return None
 
