@@ -29,10 +29,11 @@ from starlette.responses import JSONResponse, Response
 from omni.async_api import AsyncOmni
 from omni.serve import responses as R
 from omni.serve.audio import pcm16_chunks
+from omni.serve.audio_ids import AudioTranscripts
 from omni.serve.choices import Choices
 from omni.serve.errors import ApiError, bad_request, from_validation_error, internal
 from omni.serve.metrics import ServerMetrics
-from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
+from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest, TextPart
 from omni.serve.reply_stream import AudioEvent, Run, TextEvent
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import Drain, ShuttingDown, shutting_down, until_stopped
@@ -61,6 +62,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     pending: int = 0
     drain: Drain = field(default_factory=Drain)
+    # The transcripts of the spoken replies this server gave, by audio id, until their expires_at
+    audio_transcripts: AudioTranscripts = field(default_factory=lambda: AudioTranscripts(R.AUDIO_TTL_S))
 
     @property
     def max_pending(self) -> int:
@@ -208,6 +211,20 @@ class _Stream(EventSourceResponse):
 
 
 # ----------------------------------------------------------------- chat
+def _earlier_audio_replies(req: ChatCompletionRequest, transcripts: AudioTranscripts) -> None:
+    """An assistant message that names an earlier spoken reply by audio id only (OpenAI's multi-turn voice
+    pattern) gets that reply's transcript as its content (audio_ids.py); an id not kept here is a 400 naming it."""
+    for i, msg in enumerate(req.messages):
+        if msg.content is None and msg.audio is not None:
+            text = transcripts.get(msg.audio.id)
+            if text is None:
+                raise bad_request(f"messages[{i}].audio.id: {msg.audio.id!r} is not a spoken reply this server still "
+                                  f"keeps (they expire {R.AUDIO_TTL_S} s after the reply; only this server's "
+                                  "own); send the reply's transcript as the message's content",
+                                  f"messages[{i}].audio.id", "invalid_value")
+            msg.content = [TextPart(type="text", text=text)]
+
+
 async def chat_completions(state: ServerState, request: Request) -> Response:
     req = parse(ChatCompletionRequest, await request.body())
     check_model(req.model, state.info)
@@ -215,6 +232,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         raise bad_request("stop: stop strings end the text only, the audio would still speak past them; "
                           "use stop_token_ids with audio output", "stop")
     rid, created, model = R.new_id("chatcmpl"), int(time.time()), state.info.model
+    _earlier_audio_replies(req, state.audio_transcripts)
     fmt = req.audio.format if req.audio is not None else "wav"
     if fmt != "pcm16" and fmt not in encodable():
         raise bad_request(f"audio.format: {fmt!r} has no encoder on this server; one of "
@@ -236,6 +254,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                     rates[index] = ev.rate
         audios = [R.audio_message(a, rate, fmt, r.text) if r.job.audio_stage or r.voiced else None
                   for a, rate, r in zip(audio, rates, run.runs)]
+        for a in filter(None, audios):  # a later turn may name it by id
+            state.audio_transcripts.put(a["id"], a["transcript"], a["expires_at"])
         return JSONResponse(R.chat_completion(rid, model, created, run, audios))
 
     async def stream(run: Choices) -> AsyncIterator[dict[str, Any]]:
@@ -281,6 +301,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                     yield chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, index=index)
                     finish_reason = "tool_calls"
             yield chunk({}, finish_reason=finish_reason, modality=text_mod, index=index)
+            if not vllm and (r.job.audio_stage or r.voiced):  # its audio went out by id: a later turn may name it
+                state.audio_transcripts.put(audio_ids[index], r.text, int(time.time()) + R.AUDIO_TTL_S)
         if req.include_usage:
             yield chunk(None, usage_=R.usage(run))
 

@@ -114,7 +114,14 @@ PART_TAGS = frozenset({"text", "image_url", "input_audio", "audio_url"})  # drop
 
 
 class AssistantAudio(_Strict):
+    """An earlier spoken reply: by id (OpenAI's pattern; the server puts its transcript back, audio_ids.py), or
+    the reply's own `message.audio` sent back whole (its transcript is used; the audio data is not read)."""
+
     id: str = Field(description="The id of an earlier reply's audio.")
+    data: str | None = Field(None, description="Accepted (the reply's audio, sent back); not read.")
+    expires_at: int | None = Field(None, description="Accepted; not read.")
+    transcript: str | None = Field(None, description="The reply's text: the assistant turn's content when the "
+                                   "message has none.")
 
 
 class FunctionCall(_Strict):
@@ -134,6 +141,10 @@ class ChatMessage(_Strict):
         None, description="Text, or a list of text / image_url / input_audio / audio_url parts.")
     name: str | None = Field(None, description="Accepted; not shown to the model.")
     audio: AssistantAudio | None = Field(None, description="An assistant turn's earlier audio reply (by id).")
+    # What the openai client's ChatCompletionMessage carries when a reply is appended to the conversation as is.
+    refusal: str | None = Field(None, description="Accepted (a reply's refusal, sent back); not shown to the model.")
+    annotations: list[Any] | None = Field(None, description="Accepted (a reply's annotations, sent back); not read.")
+    function_call: None = Field(None, description="Accepted when null (a reply's deprecated field, sent back).")
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's calls of the request's tools.")
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
@@ -163,12 +174,14 @@ class ChatMessage(_Strict):
         if self.content is not None and not self.content:
             # OpenAI refuses it (400, empty_array) rather than read it as no message: so does this server
             raise field_error("content", "empty array: expected text or at least one content part", "empty_array")
-        if self.content is None and self.tool_calls:
-            return self  # an assistant turn that only called tools
+        if self.audio is not None and self.role != "assistant":
+            raise field_error("audio", f"only an assistant message refers to an earlier audio reply, not a {self.role} "
+                              "one")
+        if self.content is None and self.audio is not None and self.audio.transcript is not None:
+            self.content = [TextPart(type="text", text=self.audio.transcript)]
+        if self.content is None and (self.tool_calls or self.audio is not None):
+            return self  # an assistant turn that only called tools, or an audio reply by id (endpoints: its transcript)
         if self.content is None:
-            if self.audio is not None:
-                raise field_error("content", "this server keeps no audio by id; send the reply's transcript as "
-                                  "the assistant message's content")
             raise field_error("content", "required (text or a list of content parts)")
         if self.role != "user" and any(p.type != "text" for p in self.content):
             raise field_error("content", f"images and audio go in user messages, not in a {self.role} message")

@@ -24,7 +24,7 @@ from omni.serve.tools import reply_tool_calls
 
 Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completion_tokens, audio_tokens, cached_tokens
 
-AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field; this server keeps nothing)
+AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field): its transcript is kept as long (audio_ids.py)
 
 
 def new_id(prefix: str) -> str:

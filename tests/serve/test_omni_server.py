@@ -67,6 +67,35 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     wait_idle(server)
 
 
+def test_a_spoken_reply_continues_the_conversation_by_id_or_as_sent_back(server, client):
+    """OpenAI's multi-turn voice pattern: the next turn names the reply by `audio.id` (streamed or not), or sends the
+    client's message object back whole; either way the thinker sees the reply's text, exactly as when the client
+    sends that text as the content (same prompt: same tokens, all but the new turn cached). An id this server does
+    not keep is a 400 naming it; `audio` on a user message is refused."""
+    first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, **AUDIO_OUT).choices[0].message
+    streamed_id = None
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, stream=True, **PCM_OUT):
+        if chunk.choices and chunk.choices[0].delta.audio is not None:
+            streamed_id = chunk.choices[0].delta.audio.id
+    more = {"role": "user", "content": "More"}
+
+    def usage_of(assistant: dict):
+        return client.chat.completions.create(model=MODEL, messages=[*HELLO, assistant, more], max_tokens=2).usage
+
+    as_text = usage_of({"role": "assistant", "content": first.audio.transcript})
+    by_id = usage_of({"role": "assistant", "audio": {"id": first.audio.id}})
+    sent_back = usage_of(first.model_dump(exclude_none=False))
+    by_streamed_id = usage_of({"role": "assistant", "audio": {"id": streamed_id}})
+    assert by_id.prompt_tokens == sent_back.prompt_tokens == by_streamed_id.prompt_tokens == as_text.prompt_tokens
+    assert by_id.prompt_tokens_details.cached_tokens > 0
+    for bad, param in (({"role": "assistant", "audio": {"id": "audio-unknown"}}, "messages[1].audio.id"),
+                       ({"role": "user", "audio": {"id": first.audio.id}, "content": "x"}, "messages[1].audio")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[*HELLO, bad, more], max_tokens=2)
+        assert e.value.body["param"] == param, e.value.body
+    wait_idle(server)
+
+
 def test_audio_reply_in_each_of_openais_chat_formats(server, client):
     """audio.format takes OpenAI's chat formats: flac decodes to exactly the WAV's samples (the same greedy reply),
     mp3 and opus to audio of the same length give or take the codec's padding; aac has no encoder: a 400."""
