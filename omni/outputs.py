@@ -98,6 +98,9 @@ class StageOutput:
     text: str | None = None
     finished: bool = True
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # vLLM's stop_reason: the stop string (SamplingParams.stop) or stop token id (stop_token_ids) that ended the
+    # reply; None for eos, max_tokens or anything else
+    stop_reason: str | int | None = None
     error: OmniError | None = None  # typed (stage, field, code, numbers): it pickles across Ray as itself
     # Rows for every computed token of the sequence (prompt + generated, the
     # last sampled token excluded: it was never fed through the model):

@@ -82,6 +82,14 @@ class SamplingParams(BaseModel):
     ignore_eos: StrictFlag = Field(
         False, description="Keep generating past the end-of-sequence token (benchmarks)."
     )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="vLLM's stop strings (a str or a list): generation ends as soon as the reply's text holds one "
+        "(the earliest wins); the text ends before it (with include_stop_str_in_output, after it), the token ids keep "
+        "the token that completed it, finish_reason 'stop' and stop_reason the string. Needs the stage's tokenizer.",
+    )
+    include_stop_str_in_output: StrictFlag = Field(
+        False, description="The reply's text keeps the stop string that ended it (vLLM's option).")
     repetition_penalty: float = Field(
         1.0,
         description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "
@@ -227,6 +235,18 @@ class SamplingParams(BaseModel):
         if bad:
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
         return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else [] if v is None else v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return list(dict.fromkeys(v))
 
     @field_validator("forced_token_ids")
     @classmethod

@@ -41,6 +41,7 @@ from .request import Request, RequestStatus
 from .request_checks import RequestChecker
 from .request_rows import FinishedRows, OutputRows, RowsRequest
 from .request_streams import RequestStreams, block_digests
+from .stop_strings import StopText
 from .sampler import make_generator
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
@@ -148,6 +149,7 @@ class StageEngine:
         self._rows_complete = config.emit_hidden_states
         self._aborted: list[StageOutput] = []  # reported by the next step()
         self.streams = RequestStreams(self.name, self.tokenizer, config.block_size)
+        self._stops: dict[str, StopText] = {}  # requests with stop strings: their text, watched (stop_strings.py)
         self._ttfts: list[float] = []
         self._num_finished = 0
         self._num_errors = 0
@@ -217,6 +219,9 @@ class StageEngine:
             if params.max_tokens > room:
                 params = params.model_copy(update={"max_tokens": room, "min_tokens": min(params.min_tokens, room)})
         forced = self._forced_reply(params)
+        if params.stop and self.tokenizer is None and forced is None:
+            raise RequestError(f"sampling_params.stop: stage {self.name!r} has no tokenizer, so no text to find stop "
+                               "strings in; use stop_token_ids", stage=self.name, field="sampling_params.stop")
         if forced is not None and not inp.input_complete:
             raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "
                                "request's input still streams in", stage=self.name,
@@ -248,13 +253,16 @@ class StageEngine:
             req.append_output_token_ids(forced[:-1])
         self.scheduler.add_request(req)  # raises for an id still running: nothing else is touched
         try:
+            if params.stop and forced is None:  # (a forced reply is exactly its tokens: nothing cuts it)
+                self._stops[rid] = StopText(self.tokenizer, params.stop, params.include_stop_str_in_output)
             # The model sees the request's resolved sampling parameters (a talker that samples inside its
             # forward, e.g. Qwen3-Omni's code predictor, follows the request's temperature and seed).
             self.model.add_request(rid, prepared, replace(inp, sampling_params=params))
             self.runner.add_request(RunnerRequestState(req, embeds, make_generator(params), grammar))
             if inp.stream or not inp.input_complete:
                 req.input_complete = inp.input_complete
-                self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None)
+                self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None,
+                                 text=self._stops.get(rid))
             req.compute_limit = self.model.compute_limit(rid)
             if params.prompt_logprobs is not None:
                 req.skip_prefix_hits = True  # every prompt position's logits: none may come from the cache
@@ -400,6 +408,8 @@ class StageEngine:
             if result.rows is not None or result.other_outputs:
                 self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
             finished = self.scheduler.update(result.sampled)
+            if self._stops:
+                finished += self._stop_strings(result.sampled, finished)
             if result.logprobs:
                 self._record_logprobs(result.logprobs, finished)
             for rid, (first, entries) in result.prompt_logprobs.items():
@@ -422,6 +432,27 @@ class StageEngine:
             self._num_steps += 1
         self._release_finished()
         return out
+
+    def _stop_strings(self, sampled: dict[str, int], finished: list[Request]) -> list[Request]:
+        """Feed this step's tokens to the requests with stop strings; those whose text now holds one end here
+        (returned: finished in this step like the ones update() ended). One that update() ended anyway (eos,
+        max_tokens) has its text settled and searched once more."""
+        done = {r.request_id: r for r in finished}
+        ended = []
+        for rid in sampled:
+            st = self._stops.get(rid)
+            if st is None:
+                continue
+            if rid in done:
+                st.feed(done[rid].output_token_ids)
+                st.finish()
+                continue
+            req = self.scheduler.requests.get(rid)
+            if req is not None and st.feed(req.output_token_ids) is not None:
+                stopped = self.scheduler.stop(rid)
+                if stopped is not None:
+                    ended.append(stopped)
+        return ended
 
     def _record_logprobs(self, logprobs: dict[str, tuple[float, list[tuple[int, float]]]],
                          finished: list[Request]) -> None:
@@ -446,6 +477,7 @@ class StageEngine:
             self.model.remove_request(rid)
             self.rows.drop(rid)
             self.streams.drop(rid)
+            self._stops.pop(rid, None)
 
     def _make_output(self, req: Request, rows: FinishedRows | None = None) -> StageOutput:
         rid = req.request_id
@@ -474,6 +506,17 @@ class StageEngine:
                 # A decoder whose output is not prefix-stable: the caller saw the deltas, keep them true.
                 logger.warning("stage %s: streamed text of %s differs from its full decode", self.name, rid)
                 out.text = streamed
+        params = req.sampling_params
+        stop = self._stops.get(rid)
+        if stop is not None:  # its text ends at its stop string (stop_strings.py)
+            stop.finish()
+            out.text = stop.final_text()
+            if stop.stopped is not None:
+                out.finish_reason, out.stop_reason = "stop", stop.stopped
+        elif (out.finish_reason == "stop" and req.forced_token_ids is None and req.output_token_ids
+              and req.output_token_ids[-1] in params.stop_token_ids
+              and (params.ignore_eos or req.output_token_ids[-1] != req.eos_token_id)):
+            out.stop_reason = req.output_token_ids[-1]  # vLLM's: the stop token id (eos is none)
         if rows is not None:
             out.hidden_states, out.mm_outputs, out.passthrough = rows.hidden_states, rows.mm_outputs, rows.passthrough
         return out

@@ -28,6 +28,7 @@ import xxhash
 from omni.outputs import StageDelta
 
 from .detokenizer import IncrementalDetokenizer
+from .stop_strings import StopText
 from .prompt_report import prompt_report
 
 
@@ -39,7 +40,7 @@ def block_digests(rows: np.ndarray, block_size: int) -> list[bytes]:
 @dataclass(slots=True)
 class _Stream:
     deltas: bool
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | StopText | None
     tail: np.ndarray | None  # prompt-embedding rows of the last partial block (growing inputs)
     sent_prompt: bool = False  # the first delta carries the prompt ids
     sent_echo: bool = False  # with echo, the first delta with generated tokens carries the prompt's report
@@ -61,8 +62,11 @@ class RequestStreams:
     def num_active(self) -> int:
         return len(self._streams)
 
-    def add(self, rid: str, *, deltas: bool, prompt_rows: np.ndarray | None) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer) if deltas and self.tokenizer is not None else None
+    def add(self, rid: str, *, deltas: bool, prompt_rows: np.ndarray | None, text: StopText | None = None) -> None:
+        """`text`: the request's stop-string watcher, whose text its deltas carry (held back where a stop string
+        may begin, cut where one ended it)."""
+        detok = (text if text is not None else IncrementalDetokenizer(self.tokenizer)) if deltas and (
+            self.tokenizer is not None) else None
         tail = None
         if prompt_rows is not None:
             tail = prompt_rows[prompt_rows.shape[0] // self.block_size * self.block_size:].copy()
@@ -100,10 +104,13 @@ class RequestStreams:
             ready = max(0, min(req.num_output_tokens, req.num_computed_tokens - req.num_prompt_tokens + 1))
             new = list(req.output_token_ids[st.sent_tokens:ready])
             st.sent_tokens = max(st.sent_tokens, ready)
-            text = st.detok.add(new) if st.detok is not None else ""
             done = rid in finished
-            if done and st.detok is not None:
-                text += st.detok.flush()
+            if isinstance(st.detok, StopText):  # (the engine fed it this step's tokens)
+                text = st.detok.take(final=done)
+            else:
+                text = st.detok.add(new) if st.detok is not None else ""
+                if done and st.detok is not None:
+                    text += st.detok.flush()
             delta = StageDelta(rid, self.name, new, text, req.num_prompt_tokens, req.num_computed_tokens, done)
             if req.sampling_params.logprobs is not None:
                 delta.logprobs = req.output_logprobs[st.sent_tokens - len(new):st.sent_tokens]
@@ -123,4 +130,6 @@ class RequestStreams:
     def final_text(self, rid: str) -> str | None:
         """The streamed text of a request (deltas concatenated), or None when it did not stream text."""
         st = self._streams.get(rid)
-        return st.detok.text if st is not None and st.detok is not None else None
+        if st is None or st.detok is None:
+            return None
+        return st.detok.final_text() if isinstance(st.detok, StopText) else st.detok.text

@@ -215,6 +215,15 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def stop(self, req_id: str) -> Request | None:
+        """End a running request as stopped (its reply's text reached a stop string: the engine's check, which needs
+        the text the scheduler does not have); None when it is not running."""
+        req = self.requests.get(req_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return None
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return req
+
     def _finish(self, req: Request, status: RequestStatus, uncache: bool = False) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)

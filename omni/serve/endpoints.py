@@ -228,9 +228,6 @@ def _earlier_audio_replies(req: ChatCompletionRequest, transcripts: AudioTranscr
 async def chat_completions(state: ServerState, request: Request) -> Response:
     req = parse(ChatCompletionRequest, await request.body())
     check_model(req.model, state.info)
-    if req.stops and "audio" in req.output_modalities:
-        raise bad_request("stop: stop strings end the text only, the audio would still speak past them; "
-                          "use stop_token_ids with audio output", "stop")
     rid, created, model = R.new_id("chatcmpl"), int(time.time()), state.info.model
     _earlier_audio_replies(req, state.audio_transcripts)
     fmt = req.audio.format if req.audio is not None else "wav"

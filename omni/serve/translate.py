@@ -204,6 +204,12 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
               info.audio_stage if "audio" in want else None, info.text_stage or info.entry_stage,
               req.stops, fields)
     _sampling(req, info, job)
+    if req.stops and "audio" in want:
+        # Spoken: the text stage itself stops at the string (SamplingParams.stop), so the audio stages voice the
+        # reply only up to it (matched on the streamed text instead, the talker would speak past it).
+        stage = job.usage_stage
+        job.sampling[stage] = {**job.sampling.get(stage, {}), "stop": list(req.stops)}
+        job.stops, job.fields["stop"] = [], "stop"
     if req.forced_tool is not None:
         force_tool_call(req, job)
     elif req.auto_tools:

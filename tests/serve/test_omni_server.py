@@ -67,6 +67,29 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     wait_idle(server)
 
 
+def test_a_stop_string_ends_a_spoken_reply_where_its_text_ends(server, client):
+    """`stop` with audio out: the thinker itself stops at the string (SamplingParams.stop), so the talker voices the
+    text up to there; the reply's text ends before the string, streamed or not, finish_reason stop."""
+    free = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, **AUDIO_OUT)
+    text = free.choices[0].message.audio.transcript
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text[: text.find(stop)]
+    got = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, stop=[stop], **AUDIO_OUT)
+    msg = got.choices[0]
+    assert msg.message.audio.transcript == msg.message.content == cut and msg.finish_reason == "stop"
+    assert msg.message.audio.data
+    assert (got.usage.completion_tokens_details.text_tokens
+            < free.usage.completion_tokens_details.text_tokens)
+    streamed, finish = "", None
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, stop=[stop], stream=True,
+                                                **PCM_OUT):
+        if chunk.choices:
+            streamed += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert streamed == cut and finish == "stop"
+    wait_idle(server)
+
+
 def test_a_spoken_reply_continues_the_conversation_by_id_or_as_sent_back(server, client):
     """OpenAI's multi-turn voice pattern: the next turn names the reply by `audio.id` (streamed or not), or sends the
     client's message object back whole; either way the thinker sees the reply's text, exactly as when the client
@@ -313,7 +336,6 @@ def test_audio_longer_than_the_encoder_takes_names_its_part(client):
 
 @pytest.mark.parametrize("kw,param", [
     (dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "audio.voice"),
-    (dict(stop=["x"], **AUDIO_OUT), "stop"),
     (dict(stream=True, **AUDIO_OUT), "audio.format"),
     (dict(audio={"voice": "Chelsie", "format": "wav"}), "audio"),
     # streamed: refused before the stream starts (it once sent the thinker's text, then an error event)

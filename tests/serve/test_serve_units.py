@@ -189,7 +189,7 @@ def test_the_server_parses_no_messages():
      "messages[0].content[0].input_audio.format"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]}]},
      "messages[0].content[0].extra"),
-    ({"messages": [{"role": "assistant", "audio": {"id": "audio-1"}}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "audio": {"id": "audio-1"}, "content": "x"}]}, "messages[0].audio"),
     ({"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "audio": {"format": "wav"}}, "audio"),

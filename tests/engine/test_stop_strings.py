@@ -1,0 +1,98 @@
+"""SamplingParams.stop (vLLM's stop strings) on the engine, against the same request run without them: the text
+ends before the earliest stop string (or after it, include_stop_str_in_output), the token ids end with the token
+that completed it, finish_reason 'stop' and stop_reason the string; streamed deltas never show a stop string and
+concatenate to the final text."""
+from __future__ import annotations
+
+import pytest
+
+from omni.outputs import StageInput
+from omni.sampling_params import SamplingParams
+from tests.engine_utils import make_engine
+
+PROMPT = list(range(40, 52))
+
+
+def _run(engine, rid, stream=False, **params):
+    engine.add_request(StageInput(rid, prompt_token_ids=PROMPT, stream=stream,
+                                  sampling_params={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **params}))
+    deltas = []
+    while engine.has_unfinished():
+        step = engine.step()
+        deltas += [d for d in step.deltas if d.request_id == rid]
+        for o in step.finished:
+            if o.request_id == rid:
+                return o, deltas
+    raise AssertionError("no output")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen2):
+    return make_engine(tiny_qwen2)
+
+
+@pytest.fixture(scope="module")
+def free(engine):
+    """The reply without stop strings, and a stop string inside it that spans a token boundary."""
+    out, _ = _run(engine, "free")
+    tok = engine.tokenizer
+    text = out.text
+    ends = [len(tok.decode(out.token_ids[:k], skip_special_tokens=True)) for k in range(len(out.token_ids) + 1)]
+    # the text of tokens 6..8 ends at ends[8]; take 4 characters across the boundary after token 6
+    cut = next(e for e in ends[6:] if 2 <= e < len(text) - 2)
+    stop = text[cut - 2: cut + 2]
+    assert len(stop) == 4 and text.find(stop) == cut - 2, (text, stop)
+    return out, stop
+
+
+def test_the_text_ends_before_the_stop_string(engine, free):
+    out, stop = free
+    got, _ = _run(engine, "s1", stop=[stop])
+    i = out.text.find(stop)
+    assert got.text == out.text[:i] and got.finish_reason == "stop" and got.stop_reason == stop
+    # the token ids: the free run's, up to the token that completed the string
+    n = len(got.token_ids)
+    assert got.token_ids == out.token_ids[:n]
+    tok = engine.tokenizer
+    assert stop in tok.decode(got.token_ids) and stop not in tok.decode(got.token_ids[:-1])
+
+
+def test_include_stop_str_and_the_earliest_of_several(engine, free):
+    out, stop = free
+    i = out.text.find(stop)
+    later = out.text[i + 3: i + 6]
+    assert out.text.find(later) > i
+    got, _ = _run(engine, "s2", stop=[later, stop], include_stop_str_in_output=True)
+    assert got.text == out.text[: i + len(stop)] and got.stop_reason == stop
+    none, _ = _run(engine, "s3", stop="\u2603 never")
+    assert none.text == out.text and none.finish_reason == "length" and none.stop_reason is None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_streamed_deltas_never_show_the_stop_string(engine, free, include):
+    out, stop = free
+    got, deltas = _run(engine, f"st{include}", stream=True, stop=[stop], include_stop_str_in_output=include)
+    text = "".join(d.text for d in deltas)
+    assert text == got.text == out.text[: out.text.find(stop) + (len(stop) if include else 0)]
+    if not include:
+        so_far = ""
+        for d in deltas:
+            so_far += d.text
+            assert stop[0] not in so_far[out.text.find(stop):]  # nothing of the stop string went out
+    assert deltas[-1].finished
+
+
+def test_stop_token_ids_report_the_token_as_stop_reason(engine, free):
+    out, _ = free
+    token = out.token_ids[5]
+    got, _ = _run(engine, "t1", stop_token_ids=[token])
+    assert got.token_ids[-1] == token and got.finish_reason == "stop" and got.stop_reason == token
+
+
+def test_stop_strings_are_validated():
+    assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop=None).stop == []
+    assert SamplingParams(stop=["a", "a", "b"]).stop == ["a", "b"]
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        SamplingParams(stop=["a", ""])
+    with pytest.raises(ValueError):
+        SamplingParams(include_stop_str_in_output="yes")
