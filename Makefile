@@ -24,6 +24,9 @@ $(STAMP): requirements.txt pyproject.toml
 	# dependencies, onnxruntime and librosa, are not installed), found by path.
 	$(PY) -m pip install -q --no-deps useful-moonshine-onnx==20251121
 	$(PY) -m pip install -q --no-deps -e .
+	# The CPU decode-attention kernel (kernels/cpu_attention.c), built once into ~/.cache/omni/kernels;
+	# without a C compiler only a warning: the torch path serves.
+	$(PY) -c "from kernels import cpu_attention; cpu_attention.kernel()"
 	touch $(STAMP)
 
 install: $(STAMP)

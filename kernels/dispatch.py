@@ -4,9 +4,12 @@
     paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                     seq_lens, scale, out=None, backend=None) -> out [T, Hq, D]
 
-backend: "triton" | "torch" | None (auto: CUDA tensors -> triton, otherwise
-torch). The environment variable OMNI_ATTENTION_BACKEND ("triton"/"torch")
-overrides the auto choice; an explicit ``backend`` argument wins over both.
+backend: "triton" | "cpu" | "torch" | None (auto: CUDA tensors -> triton, otherwise
+cpu). "torch" is the pure-torch reference (kernels/reference.py); "cpu" is the same
+path with the short-query sequences (decode) on the C kernel of kernels/cpu_attention.py,
+which reads the paged cache in place (fp32 only; where the kernel cannot be built it is
+"torch"). The environment variable OMNI_ATTENTION_BACKEND overrides the auto choice;
+an explicit ``backend`` argument wins over both.
 
 Triton is imported lazily, on the first Triton call: every stage process
 imports this module and CPU serving should not pay for importing triton.
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 import os
 
+from kernels import cpu_attention
 from kernels.reference import paged_attention_ref, store_kv_ref
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
 ENV_VAR = "OMNI_ATTENTION_BACKEND"
 
 
@@ -28,7 +32,7 @@ def resolve_backend(backend: str | None, tensor) -> str:
     if backend is None:
         backend = os.environ.get(ENV_VAR, "").strip().lower() or None
         if backend in (None, "auto"):
-            return "triton" if tensor.is_cuda else "torch"
+            return "triton" if tensor.is_cuda else "cpu"
         source = f"environment variable {ENV_VAR}"
     else:
         source = "backend"
@@ -54,7 +58,7 @@ def _triton():
 
 def store_kv(key, value, key_cache, value_cache, slot_mapping, backend: str | None = None) -> None:
     """Write K/V rows [T, Hkv, D] into the paged caches at slot_mapping (negative = skip)."""
-    if resolve_backend(backend, key) == "torch":
+    if resolve_backend(backend, key) != "triton":
         return store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
     return _triton()[0](key, value, key_cache, value_cache, slot_mapping)
 
@@ -62,7 +66,12 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, backend: str | No
 def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                     out=None, backend: str | None = None):
     """Causal varlen attention over the paged cache -> [T, Hq, D] (see kernels/reference.py)."""
-    if resolve_backend(backend, query) == "torch":
+    resolved = resolve_backend(backend, query)
+    if resolved != "triton":
+        short = None
+        if (resolved == "cpu" and cpu_attention.usable(query, key_cache, value_cache, block_tables)
+                and (out is None or out.stride(2) == 1) and cpu_attention.kernel() is not None):
+            short = cpu_attention.short_query_attention
         return paged_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                   scale, out=out)
+                                   scale, out=out, short_queries=short)
     return _triton()[1](query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out)

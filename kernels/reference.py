@@ -325,14 +325,17 @@ def _attend_one(query, key_cache, value_cache, block_tables, out, seq, start, en
     out[start:end] = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
 
 
-def paged_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=None):
+def paged_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
+                        short_queries=None):
     """Causal varlen attention over a paged KV cache -> [T, Hq, D].
 
     The query tokens of sequence s are rows query_start_loc[s]:query_start_loc[s+1]
     of ``query`` and are the LAST positions of its seq_lens[s]-token context, whose
     K/V (this step's included) are already in the cache. Padding rows outside
     [query_start_loc[0], query_start_loc[-1]) are zero in a returned new tensor and
-    left untouched in a caller's ``out``.
+    left untouched in a caller's ``out``. ``short_queries``: a kernel that computes every
+    sequence of at most MAX_BATCHED_QUERY_LEN query tokens in one call
+    (cpu_attention.short_query_attention's signature) instead of the padded SDPA groups.
     """
     check_attention_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
     num_tokens = query.shape[0]
@@ -349,6 +352,12 @@ def paged_attention_ref(query, key_cache, value_cache, block_tables, query_start
         out[:first].zero_()
         out[last:].zero_()
     dev = query.device
+    if short_queries is not None and groups:
+        # Every short-query sequence in one call of the given kernel (cpu_attention.py), not the padded SDPA groups.
+        seqs = [seq for buckets in groups.values() for bucket in buckets for seq in bucket]
+        short_queries(query, key_cache, value_cache, block_tables, out, seqs, [starts[s] for s in seqs],
+                      [starts[s + 1] - starts[s] for s in seqs], [lens[s] for s in seqs], scale)
+        groups = {}
     for q_len, buckets in groups.items():
         for seqs in buckets:
             _attend_group(

@@ -371,6 +371,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni bench kv$", covered("tests/bench/test_bench_kv.py::test_bench_kv_reports_every_key")),
     (r"^omni bench cuda-graphs$", covered("tests/bench/test_bench_cuda_graphs.py::test_without_cuda_it_is_a_clean_skip")),
     (r"^omni bench kernels$", covered("tests/bench/test_bench_kernels.py::test_run_without_cuda_is_a_clean_skip")),
+    (r"^omni bench kernels --cpu$",
+     covered("tests/bench/test_bench_kernels.py::test_cpu_mode_times_both_decode_paths_on_smollm2_shapes")),
     (r"^omni bench pipeline$", covered("tests/bench/test_bench_pipeline.py::test_bench_pipeline_ttft_part")),
     (r"^omni bench omni$", covered("tests/bench/test_bench_omni.py::test_omni_bench_reports_speedups_and_hits")),
     (r"^omni bench omni --config stage_configs/qwen3_omni_small\.yaml$",

@@ -13,7 +13,14 @@ GPU is not in the table), prefill time relative to SDPA. Targets: decode >= 60%
 of peak, prefill <= 1.5x SDPA. Without CUDA it returns
 {"gpu": null, "skipped": "..."} instead of failing.
 
-Usable on its own: ``python -m omni.bench.kernels [--sweep]`` (JSON on the last line).
+With ``--cpu``: the CPU's decode attention instead (no GPU needed), on SmolLM2-135M's attention shapes
+unless given (32 sequences, contexts spread over [context/4, context] with context 512, 9 query / 3 KV
+heads of 64, fp32, block size 16, shuffled blocks): the torch path (reference.py: each sequence's blocks
+gathered into a contiguous copy, then padded SDPA) vs the C kernel reading the blocks in place
+(cpu_attention.py), at the process's thread count; median of repeats, `cpu_kernel_speedup`, the bytes
+of K/V read per second, and the largest difference between the two.
+
+Usable on its own: ``python -m omni.bench.kernels [--sweep | --cpu]`` (JSON on the last line).
 """
 
 from __future__ import annotations
@@ -59,14 +66,15 @@ def peak_bandwidth(name: str) -> float | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=64, help="decode batch size (sequences)")
-    parser.add_argument("--context", type=int, default=4096, help="decode context length per sequence")
-    parser.add_argument("--prefill-tokens", type=int, default=4096, help="tokens of the single prefill sequence")
-    parser.add_argument("--num-q-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    # The shape flags default to None: `resolve_shape` fills GPU_DEFAULTS, or with --cpu CPU_DEFAULTS.
+    parser.add_argument("--batch", type=int, help="decode batch size (sequences; GPU 64, --cpu 32)")
+    parser.add_argument("--context", type=int, help="decode context length per sequence (GPU 4096, --cpu 512)")
+    parser.add_argument("--prefill-tokens", type=int, help="tokens of the single prefill sequence (4096)")
+    parser.add_argument("--num-q-heads", type=int, help="GPU 32, --cpu 9")
+    parser.add_argument("--num-kv-heads", type=int, help="GPU 8, --cpu 3")
+    parser.add_argument("--head-dim", type=int, help="GPU 128, --cpu 64")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="GPU bf16, --cpu fp32")
     parser.add_argument("--sweep", action="store_true",
                         help="also time a grid of tile/warp/stage configurations and report the best")
     parser.add_argument("--write-config", nargs="?", const="default", default=None, metavar="PATH",
@@ -74,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "into PATH (default kernels/configs/paged_attention.json), where launches pick "
                              "them up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true",
+                        help="time the CPU's decode attention (torch path vs the C kernel) instead; the shape "
+                             "flags default to SmolLM2-135M's (see the module docstring)")
+    parser.add_argument("--repeats", type=int, default=30, help="with --cpu: timed calls of each path")
 
 
 def _bench(fn) -> float:
@@ -167,11 +179,71 @@ def _cfg_dict(cfg) -> dict:
     return {k: getattr(cfg, k) for k in ("block_m", "tile", "num_segments", "num_warps", "num_stages")}
 
 
+# issue 4's workloads on a GPU; with --cpu SmolLM2-135M's decode attention
+GPU_DEFAULTS = {"batch": 64, "context": 4096, "prefill_tokens": 4096, "num_q_heads": 32, "num_kv_heads": 8,
+                "head_dim": 128, "dtype": "bf16"}
+CPU_DEFAULTS = {**GPU_DEFAULTS, "batch": 32, "context": 512, "num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+                "dtype": "fp32"}
+
+
+def resolve_shape(args: argparse.Namespace) -> argparse.Namespace:
+    """The shape flags not given take their mode's defaults."""
+    for name, value in (CPU_DEFAULTS if args.cpu else GPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def run_cpu(args: argparse.Namespace) -> dict:
+    """The CPU's decode attention: the torch path vs the C kernel on one decode batch (see the docstring)."""
+    import statistics
+    import time
+
+    import torch
+
+    from kernels import cpu_attention
+    from kernels.reference import paged_attention_ref
+
+    resolve_shape(args)
+    if args.dtype != "fp32":
+        raise ValueError(f"--dtype: the CPU kernel reads fp32 caches only (got {args.dtype})")
+    fn = cpu_attention.kernel()
+    if fn is None:
+        return {"cpu_kernel": None, "skipped": f"the CPU kernel cannot be built here: {cpu_attention.failure()}"}
+    gen = torch.Generator().manual_seed(args.seed)
+    lo = max(1, args.context // 4)
+    seq_lens = torch.randint(lo, args.context + 1, (args.batch,), generator=gen).tolist()
+    batch = _paged_batch("cpu", seq_lens, [1] * args.batch, args.num_q_heads, args.num_kv_heads, args.head_dim,
+                         args.block_size, torch.float32, gen)
+    scale = args.head_dim ** -0.5
+    paths = {"torch": lambda: paged_attention_ref(**batch, scale=scale),
+             "kernel": lambda: paged_attention_ref(**batch, scale=scale,
+                                                   short_queries=cpu_attention.short_query_attention)}
+    outs = {name: f() for name, f in paths.items()}  # warm-up (the gather workspace, the threads)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(max(1, args.repeats)):
+        for name, f in paths.items():  # in turn, so that both see the same machine
+            t0 = time.perf_counter()
+            f()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    kv_bytes = 2 * sum(seq_lens) * args.num_kv_heads * args.head_dim * 4
+    return {"cpu_kernel": True, "threads": torch.get_num_threads(), "batch": args.batch,
+            "context_mean": sum(seq_lens) / len(seq_lens), "num_q_heads": args.num_q_heads,
+            "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "block_size": args.block_size,
+            "torch_ms": ms["torch"], "kernel_ms": ms["kernel"], "cpu_kernel_speedup": ms["torch"] / ms["kernel"],
+            "kernel_kv_gb_per_s": kv_bytes / (ms["kernel"] / 1e3) / 1e9,
+            "max_abs_diff": float((outs["torch"] - outs["kernel"]).abs().max())}
+
+
 def run(args: argparse.Namespace) -> dict:
     try:
         import torch
     except ImportError:  # pragma: no cover
         return {"gpu": None, "skipped": "torch is not installed"}
+    resolve_shape(args)
+    if args.cpu:
+        return run_cpu(args)
     if not torch.cuda.is_available():
         return {"gpu": None, "skipped": "no CUDA device: the kernel benchmark needs a GPU"}
     try:

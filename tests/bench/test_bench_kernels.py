@@ -21,7 +21,7 @@ def _args(*argv):
 
 
 def test_defaults_follow_the_issue():
-    args = _args()
+    args = bench.resolve_shape(_args())
     assert (args.batch, args.context, args.prefill_tokens) == (64, 4096, 4096)
     assert (args.num_q_heads // args.num_kv_heads, args.head_dim, args.dtype) == (4, 128, "bf16")
 
@@ -86,3 +86,22 @@ def test_run_on_gpu_small():
     json.dumps(res)
     assert res["gpu"] and res["decode_bandwidth_fraction"] > 0 and res["prefill_time_vs_sdpa"] > 0
     assert res["decode"]["max_abs_err_vs_sdpa"] < 2e-2 and res["prefill"]["max_abs_err_vs_sdpa"] < 2e-2
+
+
+def test_cpu_mode_times_both_decode_paths_on_smollm2_shapes():
+    """`omni bench kernels --cpu`: the torch path and the C kernel on one decode batch (SmolLM2's heads unless
+    given), their outputs within float rounding of each other; flags given keep their values."""
+    from kernels import cpu_attention
+
+    if cpu_attention.kernel() is None:
+        res = bench.run(_args("--cpu"))
+        assert res["cpu_kernel"] is None and cpu_attention.failure() in res["skipped"]
+        return
+    res = bench.run(_args("--cpu", "--batch", "6", "--context", "80", "--repeats", "2"))
+    json.dumps(res)
+    assert (res["batch"], res["num_q_heads"], res["num_kv_heads"], res["head_dim"]) == (6, 9, 3, 64)
+    assert 20 <= res["context_mean"] <= 80
+    assert res["torch_ms"] > 0 and res["kernel_ms"] > 0 and res["cpu_kernel_speedup"] > 0
+    assert res["max_abs_diff"] < 1e-5
+    with pytest.raises(ValueError, match="fp32"):
+        bench.run(_args("--cpu", "--dtype", "bf16"))

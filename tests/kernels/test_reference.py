@@ -243,12 +243,12 @@ def test_store_kv_ref_errors(args, match):
 def test_resolve_backend(monkeypatch):
     t = torch.zeros(1)
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    assert dispatch.resolve_backend(None, t) == "torch"
+    assert dispatch.resolve_backend(None, t) == "cpu"
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     assert dispatch.resolve_backend(None, t) == "triton"
     assert dispatch.resolve_backend("torch", t) == "torch"  # explicit argument wins
     monkeypatch.setenv(dispatch.ENV_VAR, "auto")
-    assert dispatch.resolve_backend(None, t) == "torch"
+    assert dispatch.resolve_backend(None, t) == "cpu"
     monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
     with pytest.raises(ValueError, match=dispatch.ENV_VAR):
         dispatch.resolve_backend(None, t)

@@ -45,7 +45,8 @@ def test_shipped_file_is_valid():
 def test_bench_writes_the_sweep_winners(tmp_path):
     parser = __import__("argparse").ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--sweep", "--write-config", str(tmp_path / "w.json"), "--head-dim", "64"])
+    args = bench.resolve_shape(parser.parse_args(["--sweep", "--write-config", str(tmp_path / "w.json"),
+                                                  "--head-dim", "64"]))
     dec = {"best_config": {"block_m": 16, "tile": 128, "num_segments": 1, "num_warps": 4, "num_stages": 3}}
     pre = {"best_config": {"block_m": 64, "tile": 64, "num_segments": None, "num_warps": 4, "num_stages": 2}}
     written = bench._write_config(args, "GPU Z", dec, pre)
