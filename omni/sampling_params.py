@@ -90,6 +90,9 @@ class SamplingParams(BaseModel):
     )
     include_stop_str_in_output: StrictFlag = Field(
         False, description="The reply's text keeps the stop string that ended it (vLLM's option).")
+    skip_special_tokens: StrictFlag = Field(
+        True, description="The reply's text leaves out special tokens (vLLM's default); false keeps them "
+        "(<|im_end|> and the like). Token ids are the same either way.")
     repetition_penalty: float = Field(
         1.0,
         description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "

@@ -291,7 +291,8 @@ def test_every_boolean_field_of_the_config_is_strict():
                         assert any(getattr(m, "strict", False) for m in info.metadata), f"{cls.__name__}.{name}"
                         found.add(name)
     assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver",
-                     "wait_for_nodes", "ignore_eos", "echo_prompt", "max_tokens_fit", "include_stop_str_in_output"}
+                     "wait_for_nodes", "ignore_eos", "echo_prompt", "max_tokens_fit", "include_stop_str_in_output",
+                     "skip_special_tokens"}
 
 
 @pytest.mark.parametrize("value", ["false", 1])

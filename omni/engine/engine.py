@@ -254,7 +254,8 @@ class StageEngine:
         self.scheduler.add_request(req)  # raises for an id still running: nothing else is touched
         try:
             if params.stop and forced is None:  # (a forced reply is exactly its tokens: nothing cuts it)
-                self._stops[rid] = StopText(self.tokenizer, params.stop, params.include_stop_str_in_output)
+                self._stops[rid] = StopText(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                            params.skip_special_tokens)
             # The model sees the request's resolved sampling parameters (a talker that samples inside its
             # forward, e.g. Qwen3-Omni's code predictor, follows the request's temperature and seed).
             self.model.add_request(rid, prepared, replace(inp, sampling_params=params))
@@ -262,7 +263,7 @@ class StageEngine:
             if inp.stream or not inp.input_complete:
                 req.input_complete = inp.input_complete
                 self.streams.add(rid, deltas=inp.stream, prompt_rows=rows if not inp.input_complete else None,
-                                 text=self._stops.get(rid))
+                                 text=self._stops.get(rid), skip_special_tokens=params.skip_special_tokens)
             req.compute_limit = self.model.compute_limit(rid)
             if params.prompt_logprobs is not None:
                 req.skip_prefix_hits = True  # every prompt position's logits: none may come from the cache
@@ -500,7 +501,8 @@ class StageEngine:
         out.prompt_text, out.prompt_token_texts, out.prompt_logprobs = report.text, report.token_texts, report.logprobs
         out.prompt_mm_tokens, out.cached_mm_tokens = req.mm_token_counts()
         if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            out.text = self.tokenizer.decode(req.output_token_ids,
+                                             skip_special_tokens=req.sampling_params.skip_special_tokens)
             streamed = self.streams.final_text(rid)
             if streamed is not None and streamed != out.text:
                 # A decoder whose output is not prefix-stable: the caller saw the deltas, keep them true.

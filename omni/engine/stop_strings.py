@@ -20,8 +20,8 @@ from .detokenizer import IncrementalDetokenizer
 
 
 class StopText:
-    def __init__(self, tokenizer: Any, stops: list[str], include: bool):
-        self.detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Any, stops: list[str], include: bool, skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = list(stops)
         self.include = include
         self.longest = max(len(s) for s in self.stops)

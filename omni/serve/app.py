@@ -10,7 +10,7 @@
     WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime.py)
     GET  /v1/models             the one model: the pipeline
     GET  /v1/models/{model}     that model (404 naming `model` for any other name)
-    GET  /health                200 while the pipeline serves
+    GET  /health                200 while the pipeline serves (HEAD too)
     GET  /metrics               Prometheus text
 
 The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment),
@@ -103,7 +103,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
         check_model(model, state.info)
         return JSONResponse(R.model_card(model, state.created))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def _health() -> JSONResponse:
         if omni.closed:
             return _error(ApiError(503, "the pipeline is closed", type="server_error", code="shutting_down"))

@@ -216,8 +216,26 @@ class StreamOptions(_Strict):
 
 
 class AudioOutput(_Strict):
-    voice: str | None = Field(None, description="The speaker (Qwen2.5-Omni: Chelsie or Ethan); None: the "
-                              "pipeline's default.")
+    voice: Any = Field(None, description='The speaker (Qwen2.5-Omni: Chelsie or Ethan), or {"id": speaker} (OpenAI\'s '
+                       "custom voices, as the speech endpoint takes it); None: the pipeline's default.")
+    @field_validator("voice")
+    @classmethod
+    def _voice(cls, v: Any) -> Any:
+        # one field, not a union: an error names `audio.voice`, never a union member
+        ok = v is None or (isinstance(v, str) and v) or (
+            isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str) and v["id"])
+        if not ok:
+            raise ValueError('a speaker\'s name, or {"id": name}')
+        return v
+
+    @property
+    def speaker(self) -> str | None:
+        return self.voice["id"] if isinstance(self.voice, dict) else self.voice
+
+    @property
+    def voice_field(self) -> str:
+        return "audio.voice.id" if isinstance(self.voice, dict) else "audio.voice"
+
     # OpenAI's chat audio formats; which of mp3 / flac / opus this server encodes is asked of libsndfile at
     # request time (speech_formats.encodable), aac never: a 400 naming audio.format.
     format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"] = Field(

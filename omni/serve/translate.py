@@ -195,9 +195,10 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
         if msg.tool_call_id is not None:
             message["tool_call_id"] = msg.tool_call_id
         messages.append(message)
-    extra = {"speaker": req.audio.voice} if req.audio is not None and req.audio.voice else {}
-    if "audio" in want and (unknown := info.unknown_voice(extra.get("speaker"), "audio.voice")):
-        raise bad_request(unknown, "audio.voice")
+    extra = {"speaker": req.audio.speaker} if req.audio is not None and req.audio.speaker else {}
+    voice_field = req.audio.voice_field if req.audio is not None else "audio.voice"
+    if "audio" in want and (unknown := info.unknown_voice(extra.get("speaker"), voice_field)):
+        raise bad_request(unknown, voice_field)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools)
     job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,

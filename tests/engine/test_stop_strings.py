@@ -89,6 +89,19 @@ def test_stop_token_ids_report_the_token_as_stop_reason(engine, free):
     assert got.token_ids[-1] == token and got.finish_reason == "stop" and got.stop_reason == token
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine, free):
+    """vLLM's skip_special_tokens: forced to emit the eos token (logit_bias), its text shows only with false; the
+    streamed deltas agree with the final text."""
+    eos = engine.model.eos_token_id
+    tok = engine.tokenizer
+    for skip in (True, False):
+        got, deltas = _run(engine, f"sp{skip}", stream=True, max_tokens=3, logit_bias={eos: 100.0},
+                           skip_special_tokens=skip)
+        assert got.token_ids == [eos] * 3
+        assert got.text == ("" if skip else tok.decode([eos] * 3)) == "".join(d.text for d in deltas)
+        assert skip or got.text
+
+
 def test_stop_strings_are_validated():
     assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop=None).stop == []
     assert SamplingParams(stop=["a", "a", "b"]).stop == ["a", "b"]

@@ -100,6 +100,10 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, _, body = server.get("/health")
     assert status == 200 and body["status"] == "ok"
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/health", method="HEAD"), timeout=30) as r:
+        assert r.status == 200 and r.read() == b""  # a load balancer's probe
 
 
 def test_chat_non_streaming_and_streaming_agree(client):
@@ -734,9 +738,9 @@ def test_metrics_parse_and_move(server, client):
     assert m1[ok] == m0.get(ok, 0) + 1 and m1[nf] == m0.get(nf, 0) + 1
     length = ("omni_requests_total", (("finish_reason", "length"),))
     assert m1[length] == m0.get(length, 0) + 1
-    assert m1[("omni_generation_tokens_total", ())] == m0[("omni_generation_tokens_total", ())] + 4
+    assert m1[("omni_generation_tokens_total", ())] == m0.get(("omni_generation_tokens_total", ()), 0) + 4
     ttft = ("omni_time_to_first_token_seconds_count", (("stage", "thinker"),))
-    assert m1[ttft] == m0[ttft] + 1
+    assert m1[ttft] == m0.get(ttft, 0) + 1
     for name in ("omni_stage_kv_cache_usage_ratio", "omni_stage_prefix_cache_hit_rate",
                  "omni_stage_running_requests", "omni_stage_waiting_requests", "omni_stage_tensor_cache_bytes",
                  "omni_stage_preemptions_total"):

@@ -356,6 +356,14 @@ def test_the_pipeline_names_its_voices_and_matches_them_in_any_case(server, clie
                                            audio={"voice": voice, "format": "wav"}).choices[0].message
             for voice in ("Chelsie", "chelsie")]
     assert msgs[0].audio.data == msgs[1].audio.data
+    by_id = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+                                           audio={"voice": {"id": "Chelsie"}, "format": "wav"}).choices[0].message
+    assert by_id.audio.data == msgs[0].audio.data  # OpenAI's {"id": voice}, as the speech endpoint takes it
+    for voice, param in (({"id": "alloy"}, "audio.voice.id"), ({"name": "x"}, "audio.voice"), ("", "audio.voice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+                                           audio={"voice": voice, "format": "wav"})
+        assert e.value.body["param"] == param, (voice, e.value.body)
     got, _, err = server.post("/v1/audio/speech", {"model": MODEL, "input": "Hi.", "voice": {"id": "alloy"}})
     assert got == 400 and err["error"]["param"] == "voice.id" and "Chelsie" in err["error"]["message"], err
 
