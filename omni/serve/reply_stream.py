@@ -220,6 +220,10 @@ class Run:
                 self._ttft_seen.add(item.stage)
                 if self.observer is not None:
                     self.observer.first_token(item.stage, time.monotonic() - self.t0)
+            if job.audio_stage is not None and item.stage not in (job.usage_stage, job.audio_stage):
+                # a talker's codec tokens as they come: what a reply cancelled midway generated of its audio (a
+                # finished one gets the exact count with the audio stage's output: upstream_tokens, below)
+                self.audio_tokens += len(item.token_ids)
             if item.stage == job.usage_stage:
                 if item.prompt_text is not None and job.echo and self.prompt_text is None:
                     self.prompt_text, self.prompt_token_texts = item.prompt_text, item.prompt_token_texts
