@@ -309,8 +309,9 @@ class Omni:
             return resolve_sampling_params(v, self.graph.stages[stage].sampling)
         except ValidationError as e:
             errors = e.errors()
-            msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg'].removeprefix('Value error, ')}"
-                             for x in errors)
+            # (a model validator's error has no loc: its message starts with the field)
+            msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: " * bool(x["loc"])
+                             + x["msg"].removeprefix("Value error, ") for x in errors)
             # The first field at fault (a model validator has no loc: its message names the field).
             first = errors[0]
             name = ".".join(map(str, first["loc"])) or first.get("ctx", {}).get("field", "")

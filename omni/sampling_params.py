@@ -36,6 +36,21 @@ def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int, enable_c
                          f"({max_model_len}) when enable_chunked_prefill is false")
 
 
+# vLLM SamplingParams fields this one does not take, with what to do instead (an "extra input" error would leave a
+# vLLM user guessing).
+_VLLM_ONLY = {
+    "n": "one request is one sample here: submit the prompt n times (with seed + i for n different seeded "
+         "samples), as the server's n does",
+    "best_of": "one request is one sample here: submit the prompt several times and keep the best",
+    "guided_decoding": "use structured_outputs ({'json': schema} | {'regex': ...} | {'choice': [...]})",
+    "spaces_between_special_tokens": "special tokens are decoded by the stage's tokenizer as it joins them",
+    "logits_processors": "use logit_bias, the penalties or structured_outputs",
+    "allowed_token_ids": "use structured_outputs ({'choice': [...]}) or logit_bias",
+    "bad_words": "use logit_bias with -100 for their token ids",
+    "truncate_prompt_tokens": "prompts are never truncated: a prompt longer than max_model_len is refused",
+}
+
+
 def _check_min_le_max(min_tokens: int, max_tokens: int | None) -> None:
     if max_tokens is not None and min_tokens > max_tokens:
         raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
@@ -160,6 +175,16 @@ class SamplingParams(BaseModel):
     )
 
     _no_bool_for_number = field_validator("*", mode="before")(classmethod(no_bool_for_number))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_only_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            for name in data:
+                if name in _VLLM_ONLY:
+                    raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {
+                        "field": name, "text": f"vLLM's {name} is not supported: {_VLLM_ONLY[name]}"})
+        return data
 
     @field_validator("temperature")
     @classmethod

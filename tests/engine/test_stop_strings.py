@@ -109,3 +109,20 @@ def test_stop_strings_are_validated():
         SamplingParams(stop=["a", ""])
     with pytest.raises(ValueError):
         SamplingParams(include_stop_str_in_output="yes")
+
+
+@pytest.mark.parametrize("name,hint", [("n", "submit the prompt n times"), ("best_of", "submit the prompt"),
+                                       ("guided_decoding", "structured_outputs")])
+def test_vllm_fields_it_lacks_say_what_to_use(name, hint):
+    """A vLLM SamplingParams field this one does not take names itself and what to do instead, through the Python
+    API too (a RequestError naming sampling_params.<field>, its message without an empty location)."""
+    from omni import Omni
+    from omni.errors import RequestError
+    from tests.fakes import chain_config, fake_factory
+
+    with pytest.raises(ValueError, match=f"{name}: vLLM's {name} is not supported: .*{hint}"):
+        SamplingParams(**{name: 2})
+    with Omni(chain_config(), engine_factory=fake_factory) as o:
+        with pytest.raises(RequestError) as e:
+            o.generate("hi", {"thinker": {name: 2}}, use_tqdm=False)
+    assert e.value.field == f"sampling_params.{name}" and ": :" not in e.value.message and hint in e.value.message
