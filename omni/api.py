@@ -249,6 +249,10 @@ class Omni:
         self.graph.stages_for(output_modalities)  # a bad value is refused before anything runs
         inputs = [self._to_input(i, p) for i, p in enumerate(_as_list(prompts))]
         sampling = self._per_stage_sampling(sampling_params)
+        if isinstance(sampling_params, (list, tuple)) and len(inputs) == len(sampling_params) > 1:
+            # vLLM reads a list as one SamplingParams per prompt, vLLM-Omni (and omni) as one per stage
+            logger.warning("sampling_params: a list is one SamplingParams per stage (%s), not one per prompt as in "
+                           "vLLM; every prompt gets all of them", ", ".join(s.name for s in self.config.stages))
         rids: list[str] = []
         try:
             for inp in inputs:

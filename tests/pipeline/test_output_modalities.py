@@ -99,3 +99,16 @@ def test_a_modality_the_pipeline_lacks_is_refused_by_name(bad, what):
         assert e.value.field == "output_modalities" and what in e.value.message
         assert "audio, text" in e.value.message  # what it gives
         assert submitted(o)["thinker"] == 0  # refused before anything ran
+
+
+def test_a_list_of_sampling_params_as_long_as_the_prompts_is_said_to_be_per_stage(caplog):
+    """vLLM reads a list as one SamplingParams per prompt; here it is one per stage (vLLM-Omni's): when both readings
+    fit, a warning says which one holds."""
+    from tests.fakes import chain_config
+
+    with Omni(chain_config(), engine_factory=fake_factory) as o, caplog.at_level("WARNING", logger="omni.api"):
+        o.generate(["a", "b"], [{"max_tokens": 1}, {"max_tokens": 1}], use_tqdm=False)
+        assert any("one SamplingParams per stage (thinker, talker)" in r.message for r in caplog.records)
+        caplog.clear()
+        o.generate(["a", "b", "c"], [{"max_tokens": 1}, {"max_tokens": 1}], use_tqdm=False)
+        assert not caplog.records
