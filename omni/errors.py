@@ -35,6 +35,9 @@ _FIELDS = ("stage", "field", "code", "limit", "actual", "request_id")
 # The pydantic error type of a model validator that names its field as data (in ctx["field"]), where
 # pydantic's own `loc` cannot (a check across fields): readers take the field from there, not the text.
 FIELD_ERROR = "field_error"
+# The code of a talker's refusal of a reply it cannot voice as it comes (fewer than 2 thinker tokens: it voices
+# every reply token from the row of the next one): the server voices such a reply once its text is whole.
+REPLY_TOO_SHORT_TO_VOICE = "reply_too_short_to_voice"
 
 
 def _rebuild(cls: type["OmniError"], message: str, fields: dict[str, Any]) -> "OmniError":

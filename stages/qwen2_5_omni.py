@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.outputs import StageDelta, StageInput, StageOutput
 
 from .processors import single_upstream
@@ -85,6 +86,9 @@ def thinker2talker_chunk(chunk: StageDelta, request: StageInput, state: dict) ->
     hidden = np.concatenate(state["hidden_states"]) if state.get("hidden_states") else None
     if prompt is None or hidden is None or len(gen) < 2 or hidden.shape[0] < len(prompt) + 1:
         if chunk.finished:
+            if len(gen) < 2:
+                raise RequestError(f"thinker2talker: the talker needs >= 2 thinker tokens (the thinker finished "
+                                   f"with {len(gen)})", code=REPLY_TOO_SHORT_TO_VOICE, actual=len(gen), limit=2)
             raise ValueError(f"thinker2talker: the talker needs >= 2 thinker tokens and their hidden states "
                              f"(the thinker finished with {len(gen)} tokens)")
         return None

@@ -40,7 +40,7 @@ from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
-from omni.errors import RequestError
+from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.outputs import StageInput
 
 from .checkpoint_parts import random_weights_seed
@@ -201,7 +201,10 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         gen = [int(t) for t in ex["thinker_output_ids"]]
         L, n = len(prompt), len(gen)
         hidden = torch.as_tensor(np.asarray(ex["thinker_hidden"], dtype=np.float32), device=self.device)
-        if n < 2 or hidden.shape[0] < L + 1:
+        if n < 2:
+            raise RequestError(f"thinker_output_ids: the talker needs >= 2 thinker tokens (got {n})",
+                               field="extra.thinker_output_ids", code=REPLY_TOO_SHORT_TO_VOICE, actual=n, limit=2)
+        if hidden.shape[0] < L + 1:
             raise ValueError(f"thinker_output_ids: the talker needs >= 2 thinker tokens and their hidden states "
                              f"(got {n} tokens, {hidden.shape[0]} rows for a {L}-token prompt)")
         spk = speaker_params(self.speakers, ex.get("speaker"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.outputs import StageDelta, StageInput, StageOutput
 
 from .processors import single_upstream
@@ -70,6 +71,10 @@ def thinker2talker_chunk(chunk: StageDelta, request: StageInput, state: dict) ->
     prompt = state.get("prompt")
     if prompt is None or len(gen) < 2 or state["num_rows"] < len(prompt) + 1:
         if chunk.finished:
+            if len(gen) < 2:
+                raise RequestError(f"qwen3_omni_thinker2talker: the talker needs >= 2 thinker tokens (the thinker "
+                                   f"finished with {len(gen)})", code=REPLY_TOO_SHORT_TO_VOICE, actual=len(gen),
+                                   limit=2)
             raise ValueError(f"qwen3_omni_thinker2talker: the talker needs >= 2 thinker tokens and their rows "
                              f"(the thinker finished with {len(gen)} tokens)")
         return None

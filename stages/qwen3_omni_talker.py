@@ -58,7 +58,7 @@ from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
-from omni.errors import RequestError
+from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.outputs import StageInput
 from omni.sampling_params import SamplingParams
 
@@ -199,7 +199,10 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         L, n = len(prompt), len(gen)
         streaming = bool(ex.get("streaming"))
         # Streaming: the prompt needs g0's row (L); later rows come with later chunks.
-        if n < 2 or embeds.shape[0] < (L + 1 if streaming else L + n - 1) or hidden.shape[0] < L:
+        if n < 2:
+            raise RequestError(f"extra.thinker_output_ids: the talker needs >= 2 thinker tokens (got {n})",
+                               field="extra.thinker_output_ids", code=REPLY_TOO_SHORT_TO_VOICE, actual=n, limit=2)
+        if embeds.shape[0] < (L + 1 if streaming else L + n - 1) or hidden.shape[0] < L:
             raise RequestError(f"extra.thinker_output_ids: the talker needs >= 2 thinker tokens and the rows of all "
                                f"but the last (got {n} tokens, {embeds.shape[0]} rows for a {L}-token prompt)",
                                field="extra.thinker_output_ids")

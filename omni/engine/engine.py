@@ -219,9 +219,6 @@ class StageEngine:
             if params.max_tokens > room:
                 params = params.model_copy(update={"max_tokens": room, "min_tokens": min(params.min_tokens, room)})
         forced = self._forced_reply(params)
-        if params.stop and self.tokenizer is None and forced is None:
-            raise RequestError(f"sampling_params.stop: stage {self.name!r} has no tokenizer, so no text to find stop "
-                               "strings in; use stop_token_ids", stage=self.name, field="sampling_params.stop")
         if forced is not None and not inp.input_complete:
             raise RequestError("sampling_params.forced_token_ids: a forced reply follows a complete prompt; this "
                                "request's input still streams in", stage=self.name,
@@ -253,7 +250,9 @@ class StageEngine:
             req.append_output_token_ids(forced[:-1])
         self.scheduler.add_request(req)  # raises for an id still running: nothing else is touched
         try:
-            if params.stop and forced is None:  # (a forced reply is exactly its tokens: nothing cuts it)
+            # (a forced reply is exactly its tokens: nothing cuts it; a stage without a tokenizer, e.g. a talker given
+            # the one SamplingParams a caller set for every stage, makes no text a stop string could end)
+            if params.stop and forced is None and self.tokenizer is not None:
                 self._stops[rid] = StopText(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                             params.skip_special_tokens)
             # The model sees the request's resolved sampling parameters (a talker that samples inside its
@@ -445,11 +444,15 @@ class StageEngine:
             if st is None:
                 continue
             if rid in done:
-                st.feed(done[rid].output_token_ids)
+                req = done[rid]
+                st.feed(req.output_token_ids, req.num_output_tokens >= req.sampling_params.min_tokens)
                 st.finish()
                 continue
             req = self.scheduler.requests.get(rid)
-            if req is not None and st.feed(req.output_token_ids) is not None:
+            # vLLM's min_tokens holds stop strings back too: none is looked for before it (one that ended earlier
+            # never stops the reply)
+            check = req is not None and req.num_output_tokens >= req.sampling_params.min_tokens
+            if req is not None and st.feed(req.output_token_ids, check) is not None:
                 stopped = self.scheduler.stop(rid)
                 if stopped is not None:
                     ended.append(stopped)
@@ -504,7 +507,7 @@ class StageEngine:
             out.text = self.tokenizer.decode(req.output_token_ids,
                                              skip_special_tokens=req.sampling_params.skip_special_tokens)
             streamed = self.streams.final_text(rid)
-            if streamed is not None and streamed != out.text:
+            if streamed is not None and streamed != out.text and rid not in self._stops:
                 # A decoder whose output is not prefix-stable: the caller saw the deltas, keep them true.
                 logger.warning("stage %s: streamed text of %s differs from its full decode", self.name, rid)
                 out.text = streamed

@@ -4,8 +4,8 @@ The scheduler has no text, so the engine feeds each request with stop strings it
 (`feed`); the first step whose text holds a stop string ends the request there (Scheduler.stop), finish_reason
 'stop', stop_reason the string. The earliest match in the text wins; the text ends before it, or after it with
 include_stop_str_in_output; the token ids keep every token generated, the one that completed the string included
-(as vLLM's). Each step searches only the text a match could newly end in: the new text plus the longest stop
-string's length - 1 before it.
+(as vLLM's). Each step searches only for matches that end in the new text. Before min_tokens tokens there is no
+search at all (vLLM's min_tokens holds stop strings back too), and a match that ended then never counts.
 
 Streamed text (`take`) holds back the last (longest stop string - 1) characters while the reply runs, so that no
 delta ever carries the beginning of a stop string that the next token completes (vLLM's stop buffer); nothing is
@@ -31,15 +31,20 @@ class StopText:
         self.stopped: str | None = None  # the stop string that ended the reply
         self.end: int | None = None  # where the reply's text ends once stopped
         self.flushed = False
+        self.unchecked = 0  # text made before min_tokens: no match may end in it
 
-    def feed(self, output_token_ids: list[int]) -> str | None:
+    def feed(self, output_token_ids: list[int], check: bool = True) -> str | None:
         """The request's output tokens so far (the new ones are past those fed before): the stop string their
-        text now holds, if any (then the reply ends)."""
+        new text ends, if any (then the reply ends). `check` False (min_tokens not reached): text only, no search;
+        a match that ended in it is never looked for later (vLLM's)."""
         if self.stopped is None and len(output_token_ids) > self.fed:
             before = len(self.detok.text)
             self.detok.add(list(output_token_ids[self.fed:]))
             self.fed = len(output_token_ids)
-            self._search(before)
+            if check:
+                self._search(before)
+            else:
+                self.unchecked = len(self.detok.text)
         return self.stopped
 
     def finish(self) -> None:
@@ -53,10 +58,11 @@ class StopText:
 
     def _search(self, before: int) -> None:
         text = self.detok.text
-        start = max(0, before - self.longest + 1)
+        # a match ends past `before` (earlier ones were looked for) and past the text made before min_tokens
+        end = max(before, self.unchecked)
         best: tuple[int, str] | None = None
         for s in self.stops:
-            i = text.find(s, start)
+            i = text.find(s, max(0, end - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:

@@ -185,7 +185,12 @@ class StageGraph:
         RequestError (field output_modalities) for a modality no final stage gives."""
         if output_modalities is None:
             return frozenset(self.order)
-        wanted = list(dict.fromkeys([output_modalities] if isinstance(output_modalities, str) else output_modalities))
+        if isinstance(output_modalities, str):
+            output_modalities = [output_modalities]
+        if not isinstance(output_modalities, Iterable) or not all(isinstance(m, str) for m in output_modalities):
+            raise RequestError(f"output_modalities: expected a list of output names (text, tokens, audio, hidden), "
+                               f"got {output_modalities!r}", field="output_modalities", code="invalid_type")
+        wanted = list(dict.fromkeys(output_modalities))
         given = sorted({self.stages[n].final_output for n in self.final_stages})
         unknown = [m for m in wanted if m not in given]
         if not wanted or unknown:

@@ -239,8 +239,10 @@ class StageWorker:
             part = self._chunk_fn(chunk, inc.sub.request, inc.state)
         except Exception as e:  # noqa: BLE001
             logger.exception("stage %s: input processor failed on a chunk of %s", self.name, rid)
-            self._stream_failed(rid, inc, f"input processor {name!r} failed on a chunk from stage "
-                                          f"{inc.upstream!r}: {type(e).__name__}: {e}")
+            why = f"input processor {name!r} failed on a chunk from stage {inc.upstream!r}: "
+            # a typed refusal keeps its type and code (a reply the talker cannot voice: the server voices it whole)
+            self._stream_failed(rid, inc, e.replace(why + e.message, stage=e.stage or self.name, request_id=rid)
+                                if isinstance(e, OmniError) else why + f"{type(e).__name__}: {e}")
             return
         if part is None and not inc.started:
             if chunk.finished:  # the processor's chunk form must raise instead; guard anyway

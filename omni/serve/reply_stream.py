@@ -33,7 +33,7 @@ import anyio
 import numpy as np
 
 from omni.async_api import AsyncOmni
-from omni.errors import BackendClosedError, OmniError
+from omni.errors import REPLY_TOO_SHORT_TO_VOICE, BackendClosedError, OmniError
 from omni.outputs import StageDelta, StageOutput, TokenLogprob
 from omni.serve.errors import ApiError, bad_request, from_omni_error, internal
 from omni.serve.tool_parser import parse_tool_calls
@@ -121,6 +121,7 @@ class Run:
         self._audio_sent = 0
         self._audio_seen = False
         self.voiced = False  # Job.voice_after: the reply's text held no tool call and was voiced
+        self._voice_whole = False  # the talker refused a reply too short to voice as it came: voiced once whole
         self._voice: Run | None = None
         wanted = {job.usage_stage} | ({job.audio_stage} if job.audio_stage else set())
         self._wanted = frozenset(wanted)
@@ -169,7 +170,7 @@ class Run:
                 raise internal("the pipeline ended the request before its reply was complete")
         finally:
             await self.aclose()
-        if (self.job.voice_after is not None and self.text.strip()
+        if ((self.job.voice_after is not None or self._voice_whole) and self.text.strip()
                 and (self.job.tool_parser is None or parse_tool_calls(self.text)[1] is None)):
             async for ev in self._voiced():
                 yield ev
@@ -183,7 +184,8 @@ class Run:
         sampling[stage] = {"forced_text": self.text}
         where = job.fields.get("prompt", "messages")  # what holds the reply's text: chat's messages, a conversation
         voice = dataclasses.replace(job, request_id=f"{job.request_id}-voice", sampling=sampling, text_stage=None,
-                                    audio_stage=job.voice_after, voice_after=None, tool_parser=None, stops=[],
+                                    audio_stage=job.voice_after or job.audio_stage, voice_after=None, tool_parser=None,
+                                    stops=[],
                                     fields={**job.fields, "forced_text": where, "max_tokens": where})
         self._voice = run = Run(self.omni, voice, self.default_rate)
         self.voiced = True
@@ -248,6 +250,15 @@ class Run:
                                    getattr(item, "sampling_rate", None))
             return out
         if item.error is not None:
+            if (item.error.code == REPLY_TOO_SHORT_TO_VOICE and job.audio_stage is not None
+                    and job.voice_after is None and not self._voice_whole):
+                # The thinker's reply ended after one token (eos first, a stop string in it, a grammar): the talker
+                # cannot voice it as it comes. Its text is whole: voiced by a second pass (as voice_short_replies),
+                # or no audio at all for an empty one.
+                self._voice_whole = True
+                self._done |= self._wanted
+                self.finish_reason = self.finish_reason or "stop"
+                return out + self._text(self._stop.flush())
             raise self._error(item.error)
         self._done.add(item.stage)
         if item.stage == job.usage_stage:

@@ -82,6 +82,39 @@ def test_streamed_deltas_never_show_the_stop_string(engine, free, include):
     assert deltas[-1].finished
 
 
+def test_min_tokens_holds_stop_strings_back(engine, free, caplog):
+    """vLLM's min_tokens: no stop string is looked for before that many tokens, and one that ended before then never
+    stops the reply (the next occurrence, if any, does). A streamed stop raises no 'differs from its full decode'
+    warning (the stream is cut on purpose)."""
+    out, stop = free
+    tok = engine.tokenizer
+    ends = [len(tok.decode(out.token_ids[:k], skip_special_tokens=True)) for k in range(len(out.token_ids) + 1)]
+    i = out.text.find(stop)
+    past = next(k for k, e in enumerate(ends) if e >= i + len(stop))  # the token that completed it
+    got, _ = _run(engine, "m1", stop=[stop], min_tokens=past + 1)
+    later = out.text.find(stop, i + 1)
+    if later < 0:
+        assert got.text == out.text and got.stop_reason is None and got.finish_reason == "length"
+    else:
+        assert got.text == out.text[:later] and got.stop_reason == stop
+    with caplog.at_level("WARNING", logger="omni.engine.engine"):
+        _run(engine, "m2", stream=True, stop=[stop])
+    assert not [r for r in caplog.records if "differs from its full decode" in r.message]
+
+
+def test_a_stage_without_a_tokenizer_ignores_stop_strings(tiny_qwen2):
+    """One SamplingParams a caller gives every stage (stop included) must not fail a stage that makes no text (a
+    talker): stop strings apply where there is text."""
+    eng = make_engine(tiny_qwen2)
+    eng.tokenizer = None
+    eng.add_request(StageInput("x", prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3, "stop": ["a"],
+                                                                             "ignore_eos": True}))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step().finished})
+    assert outs["x"].error is None and len(outs["x"].token_ids) == 3 and outs["x"].stop_reason is None
+
+
 def test_stop_token_ids_report_the_token_as_stop_reason(engine, free):
     out, _ = free
     token = out.token_ids[5]

@@ -90,6 +90,34 @@ def test_a_stop_string_ends_a_spoken_reply_where_its_text_ends(server, client):
     wait_idle(server)
 
 
+def test_a_spoken_reply_that_ends_after_one_token_is_voiced_whole(server, client):
+    """A thinker reply of one token (a stop string inside it, eos first) cannot be voiced as it comes (the talker
+    voices each token from the next one's row): it was a 500. Its text is voiced once whole, by a second pass, as a
+    max_tokens 1 reply is; an empty one has no audio; streamed too."""
+    first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, logprobs=True,
+                                           top_logprobs=0).choices[0].logprobs.content[0].token
+    assert len(first) >= 2, first  # (the tiny checkpoint's greedy reply starts with a 2-character token)
+    one = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stop=[first[1:]], **AUDIO_OUT)
+    msg = one.choices[0].message
+    assert (msg.content, msg.audio.transcript, one.choices[0].finish_reason) == (first[:1], first[:1], "stop")
+    samples, _ = wav_samples(base64.b64decode(msg.audio.data))
+    assert samples.size > 0 and one.usage.completion_tokens_details.audio_tokens > 0
+    eos = server.omni._omni._backend.workers["thinker"].engine.model.eos_token_id
+    empty = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, logit_bias={str(eos): 100},
+                                           **AUDIO_OUT)
+    assert empty.choices[0].message.content == "" and empty.choices[0].finish_reason == "stop"
+    assert wav_samples(base64.b64decode(empty.choices[0].message.audio.data))[0].size == 0
+    text, audio = "", 0
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, stop=[first[1:]],
+                                                stream=True, **PCM_OUT):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            if chunk.choices[0].delta.audio is not None and getattr(chunk.choices[0].delta.audio, "data", None):
+                audio += len(base64.b64decode(chunk.choices[0].delta.audio.data))
+    assert text == first[:1] and audio > 0
+    wait_idle(server)
+
+
 def test_a_spoken_reply_continues_the_conversation_by_id_or_as_sent_back(server, client):
     """OpenAI's multi-turn voice pattern: the next turn names the reply by `audio.id` (streamed or not), or sends the
     client's message object back whole; either way the thinker sees the reply's text, exactly as when the client
