@@ -297,7 +297,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 if calls is not None:
                     yield chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, index=index)
                     finish_reason = "tool_calls"
-            yield chunk({}, finish_reason=finish_reason, modality=text_mod, index=index)
+            yield chunk({}, finish_reason=finish_reason, modality=text_mod, index=index, stop_reason=r.stop_reason)
             if not vllm and (r.job.audio_stage or r.voiced):  # its audio went out by id: a later turn may name it
                 state.audio_transcripts.put(audio_ids[index], r.text, int(time.time()) + R.AUDIO_TTL_S)
         if req.include_usage:
@@ -336,7 +336,8 @@ async def completions(state: ServerState, request: Request) -> Response:
                                              logprobs=R.completion_logprobs(ev.logprobs, offsets[index]))
                     offsets[index] += sum(len(e.token or "") for e in ev.logprobs or ())
         for index, r in enumerate(run.runs):
-            yield R.completion_chunk(rid, model, created, "", finish_reason=r.finish_reason, index=index)
+            yield R.completion_chunk(rid, model, created, "", finish_reason=r.finish_reason, index=index,
+                                     stop_reason=r.stop_reason)
         if req.include_usage:
             yield R.completion_chunk(rid, model, created, None, usage_=R.completion_usage(run))
 

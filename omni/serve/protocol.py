@@ -303,6 +303,10 @@ class _Common(_Strict):
                                    "token may be sampled, <= max_tokens (the text stage).")
     repetition_penalty: float | None = Field(None, gt=0, description="HF repetition penalty (the text stage).")
     stop_token_ids: list[int] | None = Field(None, description="Extra token ids that end the text stage.")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: the text keeps the stop string "
+                                                    "that ended it (the text stage).")
+    skip_special_tokens: bool | None = Field(None, description="vLLM's: false keeps special tokens in the text "
+                                             "(the text stage).")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
         None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
         "that stage's defaults, or null. The top-level fields above then apply to the text stage.")

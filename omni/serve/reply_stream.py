@@ -121,6 +121,7 @@ class Run:
         self._audio_sent = 0
         self._audio_seen = False
         self.voiced = False  # Job.voice_after: the reply's text held no tool call and was voiced
+        self.stop_reason: str | int | None = None
         self._voice_whole = False  # the talker refused a reply too short to voice as it came: voiced once whole
         self._voice: Run | None = None
         wanted = {job.usage_stage} | ({job.audio_stage} if job.audio_stage else set())
@@ -266,6 +267,7 @@ class Run:
                 out.append(TextEvent(item.prompt_text, echo=True))  # it sent no delta with a token
             out += self._text(self._stop.flush())
             self.finish_reason = self.finish_reason or item.finish_reason or "stop"
+            self.stop_reason = item.stop_reason  # vLLM's: the stop string or stop token id that ended the text
             self.prompt_tokens = len(item.prompt_token_ids)
             self.completion_tokens = len(item.token_ids)
             self.cached_tokens = item.num_cached_tokens

@@ -152,6 +152,7 @@ def chat_completion(rid: str, model: str, created: int, choices: Usage,
         if audio is not None:
             message["audio"] = audio
         out.append(_with_prompt_logprobs({"index": index, "message": message, "finish_reason": finish_reason,
+                                          "stop_reason": run.stop_reason if finish_reason == "stop" else None,
                                           "logprobs": chat_logprobs(run.logprobs)}, run))
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(choices)}
@@ -159,13 +160,16 @@ def chat_completion(rid: str, model: str, created: int, choices: Usage,
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None, *,
                finish_reason: str | None = None, usage_: dict[str, Any] | None = None,
-               modality: str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+               modality: str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
     """One chunk of choice `index`; `delta` None: the usage chunk (no choices). `modality`: vLLM-Omni's
     top-level field."""
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                              "choices": [] if delta is None else [
                                  {"index": index, "delta": delta, "finish_reason": finish_reason,
                                   "logprobs": logprobs}]}
+    if finish_reason is not None and delta is not None:
+        chunk["choices"][0]["stop_reason"] = stop_reason if finish_reason == "stop" else None  # vLLM's field
     if usage_ is not None:
         chunk["usage"] = usage_
     if modality is not None:
@@ -226,7 +230,7 @@ def _completion_choice(index: int, run: Any) -> dict[str, Any]:
     generated = completion_logprobs(run.logprobs)
     if not job.echo:
         return _with_prompt_logprobs({"index": index, "text": run.text, "finish_reason": run.finish_reason,
-                                      "logprobs": generated}, run)
+                                      "stop_reason": run.stop_reason, "logprobs": generated}, run)
     prompt = run.prompt_text or ""
     text = prompt if job.echo_only else prompt + run.text
     logprobs = None
@@ -236,7 +240,8 @@ def _completion_choice(index: int, run: Any) -> dict[str, Any]:
             for key in ("tokens", "token_logprobs", "top_logprobs"):
                 logprobs[key] += generated[key]
         logprobs["text_offset"] = _offsets(logprobs["tokens"])
-    choice = {"index": index, "text": text, "finish_reason": run.finish_reason, "logprobs": logprobs}
+    choice = {"index": index, "text": text, "finish_reason": run.finish_reason, "stop_reason": run.stop_reason,
+              "logprobs": logprobs}
     # Asked for by `prompt_logprobs` itself (not only computed for echo): vLLM's field too.
     return _with_prompt_logprobs(choice, run) if job.show_prompt_logprobs else choice
 
@@ -257,11 +262,13 @@ def completion_usage(choices: Usage) -> dict[str, Any]:
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, *, finish_reason: str | None = None,
                      usage_: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
-                     index: int = 0) -> dict[str, Any]:
+                     index: int = 0, stop_reason: str | int | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": [] if text is None else [
                                  {"index": index, "text": text, "finish_reason": finish_reason,
                                   "logprobs": logprobs}]}
+    if finish_reason is not None and text is not None:
+        chunk["choices"][0]["stop_reason"] = stop_reason  # vLLM's field
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

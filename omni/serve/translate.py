@@ -26,7 +26,7 @@ from omni.serve.tools import force_tool_call, template_tool_calls
 # request field -> SamplingParams field, applied to the text stage
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
               "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "structured_outputs",
-              "prompt_logprobs")
+              "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclass(slots=True)
@@ -132,6 +132,9 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
         top["structured_outputs"] = fmt.structured_outputs
         job.fields["structured_outputs"] = ("response_format.json_schema.schema" if fmt.type == "json_schema"
                                             else "response_format")
+    if req.stops:  # the text stage stops itself (SamplingParams.stop): stop_reason, and no audio past the string
+        top["stop"] = list(req.stops)
+        job.fields["stop"] = "stop"
     if top:
         stage = info.text_stage or info.entry_stage
         job.sampling[stage] = {**job.sampling.get(stage, {}), **top}
@@ -203,14 +206,8 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
     prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools)
     job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,
               info.audio_stage if "audio" in want else None, info.text_stage or info.entry_stage,
-              req.stops, fields)
+              [], fields)
     _sampling(req, info, job)
-    if req.stops and "audio" in want:
-        # Spoken: the text stage itself stops at the string (SamplingParams.stop), so the audio stages voice the
-        # reply only up to it (matched on the streamed text instead, the talker would speak past it).
-        stage = job.usage_stage
-        job.sampling[stage] = {**job.sampling.get(stage, {}), "stop": list(req.stops)}
-        job.stops, job.fields["stop"] = [], "stop"
     if req.forced_tool is not None:
         force_tool_call(req, job)
     elif req.auto_tools:
@@ -256,7 +253,7 @@ def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str, 
     prompt = (StageInput("", prompt=p, cache_salt=req.cache_salt, chat_template=False) if isinstance(p, str)
               else StageInput("", prompt_token_ids=list(p), cache_salt=req.cache_salt))
     fields = {"prompt": where, "prompt_token_ids": where, "max_tokens": "max_tokens"}
-    job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, req.stops, fields)
+    job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, [], fields)
     _sampling(req, info, job)
     if req.echo:
         _echo(req, job)

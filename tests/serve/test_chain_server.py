@@ -169,6 +169,16 @@ def test_sampling_params_list_and_stop(client):
     cut = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == base[: base.index(stop)]
+    # vLLM's stop_reason (the string), streamed too, and its include_stop_str_in_output
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    kept = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stop=[stop],
+                                          extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == base[: base.index(stop) + len(stop)]
+    last = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, stop=[stop],
+                                               stream=True))[-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0]
+    assert plain.model_extra["stop_reason"] is None
 
 
 def test_sixteen_concurrent_clients(server):
