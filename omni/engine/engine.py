@@ -41,10 +41,10 @@ from .request import Request, RequestStatus
 from .request_checks import RequestChecker
 from .request_rows import FinishedRows, OutputRows, RowsRequest
 from .request_streams import RequestStreams, block_digests
-from .stop_strings import StopText
 from .sampler import make_generator
 from .scheduler import Scheduler, SchedulerSettings
 from .stage_model import AutoregressiveStageModel
+from .stop_strings import StopText
 from .step_profile import StepProfile
 from .structured_output import GrammarCompiler
 from .tensor_cache import StageTensorCache
