@@ -215,22 +215,32 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send one more chunk with the usage before [DONE].")
 
 
+def check_voice(v: Any) -> Any:
+    """A voice as OpenAI's chat and speech endpoints take it: a speaker's name, or {"id": name}. One field checked
+    here, not a union: an error names the voice field, never a union member."""
+    if not ((isinstance(v, str) and v) or (isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str)
+                                           and v["id"])):
+        raise ValueError('a speaker\'s name, or {"id": name}')
+    return v
+
+
+def voice_name(v: Any) -> str | None:
+    """The speaker a checked voice names (None: none given)."""
+    return v["id"] if isinstance(v, dict) else v
+
+
 class AudioOutput(_Strict):
     voice: Any = Field(None, description='The speaker (Qwen2.5-Omni: Chelsie or Ethan), or {"id": speaker} (OpenAI\'s '
                        "custom voices, as the speech endpoint takes it); None: the pipeline's default.")
+
     @field_validator("voice")
     @classmethod
     def _voice(cls, v: Any) -> Any:
-        # one field, not a union: an error names `audio.voice`, never a union member
-        ok = v is None or (isinstance(v, str) and v) or (
-            isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str) and v["id"])
-        if not ok:
-            raise ValueError('a speaker\'s name, or {"id": name}')
-        return v
+        return v if v is None else check_voice(v)
 
     @property
     def speaker(self) -> str | None:
-        return self.voice["id"] if isinstance(self.voice, dict) else self.voice
+        return voice_name(self.voice)
 
     @property
     def voice_field(self) -> str:

@@ -42,7 +42,7 @@ from omni.outputs import StageInput
 from omni.serve.audio import pcm16_chunks
 from omni.serve.endpoints import ClientGone, ServerState, parse, race
 from omni.serve.errors import ApiError, bad_request, internal
-from omni.serve.protocol import _Strict
+from omni.serve.protocol import _Strict, check_voice, voice_name
 from omni.serve.reply_stream import AudioEvent, Run
 from omni.serve.responses import new_id
 from omni.serve.speech_formats import MEDIA_TYPES, OPENAI_FORMATS, encodable, encode
@@ -70,12 +70,7 @@ class SpeechRequest(_Strict):
     @field_validator("voice")
     @classmethod
     def _voice(cls, v: Any) -> Any:
-        # one field, not a union: an error names `voice`, never a union member
-        ok = (isinstance(v, str) and v) or (isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str)
-                                             and v["id"])
-        if not ok:
-            raise ValueError('a speaker\'s name, or {"id": name}')
-        return v
+        return check_voice(v)
 
     @field_validator("speed")
     @classmethod
@@ -86,7 +81,7 @@ class SpeechRequest(_Strict):
 
     @property
     def speaker(self) -> str:
-        return self.voice["id"] if isinstance(self.voice, dict) else self.voice
+        return voice_name(self.voice)
 
     @property
     def voice_field(self) -> str:
