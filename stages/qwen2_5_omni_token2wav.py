@@ -26,12 +26,23 @@ the one-shot request), with 50 growing to 100 to 330 (1.32x), while the first au
                   left_context_codes (1 DiT block), lookahead_codes (1 DiT block)
 
 Batched (the engine's optional hooks `run_generation_batch` / `next_outputs`): the requests of one
-engine step, or the windows of different streams ready in the same step, integrate the DiT's ODE in
-lockstep, packed along time (qwen2_5_omni_dit.py: each one's mel is its mel alone), in calls
-of at most `max_batch_tokens` codes (the stage's scheduler.max_num_batched_tokens; a longer one runs
-alone). BigVGAN then runs per window: batched over windows of one length it is neither bitwise
-(oneDNN's convolutions block a batch differently) nor faster on a CPU (measured on the small
-checkpoint: 4 mels of 148 frames, 1.2 s one by one, 2.3 s as one batch).
+engine step integrate the DiT's ODE in lockstep, packed along time (qwen2_5_omni_dit.py: each one's mel
+is its mel alone), in calls of at most `max_batch_tokens` codes (the stage's
+scheduler.max_num_batched_tokens; a longer one runs alone). BigVGAN then runs per window: batched over
+windows of one length it is neither bitwise (oneDNN's convolutions block a batch differently) nor
+faster on a CPU (measured on the small checkpoint: 4 mels of 148 frames, 1.2 s one by one, 2.3 s as one
+batch).
+
+Streamed windows run *continuously batched* (qwen2_5_omni_dit.ode_step): a window is admitted as soon
+as its codes are there and its ODE advances one Runge-Kutta step per engine step, packed along time
+with every other window in flight, each at its own step of its own ODE (their time modulations spread
+over their frames); a window leaves through BigVGAN in the step its ODE ends. So windows of different
+streams share the DiT's matrix products whenever they overlap, not only when they become ready in the
+same step, and a newcomer never waits for whole windows: while some stream's first window is in
+flight, the steps run only first windows (the others resume where they stopped), so its first audio
+waits one Runge-Kutta step of the windows in flight, then ten steps of its own short window. A
+stream's windows still run one after another; the waveform is the windows' lockstep waveform up to
+the blocking of fp32 sums (tested against the bound).
 
 Measured on the random small checkpoint (150 codes): with >= 1 block of context on each side the
 chunked waveform equals the one-shot one to fp32 rounding (SNR 122 dB); without look-ahead 19 dB,
@@ -40,6 +51,7 @@ measure the bound on real weights before trusting it there.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,12 +63,14 @@ from omni.engine.stage_model import OneShotStageModel
 from omni.errors import RequestError
 from omni.outputs import StageInput
 
-from .qwen2_5_omni_dit import DiTRequest, dit_sample_batch
+from .qwen2_5_omni_dit import DiTRequest, ODEWindow, dit_sample_batch, ode_step, ode_window, time_grid
 from .qwen2_5_omni_talker import load_speakers, speaker_params
 from .qwen2_5_omni_thinker import load_omni_part
 
+logger = logging.getLogger(__name__)
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)
 class _WavStream:
     """One request whose codes arrive in chunks."""
 
@@ -67,11 +81,27 @@ class _WavStream:
     complete: bool = False
     finished: bool = False
     pieces: list[np.ndarray] = field(default_factory=list)
+    flight: _Flight | None = None  # its next window, in flight
+    ready: tuple[dict[str, Any], bool] | Exception | None = None  # a finished piece (or failure) not yet taken
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """A stream's next chunk [start, end) of codes, its ODE in flight on the window [lo, hi)."""
+
+    stream: _WavStream
+    start: int
+    end: int
+    lo: int
+    hi: int
+    ode: ODEWindow
+    first: bool  # the stream's first window: ahead of every other
 
 
 class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     checkpoint_prefix = "token2wav."
     streams_input = True
+    pieces_span_steps = True
     tokenizer = None
     eos_token_id = None
     sampling_rate = 24000
@@ -112,6 +142,8 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
                 raise ValueError(f"model_kwargs.{name}: must be >= 0, got {getattr(self, name)}")
         bigvgan = token2wav.config.bigvgan_config
         self.samples_per_frame = int(np.prod(bigvgan.upsample_rates))
+        self._flights: list[_Flight] = []  # windows in flight, in admission order
+        self._times: torch.Tensor | None = None  # the ODE's time grid (the same for every window)
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -237,33 +269,107 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         return min(self.max_chunk_codes, self.chunk_codes << min(index - 1, 30))
 
     def stream_ready(self, state: _WavStream) -> bool:
-        return not state.finished and self._next_end(state) is not None
+        return (state.ready is not None or state.flight is not None
+                or (not state.finished and self._next_end(state) is not None))
 
     def next_output(self, state: _WavStream) -> tuple[dict[str, Any] | None, bool]:
-        return self.next_outputs([state])[0]
+        result = self.next_outputs([state])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def next_outputs(self, states: list[_WavStream], max_batch_tokens: int | None = None
-                     ) -> list[tuple[dict[str, Any] | None, bool]]:
-        """The next piece of each stream, their windows computed together; no state changes unless
-        all of them were computed (the engine retries them one by one when this raises)."""
-        plans = [self._plan(state) for state in states]
-        windows = [self._window(state.codes[p[2]:p[3]], state.speaker,
-                                state.noise[:, p[2] * self.repeats : p[3] * self.repeats])
-                   for state, p in zip(states, plans) if p is not None and p[3] > p[2]]
-        audio = iter(self._audio(windows, max_batch_tokens))
-        results: list[tuple[dict[str, Any] | None, bool]] = []
-        for state, plan in zip(states, plans):
-            if plan is None:
-                results.append((None, state.finished))
+                     ) -> list[tuple[dict[str, Any] | None, bool] | Exception]:
+        """One engine step: the given streams' next windows are admitted (those ready and not in flight),
+        the windows in flight take one Runge-Kutta step together (only first windows while there are
+        some; at most `max_batch_tokens` codes, oldest first), those whose ODE ends go through BigVGAN,
+        and each given stream gets its piece once its window is done: (None, False) while it is in
+        flight, the exception when its window failed."""
+        with torch.inference_mode():
+            for state in states:
+                if state.flight is None and state.ready is None:
+                    self._admit(state)
+            if self._flights:
+                self._step(max_batch_tokens)
+        return [self._take(state) for state in states]
+
+    def _admit(self, state: _WavStream) -> None:
+        plan = self._plan(state)
+        if plan is None:
+            return
+        start, end, lo, hi = plan
+        if hi <= lo:  # everything was emitted before the end was known: an empty last piece
+            self._emit(state, end, np.zeros(0, np.float32))
+            return
+        try:
+            window = self._window(state.codes[lo:hi], state.speaker,
+                                  state.noise[:, lo * self.repeats : hi * self.repeats])
+            ode = ode_window(self.token2wav.code2wav_dit_model, window, self.kwargs["guidance_scale"])
+        except Exception as exc:  # noqa: BLE001 - this stream fails, not the others
+            state.ready = exc
+            return
+        state.flight = _Flight(state, start, end, lo, hi, ode, first=not state.pieces)
+        self._flights.append(state.flight)
+
+    def _step(self, max_tokens: int | None) -> None:
+        group: list[_Flight] = []
+        size = 0
+        for f in [f for f in self._flights if f.first] or self._flights:
+            if group and max_tokens is not None and size + (f.hi - f.lo) > max_tokens:
+                break
+            group.append(f)
+            size += f.hi - f.lo
+        dit = self.token2wav.code2wav_dit_model
+        if self._times is None:
+            self._times = time_grid(self.kwargs["num_steps"], self.kwargs["sway_coefficient"], self.dtype, self.device)
+        try:
+            ode_step(dit, [f.ode for f in group], self._times, self.kwargs["guidance_scale"])
+        except Exception as exc:  # noqa: BLE001 - one window fails, not the step: find it, each alone
+            if len(group) == 1:
+                self._land(group[0], exc)
+            else:
+                logger.exception("token2wav: a step of %d windows failed; stepping each alone", len(group))
+                for f in group:  # ode_step changes no window unless it succeeds
+                    try:
+                        ode_step(dit, [f.ode], self._times, self.kwargs["guidance_scale"])
+                    except Exception as alone:  # noqa: BLE001
+                        self._land(f, alone)
+        bigvgan = self.token2wav.code2wav_bigvgan_model
+        spf = self.samples_per_frame * self.repeats  # samples per codec token
+        for f in [f for f in group if f.stream.flight is f and f.ode.done(self._times)]:
+            try:
+                audio = bigvgan(f.ode.mel()).reshape(-1).float().cpu().numpy()
+            except Exception as exc:  # noqa: BLE001
+                self._land(f, exc)
                 continue
-            start, end, lo, hi = plan
-            spf = self.samples_per_frame * self.repeats  # samples per codec token
-            piece = next(audio)[(start - lo) * spf : (end - lo) * spf] if hi > lo else np.zeros(0, np.float32)
-            state.pieces.append(piece)
-            state.done = end
-            state.finished = state.complete and end >= len(state.codes)
-            results.append(({"audio": piece, "sampling_rate": self.sampling_rate}, state.finished))
-        return results
+            self._land(f, None)
+            self._emit(f.stream, f.end, audio[(f.start - f.lo) * spf : (f.end - f.lo) * spf])
+
+    def _land(self, flight: _Flight, error: Exception | None) -> None:
+        """A window leaves the flights (done, or failed with `error`)."""
+        if flight in self._flights:
+            self._flights.remove(flight)
+        if flight.stream.flight is flight:
+            flight.stream.flight = None
+            if error is not None:
+                flight.stream.ready = error
+
+    def _emit(self, state: _WavStream, end: int, piece: np.ndarray) -> None:
+        state.pieces.append(piece)
+        state.done = end
+        state.finished = state.complete and end >= len(state.codes)
+        state.ready = ({"audio": piece, "sampling_rate": self.sampling_rate}, state.finished)
+
+    @staticmethod
+    def _take(state: _WavStream) -> tuple[dict[str, Any] | None, bool] | Exception:
+        result, state.ready = state.ready, None
+        return (None, False) if result is None else result
+
+    def drop_stream(self, state: _WavStream) -> None:
+        """An aborted stream: its window in flight goes (the others keep their steps)."""
+        if state.flight is not None:
+            self._land(state.flight, None)
+        state.ready = None
 
     def _plan(self, state: _WavStream) -> tuple[int, int, int, int] | None:
         """(start, end) of the stream's next chunk of codes and (lo, hi) of the window computed for it

@@ -10,6 +10,13 @@ and how the two waveforms agree: `bitwise_equal` (a request of up to two DiT blo
 full attention, the same ops), else `snr_db` (null when bitwise; the same math with its fp32 sums in another order);
 `outputs_agree` is every length bitwise or at >= 100 dB SNR, as `omni bench capacity` judges.
 
+Streamed, a newcomer's first audio (`newcomer`): the stage's engine streams a 250-code reply (the
+chunks of stage_configs/qwen2_5_omni_small.yaml: 8, then 50 doubling to 100) and a second request
+arrives once the first one's second window is in flight; its time to first audio beside the time of
+the same request alone, `newcomer_wait_ratio` = behind / alone. Windows advance one Runge-Kutta step
+per engine step with the newcomer's first window ahead (qwen2_5_omni_token2wav.py), so the ratio is
+about 1 plus one step of the window in flight, where a newcomer used to wait for that whole window.
+
     omni bench token2wav [--model builtin:small-qwen2_5-omni] [--codes 32 250] [--threads 1]
 """
 from __future__ import annotations
@@ -49,8 +56,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     # The stage class through the registry (omni never imports the model code itself).
-    stage = resolve_stage_model("qwen2_5_omni_token2wav").load(resolve_model_path(args.model), dtype=torch.float32,
-                                                               device=torch.device("cpu"))
+    stage = resolve_stage_model("qwen2_5_omni_token2wav").load(
+        resolve_model_path(args.model), dtype=torch.float32, device=torch.device("cpu"),
+        model_kwargs={"first_chunk_codes": 8, "chunk_codes": 50, "max_chunk_codes": 100})
     if max(args.codes) > stage.max_codes:
         raise ValueError(f"--codes: at most {stage.max_codes} codec tokens, got {max(args.codes)}")
     cond, ref = stage.speaker_inputs(None)
@@ -80,7 +88,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "snr_db": snr, "agrees": bitwise or snr >= AGREE_SNR_DB})
         print(f"token2wav {n} codes ({audio_s:.2f} s of audio): transformers {t_hf:.3f} s, ours {t_ours:.3f} s "
               f"= {t_hf / t_ours:.2f}x, " + ("bitwise equal" if bitwise else f"SNR {snr:.1f} dB"), flush=True)
+    newcomer = _newcomer(stage, args.seed)
+    print(f"newcomer's first audio: alone {newcomer['alone_ms']:.0f} ms, behind a stream "
+          f"{newcomer['behind_a_stream_ms']:.0f} ms (x{newcomer['newcomer_wait_ratio']:.2f})", flush=True)
     return {"benchmark": "token2wav", "model": args.model, "threads": args.threads, "lengths": rows,
+            "newcomer": newcomer, "newcomer_wait_ratio": newcomer["newcomer_wait_ratio"],
             "speedup": {str(r["codes"]): r["speedup"] for r in rows},
             "bitwise_equal": all(r["bitwise_equal"] for r in rows),
             "outputs_agree": all(r["agrees"] for r in rows)}
+
+
+def _newcomer(stage, seed: int, codes: int = 250) -> dict[str, Any]:
+    """A streamed request's time to first audio alone, and behind a stream whose second window is in
+    flight (engine steps, as the stage's actor runs them)."""
+    from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
+    from omni.outputs import StageInput
+
+    rng = np.random.default_rng(seed)
+    old, new = (rng.integers(0, stage.num_codes, codes).tolist() for _ in range(2))
+    engine = OneShotStageEngine(OneShotEngineConfig("token2wav", type(stage), None, max_num_seqs=4), model=stage)
+
+    def add(rid: str, c: list[int]) -> None:
+        engine.add_request(StageInput(rid, prompt_token_ids=c[:1], input_complete=False))
+        engine.extend_request(rid, c[1:], last=True)
+
+    def first_audio(rid: str) -> float:
+        t = time.perf_counter()
+        while not any(d.request_id == rid for d in engine.step().deltas):
+            pass
+        return (time.perf_counter() - t) * 1000
+
+    def drain() -> None:
+        while engine.has_unfinished():
+            engine.step()
+
+    add("warm", new)  # allocator, kernels
+    drain()
+    add("alone", new)
+    alone = first_audio("alone")
+    drain()
+    add("old", old)
+    first_audio("old")
+    # The newcomer arrives just after the step that takes the old stream's second window began (the
+    # worst case: an actor admits what arrived at its next step), so it is timed from that step's start.
+    t = time.perf_counter()
+    engine.step()
+    add("new", new)
+    first_audio("new")
+    behind = (time.perf_counter() - t) * 1000
+    drain()
+    return {"alone_ms": alone, "behind_a_stream_ms": behind, "newcomer_wait_ratio": behind / alone}

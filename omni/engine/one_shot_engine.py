@@ -17,6 +17,12 @@ input, e.g. token2wav fed codec chunks) lives in `_streams` instead: its input
 grows through extend_request, and each step the model emits whatever piece of
 output is ready (a StageDelta with `audio`); the finished output carries the
 pieces concatenated.
+
+A model with `pieces_span_steps` (token2wav) computes a piece over several steps (one Runge-Kutta step
+of every window in flight per engine step, continuously batched: stages/qwen2_5_omni_token2wav.py):
+its next_outputs gets every stream with work ready or in flight, first pieces first, and answers
+(None, False) for a stream whose piece is not done yet; a stream's time to first output is that of
+its first piece, not of the step that first took it.
 """
 from __future__ import annotations
 
@@ -112,7 +118,10 @@ class OneShotStageEngine:
         return bool(getattr(self.model, "streams_input", False))
 
     def abort(self, request_id: str) -> None:
-        job = self._queue.pop(request_id, None) or self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and hasattr(self.model, "drop_stream"):
+            self.model.drop_stream(stream.job)  # work in flight for it stops counting (pieces_span_steps)
+        job = self._queue.pop(request_id, None) or stream
         if job is not None:
             self._aborted.append(StageOutput(request_id, self.name, finished=True, finish_reason="abort",
                                              prompt_token_ids=list(job.inp.prompt_token_ids or [])))
@@ -136,6 +145,11 @@ class OneShotStageEngine:
         raise ValueError(f"stage {self.name!r} is a one-shot stage: it has no per-token rows to read")
 
     def close(self) -> None:
+        for job in self._streams.values():
+            if hasattr(self.model, "drop_stream"):
+                self.model.drop_stream(job.job)
+        if hasattr(self.model, "close"):
+            self.model.close()
         self._queue.clear()
         self._streams.clear()
         self._aborted.clear()
@@ -208,7 +222,12 @@ class OneShotStageEngine:
         output never includes other requests' longer windows computed with it."""
         ready = [(rid, job) for rid, job in self._streams.items() if self.model.stream_ready(job.job)]
         first = [(rid, job) for rid, job in ready if job.first_output is None]
-        ready = (first or ready)[:budget]
+        if getattr(self.model, "pieces_span_steps", False):
+            # The model puts first pieces ahead itself, between short units of work: every stream goes
+            # in, first ones first, so that each window is admitted the step its input is there.
+            ready = (first + [r for r in ready if r[1].first_output is not None])[:budget]
+        else:
+            ready = (first or ready)[:budget]
         pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
         now = time.monotonic()
         for (rid, job), result in zip(ready, pieces):
@@ -219,7 +238,7 @@ class OneShotStageEngine:
                                                 finish_reason="error", error=self._error(rid, result)))
                 continue
             piece, done = result
-            if job.first_output is None:
+            if job.first_output is None and piece is not None:
                 job.first_output = now
             if piece is not None:
                 out.deltas.append(StageDelta(rid, self.name, finished=done, audio=piece.get("audio"),

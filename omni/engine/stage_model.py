@@ -172,6 +172,10 @@ class OneShotStageModel(StageModel):
     autoregressive = False
     emits_hidden_states = False
     streams_input = False  # True: implements the streaming-input hooks below
+    # True: next_outputs advances the pieces in flight by one unit of work per call and answers
+    # (None, False) for a stream whose piece is not done; it takes every stream with work (first pieces
+    # first) and orders the work itself (OneShotStageEngine); drop_stream(state) forgets an aborted one.
+    pieces_span_steps = False
     max_model_len: int
 
     def prepare_generation(self, inp: "StageInput", seed: int) -> Any:

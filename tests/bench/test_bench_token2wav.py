@@ -26,6 +26,9 @@ def test_token2wav_bench_compares_with_transformers_and_agrees(tiny_omni):
         assert row["speedup"] == pytest.approx(row["transformers_s"] / row["ours_s"])
         assert row["audio_s"] > 0 and row["rtf"] == pytest.approx(row["ours_s"] / row["audio_s"])
     assert res["outputs_agree"] is True and set(res["speedup"]) == {"3", "40"}
+    new = res["newcomer"]  # a streamed newcomer's first audio, alone and behind a stream in flight
+    assert new["alone_ms"] > 0 and new["behind_a_stream_ms"] > 0
+    assert res["newcomer_wait_ratio"] == pytest.approx(new["behind_a_stream_ms"] / new["alone_ms"])
 
 
 @pytest.mark.parametrize("argv,match", [(["--codes", "0"], "--codes must be >= 1"),

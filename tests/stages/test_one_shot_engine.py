@@ -118,3 +118,136 @@ def test_streamed_windows_of_several_requests_batched_equal_one_at_a_time(token2
         for a, b in zip(got[rid], want[rid]):
             assert a.shape == b.shape and np.abs(a - b).max() <= atol
         assert np.abs(outs[rid].audio - want_outs[rid].audio).max() <= atol
+
+
+def _stream_requests(engine, codes_by_rid):
+    for rid, c in codes_by_rid.items():
+        engine.add_request(StageInput(rid, prompt_token_ids=c[:1], input_complete=False))
+        engine.extend_request(rid, c[1:], last=True)
+
+
+def _stream_pieces(engine):
+    """Every delta's (request, audio) in order, and the finished outputs."""
+    order, outs = [], {}
+    while engine.has_unfinished():
+        step = engine.step()
+        order += [(d.request_id, d.audio) for d in step.deltas]
+        outs.update({o.request_id: o for o in step.finished})
+    return order, outs
+
+
+@pytest.mark.slow
+def test_a_newcomers_first_window_goes_ahead_of_a_window_in_flight(token2wav_stage):
+    """A window advances one Runge-Kutta step per engine step, so a stream that arrives while another's
+    long window is part done gets its first audio before that window ends; the old stream's ODE was
+    put aside, not restarted, and its pieces are those it gets alone (within the packing bound)."""
+    rng = np.random.default_rng(5)
+    old, new = rng.integers(0, 8000, 60).tolist(), rng.integers(0, 8000, 30).tolist()
+    alone = OneShotStageEngine(_config(token2wav_stage), model=token2wav_stage)
+    _stream_requests(alone, {"old": old})
+    want, want_outs = _stream_pieces(alone)
+
+    engine = OneShotStageEngine(_config(token2wav_stage), model=token2wav_stage)
+    _stream_requests(engine, {"old": old})
+    first = []
+    while not first:
+        first = engine.step().deltas  # the old stream's first piece
+    engine.step()  # its second window: one Runge-Kutta step done
+    (flight,) = token2wav_stage._flights
+    assert flight.ode.steps_done == 1 and not flight.first
+    _stream_requests(engine, {"new": new})
+    order, outs = _stream_pieces(engine)
+    rids = [rid for rid, _ in order]
+    assert rids.index("new") < rids.index("old")
+    old_pieces = [first[0].audio] + [a for rid, a in order if rid == "old"]
+    atol = wave_atol(token2wav_stage, want_outs["old"].audio, 64 * token2wav_stage.repeats)
+    assert len(old_pieces) == len(want)
+    assert all(a.shape == b.shape and np.abs(a - b).max() <= atol for a, (_, b) in zip(old_pieces, want))
+    assert outs["new"].metrics["ttft_s"] < outs["old"].metrics["e2e_s"]
+    assert not token2wav_stage._flights
+
+
+@pytest.mark.slow
+def test_windows_at_different_steps_step_together_and_give_the_pieces_of_each_alone(token2wav_stage, monkeypatch):
+    """Continuous batching of the ODE: streams that arrive one after another have their windows in flight
+    at different Runge-Kutta steps; those steps run packed in one velocity call per evaluation (each
+    window its own time), and every piece equals the piece of that stream run alone, within the bound of
+    a reordered sum."""
+    import stages.qwen2_5_omni_token2wav as t2w
+
+    mixed: list[list[int]] = []
+    real = t2w.ode_step
+
+    def spy(dit, windows, times, guidance_scale):
+        steps = [w.steps_done for w in windows]
+        if len(set(steps)) > 1:
+            mixed.append(steps)
+        return real(dit, windows, times, guidance_scale)
+
+    rng = np.random.default_rng(6)
+    codes = {f"s{i}": rng.integers(0, 8000, n).tolist() for i, n in enumerate([40, 25, 33])}
+    want = {}
+    for rid, c in codes.items():
+        engine = OneShotStageEngine(_config(token2wav_stage), model=token2wav_stage)
+        _stream_requests(engine, {rid: c})
+        want[rid] = _stream_pieces(engine)
+    monkeypatch.setattr(t2w, "ode_step", spy)
+    engine = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=4), model=token2wav_stage)
+    order, outs = [], {}
+    for rid, c in codes.items():  # each arrives 3 steps after the one before
+        _stream_requests(engine, {rid: c})
+        for _ in range(3):
+            step = engine.step()
+            order += [(d.request_id, d.audio) for d in step.deltas]
+            outs.update({o.request_id: o for o in step.finished})
+    more, rest = _stream_pieces(engine)
+    order += more
+    outs.update(rest)
+    assert mixed and all(len(s) >= 2 for s in mixed)
+    for rid in codes:
+        ref_pieces, ref_outs = want[rid]
+        mine = [a for r, a in order if r == rid]
+        atol = wave_atol(token2wav_stage, ref_outs[rid].audio, 64 * token2wav_stage.repeats)
+        assert len(mine) == len(ref_pieces) >= 2
+        assert all(a.shape == b.shape and np.abs(a - b).max() <= atol for a, (_, b) in zip(mine, ref_pieces))
+        assert outs[rid].finish_reason == "stop"
+    assert not token2wav_stage._flights
+
+
+@pytest.mark.slow
+def test_aborting_a_stream_mid_window_drops_its_work(token2wav_stage):
+    engine = OneShotStageEngine(_config(token2wav_stage), model=token2wav_stage)
+    _stream_requests(engine, {"a": np.random.default_rng(7).integers(0, 8000, 30).tolist()})
+    engine.step()
+    assert len(token2wav_stage._flights) == 1
+    engine.abort("a")
+    assert not token2wav_stage._flights
+    assert [o.finish_reason for o in engine.step().aborted] == ["abort"]
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.slow
+def test_a_failing_window_stepped_with_others_fails_alone(token2wav_stage):
+    """Two windows in flight; one cannot step (its ODE state was cut short): the packed step fails, each
+    window steps again alone, and only that stream fails."""
+    rng = np.random.default_rng(8)
+    engine = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=4), model=token2wav_stage)
+    _stream_requests(engine, {"ok": rng.integers(0, 8000, 20).tolist(), "bad": rng.integers(0, 8000, 20).tolist()})
+    assert not engine.step().deltas  # both admitted, one step taken together
+    bad = engine._streams["bad"].job.flight.ode
+    bad.state = bad.state[:, :3]
+    _, outs = _stream_pieces(engine)
+    assert outs["bad"].finish_reason == "error"
+    assert outs["ok"].finish_reason == "stop" and outs["ok"].audio.size > 0
+    assert not token2wav_stage._flights
+
+
+@pytest.mark.slow
+def test_a_window_that_cannot_start_fails_its_stream_alone(token2wav_stage):
+    rng = np.random.default_rng(9)
+    engine = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=4), model=token2wav_stage)
+    _stream_requests(engine, {"ok": rng.integers(0, 8000, 20).tolist(), "bad": rng.integers(0, 8000, 20).tolist()})
+    engine._streams["bad"].job.noise = engine._streams["bad"].job.noise[:, :3]
+    _, outs = _stream_pieces(engine)
+    assert outs["bad"].finish_reason == "error" and "noise" in str(outs["bad"].error)
+    assert outs["ok"].finish_reason == "stop" and outs["ok"].audio.size > 0
