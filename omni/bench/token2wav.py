@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "snr_db": snr, "agrees": bitwise or snr >= AGREE_SNR_DB})
         print(f"token2wav {n} codes ({audio_s:.2f} s of audio): transformers {t_hf:.3f} s, ours {t_ours:.3f} s "
               f"= {t_hf / t_ours:.2f}x, " + ("bitwise equal" if bitwise else f"SNR {snr:.1f} dB"), flush=True)
-    newcomer = _newcomer(stage, args.seed)
+    newcomer = _newcomer(stage, args.seed, args.repeats)
     print(f"newcomer's first audio: alone {newcomer['alone_ms']:.0f} ms, behind a stream "
           f"{newcomer['behind_a_stream_ms']:.0f} ms (x{newcomer['newcomer_wait_ratio']:.2f})", flush=True)
     return {"benchmark": "token2wav", "model": args.model, "threads": args.threads, "lengths": rows,
@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "outputs_agree": all(r["agrees"] for r in rows)}
 
 
-def _newcomer(stage, seed: int, codes: int = 250) -> dict[str, Any]:
+def _newcomer(stage, seed: int, repeats: int, codes: int = 250) -> dict[str, Any]:
     """A streamed request's time to first audio alone, and behind a stream whose second window is in
-    flight (engine steps, as the stage's actor runs them)."""
+    flight (engine steps, as the stage's actor runs them); best of `repeats`."""
     from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
     from omni.outputs import StageInput
 
@@ -124,17 +124,19 @@ def _newcomer(stage, seed: int, codes: int = 250) -> dict[str, Any]:
 
     add("warm", new)  # allocator, kernels
     drain()
-    add("alone", new)
-    alone = first_audio("alone")
-    drain()
-    add("old", old)
-    first_audio("old")
-    # The newcomer arrives just after the step that takes the old stream's second window began (the
-    # worst case: an actor admits what arrived at its next step), so it is timed from that step's start.
-    t = time.perf_counter()
-    engine.step()
-    add("new", new)
-    first_audio("new")
-    behind = (time.perf_counter() - t) * 1000
-    drain()
+    alone = behind = float("inf")
+    for k in range(repeats):  # best of: as the lengths above
+        add(f"alone{k}", new)
+        alone = min(alone, first_audio(f"alone{k}"))
+        drain()
+        add(f"old{k}", old)
+        first_audio(f"old{k}")
+        # The newcomer arrives just after the step that takes the old stream's second window began (the
+        # worst case: an actor admits what arrived at its next step), so it is timed from that step's start.
+        t = time.perf_counter()
+        engine.step()
+        add(f"new{k}", new)
+        first_audio(f"new{k}")
+        behind = min(behind, (time.perf_counter() - t) * 1000)
+        drain()
     return {"alone_ms": alone, "behind_a_stream_ms": behind, "newcomer_wait_ratio": behind / alone}
