@@ -29,6 +29,13 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
 `--stage-overrides` changes the pipeline on both backends (the JSON's `stage_overrides` echoes it): the
 bottleneck stage scaled out with `'{"token2wav": {"replicas": 2}}'` (README: what bounds capacity).
 
+The machine's own limit beside each level (machine_cpu.py, Linux): machine_cpu_busy (all CPUs' time not
+idle over the level), core_s_per_audio_s (what an audio second cost in core-seconds: the driver and Ray's
+daemons included) and audio_s_per_s_cpu_ceiling (the rate that cost allows with every core busy); the
+same for transformers' run (hf.*). throughput_c4_over_c1_cpu_ceiling = concurrency 4's ceiling over
+concurrency 1's rate: the most throughput_c4_over_c1 could be here at concurrency 4's cost per audio
+second.
+
 Also throughput_c4_over_c1 (audio_s_per_s) and ttfp_p99_c4_over_c1_p50. `--plot PNG` draws audio s/s and
 TTFP p99 against concurrency (transformers' audio s/s as a line).
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -96,10 +104,26 @@ def _level(times: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
             "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times]))}
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def _cpu_keys(cpu: Any, wall_s: float, audio_s: float) -> dict[str, Any]:
+    """The whole machine's CPU over a level: how busy, what an audio second cost in core-seconds, and the
+    audio seconds per second that cost would allow with every core busy (None off Linux)."""
+    if cpu.busy is None or audio_s <= 0:
+        return {"machine_cpu_busy": None, "core_s_per_audio_s": None, "audio_s_per_s_cpu_ceiling": None}
+    cost = cpu.busy * cpu.cores * wall_s / audio_s
+    return {"machine_cpu_busy": cpu.busy, "cores": cpu.cores, "core_s_per_audio_s": cost,
+            "audio_s_per_s_cpu_ceiling": cpu.cores / cost if cost > 0 else None}
+
+
 async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tuple[dict[int, Any], list[Any]]:
     """Every level on one pipeline: {C: level stats with the stages' time split}, and the c1 records."""
     from omni import AsyncOmni
     from omni.engine.step_profile import PHASES, window
+
+    from .machine_cpu import MachineCPU
 
     from .omni_streaming import audio_times
     from .workloads import closed_loop_timed
@@ -110,9 +134,12 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tupl
         await closed_loop_timed(o, [{"prompt": "Warm up, please."}], 1, id_prefix="warm")  # one-time costs
         for c, prompts in levels.items():
             before = (await o.stats())["stages"]
-            recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c, id_prefix=f"c{c}-")
+            with MachineCPU() as cpu:
+                recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c,
+                                                     id_prefix=f"c{c}-")
             after = (await o.stats())["stages"]
             out[c] = _level(audio_times(recs, "token2wav"), wall)
+            out[c].update(_cpu_keys(cpu, wall, out[c]["audio_s"]))
             # A replicated stage's counters are replica-seconds (replica_stats.py): its fractions are of its
             # replicas x the wall time, the mean replica's.
             split = {s: window(before[s], after[s], wall * max(1, len(after[s].get("replicas") or ())))
@@ -124,7 +151,7 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tupl
                 c1 = recs
             print(f"{backend} c={c}: {out[c]['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {out[c]['ttfp_p50_ms']:.0f} ms "
                   f"p99 {out[c]['ttfp_p99_ms']:.0f} ms, RTF p50 {out[c]['rtf_p50']:.2f}, stalls p50 "
-                  f"{out[c]['stall_p50_ms']:.0f} ms, busy "
+                  f"{out[c]['stall_p50_ms']:.0f} ms, machine CPU {_fmt(out[c]['machine_cpu_busy'])} busy, busy "
                   f"{ {s: round(f, 2) for s, f in out[c]['stage_busy_fraction'].items()} }", flush=True)
     return out, c1
 
@@ -149,18 +176,23 @@ def _hf(args, path, prompts: list[list[int]], device: str) -> tuple[dict[str, An
     from omni.pipeline.threads import available_cores
 
     from . import hf_omni
+    from .machine_cpu import MachineCPU
 
     model = hf_omni.load(path, device)
     threads = available_cores()  # what a user's process gets: this machine's cores
     torch.set_num_threads(threads)
     codes = _codes(args)
     hf_omni.reply(model, prompts[0], 2, 4, seed=args.seed)  # one-time costs out of the timing
-    replies = [hf_omni.reply(model, p, args.thinker_tokens, codes, seed=args.seed) for p in prompts]
+    t0 = time.perf_counter()
+    with MachineCPU() as cpu:
+        replies = [hf_omni.reply(model, p, args.thinker_tokens, codes, seed=args.seed) for p in prompts]
+    wall = time.perf_counter() - t0
     total = sum(r.seconds for r in replies)
     times = [r.seconds * 1000 for r in replies]
-    return {"device": device, "threads": threads, "requests": len(replies), "audio_s": sum(r.audio_s for r in replies),
-            "wall_s": total, "audio_s_per_s": sum(r.audio_s for r in replies) / total,
-            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99)}, replies
+    audio = sum(r.audio_s for r in replies)
+    return {"device": device, "threads": threads, "requests": len(replies), "audio_s": audio,
+            "wall_s": total, "audio_s_per_s": audio / total,
+            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99), **_cpu_keys(cpu, wall, audio)}, replies
 
 
 def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:
@@ -219,10 +251,14 @@ def run(args) -> dict[str, Any]:
         "thinker_tokens": args.thinker_tokens,
         **{key: {str(c): lv[key] for c, lv in ray.items()} for key in (
             "audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99", "stall_p50_ms", "stall_p99_ms",
-            "stage_busy_fraction", "stage_profile")},
+            "stage_busy_fraction", "stage_profile", "machine_cpu_busy", "core_s_per_audio_s",
+            "audio_s_per_s_cpu_ceiling")},
         "levels": {str(c): lv for c, lv in ray.items()},
         "throughput_c4_over_c1": ratio(at(4, "audio_s_per_s"), at(1, "audio_s_per_s")),
         "ttfp_p99_c4_over_c1_p50": ratio(at(4, "ttfp_p99_ms"), at(1, "ttfp_p50_ms")),
+        # The most throughput_c4_over_c1 could be on this machine at concurrency 4's cost per audio second,
+        # every core busy: what bounds the ratio when it is short of 1.8.
+        "throughput_c4_over_c1_cpu_ceiling": ratio(at(4, "audio_s_per_s_cpu_ceiling"), at(1, "audio_s_per_s")),
         "local_c1": local[1], "ray_over_local_e2e_c1": ratio(ray[1]["e2e_mean_s"], local[1]["e2e_mean_s"]),
         "hf": hf, "vs_hf_audio_s_per_s_c4": ratio(at(4, "audio_s_per_s"), hf["audio_s_per_s"]),
         "vs_hf_ttfp_c1": ratio(hf["ttfp_p50_ms"], ray[1]["ttfp_p50_ms"]),

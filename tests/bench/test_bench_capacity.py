@@ -44,6 +44,15 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
             assert res["stage_busy_fraction"][c][stage] == pytest.approx(1 - split["waiting"])
             assert 0 < res["stage_busy_fraction"][c][stage] <= 1, (c, stage)
         assert res["stage_profile"][c]["thinker"]["sampling"] > 0  # an autoregressive stage samples
+        # The machine's CPU over the level (Linux): busy, an audio second's cost, and the rate it allows.
+        assert 0 < level["machine_cpu_busy"] <= 1
+        assert level["core_s_per_audio_s"] == pytest.approx(
+            level["machine_cpu_busy"] * level["cores"] * level["wall_s"] / level["audio_s"])
+        assert level["audio_s_per_s_cpu_ceiling"] == pytest.approx(level["cores"] / level["core_s_per_audio_s"])
+        assert level["audio_s_per_s_cpu_ceiling"] >= level["audio_s_per_s"] * (1 - 1e-9)
+    assert res["throughput_c4_over_c1_cpu_ceiling"] == pytest.approx(
+        res["levels"]["4"]["audio_s_per_s_cpu_ceiling"] / res["levels"]["1"]["audio_s_per_s"])
+    assert 0 < res["hf"]["machine_cpu_busy"] <= 1 and res["hf"]["core_s_per_audio_s"] > 0
     for key in ("throughput_c4_over_c1", "ttfp_p99_c4_over_c1_p50", "ray_over_local_e2e_c1",
                 "vs_hf_audio_s_per_s_c4", "vs_hf_ttfp_c1"):
         assert res[key] > 0, key
