@@ -40,7 +40,9 @@ over their frames); a window leaves through BigVGAN in the step its ODE ends. So
 streams share the DiT's matrix products whenever they overlap, not only when they become ready in the
 same step, and a newcomer never waits for whole windows: while some stream's first window is in
 flight, the steps run only first windows (the others resume where they stopped), so its first audio
-waits one Runge-Kutta step of the windows in flight, then ten steps of its own short window. A
+waits one Runge-Kutta step of the windows in flight, then ten steps of its own short window; after as
+many such steps in a row as a window takes, the others step once with them (newcomers arriving
+faster than that slow the streams already playing, never stop them). A
 stream's windows still run one after another; the waveform is the windows' lockstep waveform up to
 the blocking of fp32 sums (tested against the bound).
 
@@ -144,6 +146,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self.samples_per_frame = int(np.prod(bigvgan.upsample_rates))
         self._flights: list[_Flight] = []  # windows in flight, in admission order
         self._times: torch.Tensor | None = None  # the ODE's time grid (the same for every window)
+        self._held = 0  # steps in a row that ran only first windows while others waited
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -312,16 +315,24 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self._flights.append(state.flight)
 
     def _step(self, max_tokens: int | None) -> None:
+        if self._times is None:
+            self._times = time_grid(self.kwargs["num_steps"], self.kwargs["sway_coefficient"], self.dtype, self.device)
+        first = [f for f in self._flights if f.first]
+        # First windows go ahead, but not for ever: after as many steps in a row as one window takes, the
+        # windows held back step too (with the first ones), so that newcomers arriving faster than a first
+        # window completes slow the streams already playing instead of stopping them.
+        if first and len(first) < len(self._flights) and self._held < len(self._times) - 1:
+            self._held += 1
+        else:
+            first, self._held = [], 0
         group: list[_Flight] = []
         size = 0
-        for f in [f for f in self._flights if f.first] or self._flights:
+        for f in first or self._flights:
             if group and max_tokens is not None and size + (f.hi - f.lo) > max_tokens:
                 break
             group.append(f)
             size += f.hi - f.lo
         dit = self.token2wav.code2wav_dit_model
-        if self._times is None:
-            self._times = time_grid(self.kwargs["num_steps"], self.kwargs["sway_coefficient"], self.dtype, self.device)
         try:
             ode_step(dit, [f.ode for f in group], self._times, self.kwargs["guidance_scale"])
         except Exception as exc:  # noqa: BLE001 - one window fails, not the step: find it, each alone

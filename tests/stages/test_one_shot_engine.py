@@ -251,3 +251,33 @@ def test_a_window_that_cannot_start_fails_its_stream_alone(token2wav_stage):
     _, outs = _stream_pieces(engine)
     assert outs["bad"].finish_reason == "error" and "noise" in str(outs["bad"].error)
     assert outs["ok"].finish_reason == "stop" and outs["ok"].audio.size > 0
+
+
+@pytest.mark.slow
+def test_newcomers_arriving_faster_than_a_first_window_slow_an_old_stream_but_never_stop_it(token2wav_stage):
+    """First windows go ahead of the others only for as many steps in a row as one window takes: with a
+    newcomer every 3 steps (a first window always in flight), the old stream's window still ends, and
+    every newcomer still gets its first audio."""
+    rng = np.random.default_rng(10)
+    engine = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=64), model=token2wav_stage)
+    _stream_requests(engine, {"old": rng.integers(0, 8000, 60).tolist()})
+    while not engine.step().deltas:  # the old stream's first piece
+        pass
+    old_pieces, firsts, steps = 1, set(), 0
+    windows = len(token2wav_stage._times)  # Runge-Kutta steps of a window, + 1
+    while old_pieces < 2 and steps < 20 * windows * windows:
+        if steps % 3 == 0:
+            _stream_requests(engine, {f"new{steps}": rng.integers(0, 8000, 12).tolist()})
+        for d in engine.step().deltas:
+            if d.request_id == "old":
+                old_pieces += 1
+            else:
+                firsts.add(d.request_id)
+        steps += 1
+    assert old_pieces == 2, f"the old stream made no audio in {steps} steps"
+    assert steps <= windows * windows  # held back at most windows - 2 steps per step it takes
+    assert len(firsts) >= steps // 3 - windows  # newcomers keep their first audio coming
+    for rid in list(engine._streams):
+        engine.abort(rid)
+    engine.step()
+    assert not token2wav_stage._flights
