@@ -38,11 +38,11 @@ as its codes are there and its ODE advances one Runge-Kutta step per engine step
 with every other window in flight, each at its own step of its own ODE (their time modulations spread
 over their frames); a window leaves through BigVGAN in the step its ODE ends. So windows of different
 streams share the DiT's matrix products whenever they overlap, not only when they become ready in the
-same step, and a newcomer never waits for whole windows: while some stream's first window is in
-flight, the steps run only first windows (the others resume where they stopped), so its first audio
-waits one Runge-Kutta step of the windows in flight, then ten steps of its own short window; after as
-many such steps in a row as a window takes, the others step once with them (newcomers arriving
-faster than that slow the streams already playing, never stop them). A
+same step, and a newcomer never waits for whole windows: a stream's first window (short: the first
+chunk and its look-ahead) runs to its end in one step of its own, ahead of the others (they resume
+where they stopped), so its first audio waits one Runge-Kutta step of the windows in flight; the
+windows held back then take their step before any further first window runs alone (newcomers slow
+the streams already playing, never stop them). A
 stream's windows still run one after another; the waveform is the windows' lockstep waveform up to
 the blocking of fp32 sums (tested against the bound).
 
@@ -146,7 +146,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self.samples_per_frame = int(np.prod(bigvgan.upsample_rates))
         self._flights: list[_Flight] = []  # windows in flight, in admission order
         self._times: torch.Tensor | None = None  # the ODE's time grid (the same for every window)
-        self._held = 0  # steps in a row that ran only first windows while others waited
+        self._held = 0  # 1: the last step ran first windows while others waited (they go next)
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -318,33 +318,28 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         if self._times is None:
             self._times = time_grid(self.kwargs["num_steps"], self.kwargs["sway_coefficient"], self.dtype, self.device)
         first = [f for f in self._flights if f.first]
-        # First windows go ahead, but not for ever: after as many steps in a row as one window takes, the
-        # windows held back step too (with the first ones), so that newcomers arriving faster than a first
-        # window completes slow the streams already playing instead of stopping them.
-        if first and len(first) < len(self._flights) and self._held < len(self._times) - 1:
-            self._held += 1
-        else:
-            first, self._held = [], 0
+        others_wait = len(first) < len(self._flights)
+        # First windows (short: first_chunk_codes + look-ahead) run to their end in one step of their own, so
+        # a newcomer's first audio waits for one Runge-Kutta step of the windows in flight and is then not
+        # cut into steps that other stages' steps interleave with (the local backend's one thread). The
+        # windows held back take their step in the next one, whatever arrived meanwhile: newcomers slow
+        # the streams already playing, never stop them.
+        to_end = bool(first) and not (others_wait and self._held)
+        self._held = int(to_end and others_wait)
         group: list[_Flight] = []
         size = 0
-        for f in first or self._flights:
+        for f in first if to_end else self._flights:
             if group and max_tokens is not None and size + (f.hi - f.lo) > max_tokens:
                 break
             group.append(f)
             size += f.hi - f.lo
-        dit = self.token2wav.code2wav_dit_model
-        try:
-            ode_step(dit, [f.ode for f in group], self._times, self.kwargs["guidance_scale"])
-        except Exception as exc:  # noqa: BLE001 - one window fails, not the step: find it, each alone
-            if len(group) == 1:
-                self._land(group[0], exc)
-            else:
-                logger.exception("token2wav: a step of %d windows failed; stepping each alone", len(group))
-                for f in group:  # ode_step changes no window unless it succeeds
-                    try:
-                        ode_step(dit, [f.ode], self._times, self.kwargs["guidance_scale"])
-                    except Exception as alone:  # noqa: BLE001
-                        self._land(f, alone)
+        while True:
+            live = [f for f in group if f.stream.flight is f and not f.ode.done(self._times)]
+            if not live:
+                break
+            self._ode_step(live)
+            if not to_end:
+                break
         bigvgan = self.token2wav.code2wav_bigvgan_model
         spf = self.samples_per_frame * self.repeats  # samples per codec token
         for f in [f for f in group if f.stream.flight is f and f.ode.done(self._times)]:
@@ -355,6 +350,23 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
                 continue
             self._land(f, None)
             self._emit(f.stream, f.end, audio[(f.start - f.lo) * spf : (f.end - f.lo) * spf])
+
+    def _ode_step(self, group: list[_Flight]) -> None:
+        """One Runge-Kutta step of the group's windows together; a failure fails only the window that
+        fails alone (each steps again by itself: ode_step changes no window unless it succeeds)."""
+        dit = self.token2wav.code2wav_dit_model
+        try:
+            ode_step(dit, [f.ode for f in group], self._times, self.kwargs["guidance_scale"])
+        except Exception as exc:  # noqa: BLE001 - one window fails, not the step
+            if len(group) == 1:
+                self._land(group[0], exc)
+                return
+            logger.exception("token2wav: a step of %d windows failed; stepping each alone", len(group))
+            for f in group:
+                try:
+                    ode_step(dit, [f.ode], self._times, self.kwargs["guidance_scale"])
+                except Exception as alone:  # noqa: BLE001
+                    self._land(f, alone)
 
     def _land(self, flight: _Flight, error: Exception | None) -> None:
         """A window leaves the flights (done, or failed with `error`)."""
