@@ -283,8 +283,9 @@ def time_grid(num_steps: int, sway_coefficient: float | None, dtype: torch.dtype
     return t
 
 
-def ode_window(dit, r: DiTRequest, guidance_scale: float) -> ODEWindow:
-    return ODEWindow(request_parts(dit, r, guidance_scale >= 1e-5), r.noise.to(r.conditioning.dtype))
+def ode_window(dit, r: DiTRequest, guidance_scale: float, masks: dict | None = None) -> ODEWindow:
+    """A request's ODE at its start: its DiTParts and its noise (`masks`: shared by requests of one call)."""
+    return ODEWindow(request_parts(dit, r, guidance_scale >= 1e-5, masks), r.noise.to(r.conditioning.dtype))
 
 
 def ode_step(dit, windows: list[ODEWindow], times: torch.Tensor, guidance_scale: float) -> None:
@@ -329,8 +330,7 @@ def dit_sample_batch(dit, requests: list[DiTRequest], num_steps: int = 10, guida
     that request's noise for its frames): the same time grid (sway), classifier-free guidance and
     Runge-Kutta solver. Returns each request's mel [1, mel, frames]."""
     masks: dict = {}
-    windows = [ODEWindow(request_parts(dit, r, guidance_scale >= 1e-5, masks), r.noise.to(r.conditioning.dtype))
-               for r in requests]
+    windows = [ode_window(dit, r, guidance_scale, masks) for r in requests]
     times = time_grid(num_steps, sway_coefficient, requests[0].conditioning.dtype, windows[0].state.device)
     while not windows[0].done(times):
         ode_step(dit, windows, times, guidance_scale)

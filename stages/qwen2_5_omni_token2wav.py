@@ -145,7 +145,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         bigvgan = token2wav.config.bigvgan_config
         self.samples_per_frame = int(np.prod(bigvgan.upsample_rates))
         self._flights: list[_Flight] = []  # windows in flight, in admission order
-        self._times: torch.Tensor | None = None  # the ODE's time grid (the same for every window)
+        self._times = time_grid(num_steps, sway_coefficient, self.dtype, device)  # every window's ODE times
         self._held = 0  # 1: the last step ran first windows while others waited (they go next)
 
     @classmethod
@@ -284,10 +284,10 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def next_outputs(self, states: list[_WavStream], max_batch_tokens: int | None = None
                      ) -> list[tuple[dict[str, Any] | None, bool] | Exception]:
         """One engine step: the given streams' next windows are admitted (those ready and not in flight),
-        the windows in flight take one Runge-Kutta step together (only first windows while there are
-        some; at most `max_batch_tokens` codes, oldest first), those whose ODE ends go through BigVGAN,
-        and each given stream gets its piece once its window is done: (None, False) while it is in
-        flight, the exception when its window failed."""
+        the windows in flight step (first windows to their end alone, else one Runge-Kutta step of all of
+        them together: _step; at most `max_batch_tokens` codes, oldest first), those whose ODE ends go
+        through BigVGAN, and each given stream gets its piece once its window is done: (None, False) while
+        it is in flight, the exception when its window failed."""
         with torch.inference_mode():
             for state in states:
                 if state.flight is None and state.ready is None:
@@ -315,8 +315,6 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self._flights.append(state.flight)
 
     def _step(self, max_tokens: int | None) -> None:
-        if self._times is None:
-            self._times = time_grid(self.kwargs["num_steps"], self.kwargs["sway_coefficient"], self.dtype, self.device)
         first = [f for f in self._flights if f.first]
         others_wait = len(first) < len(self._flights)
         # First windows (short: first_chunk_codes + look-ahead) run to their end in one step of their own, so

@@ -112,7 +112,8 @@ def _cpu_keys(cpu: Any, wall_s: float, audio_s: float) -> dict[str, Any]:
     """The whole machine's CPU over a level: how busy, what an audio second cost in core-seconds, and the
     audio seconds per second that cost would allow with every core busy (None off Linux)."""
     if cpu.busy is None or audio_s <= 0:
-        return {"machine_cpu_busy": None, "core_s_per_audio_s": None, "audio_s_per_s_cpu_ceiling": None}
+        return {"machine_cpu_busy": None, "cores": cpu.cores, "core_s_per_audio_s": None,
+                "audio_s_per_s_cpu_ceiling": None}
     cost = cpu.busy * cpu.cores * wall_s / audio_s
     return {"machine_cpu_busy": cpu.busy, "cores": cpu.cores, "core_s_per_audio_s": cost,
             "audio_s_per_s_cpu_ceiling": cpu.cores / cost if cost > 0 else None}

@@ -145,11 +145,9 @@ class OneShotStageEngine:
         raise ValueError(f"stage {self.name!r} is a one-shot stage: it has no per-token rows to read")
 
     def close(self) -> None:
-        for job in self._streams.values():
-            if hasattr(self.model, "drop_stream"):
+        if hasattr(self.model, "drop_stream"):  # a model that outlives this engine keeps no work of its streams
+            for job in self._streams.values():
                 self.model.drop_stream(job.job)
-        if hasattr(self.model, "close"):
-            self.model.close()
         self._queue.clear()
         self._streams.clear()
         self._aborted.clear()
@@ -225,7 +223,7 @@ class OneShotStageEngine:
         if getattr(self.model, "pieces_span_steps", False):
             # The model puts first pieces ahead itself, between short units of work: every stream goes
             # in, first ones first, so that each window is admitted the step its input is there.
-            ready = (first + [r for r in ready if r[1].first_output is not None])[:budget]
+            ready = sorted(ready, key=lambda r: r[1].first_output is not None)[:budget]  # stable: oldest first
         else:
             ready = (first or ready)[:budget]
         pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
