@@ -2,7 +2,7 @@
 
 Decode steps on a CPU spent most of their attention time copying: the torch path (reference.py)
 gathers each sequence's KV blocks into a contiguous copy per layer before SDPA reads it. The C kernel
-reads the blocks in place (one pass, online softmax), for the sequences with at most
+reads the blocks in place (each key and value row once, for all its query rows), for the sequences with at most
 MAX_BATCHED_QUERY_LEN query tokens; prefills stay on SDPA (reference.py `_attend_one`), where the
 copy is small next to the arithmetic. `omni bench kernels --cpu` times both on one decode batch.
 

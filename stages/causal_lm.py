@@ -12,6 +12,7 @@ import torch
 
 from omni.engine.attention import register_attention
 from omni.engine.memory import StageGeometry, checkpoint_geometry
+from omni.engine.cpu_linear import pack_cpu_linears
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec
 
@@ -65,6 +66,7 @@ class CausalLMStage(AutoregressiveStageModel):
         )
         model.to(device).eval()
         prepare_cpu_head(model.get_output_embeddings(), device)  # decode logits at memory speed
+        pack_cpu_linears(model.get_decoder(), device)  # decode steps stop re-packing weights
         tok_dir = Path(tokenizer_path) if tokenizer_path else directory
         tok_kwargs = {"gguf_file": gguf_file} if (gguf_file and tokenizer_path is None) else {}
         try:

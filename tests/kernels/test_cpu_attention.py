@@ -30,7 +30,7 @@ def test_the_kernel_builds_where_a_compiler_is():
 
 @needs_cc
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("heads,head_dim", [((4, 4), 32), ((9, 3), 64), ((8, 2), 80), ((6, 1), 16)])
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 32), ((9, 3), 64), ((8, 2), 80), ((6, 1), 16), ((4, 2), 128)])
 def test_kernel_matches_naive_on_mixed_batches(seed, heads, head_dim, monkeypatch):
     """Decode, short multi-token queries (through the kernel) and prefills (SDPA) in one batch, GQA groups
     of 1-6, head sizes that are and are not a multiple of the vector width, block sizes 16, 4 and 5."""
