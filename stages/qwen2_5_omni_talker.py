@@ -38,7 +38,6 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.cpu_linear import pack_cpu_linears
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
@@ -151,7 +150,6 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
                                       dtype, device, **kwargs)
         talker.model.config._attn_implementation = register_attention()
         prepare_cpu_head(talker.codec_head, device)  # decode logits at memory speed
-        pack_cpu_linears(talker.model, device)  # decode steps stop re-packing weights
         tc = full.thinker_config
         mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
         return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),

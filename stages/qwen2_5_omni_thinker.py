@@ -22,7 +22,6 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.cpu_linear import pack_cpu_linears
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
@@ -112,7 +111,6 @@ class Qwen2_5OmniThinkerStage(AutoregressiveStageModel):
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
         text_model(thinker).config._attn_implementation = register_attention()
         prepare_cpu_head(thinker.lm_head, device)  # decode logits at memory speed
-        pack_cpu_linears(text_model(thinker), device)  # decode steps stop re-packing weights
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size)
 

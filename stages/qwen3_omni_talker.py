@@ -56,7 +56,6 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.cpu_linear import pack_cpu_linears
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
@@ -148,7 +147,6 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         # Paged attention for the MoE decoder only; the code predictor keeps sdpa over its short frames.
         talker.model.config._attn_implementation = register_attention()
         prepare_cpu_head(talker.codec_head, device)
-        pack_cpu_linears(talker.model, device)  # decode steps stop re-packing weights
         return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), full, device, dtype)
 
     @classmethod

@@ -40,7 +40,6 @@ import torch
 from omni.engine.attention import register_attention
 from omni.engine.forward_context import get_forward_context
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.cpu_linear import pack_cpu_linears
 from omni.engine.output_head import prepare_cpu_head
 from omni.engine.request import MultiModalFeature
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
@@ -109,7 +108,6 @@ class Qwen3OmniThinkerStage(AutoregressiveStageModel):
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
         thinker.model.language_model.config._attn_implementation = register_attention()
         prepare_cpu_head(thinker.lm_head, device)  # decode logits at memory speed
-        pack_cpu_linears(thinker.model.language_model, device)  # decode steps stop re-packing weights
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, int(full.talker_config.accept_hidden_layer), system_prompt,
                    cache_size, max_pixels)

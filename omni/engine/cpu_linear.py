@@ -23,6 +23,12 @@ batch of under 16. Packed with a batch hint of 32 (below), a row's result is the
 its batch (1 to 2,048 rows measured), so caching on and off still compute the same rows; the tests
 against transformers' `generate` hold.
 
+Where: the `causal_lm` stages' decoders (stages/causal_lm.py). The Qwen2.5-Omni and Qwen3-Omni stages
+keep transformers' own products: with their thinker and talker packed, one of `omni bench capacity`'s 16
+greedy replies flipped a near-tied codec code (code 227 of 250) against transformers' `generate`
+(`audio_identical` 0), and on the small checkpoints packing bought nothing measurable (c1 1.53 -> 1.50,
+c4 2.08 -> 1.97 audio s/s, one run each, 2026-11-28): their cost is the vocoder's.
+
 Memory: the packed copy is the layers' weights once more in host memory (SmolLM2: 425 MB); the
 parameters stay as they are (the state dict, tied weights and `omni bench throughput`'s shapes read
 them). `OMNI_CPU_PACKED_LINEAR=0` turns packing off. On a GPU, outside float32, or where this torch has
