@@ -385,7 +385,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
      covered("tests/bench/test_bench_token2wav.py::test_token2wav_bench_compares_with_transformers_and_agrees")),
     (r"^omni bench streaming( --plot \S+| --pipeline omni)?$",
      covered("tests/bench/test_bench_streaming.py::test_streaming_bench_on_the_omni_pipeline")),
-    (r"^omni bench capacity( --plot \S+| --concurrency( \d+)+)?$",
+    (r"^omni bench capacity( --plot \S+| --concurrency( \d+)+| --rates( [\d.]+)+)*$",
      covered("tests/bench/test_bench_capacity.py::test_capacity_bench_on_the_tiny_omni_pipeline")),
     (r"^omni bench routing$", covered("tests/bench/test_bench_routing.py::test_bench_routing_reports_the_issue_keys")),
     (r"^omni bench serve$", covered("tests/bench/test_bench_serve.py::test_bench_serve_reports_both_modes")),

@@ -36,6 +36,12 @@ same for transformers' run (hf.*). throughput_c4_over_c1_cpu_ceiling = concurren
 concurrency 1's rate: the most throughput_c4_over_c1 could be here at concurrency 4's cost per audio
 second.
 
+`--rates R ...` adds an open loop on Ray after the closed levels: at each rate, `--requests` prompts arrive
+as a seeded Poisson process of R requests a second, each sent whatever is still running (what live users
+do; a closed loop's equal replies end together, so its clients arrive together). Per rate, under
+"open_loop": the same level stats, rate_per_s, offered_audio_s_per_s (what the arrivals ask for) and
+arrival_span_s.
+
 Also throughput_c4_over_c1 (audio_s_per_s) and ttfp_p99_c4_over_c1_p50. `--plot PNG` draws audio s/s and
 TTFP p99 against concurrency (transformers' audio s/s as a line).
 """
@@ -61,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinker-tokens", type=int, default=32, help="text tokens of every reply")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="PNG", help="draw audio s/s and TTFP p99 vs concurrency")
+    p.add_argument("--rates", type=float, nargs="*", default=[], metavar="REQ_PER_S",
+                   help="also an open loop at each rate: --requests prompts arriving as a Poisson process of this "
+                        "many requests a second, each sent whatever is still running (Ray backend)")
     p.add_argument("--stage-overrides", metavar="JSON", default=None,
                    help='per-stage overrides over the benchmark\'s own, e.g. \'{"token2wav": {"replicas": 2}}\' '
                         "(both backends)")
@@ -119,42 +128,59 @@ def _cpu_keys(cpu: Any, wall_s: float, audio_s: float) -> dict[str, Any]:
             "audio_s_per_s_cpu_ceiling": cpu.cores / cost if cost > 0 else None}
 
 
-async def _sweep(args, backend: str, levels: dict[int, list[list[int]]]) -> tuple[dict[int, Any], list[Any]]:
-    """Every level on one pipeline: {C: level stats with the stages' time split}, and the c1 records."""
+async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
+                 rates: dict[float, list[list[int]]] | None = None) -> tuple[dict[int, Any], list[Any], dict[str, Any]]:
+    """Every level on one pipeline: {C: level stats with the stages' time split}, the c1 records, and
+    {rate: the open loop's level stats} for `rates` (requests a second -> its prompts)."""
     from omni import AsyncOmni
     from omni.engine.step_profile import PHASES, window
 
     from .machine_cpu import MachineCPU
 
     from .omni_streaming import audio_times
-    from .workloads import closed_loop_timed
+    from .workloads import closed_loop_timed, open_loop_timed, poisson_arrivals
+
+    async def measure(o: Any, label: str, load) -> tuple[dict[str, Any], list[Any]]:
+        before = (await o.stats())["stages"]
+        with MachineCPU() as cpu:
+            recs, wall = await load
+        after = (await o.stats())["stages"]
+        lv = _level(audio_times(recs, "token2wav"), wall)
+        lv.update(_cpu_keys(cpu, wall, lv["audio_s"]))
+        # A replicated stage's counters are replica-seconds (replica_stats.py): its fractions are of its
+        # replicas x the wall time, the mean replica's.
+        split = {s: window(before[s], after[s], wall * max(1, len(after[s].get("replicas") or ())))
+                 for s in after}
+        lv["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
+        lv["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
+        lv["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
+        print(f"{backend} {label}: {lv['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {lv['ttfp_p50_ms']:.0f} ms "
+              f"p99 {lv['ttfp_p99_ms']:.0f} ms, RTF p50 {lv['rtf_p50']:.2f}, stalls p50 "
+              f"{lv['stall_p50_ms']:.0f} ms, machine CPU {_fmt(lv['machine_cpu_busy'])} busy, busy "
+              f"{ {s: round(f, 2) for s, f in lv['stage_busy_fraction'].items()} }", flush=True)
+        return lv, recs
 
     out: dict[int, Any] = {}
     c1: list[Any] = []
+    open_loop: dict[str, Any] = {}
     async with await AsyncOmni.create(args.config, stage_overrides=_overrides(args), backend=backend) as o:
         await closed_loop_timed(o, [{"prompt": "Warm up, please."}], 1, id_prefix="warm")  # one-time costs
         for c, prompts in levels.items():
-            before = (await o.stats())["stages"]
-            with MachineCPU() as cpu:
-                recs, wall = await closed_loop_timed(o, [{"prompt_token_ids": p} for p in prompts], c,
-                                                     id_prefix=f"c{c}-")
-            after = (await o.stats())["stages"]
-            out[c] = _level(audio_times(recs, "token2wav"), wall)
-            out[c].update(_cpu_keys(cpu, wall, out[c]["audio_s"]))
-            # A replicated stage's counters are replica-seconds (replica_stats.py): its fractions are of its
-            # replicas x the wall time, the mean replica's.
-            split = {s: window(before[s], after[s], wall * max(1, len(after[s].get("replicas") or ())))
-                     for s in after}
-            out[c]["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
-            out[c]["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
-            out[c]["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
+            out[c], recs = await measure(o, f"c={c}", closed_loop_timed(
+                o, [{"prompt_token_ids": p} for p in prompts], c, id_prefix=f"c{c}-"))
             if c == 1:
                 c1 = recs
-            print(f"{backend} c={c}: {out[c]['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {out[c]['ttfp_p50_ms']:.0f} ms "
-                  f"p99 {out[c]['ttfp_p99_ms']:.0f} ms, RTF p50 {out[c]['rtf_p50']:.2f}, stalls p50 "
-                  f"{out[c]['stall_p50_ms']:.0f} ms, machine CPU {_fmt(out[c]['machine_cpu_busy'])} busy, busy "
-                  f"{ {s: round(f, 2) for s, f in out[c]['stage_busy_fraction'].items()} }", flush=True)
-    return out, c1
+        for rate, prompts in (rates or {}).items():
+            arrivals = poisson_arrivals(len(prompts), rate, args.seed)
+            lv, _ = await measure(o, f"rate={rate:g}/s", open_loop_timed(
+                o, [{"prompt_token_ids": p} for p in prompts], arrivals, id_prefix=f"r{rate:g}-"))
+            # What the arrivals asked for: audio seconds a second of wall time, and that over the
+            # machine's closed-loop c1 rate (above 1: more than one request at a time on average).
+            lv["rate_per_s"] = rate
+            lv["offered_audio_s_per_s"] = rate * lv["audio_s"] / lv["requests"]
+            lv["arrival_span_s"] = arrivals[-1]
+            open_loop[f"{rate:g}"] = lv
+    return out, c1, open_loop
 
 
 def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -221,16 +247,18 @@ def run(args) -> dict[str, Any]:
     from omni.config_loader import load_config, parse_stage_overrides
     from omni.registry import resolve_model_path
 
-    if args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1:
+    if (args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1
+            or any(r <= 0 for r in args.rates)):
         raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's "
-                         "second token), --reply-seconds > 0 and --concurrency >= 1 are needed")
+                         "second token), --reply-seconds > 0, --concurrency >= 1 and --rates > 0 are needed")
     # The pipeline as it will run (the overrides checked: a bad one fails here, before any model loads).
     cfg = load_config(args.config, _overrides(args))
     path = resolve_model_path(cfg.stage("thinker").model_path)
     tok = AutoTokenizer.from_pretrained(str(path))
     levels = {c: _prompts(tok, args.requests, f"c{c}") for c in sorted({1, *args.concurrency})}
-    ray, ray_c1 = asyncio.run(_sweep(args, "ray", levels))
-    local, local_c1 = asyncio.run(_sweep(args, "local", {1: levels[1]}))
+    rates = {r: _prompts(tok, args.requests, f"r{r:g}") for r in sorted(set(args.rates))}
+    ray, ray_c1, open_loop = asyncio.run(_sweep(args, "ray", levels, rates))
+    local, local_c1, _ = asyncio.run(_sweep(args, "local", {1: levels[1]}))
     hf, replies = _hf(args, path, levels[1], hf_device(cfg, "thinker"))
     hf["local"], hf["ray"] = _agreement(replies, local_c1), _agreement(replies, ray_c1)
     print(f"transformers: {hf['audio_s_per_s']:.3f} audio-s/s, {hf['ttfp_p50_ms']:.0f} ms per reply "
@@ -255,6 +283,7 @@ def run(args) -> dict[str, Any]:
             "stage_busy_fraction", "stage_profile", "machine_cpu_busy", "core_s_per_audio_s",
             "audio_s_per_s_cpu_ceiling")},
         "levels": {str(c): lv for c, lv in ray.items()},
+        "open_loop": open_loop,
         "throughput_c4_over_c1": ratio(at(4, "audio_s_per_s"), at(1, "audio_s_per_s")),
         "ttfp_p99_c4_over_c1_p50": ratio(at(4, "ttfp_p99_ms"), at(1, "ttfp_p50_ms")),
         # The most throughput_c4_over_c1 could be on this machine at concurrency 4's cost per audio second,

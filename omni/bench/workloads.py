@@ -8,6 +8,8 @@ pipeline benchmark runs the same way:
                        stage's first token, the first audio, each final output (routing, streaming, omni)
     closed_loop_timed()  the same through AsyncOmni with N clients, each sending its next prompt when its
                        last request ends (capacity)
+    open_loop_timed()  the same with each prompt sent at its own time (poisson_arrivals()), whatever is
+                       still running (capacity --rates)
 """
 from __future__ import annotations
 
@@ -188,3 +190,40 @@ async def closed_loop_timed(omni: Any, prompts: list[Any], concurrency: int, sam
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(prompts))))))
     return [r for r in recs if r is not None], time.perf_counter() - t0
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> list[float]:
+    """Submission times (seconds from the first) of `n` requests arriving as a Poisson process of
+    `rate_per_s` requests a second: exponential gaps drawn from a seeded generator, the first at 0."""
+    if rate_per_s <= 0:
+        raise ValueError(f"an arrival rate must be > 0 requests per second, got {rate_per_s}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate_per_s)
+        times.append(t)
+    return times
+
+
+async def open_loop_timed(omni: Any, prompts: list[Any], arrivals_s: list[float], sampling: Any = None,
+                          id_prefix: str = "") -> tuple[list[TimedRequest], float]:
+    """Each prompt submitted through an AsyncOmni at its time in `arrivals_s` (seconds from the start),
+    whatever is still running: an open loop, users arriving on their own (vLLM's `benchmark_serving
+    --request-rate`), where a closed loop's clients wait for their last reply and so synchronize when replies
+    are equal. Every request is streamed and timed from its own submission; returns them in prompt order and
+    the wall time from the first submission to the last end."""
+    if len(arrivals_s) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(arrivals_s)} arrival times")
+    recs = [TimedRequest(f"{id_prefix}{i}") for i in range(len(prompts))]
+    t0 = time.perf_counter()
+
+    async def one(r: TimedRequest, prompt: Any, at: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        start = time.perf_counter()
+        async for ev in omni.stream(prompt, sampling, request_id=r.request_id):
+            _record(r, ev, time.perf_counter() - start)
+
+    await asyncio.gather(*(one(r, p, at) for r, p, at in zip(recs, prompts, arrivals_s)))
+    return recs, time.perf_counter() - t0
+

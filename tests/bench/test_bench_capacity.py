@@ -19,7 +19,7 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
     # Two token2wav replicas (the bottleneck stage scaled out, as README shows): the streamed consumer's
     # replica chosen per request, its busy time counted per replica.
     args = parser.parse_args(["--config", str(tiny_streamed_omni), "--concurrency", "4", "--requests", "4",
-                              "--reply-seconds", "0.4", "--thinker-tokens", "4", "--plot", str(tmp_path / "cap.png"),
+                              "--reply-seconds", "0.4", "--thinker-tokens", "4", "--plot", str(tmp_path / "cap.png"), "--rates", "8",
                               "--stage-overrides", '{"token2wav": {"replicas": 2}}'])
     res = bench.run(args)
     assert res["stage_overrides"] == {"token2wav": {"replicas": 2}}
@@ -57,6 +57,14 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
                 "vs_hf_audio_s_per_s_c4", "vs_hf_ttfp_c1"):
         assert res[key] > 0, key
     assert res["local_c1"]["requests"] == 4 and res["hf"]["requests"] == 4
+    # The open loop: 4 requests arriving at 8 a second, the same replies, timed from their own submissions.
+    (rate, open_level), = res["open_loop"].items()
+    assert rate == "8" and open_level["rate_per_s"] == 8 and open_level["requests"] == 4
+    assert open_level["audio_s"] == audio_s  # the 4 replies' audio, as at every level
+    assert open_level["offered_audio_s_per_s"] == pytest.approx(8 * audio_s / 4)
+    assert 0 < open_level["arrival_span_s"] < open_level["wall_s"]
+    assert 0 < open_level["ttfp_p50_ms"] <= open_level["ttfp_p99_ms"]
+    assert sorted(open_level["stage_busy_fraction"]) == ["talker", "thinker", "token2wav"]
     assert res["hf"]["device"] == "cpu"  # where the pipeline's thinker runs (Ray tests run on CPU machines)
     for backend in ("local", "ray"):  # 20 codes: far from the near ties a long reply can meet on Ray
         agree = res["hf"][backend]
