@@ -31,7 +31,8 @@ c4 2.08 -> 1.97 audio s/s, one run each, 2026-11-28): their cost is the vocoder'
 
 Memory: the packed copy is the layers' weights once more in host memory (SmolLM2: 425 MB); the
 parameters stay as they are (the state dict, tied weights and `omni bench throughput`'s shapes read
-them). `OMNI_CPU_PACKED_LINEAR=0` turns packing off. On a GPU, outside float32, or where this torch has
+them). Where that copy would take more than a quarter of the memory still free (a large fp32 model), the
+layers stay on `F.linear`, with one warning. `OMNI_CPU_PACKED_LINEAR=0` turns packing off. On a GPU, outside float32, or where this torch has
 no oneDNN, nothing changes.
 """
 from __future__ import annotations
@@ -43,11 +44,16 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .memory import host_available
+
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN is told to expect: it picks the packed layout and kernel for it. A decode
 # step's row count; any other count multiplies correctly with the same layout (measured above).
 BATCH_HINT = 32
+# The packed copy may take at most this share of the host memory still free after the model loaded: the
+# KV cache is sized after it, and other stages' processes share the machine.
+MAX_SHARE_OF_FREE_MEMORY = 0.25
 
 
 def enabled() -> bool:
@@ -68,10 +74,17 @@ def pack_cpu_linears(root: torch.nn.Module, device: torch.device) -> int:
     parameters; its forward becomes the packed product."""
     if device.type != "cpu" or not enabled() or not torch.backends.mkldnn.is_available():
         return 0
+    modules = [m for m in root.modules() if _packable(m, device)]
+    need = sum(m.weight.numel() * m.weight.element_size() for m in modules)
+    avail, source = host_available()
+    if avail is not None and need > MAX_SHARE_OF_FREE_MEMORY * avail:
+        logger.warning("not packing %d linear weights for oneDNN: the copy needs %.0f MiB, more than %.0f%% of the "
+                       "%.0f MiB free (%s), which the KV cache and the other stages need; they stay on F.linear "
+                       "(OMNI_CPU_PACKED_LINEAR=0 silences this)", len(modules), need / 2**20,
+                       100 * MAX_SHARE_OF_FREE_MEMORY, avail / 2**20, source)
+        return 0
     packed = 0
-    for module in root.modules():
-        if not _packable(module, device):
-            continue
+    for module in modules:
         try:
             module._omni_packed = pack_weight(module.weight)
         except (RuntimeError, AttributeError) as exc:  # a torch without the op: F.linear serves

@@ -104,3 +104,17 @@ def test_a_causal_lm_stage_packs_its_decoder_not_its_head(tiny_qwen2):
     layers = [m for m in stage.decoder.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert layers and all(getattr(m, "_omni_packed", None) is not None for m in layers)
     assert getattr(stage.lm_head, "_omni_packed", None) is None  # the head has its own (output_head.py)
+
+
+@needs_onednn
+def test_a_copy_the_free_memory_cannot_spare_is_not_made(monkeypatch, caplog):
+    block = _Block()  # 64 x 96 + 64 x 160 float32 weights: 65,536 bytes
+    monkeypatch.setattr(cpu_linear, "host_available", lambda: (200_000, "test"))
+    with caplog.at_level("WARNING"):
+        assert pack_cpu_linears(block, CPU) == 0  # 65,536 bytes > a quarter of 200,000
+    assert "not packing 2 linear weights" in caplog.text and "forward" not in vars(block.q)
+    monkeypatch.setattr(cpu_linear, "host_available", lambda: (300_000, "test"))
+    assert pack_cpu_linears(block, CPU) == 2
+    monkeypatch.setattr(cpu_linear, "host_available", lambda: (None, "unknown"))  # unknown: packed
+    assert pack_cpu_linears(_Block(), CPU) == 2
+
