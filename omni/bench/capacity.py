@@ -129,7 +129,7 @@ def _cpu_keys(cpu: Any, wall_s: float, audio_s: float) -> dict[str, Any]:
 
 
 async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
-                 rates: dict[float, list[list[int]]] | None = None) -> tuple[dict[int, Any], list[Any], dict[str, Any]]:
+                 rates: dict[float, list[list[int]]] | None = None) -> tuple[dict[int, Any], list[Any], dict]:
     """Every level on one pipeline: {C: level stats with the stages' time split}, the c1 records, and
     {rate: the open loop's level stats} for `rates` (requests a second -> its prompts)."""
     from omni import AsyncOmni
@@ -174,8 +174,8 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
             arrivals = poisson_arrivals(len(prompts), rate, args.seed)
             lv, _ = await measure(o, f"rate={rate:g}/s", open_loop_timed(
                 o, [{"prompt_token_ids": p} for p in prompts], arrivals, id_prefix=f"r{rate:g}-"))
-            # What the arrivals asked for: audio seconds a second of wall time, and that over the
-            # machine's closed-loop c1 rate (above 1: more than one request at a time on average).
+            # What the arrivals asked for, in audio seconds a second: against the closed loop's rates, whether
+            # this rate loads the machine lightly or past what it can make.
             lv["rate_per_s"] = rate
             lv["offered_audio_s_per_s"] = rate * lv["audio_s"] / lv["requests"]
             lv["arrival_span_s"] = arrivals[-1]

@@ -99,7 +99,8 @@ def _mfu(work: dict, device: str) -> dict:
     achieved = sum(flops) / seconds / 1e9
     rows = [r for r, _ in work["step_sizes"]]
     return {"forward_gflop": sum(flops) / 1e9, "forward_s": seconds, "forward_gflops_per_s": achieved,
-            "sgemm_gflops_per_s": gemm["sgemm"], "best_gemm_gflops_per_s": gemm["best"], "steps": len(rows), "rows_per_step_mean": sum(rows) / max(1, len(rows)),
+            "sgemm_gflops_per_s": gemm["sgemm"], "best_gemm_gflops_per_s": gemm["best"], "steps": len(rows),
+            "rows_per_step_mean": sum(rows) / max(1, len(rows)),
             "threads": torch.get_num_threads(), "minor_page_faults": work["minor_page_faults"],
             "mfu_vs_sgemm": achieved / gemm["sgemm"], "mfu_vs_best_gemm": achieved / gemm["best"]}
 
@@ -193,14 +194,16 @@ def run(args) -> dict:
     mfu = _mfu(work, device)
     print(f"omni forward passes: {mfu['forward_gflops_per_s']:.1f} GFLOP/s; this machine's GEMM on the model's "
           f"shapes ({mfu['steps']} steps, {mfu['rows_per_step_mean']:.0f} rows each on average, "
-          f"{mfu['threads']} threads): {mfu['sgemm_gflops_per_s']:.1f} GFLOP/s (sgemm), {mfu['best_gemm_gflops_per_s']:.1f} GFLOP/s (the faster of "
+          f"{mfu['threads']} threads): {mfu['sgemm_gflops_per_s']:.1f} GFLOP/s (sgemm), "
+          f"{mfu['best_gemm_gflops_per_s']:.1f} GFLOP/s (the faster of "
           f"sgemm and oneDNN's packed product); mfu_vs_sgemm {mfu['mfu_vs_sgemm']:.2f}, "
           f"mfu_vs_best_gemm {mfu['mfu_vs_best_gemm']:.2f}")
     result = {"omni_engine": omni_stats,"model": str(args.model), "device": device, "dtype": args.dtype,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
               "num_requests": len(reqs), "output_tokens": expected,
               "omni_s": t_omni, "omni_tokens_per_s": n_omni / t_omni, "mfu": mfu,
-              "mfu_vs_sgemm": mfu["mfu_vs_sgemm"], "mfu_vs_best_gemm": mfu["mfu_vs_best_gemm"], "host_allocator": tune_host_allocator()}
+              "mfu_vs_sgemm": mfu["mfu_vs_sgemm"], "mfu_vs_best_gemm": mfu["mfu_vs_best_gemm"],
+              "host_allocator": tune_host_allocator()}
     print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s ({omni_stats})")
     if device == "cuda":
         # The same engine without CUDA graphs: what graph replay buys on this machine.

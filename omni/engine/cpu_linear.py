@@ -31,9 +31,9 @@ c4 2.08 -> 1.97 audio s/s, one run each, 2026-11-28): their cost is the vocoder'
 
 Memory: the packed copy is the layers' weights once more in host memory (SmolLM2: 425 MB); the
 parameters stay as they are (the state dict, tied weights and `omni bench throughput`'s shapes read
-them). Where that copy would take more than a quarter of the memory still free (a large fp32 model), the
-layers stay on `F.linear`, with one warning. `OMNI_CPU_PACKED_LINEAR=0` turns packing off. On a GPU, outside float32, or where this torch has
-no oneDNN, nothing changes.
+them). Where that copy would take more than a quarter of the memory still free (a large fp32 model),
+the layers stay on `F.linear`, with one warning. `OMNI_CPU_PACKED_LINEAR=0` turns packing off. On a
+GPU, outside float32, or where this torch has no oneDNN, nothing changes.
 """
 from __future__ import annotations
 
