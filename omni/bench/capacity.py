@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -248,9 +249,9 @@ def run(args) -> dict[str, Any]:
     from omni.registry import resolve_model_path
 
     if (args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1
-            or any(r <= 0 for r in args.rates)):
+            or not all(math.isfinite(r) and r > 0 for r in args.rates)):
         raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's "
-                         "second token), --reply-seconds > 0, --concurrency >= 1 and --rates > 0 are needed")
+                         "second token), --reply-seconds > 0, --concurrency >= 1 and finite --rates > 0 are needed")
     # The pipeline as it will run (the overrides checked: a bad one fails here, before any model loads).
     cfg = load_config(args.config, _overrides(args))
     path = resolve_model_path(cfg.stage("thinker").model_path)

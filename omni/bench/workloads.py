@@ -14,6 +14,7 @@ pipeline benchmark runs the same way:
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -195,8 +196,8 @@ async def closed_loop_timed(omni: Any, prompts: list[Any], concurrency: int, sam
 def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> list[float]:
     """Submission times (seconds from the first) of `n` requests arriving as a Poisson process of
     `rate_per_s` requests a second: exponential gaps drawn from a seeded generator, the first at 0."""
-    if rate_per_s <= 0:
-        raise ValueError(f"an arrival rate must be > 0 requests per second, got {rate_per_s}")
+    if not (math.isfinite(rate_per_s) and rate_per_s > 0):  # NaN and infinity are not rates either
+        raise ValueError(f"an arrival rate must be a finite number > 0 requests per second, got {rate_per_s}")
     rng = random.Random(seed)
     times, t = [], 0.0
     for i in range(n):

@@ -21,8 +21,9 @@ def test_poisson_arrivals_are_seeded_exponential_gaps_from_zero():
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.1)  # 1 / rate
     assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.15)  # exponential: the deviation is the mean
     assert poisson_arrivals(1, 2.0, seed=0) == [0.0]
-    with pytest.raises(ValueError, match="> 0 requests per second"):
-        poisson_arrivals(3, 0.0, seed=0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):  # NaN would send everything at once, inf too
+        with pytest.raises(ValueError, match="finite number > 0 requests per second"):
+            poisson_arrivals(3, bad, seed=0)
 
 
 class _SlowPipeline:
@@ -70,3 +71,16 @@ def test_a_closed_loop_of_equal_replies_sends_its_clients_together():
     recs, _ = asyncio.run(closed_loop_timed(fake, ["a", "b", "c", "d"], 2))
     sent = sorted(fake.submitted[r.request_id] - t0 for r in recs)
     assert sent[1] - sent[0] < 0.15 and sent[3] - sent[2] < 0.15 and sent[2] - sent[1] >= 0.25
+
+
+@pytest.mark.parametrize("rates", [["0"], ["-0.5", "2"], ["nan"], ["inf"]])
+def test_capacity_refuses_rates_that_are_not_finite_and_positive(rates):
+    import argparse
+
+    from omni.bench import capacity
+
+    parser = argparse.ArgumentParser()
+    capacity.add_arguments(parser)
+    with pytest.raises(SystemExit, match="finite --rates > 0"):  # before any config or model loads
+        capacity.run(parser.parse_args(["--config", "/nonexistent.yaml", "--rates", *rates]))
+
