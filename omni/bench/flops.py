@@ -11,9 +11,10 @@ model's own weights (every distinct layer shape, and the head as laid out) at th
 what a GEMM library gets on exactly these shapes. `mfu_vs_sgemm` = achieved / that (float32:
 sgemm; another dtype: that dtype's GEMM). On a CPU in float32 the same shapes are also timed with
 oneDNN's product on weights packed once (what omni's decoders run: omni/engine/cpu_linear.py),
-faster than sgemm on small batches; `mfu_vs_best_gemm` = achieved / the faster of the two at each shape, the
-stricter ratio (a forward pass cannot beat it by choosing a GEMM). Norms, activations, rotary embeddings and the attention's
-softmax are not counted (a few percent of a step), so the ratio is a slight underestimate.
+faster than sgemm on small batches; `mfu_vs_best_gemm` = achieved / the faster of the two at each
+shape, the stricter ratio (a forward pass cannot beat it by choosing a GEMM). Norms, activations,
+rotary embeddings and the attention's softmax are not counted (a few percent of a step), so the
+ratio is a slight underestimate.
 """
 from __future__ import annotations
 

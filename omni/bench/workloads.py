@@ -227,4 +227,3 @@ async def open_loop_timed(omni: Any, prompts: list[Any], arrivals_s: list[float]
 
     await asyncio.gather(*(one(r, p, at) for r, p, at in zip(recs, prompts, arrivals_s)))
     return recs, time.perf_counter() - t0
-

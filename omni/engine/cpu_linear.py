@@ -60,9 +60,9 @@ def enabled() -> bool:
     return os.environ.get("OMNI_CPU_PACKED_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _packable(module: torch.nn.Module, device: torch.device) -> bool:
+def _packable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (isinstance(module, torch.nn.Linear) and device.type == "cpu" and isinstance(weight, torch.Tensor)
+    return (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor)
             and weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and weight.numel() > 0 and getattr(module, "_omni_packed", None) is None
             and type(module).forward is torch.nn.Linear.forward)
@@ -74,7 +74,7 @@ def pack_cpu_linears(root: torch.nn.Module, device: torch.device) -> int:
     parameters; its forward becomes the packed product."""
     if device.type != "cpu" or not enabled() or not torch.backends.mkldnn.is_available():
         return 0
-    modules = [m for m in root.modules() if _packable(m, device)]
+    modules = [m for m in root.modules() if _packable(m)]
     need = sum(m.weight.numel() * m.weight.element_size() for m in modules)
     avail, source = host_available()
     if avail is not None and need > MAX_SHARE_OF_FREE_MEMORY * avail:
