@@ -23,7 +23,7 @@ context: for a 250-code reply with first 8 / chunks 50 the windows sum to 382 co
 the one-shot request), with 50 growing to 100 to 330 (1.32x), while the first audio comes as soon.
 
     model_kwargs: chunk_codes (25), first_chunk_codes (10), max_chunk_codes (chunk_codes),
-                  left_context_codes (1 DiT block), lookahead_codes (1 DiT block)
+                  left_context_codes (1 DiT block), lookahead_codes (1 DiT block), vocoder_thread (false)
 
 Batched (the engine's optional hooks `run_generation_batch` / `next_outputs`): the requests of one
 engine step integrate the DiT's ODE in lockstep, packed along time (qwen2_5_omni_dit.py: each one's mel
@@ -46,6 +46,16 @@ the streams already playing, never stop them). A
 stream's windows still run one after another; the waveform is the windows' lockstep waveform up to
 the blocking of fp32 sums (tested against the bound).
 
+The vocoder thread (`vocoder_thread: true`): once a window's ODE ends, its stream's next window may start,
+and BigVGAN turns the window's mel into samples on a thread of its own (one, FIFO: a stream's pieces leave
+in order; pieces back together leave joined), while the stepping thread goes on with the DiT. A stream's
+first window is still vocoded in the step its ODE ends (its time to first audio). BigVGAN was ~23% of the
+stage's time at 4 streams, and the DiT steps are what bounds the stage's rate there; the same ops on the
+same inputs, so the audio is bitwise the inline stage's. The thread computes with the stepping thread's
+torch threads. A step with no window in flight waits for the thread at most VOCODER_POLL_S (no spinning,
+and new codes are admitted soon); a failure there fails its stream alone; an aborted stream's pieces are
+dropped when they come back.
+
 Measured on the random small checkpoint (150 codes): with >= 1 block of context on each side the
 chunked waveform equals the one-shot one to fp32 rounding (SNR 122 dB); without look-ahead 19 dB,
 without left context 24 dB. A trained DiT's attention reaches further through the ODE's steps:
@@ -54,6 +64,12 @@ measure the bound on real weights before trusting it there.
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +87,8 @@ from .qwen2_5_omni_thinker import load_omni_part
 
 logger = logging.getLogger(__name__)
 
+VOCODER_POLL_S = 0.02  # longest a step with nothing else to do waits for the vocoder thread
+
 
 @dataclass(slots=True, eq=False)
 class _WavStream:
@@ -79,11 +97,15 @@ class _WavStream:
     codes: list[int]
     speaker: str | None
     noise: torch.Tensor  # [1, max_frames, mel_dim]: the one-shot path's draw for this seed
-    done: int = 0  # codes whose audio has been emitted
+    done: int = 0  # codes whose window's ODE has ended (their audio emitted, or at the vocoder)
+    windows: int = 0  # windows whose ODE has ended (the next chunk's size follows from it)
+    last_cut: bool = False  # the window ending the request has been cut: no further window
     complete: bool = False
-    finished: bool = False
+    finished: bool = False  # its last piece has been emitted
     pieces: list[np.ndarray] = field(default_factory=list)
     flight: _Flight | None = None  # its next window, in flight
+    vocoding: int = 0  # its pieces at the vocoder thread, not yet back
+    dropped: bool = False
     ready: tuple[dict[str, Any], bool] | Exception | None = None  # a finished piece (or failure) not yet taken
 
 
@@ -100,6 +122,15 @@ class _Flight:
     first: bool  # the stream's first window: ahead of every other
 
 
+@dataclass(slots=True, eq=False)
+class _Vocoding:
+    """A window's piece at the vocoder thread: its samples (or the exception) come back in `future`."""
+
+    stream: _WavStream
+    future: Future
+    last: bool
+
+
 class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     checkpoint_prefix = "token2wav."
     streams_input = True
@@ -111,7 +142,8 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def __init__(self, token2wav, speakers: dict, device: torch.device, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_codes: int = 25,
                  first_chunk_codes: int = 10, left_context_codes: int | None = None,
-                 lookahead_codes: int | None = None, max_chunk_codes: int | None = None):
+                 lookahead_codes: int | None = None, max_chunk_codes: int | None = None,
+                 vocoder_thread: bool = False):
         self.token2wav = token2wav
         self.speakers = speakers
         self.device = device
@@ -147,6 +179,13 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self._flights: list[_Flight] = []  # windows in flight, in admission order
         self._times = time_grid(num_steps, sway_coefficient, self.dtype, device)  # every window's ODE times
         self._held = 0  # 1: the last step ran first windows while others waited (they go next)
+        if not isinstance(vocoder_thread, bool):
+            raise ValueError(f"model_kwargs.vocoder_thread: must be true or false, got {vocoder_thread!r}")
+        self.vocoder_thread = vocoder_thread
+        self._vocoder: ThreadPoolExecutor | None = None  # made on first use, in the stepping thread
+        self._vocoding: deque[_Vocoding] = deque()  # pieces at the vocoder thread, in submission order
+        self._vocoder_s = 0.0
+        self._vocoder_lock = threading.Lock()
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -156,7 +195,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         kwargs = dict(model_kwargs or {})
         gen = {k: kwargs.pop(k) for k in ("num_steps", "guidance_scale", "sway_coefficient", "chunk_codes",
                                           "first_chunk_codes", "max_chunk_codes", "left_context_codes",
-                                          "lookahead_codes")
+                                          "lookahead_codes", "vocoder_thread")
                if k in kwargs}
         model, _ = load_omni_part(Path(model_path), "token2wav", Qwen2_5OmniToken2WavModel, torch.float32,
                                   device, **kwargs)
@@ -253,15 +292,15 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
     def _next_end(self, state: _WavStream) -> int | None:
         """End (exclusive) of the next chunk of codes, or None while it cannot be made yet."""
-        if state.finished:
+        if state.last_cut:
             return None
         total, start = len(state.codes), state.done
-        end = start + self.chunk_size(len(state.pieces))
+        end = start + self.chunk_size(state.windows)
         if state.complete:
             if start >= total:
-                return total  # everything was emitted before the end was known: an empty last piece
+                return total  # everything was cut before the end was known: an empty last piece
             # Never leave a sliver for a last chunk: fold it into this one.
-            return total if total - end < self.chunk_size(len(state.pieces) + 1) // 2 else end
+            return total if total - end < self.chunk_size(state.windows + 1) // 2 else end
         return end if total >= end + self.lookahead_codes else None
 
     def chunk_size(self, index: int) -> int:
@@ -272,8 +311,8 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         return min(self.max_chunk_codes, self.chunk_codes << min(index - 1, 30))
 
     def stream_ready(self, state: _WavStream) -> bool:
-        return (state.ready is not None or state.flight is not None
-                or (not state.finished and self._next_end(state) is not None))
+        return (state.ready is not None or state.flight is not None or state.vocoding > 0
+                or self._next_end(state) is not None)
 
     def next_output(self, state: _WavStream) -> tuple[dict[str, Any] | None, bool]:
         result = self.next_outputs([state])[0]
@@ -289,11 +328,17 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         through BigVGAN, and each given stream gets its piece once its window is done: (None, False) while
         it is in flight, the exception when its window failed."""
         with torch.inference_mode():
+            self._collect()
             for state in states:
-                if state.flight is None and state.ready is None:
+                if state.flight is None and not isinstance(state.ready, Exception):
                     self._admit(state)
             if self._flights:
                 self._step(max_batch_tokens)
+            elif self._vocoding and all(state.ready is None for state in states):
+                # Nothing to compute here but pieces at the vocoder: wait for the oldest a little (not
+                # spinning the stepping loop), and no longer than a poll, so new codes are admitted soon.
+                wait_futures([self._vocoding[0].future], timeout=VOCODER_POLL_S)
+            self._collect()
         return [self._take(state) for state in states]
 
     def _admit(self, state: _WavStream) -> None:
@@ -301,17 +346,17 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         if plan is None:
             return
         start, end, lo, hi = plan
-        if hi <= lo:  # everything was emitted before the end was known: an empty last piece
-            self._emit(state, end, np.zeros(0, np.float32))
+        if hi <= lo:  # everything was cut before the end was known: an empty last piece
+            self._cut(state, end, lambda: np.zeros(0, np.float32), inline=state.vocoding == 0)
             return
         try:
             window = self._window(state.codes[lo:hi], state.speaker,
                                   state.noise[:, lo * self.repeats : hi * self.repeats])
             ode = ode_window(self.token2wav.code2wav_dit_model, window, self.kwargs["guidance_scale"])
         except Exception as exc:  # noqa: BLE001 - this stream fails, not the others
-            state.ready = exc
+            self._fail(state, exc)
             return
-        state.flight = _Flight(state, start, end, lo, hi, ode, first=not state.pieces)
+        state.flight = _Flight(state, start, end, lo, hi, ode, first=state.windows == 0)
         self._flights.append(state.flight)
 
     def _step(self, max_tokens: int | None) -> None:
@@ -338,16 +383,18 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
             self._ode_step(live)
             if not to_end:
                 break
-        bigvgan = self.token2wav.code2wav_bigvgan_model
-        spf = self.samples_per_frame * self.repeats  # samples per codec token
         for f in [f for f in group if f.stream.flight is f and f.ode.done(self._times)]:
-            try:
-                audio = bigvgan(f.ode.mel()).reshape(-1).float().cpu().numpy()
-            except Exception as exc:  # noqa: BLE001
-                self._land(f, exc)
-                continue
             self._land(f, None)
-            self._emit(f.stream, f.end, audio[(f.start - f.lo) * spf : (f.end - f.lo) * spf])
+            # A stream's first piece is vocoded here, now (its time to first audio); with the vocoder
+            # thread, later ones go there and the DiT goes on with the windows in flight meanwhile.
+            self._cut(f.stream, f.end, lambda f=f: self._vocode(f), inline=f.first or not self.vocoder_thread)
+
+    def _vocode(self, f: _Flight) -> np.ndarray:
+        """BigVGAN on a window's mel: the samples of its chunk [start, end)."""
+        spf = self.samples_per_frame * self.repeats  # samples per codec token
+        with torch.inference_mode():
+            audio = self.token2wav.code2wav_bigvgan_model(f.ode.mel()).reshape(-1).float().cpu().numpy()
+        return audio[(f.start - f.lo) * spf : (f.end - f.lo) * spf]
 
     def _ode_step(self, group: list[_Flight]) -> None:
         """One Runge-Kutta step of the group's windows together; a failure fails only the window that
@@ -367,19 +414,77 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
                     self._land(f, alone)
 
     def _land(self, flight: _Flight, error: Exception | None) -> None:
-        """A window leaves the flights (done, or failed with `error`)."""
+        """A window leaves the flights (done, or failed with `error`: its stream fails)."""
         if flight in self._flights:
             self._flights.remove(flight)
         if flight.stream.flight is flight:
             flight.stream.flight = None
             if error is not None:
-                flight.stream.ready = error
+                self._fail(flight.stream, error)
 
-    def _emit(self, state: _WavStream, end: int, piece: np.ndarray) -> None:
-        state.pieces.append(piece)
+    def _cut(self, state: _WavStream, end: int, piece: Callable[[], np.ndarray], inline: bool) -> None:
+        """A window's ODE has ended (or an empty last piece): its codes up to `end` are cut, so the stream's
+        next window can start, and its samples (`piece()`) are made here (`inline`) or queued for the
+        vocoder thread behind the stream's pieces already there (a stream's pieces leave in order)."""
         state.done = end
-        state.finished = state.complete and end >= len(state.codes)
-        state.ready = ({"audio": piece, "sampling_rate": self.sampling_rate}, state.finished)
+        state.windows += 1
+        last = state.complete and end >= len(state.codes)
+        state.last_cut = last
+        if inline and state.vocoding == 0:
+            try:
+                samples = piece()
+            except Exception as exc:  # noqa: BLE001 - this stream fails, not the others
+                self._fail(state, exc)
+                return
+            self._deliver(state, samples, last)
+            return
+        state.vocoding += 1
+        self._vocoding.append(_Vocoding(state, self._vocoder_pool().submit(self._timed, piece), last))
+
+    def _timed(self, piece: Callable[[], np.ndarray]) -> np.ndarray:
+        t = time.perf_counter()
+        try:
+            return piece()
+        finally:
+            with self._vocoder_lock:
+                self._vocoder_s += time.perf_counter() - t
+
+    def _vocoder_pool(self) -> ThreadPoolExecutor:
+        if self._vocoder is None:
+            # torch's thread count is per thread (omni/pipeline/threads.py): the vocoder computes with the
+            # stepping thread's count, the cores this stage was given.
+            self._vocoder = ThreadPoolExecutor(1, thread_name_prefix="omni-vocoder",
+                                               initializer=torch.set_num_threads,
+                                               initargs=(torch.get_num_threads(),))
+        return self._vocoder
+
+    def _collect(self) -> None:
+        """Pieces back from the vocoder thread go to their streams, in submission order."""
+        while self._vocoding and self._vocoding[0].future.done():
+            v = self._vocoding.popleft()
+            v.stream.vocoding -= 1
+            exc = v.future.exception()
+            if exc is not None:
+                self._fail(v.stream, exc)
+            else:
+                self._deliver(v.stream, v.future.result(), v.last)
+
+    def _deliver(self, state: _WavStream, piece: np.ndarray, last: bool) -> None:
+        """A piece for the engine to take; one it has not taken yet leaves with it, joined (in order)."""
+        if state.dropped or isinstance(state.ready, Exception):
+            return
+        state.pieces.append(piece)
+        state.finished = last
+        if state.ready is not None:
+            piece = np.concatenate([state.ready[0]["audio"], piece])
+        state.ready = ({"audio": piece, "sampling_rate": self.sampling_rate}, last)
+
+    def _fail(self, state: _WavStream, error: Exception) -> None:
+        """The stream fails with `error` (its window in flight stops; its pieces at the vocoder are ignored)."""
+        if state.flight is not None:
+            self._land(state.flight, None)
+        state.dropped = True
+        state.ready = error
 
     @staticmethod
     def _take(state: _WavStream) -> tuple[dict[str, Any] | None, bool] | Exception:
@@ -390,13 +495,25 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         """An aborted stream: its window in flight goes (the others keep their steps)."""
         if state.flight is not None:
             self._land(state.flight, None)
+        state.dropped = True
         state.ready = None
+
+    def close(self) -> None:
+        """The vocoder thread goes (a later stream makes a new one)."""
+        if self._vocoder is not None:
+            self._vocoder.shutdown(wait=True, cancel_futures=True)
+            self._vocoder = None
+        self._vocoding.clear()
+
+    def stats(self) -> dict[str, Any]:
+        # seconds BigVGAN ran on the vocoder thread (outside the engine's steps)
+        return {"vocoder_time_s": self._vocoder_s} if self.vocoder_thread else {}
 
     def _plan(self, state: _WavStream) -> tuple[int, int, int, int] | None:
         """(start, end) of the stream's next chunk of codes and (lo, hi) of the window computed for it
         (lo == hi: an empty piece), or None while nothing is ready."""
         end = self._next_end(state)
-        if end is None or state.finished:
+        if end is None:
             return None
         start, total = state.done, len(state.codes)
         if end <= start:

@@ -10,7 +10,8 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    seconds) p50/p99, playback stalls (stall_p50_ms / stall_p99_ms: the silence a listener playing each chunk
    as it arrives hears after the first, workloads.playback_stall_s), and each stage's time split (step_profile.py): stage_busy_fraction and forward /
    sampling / host / waiting fractions of the level's wall time (of a replicated stage: of its replicas x
-   the wall time, the mean replica's).
+   the wall time, the mean replica's); vocoder_busy_fraction: the same for token2wav's vocoder thread
+   (model_kwargs.vocoder_thread), whose work is outside the stage's steps.
 2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
 3. The same requests through transformers' Qwen2_5OmniForConditionalGeneration.generate (greedy, with audio),
    one after another, in this process with this machine's cores (hf_omni.py): vs_hf_audio_s_per_s_c4 (omni
@@ -155,10 +156,16 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
         lv["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
         lv["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
         lv["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
+        # A stage's own threads beside its steps (token2wav's vocoder thread): their busy fraction apart.
+        lv["vocoder_busy_fraction"] = {
+            s: (after[s]["vocoder_time_s"] - (before[s].get("vocoder_time_s") or 0.0))
+            / (wall * max(1, len(after[s].get("replicas") or ())))
+            for s in after if after[s].get("vocoder_time_s") is not None}
         print(f"{backend} {label}: {lv['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {lv['ttfp_p50_ms']:.0f} ms "
               f"p99 {lv['ttfp_p99_ms']:.0f} ms, RTF p50 {lv['rtf_p50']:.2f}, stalls p50 "
               f"{lv['stall_p50_ms']:.0f} ms, machine CPU {_fmt(lv['machine_cpu_busy'])} busy, busy "
-              f"{ {s: round(f, 2) for s, f in lv['stage_busy_fraction'].items()} }", flush=True)
+              f"{ {s: round(f, 2) for s, f in lv['stage_busy_fraction'].items()} }, vocoder thread busy "
+              f"{ {s: round(f, 2) for s, f in lv['vocoder_busy_fraction'].items()} }", flush=True)
         return lv, recs
 
     out: dict[int, Any] = {}
@@ -281,7 +288,7 @@ def run(args) -> dict[str, Any]:
         "thinker_tokens": args.thinker_tokens,
         **{key: {str(c): lv[key] for c, lv in ray.items()} for key in (
             "audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99", "stall_p50_ms", "stall_p99_ms",
-            "stage_busy_fraction", "stage_profile", "machine_cpu_busy", "core_s_per_audio_s",
+            "stage_busy_fraction", "vocoder_busy_fraction", "stage_profile", "machine_cpu_busy", "core_s_per_audio_s",
             "audio_s_per_s_cpu_ceiling")},
         "levels": {str(c): lv for c, lv in ray.items()},
         "open_loop": open_loop,

@@ -3,6 +3,7 @@ work, the stages' time split, omni's audio equal to transformers' at concurrency
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,17 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     # Two token2wav replicas (the bottleneck stage scaled out, as README shows): the streamed consumer's
-    # replica chosen per request, its busy time counted per replica.
+    # replica chosen per request, its busy time counted per replica; each with its vocoder thread.
+    overrides = {"token2wav": {"replicas": 2, "model_kwargs": {"first_chunk_codes": 5, "chunk_codes": 8,
+                                                               "vocoder_thread": True}}}
     args = parser.parse_args(["--config", str(tiny_streamed_omni), "--concurrency", "4", "--requests", "4",
                               "--reply-seconds", "0.4", "--thinker-tokens", "4", "--plot", str(tmp_path / "cap.png"), "--rates", "8",
-                              "--stage-overrides", '{"token2wav": {"replicas": 2}}'])
+                              "--stage-overrides", json.dumps(overrides)])
     res = bench.run(args)
-    assert res["stage_overrides"] == {"token2wav": {"replicas": 2}}
+    assert res["stage_overrides"] == overrides
+    # the vocoder thread ran the later pieces (20 codes: pieces of 5, 8, 7) on each level
+    assert set(res["vocoder_busy_fraction"]) == {"1", "4"}
+    assert all(0 < lv["token2wav"] <= 1 and set(lv) == {"token2wav"} for lv in res["vocoder_busy_fraction"].values())
     assert res["concurrency"] == [1, 4]  # 1 is always run
     assert res["codec_tokens"] == 20
     for key in ("audio_s_per_s", "ttfp_p50_ms", "ttfp_p99_ms", "rtf_p50", "rtf_p99"):
