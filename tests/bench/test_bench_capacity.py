@@ -18,9 +18,10 @@ def test_capacity_bench_on_the_tiny_omni_pipeline(tmp_path, tiny_streamed_omni, 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     # Two token2wav replicas (the bottleneck stage scaled out, as README shows): the streamed consumer's
-    # replica chosen per request, its busy time counted per replica; each with its vocoder thread.
+    # replica chosen per request, its busy time counted per replica; each with its vocoder thread and two DiT
+    # threads (as the small config runs).
     overrides = {"token2wav": {"replicas": 2, "model_kwargs": {"first_chunk_codes": 5, "chunk_codes": 8,
-                                                               "vocoder_thread": True}}}
+                                                               "vocoder_thread": True, "dit_threads": 2}}}
     args = parser.parse_args(["--config", str(tiny_streamed_omni), "--concurrency", "4", "--requests", "4",
                               "--reply-seconds", "0.4", "--thinker-tokens", "4", "--plot", str(tmp_path / "cap.png"), "--rates", "8",
                               "--stage-overrides", json.dumps(overrides)])

@@ -1,7 +1,13 @@
-"""token2wav's vocoder thread (model_kwargs.vocoder_thread): BigVGAN of a stream's later windows runs on
-a thread of its own while the DiT steps the windows in flight. The same ops on the same inputs, so the
-waveforms are bitwise those of the inline stage; a stream's pieces leave in order, its first piece in the
-step its ODE ends; a failure there fails that stream alone, and an abort drops its pieces."""
+"""token2wav's threads.
+
+The vocoder thread (model_kwargs.vocoder_thread): BigVGAN of a stream's later windows runs on a thread of
+its own while the DiT steps the windows in flight. The same ops on the same inputs, so the waveforms are
+bitwise those of the inline stage; a stream's pieces leave in order, its first piece in the step its ODE
+ends; a failure there fails that stream alone, and an abort drops its pieces.
+
+Two DiT threads (model_kwargs.dit_threads: 2): each Runge-Kutta step of the windows in flight runs as two
+packs of about equal frames, one on a second thread; a window's values are those of the one-pack step up to
+the blocking of fp32 sums (a pack is another packing), and a window that fails still fails alone."""
 from __future__ import annotations
 
 import threading
@@ -20,6 +26,16 @@ def threaded(tiny_omni):
 
     stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
                                            model_kwargs={"vocoder_thread": True})
+    yield stage
+    stage.close()
+
+
+@pytest.fixture(scope="module")
+def two_dit_threads(tiny_omni):
+    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+
+    stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
+                                           model_kwargs={"vocoder_thread": True, "dit_threads": 2})
     yield stage
     stage.close()
 
@@ -71,12 +87,73 @@ def test_threaded_vocoder_gives_the_inline_waveforms_bitwise_in_order(token2wav_
     assert not threaded._flights and not threaded._vocoding
 
 
-def test_vocoder_thread_must_be_a_boolean(tiny_omni):
+@pytest.mark.parametrize("kwargs,match", [({"vocoder_thread": "yes"}, "vocoder_thread: must be true or false"),
+                                          ({"dit_threads": 3}, "dit_threads: must be 1 or 2, got 3"),
+                                          ({"dit_threads": True}, "dit_threads: must be 1 or 2")])
+def test_thread_options_are_checked(tiny_omni, kwargs, match):
     from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
 
-    with pytest.raises(ValueError, match="vocoder_thread: must be true or false"):
+    with pytest.raises(ValueError, match=match):
         Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
-                                       model_kwargs={"vocoder_thread": "yes"})
+                                       model_kwargs=kwargs)
+
+
+class _Window:
+    def __init__(self, codes: int):
+        self.lo, self.hi = 0, codes
+
+
+@pytest.mark.parametrize("sizes,loads", [([20], None), ([20, 20], (20, 20)), ([124, 124, 74, 20], (198, 144)),
+                                         ([200, 20, 20, 20], (200, 60)), ([70, 124, 106, 20, 20], (164, 176))])
+def test_a_step_splits_into_two_packs_of_about_equal_frames(sizes, loads):
+    from stages.qwen2_5_omni_token2wav import _halves
+
+    group = [_Window(n) for n in sizes]
+    packs = _halves(group)
+    if loads is None:
+        assert packs == [group]  # a lone window is not split
+        return
+    assert sorted(id(w) for p in packs for w in p) == sorted(map(id, group))  # every window once
+    assert tuple(sum(w.hi - w.lo for w in p) for p in packs) == loads
+    for p in packs:  # each pack keeps the group's order (oldest first)
+        assert [group.index(w) for w in p] == sorted(group.index(w) for w in p)
+
+
+@pytest.mark.slow
+def test_two_dit_threads_give_the_one_thread_pieces(token2wav_stage, two_dit_threads):
+    from tests.stages.omni_utils import wave_atol
+
+    inline = _engine(token2wav_stage)
+    _add(inline, CODES)
+    want_steps, want = _drain(inline)
+    engine = _engine(two_dit_threads)
+    _add(engine, CODES)
+    steps, got = _drain(engine)
+    assert two_dit_threads._dit_pool is not None  # steps of several windows ran in two packs
+    for rid in CODES:
+        atol = wave_atol(token2wav_stage, want[rid].audio, 64 * token2wav_stage.repeats)  # windows <= 64 codes
+        assert got[rid].finish_reason == "stop" and got[rid].audio.shape == want[rid].audio.shape
+        assert np.abs(got[rid].audio - want[rid].audio).max() <= atol
+    n = min(want["s0"].audio.size, want["s1"].audio.size)
+    other = np.abs(want["s0"].audio[:n] - want["s1"].audio[:n]).max()
+    assert other > 10 * atol  # the bound would catch a swapped stream
+    assert not two_dit_threads._flights and not two_dit_threads._vocoding
+
+
+@pytest.mark.slow
+def test_a_window_failing_in_a_two_pack_step_fails_alone(two_dit_threads):
+    engine = _engine(two_dit_threads)
+    codes = {"ok": CODES["s0"], "bad": CODES["s1"], "ok2": CODES["s2"]}
+    _add(engine, codes)
+    assert len(engine.step().deltas) == 3  # the first windows, to their end together
+    assert not engine.step().deltas  # the second windows admitted, one Runge-Kutta step taken in two packs
+    assert len(two_dit_threads._flights) == 3
+    bad = engine._streams["bad"].job
+    bad.flight.ode.state = bad.flight.ode.state[:, :3]
+    _, outs = _drain(engine)
+    assert outs["bad"].finish_reason == "error"
+    assert outs["ok"].finish_reason == outs["ok2"].finish_reason == "stop"
+    assert not two_dit_threads._flights and not two_dit_threads._vocoding
 
 
 @pytest.mark.slow
@@ -141,3 +218,19 @@ def test_closing_the_engine_stops_the_vocoder_thread(tiny_omni):
     assert len(mine) == 1
     engine.close()
     assert stage._vocoder is None and not mine[0].is_alive()
+
+
+@pytest.mark.slow
+def test_closing_the_engine_stops_the_dit_thread(tiny_omni):
+    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+
+    stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
+                                           model_kwargs={"dit_threads": 2})
+    before = set(threading.enumerate())
+    engine = _engine(stage)
+    _add(engine, {"s0": CODES["s0"], "s1": CODES["s1"]})
+    _drain(engine)
+    mine = [t for t in threading.enumerate() if t not in before and t.name.startswith("omni-dit")]
+    assert len(mine) == 1 and stage._vocoder is None  # no vocoder thread unless asked
+    engine.close()
+    assert stage._dit_pool is None and not mine[0].is_alive()
