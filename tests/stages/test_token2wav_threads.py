@@ -62,17 +62,22 @@ def _drain(engine, limit=10_000):
     return steps, outs
 
 
+def _run_both(inline_stage, stage):
+    """CODES streamed through an engine of each stage: ((steps, outputs) inline, (steps, outputs) of `stage`)."""
+    runs = []
+    for model in (inline_stage, stage):
+        engine = _engine(model)
+        _add(engine, CODES)
+        runs.append(_drain(engine))
+    return runs
+
+
 CODES = {f"s{i}": np.random.default_rng(i).integers(0, 8000, n).tolist() for i, n in enumerate([60, 41, 23])}
 
 
 @pytest.mark.slow
 def test_threaded_vocoder_gives_the_inline_waveforms_bitwise_in_order(token2wav_stage, threaded):
-    inline = _engine(token2wav_stage)
-    _add(inline, CODES)
-    want_steps, want = _drain(inline)
-    engine = _engine(threaded)
-    _add(engine, CODES)
-    steps, got = _drain(engine)
+    (want_steps, want), (steps, got) = _run_both(token2wav_stage, threaded)
     used = threaded.stats()["vocoder_time_s"]
     assert used > 0  # later pieces went through the thread
     # First pieces: vocoded in the step their ODE ended, as inline (the first step ends every first window).
@@ -123,12 +128,7 @@ def test_a_step_splits_into_two_packs_of_about_equal_frames(sizes, loads):
 def test_two_dit_threads_give_the_one_thread_pieces(token2wav_stage, two_dit_threads):
     from tests.stages.omni_utils import wave_atol
 
-    inline = _engine(token2wav_stage)
-    _add(inline, CODES)
-    want_steps, want = _drain(inline)
-    engine = _engine(two_dit_threads)
-    _add(engine, CODES)
-    steps, got = _drain(engine)
+    (_, want), (_, got) = _run_both(token2wav_stage, two_dit_threads)
     assert two_dit_threads._dit_pool is not None  # steps of several windows ran in two packs
     for rid in CODES:
         atol = wave_atol(token2wav_stage, want[rid].audio, 64 * token2wav_stage.repeats)  # windows <= 64 codes
