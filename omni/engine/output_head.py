@@ -10,7 +10,7 @@ How fast MKL reads it depends on the weight's layout, on the operand order and o
     rows                                        1            2            4            8            16
     x @ W.T, W row-major (torch's default)      22.1 / 10.6  43.5 / 23.4  32.9 / 17.0  38.3 / 19.6  42.5 / 25.0
     x @ Wt, Wt = W.T contiguous (column-major)   7.4 /  5.2  14.6 / 10.4  23.2 / 20.6  25.5 / 23.0  31.1 / 28.7
-    prepared (below)                             8.0 /  5.5  10.4 /  6.6  16.1 /  9.0  25.9 / 14.9  41.5 / 25.6
+    prepared then (column / swapped / linear)    8.0 /  5.5  10.4 /  6.6  16.1 /  9.0  25.9 / 14.9  41.5 / 25.6
 
 One row is fastest from a column-major weight; two rows from the row-major weight with the operands
 swapped, (W @ x.T).T; from three rows on, oneDNN's product on a weight packed once (cpu_linear.py's
@@ -27,12 +27,13 @@ A head larger than the CPU's last-level cache (`LARGE_HEAD_BYTES`: every product
 from DRAM) therefore keeps its row-major parameter and gains a column-major copy and a packed one: one
 row multiplies the column-major copy, two (`SWAPPED_MAX_ROWS`) take the swapped product, more rows the
 packed copy (torch's `linear` where the packed one could not be made: a torch without the op, the
-OMNI_CPU_PACKED_LINEAR=0 switch, or less free memory than cpu_linear.py allows a copy). Each copy costs the
-head's size once more in host memory (155 MB each for the small thinkers); a tied input embedding keeps
-reading the row-major parameter, untouched. A row's logits do not depend on the other rows of a packed
-product (measured with cpu_linear.py's batch hint, 1 to 2,048 rows). A smaller head (a talker's codec head: 8.6 MB, in cache after its first step) is only
-re-laid out column-major in place (`omni bench head --shapes 8448x256`, same run conditions: 1 / 2 / 4 / 8
-rows 0.97 / 1.81 / 1.39 / 1.59 ms -> 0.37 / 0.71 / 1.03 / 1.23 ms).
+OMNI_CPU_PACKED_LINEAR=0 switch, or less free memory than cpu_linear.py allows a copy). Each copy costs
+the head's size once more in host memory (155 MB each for the small thinkers); a tied input embedding
+keeps reading the row-major parameter, untouched. A row's logits do not depend on the other rows of a packed
+product (measured with cpu_linear.py's batch hint, 1 to 2,048 rows; tested at 3 to 40). A smaller head (a
+talker's codec head: 8.6 MB, in cache after its first step) is only re-laid out column-major in place
+(`omni bench head --shapes 8448x256`, 2026-11-24: 1 / 2 / 4 / 8 rows 0.97 / 1.81 / 1.39 / 1.59 ms -> 0.37 /
+0.71 / 1.03 / 1.23 ms).
 
 The logits may differ from `linear`'s in the last bits (another summation order) as they already differ
 between a row alone and the same row in a batch: the same rows always take the same product, so caching
