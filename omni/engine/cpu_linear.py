@@ -108,7 +108,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether autograd records this product: the packed ops have no backward, so such a product (training,
+    or a gradient for the input through frozen weights) takes F.linear."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
 def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and module.weight.requires_grad or x.dtype != torch.float32:
-        return F.linear(x, module.weight, module.bias)  # training or another dtype: the plain product
+    if needs_grad(x, module.weight, module.bias) or x.dtype != torch.float32:
+        return F.linear(x, module.weight, module.bias)  # autograd or another dtype: the plain product
     return packed_linear(x, module._omni_packed, module.bias)

@@ -49,7 +49,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .cpu_linear import MAX_SHARE_OF_FREE_MEMORY, enabled, pack_weight, packed_linear
+from .cpu_linear import MAX_SHARE_OF_FREE_MEMORY, enabled, needs_grad, pack_weight, packed_linear
 from .memory import host_available
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _dual_forward(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`head(x)` for a large head (see the module docstring): the product each row count reads fastest."""
     weight, bias = head.weight, getattr(head, "bias", None)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows == 0 or torch.is_grad_enabled() and weight.requires_grad:
+    if rows == 0 or needs_grad(x, weight, bias):
         return F.linear(x, weight, bias)
     if rows > SWAPPED_MAX_ROWS:
         if head._omni_packed_head is None or x.dtype != torch.float32:

@@ -61,6 +61,11 @@ def test_gradients_and_other_dtypes_take_the_plain_product():
     x = torch.randn(3, 32, requires_grad=True)
     layer(x).sum().backward()  # training still works: F.linear, with its gradients
     assert layer.weight.grad is not None and x.grad is not None
+    # Frozen weights, a gradient for the input (the packed op has no backward): F.linear's gradient too.
+    layer.requires_grad_(False)
+    x.grad = None
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, 32))
     with torch.inference_mode():
         half = torch.randn(3, 32, dtype=torch.float64)
         assert layer(half.float()).dtype == torch.float32

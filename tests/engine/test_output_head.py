@@ -136,3 +136,16 @@ def test_without_a_packed_copy_more_rows_take_linear(large_threshold, monkeypatc
     assert ("no packed copy" in caplog.text) == (why == "no memory to spare")
     x = torch.randn(9, 48)
     _close(head(x), x @ want_w.T, x, want_w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 12])
+def test_a_frozen_head_still_gives_the_input_its_gradient(large_threshold, rows):
+    """The column-major, swapped and packed products serve inference only: with autograd recording (the input
+    needs a gradient through a frozen head) every row count takes `linear`, with its gradient."""
+    torch.manual_seed(5)
+    head = torch.nn.Linear(48, 3000, bias=True).requires_grad_(False)
+    assert prepare_cpu_head(head, CPU) == "dual"
+    x = torch.randn(rows, 48, requires_grad=True)
+    head(x).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, head.weight.sum(0).expand(rows, 48))

@@ -1,9 +1,10 @@
 """token2wav's threads.
 
 The vocoder thread (model_kwargs.vocoder_thread): BigVGAN of a stream's later windows runs on a thread of
-its own while the DiT steps the windows in flight. The same ops on the same inputs, so the waveforms are
-bitwise those of the inline stage; a stream's pieces leave in order, its first piece in the step its ODE
-ends; a failure there fails that stream alone, and an abort drops its pieces.
+its own while the DiT steps the windows in flight. The same ops on the same inputs, so while every stream
+fits in a step the waveforms are bitwise those of the inline stage (with more, windows may pack otherwise:
+the DiT's packing bound); a stream's pieces leave in order, its first piece in the step its ODE ends; a
+failure there fails that stream alone, and an abort drops its pieces.
 
 Two DiT threads (model_kwargs.dit_threads: 2): each Runge-Kutta step of the windows in flight runs as two
 packs of about equal frames, one on a second thread; a window's values are those of the one-pack step up to
@@ -92,9 +93,30 @@ def test_threaded_vocoder_gives_the_inline_waveforms_bitwise_in_order(token2wav_
     assert not threaded._flights and not threaded._vocoding
 
 
+@pytest.mark.slow
+def test_with_more_streams_than_a_step_takes_the_audio_is_within_the_packing_bound(token2wav_stage, threaded):
+    """max_num_seqs 2, three streams: with the vocoder thread a stream's next window starts before its piece is
+    back, so windows may step in other packs than inline; each waveform is still inline's within the bound."""
+    from tests.stages.omni_utils import wave_atol
+
+    codes = {f"s{i}": np.random.default_rng(i).integers(0, 8000, n).tolist() for i, n in enumerate([120, 90, 60])}
+    outs = []
+    for model in (token2wav_stage, threaded):
+        engine = _engine(model, max_num_seqs=2)
+        _add(engine, codes)
+        outs.append(_drain(engine)[1])
+    want, got = outs
+    for rid in codes:
+        atol = wave_atol(token2wav_stage, want[rid].audio, 64 * token2wav_stage.repeats)
+        assert got[rid].finish_reason == "stop" and got[rid].audio.shape == want[rid].audio.shape
+        assert np.abs(got[rid].audio - want[rid].audio).max() <= atol
+    assert not threaded._flights and not threaded._vocoding
+
+
 @pytest.mark.parametrize("kwargs,match", [({"vocoder_thread": "yes"}, "vocoder_thread: must be true or false"),
                                           ({"dit_threads": 3}, "dit_threads: must be 1 or 2, got 3"),
-                                          ({"dit_threads": True}, "dit_threads: must be 1 or 2")])
+                                          ({"dit_threads": True}, "dit_threads: must be 1 or 2"),
+                                          ({"dit_threads": 2.0}, "dit_threads: must be 1 or 2, got 2.0")])
 def test_thread_options_are_checked(tiny_omni, kwargs, match):
     from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
 
