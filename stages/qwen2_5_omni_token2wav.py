@@ -66,9 +66,9 @@ windows' ODE states, so the packs need no lock, and a pack that fails is stepped
 stepping thread (the one that fails alone fails its stream). A lone window is not split (a stream's first
 window alone, concurrency 1). A window's values are its one-pack values up to the blocking of fp32 sums
 (another packing: the bound of tests/stages). On the 2-core machine at 4 streams the DiT thread was the
-stage's (and the pipeline's) bound while the machine was ~20% idle; measured side by side (c4, 12 requests,
-interleaved, two rounds inline and four of each other): 1.96 audio s/s inline, 2.05 with the vocoder
-thread, 2.28 with both (the mean of the rounds).
+stage's (and the pipeline's) bound while the machine was ~25% idle; `omni bench capacity --concurrency 1 4`
+(one run each, README) at c4: 2.06 audio s/s inline (1.78x transformers in the same run), 2.21 and 1.89
+with the vocoder thread (1.75x, 1.68x), 2.18 with both (2.12x, the machine 96% busy).
 
 Measured on the random small checkpoint (150 codes): with >= 1 block of context on each side the
 chunked waveform equals the one-shot one to fp32 rounding (SNR 122 dB); without look-ahead 19 dB,
