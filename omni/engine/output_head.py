@@ -10,30 +10,19 @@ How fast MKL reads it depends on the weight's layout, on the operand order and o
     rows                                        1            2            4            8            16
     x @ W.T, W row-major (torch's default)      22.1 / 10.6  43.5 / 23.4  32.9 / 17.0  38.3 / 19.6  42.5 / 25.0
     x @ Wt, Wt = W.T contiguous (column-major)   7.4 /  5.2  14.6 / 10.4  23.2 / 20.6  25.5 / 23.0  31.1 / 28.7
-    prepared then (column / swapped / linear)    8.0 /  5.5  10.4 /  6.6  16.1 /  9.0  25.9 / 14.9  41.5 / 25.6
+    prepared (below)                             8.0 /  5.5  10.4 /  6.6  16.1 /  9.0  25.9 / 14.9  41.5 / 25.6
 
-One row is fastest from a column-major weight; two rows from the row-major weight with the operands
-swapped, (W @ x.T).T; from three rows on, oneDNN's product on a weight packed once (cpu_linear.py's
-pack_weight: what the decoder layers of a causal_lm stage multiply with) beats every layout above at
-every count measured (ms, same machine, one thread, 2026-11-28, an ad-hoc script of the same products):
-
-    rows                        3            4           8            16           32           128
-    x @ Wt                      20.1 / 15.0  19.7 / 20.5  23.1 / 22.5  29.1 / 28.0  49.7 / 36.6  -
-    (W @ x.T).T                 13.8 /  8.3  17.0 /  8.8  24.9 / 14.5  53.2 / 26.8  77.2 / 36.7  -
-    linear                      61.0 / 32.2  31.2 / 16.4  34.1 / 18.5  41.1 / 23.1  57.4 / 32.6  190.7 / 96.6
-    packed                       9.7 /  7.5   9.0 /  6.3  12.4 /  8.3  17.0 / 11.4  28.1 / 19.1  132.0 / 68.2
-
-A head larger than the CPU's last-level cache (`LARGE_HEAD_BYTES`: every product streams the weight
-from DRAM) therefore keeps its row-major parameter and gains a column-major copy and a packed one: one
-row multiplies the column-major copy, two (`SWAPPED_MAX_ROWS`) take the swapped product, more rows the
-packed copy (torch's `linear` where the packed one could not be made: a torch without the op, the
-OMNI_CPU_PACKED_LINEAR=0 switch, or less free memory than cpu_linear.py allows a copy). Each copy costs
-the head's size once more in host memory (155 MB each for the small thinkers); a tied input embedding
-keeps reading the row-major parameter, untouched. A row's logits do not depend on the other rows of a packed
-product (measured with cpu_linear.py's batch hint, 1 to 2,048 rows; tested at 3 to 40). A smaller head (a
-talker's codec head: 8.6 MB, in cache after its first step) is only re-laid out column-major in place
-(`omni bench head --shapes 8448x256`, 2026-11-24: 1 / 2 / 4 / 8 rows 0.97 / 1.81 / 1.39 / 1.59 ms -> 0.37 /
-0.71 / 1.03 / 1.23 ms).
+One row is fastest from a column-major weight; two to eight rows from the row-major weight with the
+operands swapped, (W @ x.T).T; from about twelve rows on, neither layout wins on both heads (the
+column-major one is 15-28% faster on the 256-wide head, 6-16% slower on the 576-wide one, up to 64
+rows), so torch's own product runs there. A head larger than the CPU's last-level cache
+(`LARGE_HEAD_BYTES`: every product streams the weight from DRAM) therefore keeps its row-major
+parameter and gains a column-major copy: one row multiplies the copy, two to `SWAPPED_MAX_ROWS` rows
+take the swapped product, more rows `linear`. The copy costs the head's size once more in host memory
+(155 MB for the small thinkers); a tied input embedding keeps reading the row-major parameter,
+untouched. A smaller head (a talker's codec head: 8.6 MB, in cache after its first step) is only
+re-laid out column-major in place (`omni bench head --shapes 8448x256`, same run conditions: 1 / 2 / 4 / 8
+rows 0.97 / 1.81 / 1.39 / 1.59 ms -> 0.37 / 0.71 / 1.03 / 1.23 ms).
 
 The logits may differ from `linear`'s in the last bits (another summation order) as they already differ
 between a row alone and the same row in a batch: the same rows always take the same product, so caching
@@ -44,21 +33,14 @@ from __future__ import annotations
 
 import types
 
-import logging
-
 import torch
 import torch.nn.functional as F
-
-from .cpu_linear import MAX_SHARE_OF_FREE_MEMORY, enabled, needs_grad, pack_weight, packed_linear
-from .memory import host_available
-
-logger = logging.getLogger(__name__)
 
 # A head whose weight is larger than this is read from DRAM at every product (the CI machine's last-level
 # cache is 32 MiB, shared by the stages): the dual layout pays there. Smaller ones stay in cache.
 LARGE_HEAD_BYTES = 32 << 20
-# Most rows for which the swapped product (W @ x.T) is the fastest (the tables above); more take the packed copy.
-SWAPPED_MAX_ROWS = 2
+# Most rows for which the swapped product (W @ x.T) beats both `linear`s (the table above).
+SWAPPED_MAX_ROWS = 8
 
 
 def prepare_cpu_head(head: torch.nn.Module, device: torch.device) -> str | None:
@@ -82,7 +64,6 @@ def prepare_cpu_head(head: torch.nn.Module, device: torch.device) -> str | None:
             weight.data = weight.data.contiguous()
         # A plain attribute, not a buffer: not part of the state dict, never saved or loaded.
         head._omni_weight_t = weight.data.t().contiguous()  # [hidden, vocab]
-        head._omni_packed_head = _packed_copy(weight)  # None: more rows take `linear`
     # An instance attribute overrides the class's forward for this module only (nn.Module.__call__
     # looks `forward` up on the instance): every caller of `head(x)` gets the dispatch unchanged.
     head.forward = types.MethodType(_dual_forward, head)
@@ -94,12 +75,8 @@ def _dual_forward(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`head(x)` for a large head (see the module docstring): the product each row count reads fastest."""
     weight, bias = head.weight, getattr(head, "bias", None)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if rows == 0 or needs_grad(x, weight, bias):
+    if rows == 0 or rows > SWAPPED_MAX_ROWS or torch.is_grad_enabled() and weight.requires_grad:
         return F.linear(x, weight, bias)
-    if rows > SWAPPED_MAX_ROWS:
-        if head._omni_packed_head is None or x.dtype != torch.float32:
-            return F.linear(x, weight, bias)
-        return packed_linear(x, head._omni_packed_head, bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
         out = flat @ head._omni_weight_t
@@ -108,22 +85,3 @@ def _dual_forward(head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """The head's weight packed for oneDNN (cpu_linear.pack_weight), or None where that does not apply: the
-    OMNI_CPU_PACKED_LINEAR=0 switch, a torch without the op, or a copy the free memory cannot spare."""
-    if not enabled() or not torch.backends.mkldnn.is_available():
-        return None
-    need = weight.numel() * weight.element_size()
-    avail, source = host_available()
-    if avail is not None and need > MAX_SHARE_OF_FREE_MEMORY * avail:
-        logger.warning("output head: no packed copy (%.0f MiB, more than %.0f%% of the %.0f MiB free, %s): "
-                       "decode steps of more than %d rows take F.linear", need / 2**20,
-                       100 * MAX_SHARE_OF_FREE_MEMORY, avail / 2**20, source, SWAPPED_MAX_ROWS)
-        return None
-    try:
-        return pack_weight(weight)
-    except (RuntimeError, AttributeError) as exc:  # a torch without the op
-        logger.warning("output head: oneDNN weight packing unavailable (%s); more rows take F.linear", exc)
-        return None

@@ -55,8 +55,7 @@ def test_a_large_head_dispatches_on_the_row_count(large_threshold):
     assert head.weight is param and head.weight.is_contiguous() and torch.equal(head.weight, before_w)
     assert head._omni_weight_t.shape == (48, 3000) and head._omni_weight_t.is_contiguous()
     assert "_omni_weight_t" not in head.state_dict()  # the copy is never saved
-    assert head._omni_packed_head is not None and "_omni_packed_head" not in head.state_dict()
-    for rows in (1, 2, 3, 8, 9, 20):  # column-major copy, swapped product, the packed copy
+    for rows in (1, 2, 3, 8, 9, 20):  # column-major copy, swapped product, torch's linear
         _close(head(x[:rows]), want[:rows], x[:rows], before_w)
     # Leading dimensions are kept ([batch, seq, hidden] as transformers' heads get them).
     _close(head(x[:6].reshape(2, 3, 48)).reshape(6, 3000), want[:6], x[:6], before_w)
@@ -103,45 +102,10 @@ def test_left_alone_off_the_cpu_or_outside_float32():
     assert prepare_cpu_head(torch.nn.Identity(), CPU) is None
 
 
-@torch.inference_mode()
-def test_more_than_two_rows_take_the_packed_copy_and_a_row_does_not_depend_on_the_others(large_threshold, monkeypatch):
-    torch.manual_seed(3)
-    head = torch.nn.Linear(48, 3000, bias=True)
-    assert prepare_cpu_head(head, CPU) == "dual"
-    calls = []
-    real = output_head.packed_linear
-    monkeypatch.setattr(output_head, "packed_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    x = torch.randn(40, 48)
-    for rows in (1, 2, 3, 40):
-        head(x[:rows])
-    assert calls == [3, 40]
-    # A row's logits are the same bits whichever other rows share its product (3 to 40 of them).
-    assert torch.equal(head(x[:40])[5:8], head(x[5:8]))
-    assert torch.equal(head(x[:40])[:12], head(x[:12]))
-
-
-@torch.inference_mode()
-@pytest.mark.parametrize("why", ["switched off", "no memory to spare"])
-def test_without_a_packed_copy_more_rows_take_linear(large_threshold, monkeypatch, caplog, why):
-    if why == "switched off":
-        monkeypatch.setenv("OMNI_CPU_PACKED_LINEAR", "0")
-    else:
-        monkeypatch.setattr(output_head, "host_available", lambda: (100_000, "test"))  # the head is 576,000 bytes
-    torch.manual_seed(4)
-    head = torch.nn.Linear(48, 3000, bias=False)
-    want_w = head.weight.detach().clone()
-    with caplog.at_level("WARNING"):
-        assert prepare_cpu_head(head, CPU) == "dual"
-    assert head._omni_packed_head is None
-    assert ("no packed copy" in caplog.text) == (why == "no memory to spare")
-    x = torch.randn(9, 48)
-    _close(head(x), x @ want_w.T, x, want_w)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 12])
 def test_a_frozen_head_still_gives_the_input_its_gradient(large_threshold, rows):
-    """The column-major, swapped and packed products serve inference only: with autograd recording (the input
-    needs a gradient through a frozen head) every row count takes `linear`, with its gradient."""
+    """Whatever product a row count takes, a frozen head still passes the input its gradient (the column-major
+    and swapped products are torch ops autograd records; more rows take `linear`)."""
     torch.manual_seed(5)
     head = torch.nn.Linear(48, 3000, bias=True).requires_grad_(False)
     assert prepare_cpu_head(head, CPU) == "dual"
