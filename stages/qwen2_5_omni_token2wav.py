@@ -78,7 +78,6 @@ measure the bound on real weights before trusting it there.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -202,8 +201,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self.dit_threads = dit_threads
         self._dit_pool: ThreadPoolExecutor | None = None
         self._vocoding: deque[_Vocoding] = deque()  # pieces at the vocoder thread, in submission order
-        self._vocoder_s = 0.0
-        self._vocoder_lock = threading.Lock()
+        self._vocoder_s = 0.0  # written by the vocoder thread only (one writer), read by stats()
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -480,8 +478,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         try:
             return piece()
         finally:
-            with self._vocoder_lock:
-                self._vocoder_s += time.perf_counter() - t
+            self._vocoder_s += time.perf_counter() - t
 
     def _pool(self, attr: str, name: str) -> ThreadPoolExecutor:
         """A one-thread pool of this stage's (made on first use, in the stepping thread)."""
