@@ -43,11 +43,9 @@ _VLLM_ONLY = {
          "samples), as the server's n does",
     "best_of": "one request is one sample here: submit the prompt several times and keep the best",
     "guided_decoding": "use structured_outputs ({'json': schema} | {'regex': ...} | {'choice': [...]})",
-    "spaces_between_special_tokens": "special tokens are decoded by the stage's tokenizer as it joins them",
     "logits_processors": "use logit_bias, the penalties or structured_outputs",
     "allowed_token_ids": "use structured_outputs ({'choice': [...]}) or logit_bias",
     "bad_words": "use logit_bias with -100 for their token ids",
-    "truncate_prompt_tokens": "prompts are never truncated: a prompt longer than max_model_len is refused",
 }
 
 
@@ -108,6 +106,16 @@ class SamplingParams(BaseModel):
     skip_special_tokens: StrictFlag = Field(
         True, description="The reply's text leaves out special tokens (vLLM's default); false keeps them "
         "(<|im_end|> and the like). Token ids are the same either way.")
+    spaces_between_special_tokens: StrictFlag = Field(
+        True, description="vLLM's: with skip_special_tokens false, whether special tokens are set apart by spaces in "
+        "the text. Accepted for vLLM's clients; as with vLLM's fast detokenizer, which every tokenizer omni loads is "
+        "(transformers 5), the tokenizer's own decoding decides and this changes nothing.")
+    truncate_prompt_tokens: int | None = Field(
+        None, description="vLLM's: keep only the last k tokens of the prompt (left truncation), k >= 1, or -1 for "
+        "the stage's max_model_len; at most max_model_len. Applies where the prompt is the caller's (the "
+        "pipeline's entry stage); a stage that renders its own prompt (multimodal positions, e.g. Qwen-Omni's "
+        "thinker) refuses a prompt that would have to be cut. None: never cut (a prompt longer than "
+        "max_model_len is refused).")
     repetition_penalty: float = Field(
         1.0,
         description="HF repetition penalty, > 0: for tokens seen in prompt + output, positive logits are "
@@ -185,6 +193,13 @@ class SamplingParams(BaseModel):
                     raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {
                         "field": name, "text": f"vLLM's {name} is not supported: {_VLLM_ONLY[name]}"})
         return data
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {v}")
+        return v
 
     @field_validator("temperature")
     @classmethod

@@ -292,7 +292,7 @@ def test_every_boolean_field_of_the_config_is_strict():
                         found.add(name)
     assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver",
                      "wait_for_nodes", "ignore_eos", "echo_prompt", "max_tokens_fit", "include_stop_str_in_output",
-                     "skip_special_tokens"}
+                     "skip_special_tokens", "spaces_between_special_tokens"}
 
 
 @pytest.mark.parametrize("value", ["false", 1])

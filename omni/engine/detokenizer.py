@@ -14,15 +14,41 @@ emits the difference:
 
 Work per step is bounded by the window, not the sequence. `flush()` at the
 end returns the rest exactly, so that the deltas concatenate to
-`decode(all ids)`; the engine checks that and uses the concatenation as the
-request's final text.
+`final_decode(all ids)`; the engine checks that and uses the concatenation as
+the request's final text. The end of a reply can cut a character (max_tokens
+after the first byte tokens of an emoji): its incomplete bytes are left out,
+not shown as U+FFFD, as vLLM's detokenizer never emits them.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from .token_bytes import TokenBytes
+
 _WINDOW = 6  # tokens of left context kept for the next decode
 _REPLACEMENT = "\ufffd"
+
+
+def final_decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of a whole reply: decode(ids), less the U+FFFD of a character its last tokens began and did not
+    end (their raw bytes end in an incomplete UTF-8 sequence, which the decoder shows as one U+FFFD). A U+FFFD a
+    token spells as a character of its own stays, as with vLLM's fast detokenizer."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if text.endswith(_REPLACEMENT) and ids and _ends_incomplete(TokenBytes(tokenizer), ids):
+        return text[:-1]
+    return text
+
+
+def _ends_incomplete(token_bytes: TokenBytes, ids: list[int]) -> bool:
+    """Whether the last tokens' raw bytes end inside a UTF-8 character (a lead byte without all its bytes)."""
+    raw = b"".join(token_bytes(t) for t in ids[-4:])[-4:]  # a character is at most 4 bytes
+    for back in range(1, len(raw) + 1):
+        byte = raw[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: its lead is further back
+            continue
+        need = 2 if 0xC0 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else 4 if 0xF0 <= byte < 0xF8 else 1
+        return need > back
+    return False
 
 
 class IncrementalDetokenizer:
@@ -56,7 +82,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The rest of the text at the end of the sequence (deltas + flush == decode(all ids))."""
-        full = self._decode(self.ids)
+        full = final_decode(self.tokenizer, self.ids, self.skip_special_tokens)
         if full.startswith(self.text):
             delta = full[len(self.text):]
         else:  # cannot happen for a prefix-stable decoder; keep what was sent, add nothing wrong

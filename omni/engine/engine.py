@@ -35,6 +35,7 @@ from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
 from .loading import load_stage_model
 from .memory import check_before_load, check_loaded
+from .detokenizer import final_decode
 from .model_runner import ModelRunner, RunnerRequestState
 from .prompt_report import prompt_report
 from .request import Request, RequestStatus
@@ -97,6 +98,9 @@ class StageEngineConfig:
     # Capture decode steps in CUDA graphs (CUDA + Triton attention + a model
     # that supports it); False = always eager (vLLM's enforce_eager).
     cuda_graphs: bool = True
+    # The stage's prompts are the caller's (a pipeline's entry stage), not made by the pipeline from upstream
+    # stages' outputs: SamplingParams.truncate_prompt_tokens cuts only those.
+    takes_caller_prompt: bool = True
 
 
 class StageEngine:
@@ -207,6 +211,9 @@ class StageEngine:
                      else self.checks.prompt_ids(inp))
         prompt_embeds = prepared.prompt_embeds if prepared is not None else inp.prompt_embeds
         self.checks.not_empty(token_ids)
+        if params.truncate_prompt_tokens is not None and self.config.takes_caller_prompt:
+            token_ids = self._truncated(token_ids, params.truncate_prompt_tokens,
+                                        prepared is not None or prompt_embeds is not None or not inp.input_complete)
         n = len(token_ids)
         if params.max_tokens_fit:
             room = self.max_model_len - n - params.reserve_tokens  # what the prompt leaves the reply
@@ -277,6 +284,26 @@ class StageEngine:
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             self._release_finished()
             raise
+
+    def _truncated(self, token_ids: list[int], keep: int, fixed: bool) -> list[int]:
+        """The last `keep` tokens of the prompt (-1: max_model_len), vLLM's truncate_prompt_tokens. `fixed`: the
+        prompt is not plain tokens (the model rendered it with positions or features of its own, it came as
+        embeddings, or it is still streaming in): it is refused if it would have to be cut."""
+        field = "sampling_params.truncate_prompt_tokens"
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise RequestError(f"{field}: {keep} is greater than max_model_len {self.max_model_len} of stage "
+                               f"{self.name!r}; choose a smaller truncation size", stage=self.name, field=field,
+                               limit=self.max_model_len, actual=keep)
+        if len(token_ids) <= keep:
+            return token_ids
+        if fixed:
+            raise RequestError(f"{field}: the prompt of stage {self.name!r} has {len(token_ids)} tokens, more than "
+                               f"{keep}, and cannot be cut (the stage renders its own prompt, or it came as "
+                               "embeddings or as a streamed input); shorten the prompt", stage=self.name, field=field,
+                               limit=keep, actual=len(token_ids))
+        return token_ids[-keep:]
 
     def _forced_reply(self, params: SamplingParams) -> list[int] | None:
         """The token ids a request's reply is forced to (sampling_params.forced_token_ids / forced_text)."""
@@ -445,7 +472,7 @@ class StageEngine:
                 continue
             if rid in done:
                 req = done[rid]
-                st.feed(req.output_token_ids, req.num_output_tokens >= req.sampling_params.min_tokens)
+                st.feed(req.text_token_ids(), req.num_output_tokens >= req.sampling_params.min_tokens)
                 st.finish()
                 continue
             req = self.scheduler.requests.get(rid)
@@ -504,8 +531,7 @@ class StageEngine:
         out.prompt_text, out.prompt_token_texts, out.prompt_logprobs = report.text, report.token_texts, report.logprobs
         out.prompt_mm_tokens, out.cached_mm_tokens = req.mm_token_counts()
         if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(req.output_token_ids,
-                                             skip_special_tokens=req.sampling_params.skip_special_tokens)
+            out.text = final_decode(self.tokenizer, req.text_token_ids(), req.sampling_params.skip_special_tokens)
             streamed = self.streams.final_text(rid)
             if streamed is not None and streamed != out.text and rid not in self._stops:
                 # A decoder whose output is not prefix-stable: the caller saw the deltas, keep them true.
@@ -518,9 +544,8 @@ class StageEngine:
             out.text = stop.final_text()
             if stop.stopped is not None:
                 out.finish_reason, out.stop_reason = "stop", stop.stopped
-        elif (out.finish_reason == "stop" and req.forced_token_ids is None and req.output_token_ids
-              and req.output_token_ids[-1] in params.stop_token_ids
-              and (params.ignore_eos or req.output_token_ids[-1] != req.eos_token_id)):
+        if (out.stop_reason is None and req.ended_by_stop_token and req.output_token_ids[-1] in params.stop_token_ids
+                and (params.ignore_eos or req.output_token_ids[-1] != req.eos_token_id)):
             out.stop_reason = req.output_token_ids[-1]  # vLLM's: the stop token id (eos is none)
         if rows is not None:
             out.hidden_states, out.mm_outputs, out.passthrough = rows.hidden_states, rows.mm_outputs, rows.passthrough

@@ -131,6 +131,8 @@ class Request:
         self.forced_token_ids: list[int] | None = None
         # Set by the runner when the request's structured-output grammar is complete (structured_output.py).
         self.structured_done = False
+        # Set by the scheduler when the last output token ended the request as eos or one of stop_token_ids.
+        self.ended_by_stop_token = False
         self.num_computed_tokens = 0
         # -1 until the scheduler first schedules the request and records how
         # many prompt tokens came from the prefix cache.
@@ -160,6 +162,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def text_token_ids(self) -> list[int]:
+        """The output tokens the reply's text is made of: all of them, but the eos or stop token that ended the
+        request (vLLM's: its text is left out unless include_stop_str_in_output; the token ids keep it)."""
+        params = self.sampling_params
+        if self.ended_by_stop_token and not getattr(params, "include_stop_str_in_output", False):
+            return self.output_token_ids[:-1]
+        return self.output_token_ids
 
     @property
     def block_hasher(self) -> "BlockHasher | None":

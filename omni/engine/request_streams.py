@@ -109,7 +109,9 @@ class RequestStreams:
             if isinstance(st.detok, StopText):  # (the engine fed it this step's tokens)
                 text = st.detok.take(final=done)
             else:
-                text = st.detok.add(new) if st.detok is not None else ""
+                # the detokenizer holds the tokens sent before; at the end, not a stop token the text leaves out
+                ids = req.text_token_ids() if done else req.output_token_ids
+                text = st.detok.add(list(ids[len(st.detok.ids):ready])) if st.detok is not None else ""
                 if done and st.detok is not None:
                     text += st.detok.flush()
             delta = StageDelta(rid, self.name, new, text, req.num_prompt_tokens, req.num_computed_tokens, done)

@@ -207,9 +207,11 @@ class Scheduler:
         params = req.sampling_params
         if req.forced_token_ids is not None:  # neither eos, stop tokens nor max_tokens cut a forced reply
             return RequestStatus.FINISHED_STOPPED if req.num_output_tokens >= len(req.forced_token_ids) else None
-        if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+        if (not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id
+                or token in params.stop_token_ids):
+            req.ended_by_stop_token = True
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids or req.structured_done:
+        if req.structured_done:
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -54,7 +54,8 @@ def build_engine(stage: StageConfig) -> Engine:
                                     enable_chunked_prefill=stage.scheduler.enable_chunked_prefill),
         max_model_len=stage.scheduler.max_model_len,
         default_sampling=stage.sampling, use_chat_template=stage.use_chat_template,
-        dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
+        dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs),
+        takes_caller_prompt=not stage.inputs))
 
 
 def start_error(stage: str, e: BaseException) -> StageStartError:

@@ -317,6 +317,12 @@ class _Common(_Strict):
                                                     "that ended it (the text stage).")
     skip_special_tokens: bool | None = Field(None, description="vLLM's: false keeps special tokens in the text "
                                              "(the text stage).")
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="vLLM's (the text stage): accepted; with the fast tokenizers omni loads it changes "
+        "nothing, as with vLLM's fast detokenizer.")
+    truncate_prompt_tokens: int | None = Field(
+        None, description="vLLM's: keep only the last k prompt tokens (k >= 1; -1: max_model_len), the prompt "
+        "the entry stage takes (one that renders its own prompt refuses one that would have to be cut).")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
         None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
         "that stage's defaults, or null. The top-level fields above then apply to the text stage.")

@@ -26,7 +26,7 @@ from omni.serve.tools import force_tool_call, template_tool_calls
 # request field -> SamplingParams field, applied to the text stage
 _TOP_LEVEL = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
               "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "structured_outputs",
-              "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens")
+              "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 @dataclass(slots=True)
@@ -135,6 +135,10 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
     if req.stops:  # the text stage stops itself (SamplingParams.stop): stop_reason, and no audio past the string
         top["stop"] = list(req.stops)
         job.fields["stop"] = "stop"
+    if req.truncate_prompt_tokens is not None:  # the caller's prompt is the entry stage's
+        job.sampling[info.entry_stage] = {**job.sampling.get(info.entry_stage, {}),
+                                          "truncate_prompt_tokens": req.truncate_prompt_tokens}
+        job.fields["truncate_prompt_tokens"] = "truncate_prompt_tokens"
     if top:
         stage = info.text_stage or info.entry_stage
         job.sampling[stage] = {**job.sampling.get(stage, {}), **top}
