@@ -58,6 +58,9 @@ class StageInput:
     # False: a text prompt is tokenized as it is, even on a stage with `use_chat_template` (the completions
     # endpoint's prompt, as vLLM's: no template); None: the stage's config decides.
     chat_template: bool | None = None
+    # Extra variables for the chat template (vLLM's chat_template_kwargs: enable_thinking, ...); a template that
+    # does not use one ignores it. Stages that render their own prompt take none.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

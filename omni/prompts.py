@@ -26,7 +26,7 @@ from omni.errors import RequestError
 from omni.outputs import MultiModalInput, StageInput
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id",
-               "tools")
+               "tools", "chat_template_kwargs")
 MODALITIES = ("image", "audio")
 PART_TYPES = ("text", *MODALITIES)
 
@@ -84,9 +84,13 @@ def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
     tools = p.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
         raise _bad(where, "tools", "expected a list of tool definitions ({'type': 'function', 'function': {...}})")
+    kwargs = p.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):
+        raise _bad(where, "chat_template_kwargs", "expected a dict of the chat template's variables")
     return StageInput(p.get("request_id") or new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
                       mm_inputs=mm_inputs(p.get("multi_modal_data"), where),
-                      cache_salt=p.get("cache_salt"), tools=[dict(t) for t in tools] if tools else None)
+                      cache_salt=p.get("cache_salt"), tools=[dict(t) for t in tools] if tools else None,
+                      chat_template_kwargs=dict(kwargs) if kwargs else None)
 
 
 def check_messages(messages: Any, where: str = "") -> None:
@@ -131,12 +135,21 @@ def text_only_messages(messages: list[dict[str, Any]], stage: str) -> list[dict[
     return out
 
 
+# apply_chat_template's own arguments, which a request's template variables must not set
+_OWN = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
 def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat_template: bool,
-                    stage: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    stage: str, tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+                    add_special_tokens: bool | None = None) -> list[int]:
     """A text prompt's token ids as a stage computes them: plain text with the tokenizer's special tokens,
     chat messages (or text under `use_chat_template`) through the chat template with the generation prompt.
     The stage's engine and the driver's router (omni/pipeline/routing/keys.py) both call this, so that the
-    block hashes the router computes are the ones the stage caches."""
+    block hashes the router computes are the ones the stage caches. (vLLM's /tokenize may ask for chat without
+    the generation prompt, or for the rendered template tokenized with `add_special_tokens`.)"""
     if isinstance(prompt, list):
         messages = text_only_messages(prompt, stage)
     elif use_chat_template:
@@ -146,12 +159,20 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat
                            field="tools", stage=stage)
     else:
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    own = sorted(_OWN.intersection(template_kwargs or {}))
+    if own:
+        raise RequestError(f"chat_template_kwargs: {own[0]!r} is an argument of the template call, not a variable "
+                           "of the template", field=f"chat_template_kwargs.{own[0]}", stage=stage)
     try:
         # `tools` as transformers' templates take them (OpenAI's function definitions); None adds nothing.
-        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+        # template_kwargs: variables the template may read (vLLM's chat_template_kwargs)
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                            tokenize=add_special_tokens is None, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - Jinja errors: say which field, not where in the template
         raise RequestError(f"prompt: the chat template of stage {stage!r} cannot render these messages: "
                            f"{type(e).__name__}: {e}", field="prompt", stage=stage) from None
+    if isinstance(ids, str):  # rendered only: tokenized as asked
+        ids = tokenizer(ids, add_special_tokens=add_special_tokens)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

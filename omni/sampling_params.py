@@ -90,7 +90,8 @@ class SamplingParams(BaseModel):
     )
     stop_token_ids: list[int] = Field(
         default_factory=list,
-        description="Extra token ids (>= 0) that end generation; the stop token is kept in the output.",
+        description="Extra token ids (>= 0) that end generation; the stop token is kept in the token ids and, as "
+        "in vLLM, left out of the text (as the eos token is) unless include_stop_str_in_output.",
     )
     ignore_eos: StrictFlag = Field(
         False, description="Keep generating past the end-of-sequence token (benchmarks)."

@@ -93,7 +93,7 @@ class RequestChecker:
             raise RequestError(f"prompt: stage {self.stage} has no tokenizer; send prompt_token_ids instead",
                                stage=self.stage, field="prompt")
         return tokenize_prompt(self.tokenizer, inp.prompt, self.use_chat_template and inp.chat_template is not False,
-                               self.stage, inp.tools)
+                               self.stage, inp.tools, inp.chat_template_kwargs)
 
     def given_not_empty(self, inp: StageInput) -> None:
         """A prompt sent as no token ids (or no embedding rows) is empty whatever the stage model would make of

@@ -10,7 +10,9 @@
     WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime.py)
     GET  /v1/models             the one model: the pipeline
     GET  /v1/models/{model}     that model (404 naming `model` for any other name)
-    GET  /health                200 while the pipeline serves (HEAD too)
+    GET  /health                200 while the pipeline serves (HEAD too); GET|POST /ping: the same (vLLM's)
+    POST /tokenize, /detokenize vLLM's: text or chat messages <-> the entry stage's tokens (tokenization.py)
+    GET  /version               {"version": omni's version}
     GET  /metrics               Prometheus text
 
 The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment),
@@ -37,6 +39,7 @@ from omni.serve.realtime import RealtimeHub, realtime_endpoint
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
 from omni.serve.speech import create_speech
+from omni.serve.tokenization import EntryTokenizer, detokenize, omni_version, tokenize
 from omni.serve.transcriptions import create_transcription, create_translation
 from omni.serve.translate import PipelineInfo, check_model
 
@@ -53,8 +56,9 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     info = PipelineInfo.of(omni.config, settings.served_model_name, omni.voices(), omni.shows_tools(),
                            omni.context_reserve(), omni.min_spoken_tokens())
     state = ServerState(omni, settings, info)
-    app = FastAPI(title="omni", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state
+    tokenizer = app.state.tokenizer = EntryTokenizer(state)
     hub = app.state.realtime = RealtimeHub.of(state)
     app.add_middleware(ServerMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=state.metrics, drain=state.drain)
@@ -110,6 +114,22 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
         if state.drain.draining:
             return _error(shutting_down("it answers the requests in flight and takes no new ones"))
         return JSONResponse({"status": "ok", "model": state.info.model, "pending_requests": state.pending})
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness probe: /health's answer
+    async def _ping() -> JSONResponse:
+        return await _health()
+
+    @app.post("/tokenize")
+    async def _tokenize(request: Request) -> Response:
+        return await tokenize(state, tokenizer, request)
+
+    @app.post("/detokenize")
+    async def _detokenize(request: Request) -> Response:
+        return await detokenize(state, tokenizer, request)
+
+    @app.get("/version")
+    async def _version() -> JSONResponse:
+        return JSONResponse({"version": omni_version()})
 
     @app.get("/metrics")
     async def _metrics() -> Response:

@@ -228,7 +228,7 @@ def _earlier_audio_replies(req: ChatCompletionRequest, transcripts: AudioTranscr
 async def chat_completions(state: ServerState, request: Request) -> Response:
     req = parse(ChatCompletionRequest, await request.body())
     check_model(req.model, state.info)
-    rid, created, model = R.new_id("chatcmpl"), int(time.time()), state.info.model
+    rid, created, model = R.new_id("chatcmpl", req.request_id), int(time.time()), state.info.model
     _earlier_audio_replies(req, state.audio_transcripts)
     fmt = req.audio.format if req.audio is not None else "wav"
     if fmt != "pcm16" and fmt not in encodable():
@@ -262,7 +262,13 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         # the text is also the audio's transcript (a reply voiced once its text is whole too, unless it may be a call)
         job = run.job
         speaks = (job.audio_stage is not None or (job.voice_after is not None and job.tool_parser is None)) and not vllm
-        chunk = lambda delta, **kw: R.chat_chunk(rid, model, created, delta, **kw)  # noqa: E731
+        live = req.continuous_usage  # vLLM's continuous_usage_stats: every chunk with the usage so far
+
+        def chunk(delta: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:
+            if live and "usage_" not in kw:
+                kw["usage_"] = R.usage(run)
+            return R.chat_chunk(rid, model, created, delta, **kw)
+
         for index in range(len(run.runs)):
             yield chunk({"role": "assistant", "content": ""}, modality=text_mod, index=index)
         forced = run.job.forced_tool  # a forced tool call: its JSON is held back and sent as tool_calls at the end
@@ -310,7 +316,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 async def completions(state: ServerState, request: Request) -> Response:
     req = parse(CompletionRequest, await request.body())
     check_model(req.model, state.info)
-    rid, created, model = R.new_id("cmpl"), int(time.time()), state.info.model
+    rid, created, model = R.new_id("cmpl", req.request_id), int(time.time()), state.info.model
 
     def run_for() -> Choices:
         return Choices(state.omni, completion_jobs(req, state.info, rid), req.choices,
@@ -325,20 +331,25 @@ async def completions(state: ServerState, request: Request) -> Response:
 
     async def stream(run: Choices) -> AsyncIterator[dict[str, Any]]:
         offsets = [0] * len(run.runs)  # text_offset of each choice's next token, over its whole completion
+        live = req.continuous_usage  # vLLM's continuous_usage_stats: every chunk with the usage so far
+
+        def chunk(text: str | None, **kw: Any) -> dict[str, Any]:
+            if live and "usage_" not in kw:
+                kw["usage_"] = R.completion_usage(run)
+            return R.completion_chunk(rid, model, created, text, **kw)
+
         async with contextlib.aclosing(run.events()) as evs:
             async for index, ev in evs:
                 if isinstance(ev, TextEvent) and ev.echo:
                     logprobs = R.echo_logprobs(run.runs[index]) if run.runs[index].job.echo_logprobs else None
-                    yield R.completion_chunk(rid, model, created, ev.text, index=index, logprobs=logprobs)
+                    yield chunk(ev.text, index=index, logprobs=logprobs)
                     offsets[index] += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
                 elif isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
-                    yield R.completion_chunk(rid, model, created, ev.text, index=index,
-                                             logprobs=R.completion_logprobs(ev.logprobs, offsets[index]))
+                    yield chunk(ev.text, index=index, logprobs=R.completion_logprobs(ev.logprobs, offsets[index]))
                     offsets[index] += sum(len(e.token or "") for e in ev.logprobs or ())
         for index, r in enumerate(run.runs):
-            yield R.completion_chunk(rid, model, created, "", finish_reason=r.finish_reason, index=index,
-                                     stop_reason=r.stop_reason)
+            yield chunk("", finish_reason=r.finish_reason, index=index, stop_reason=r.stop_reason)
         if req.include_usage:
-            yield R.completion_chunk(rid, model, created, None, usage_=R.completion_usage(run))
+            yield chunk(None, usage_=R.completion_usage(run))
 
     return await _serve(state, request, req, run_for, reply, stream)

@@ -55,7 +55,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 

@@ -1,8 +1,9 @@
 """The server's one ASGI middleware, around every route: API key, content type, body size, shutdown,
 the HTTP status count, and the last word on unexpected errors.
 
-- `/v1/*` requires `Authorization: Bearer <key>` when an API key is set (constant-time comparison;
-  401 otherwise). /health and /metrics stay open (probes and scrapers), as in vLLM.
+- `/v1/*` (and vLLM's /tokenize, /detokenize, /version) requires `Authorization: Bearer <key>` when an API key
+  is set (constant-time comparison; 401 otherwise). /health, /ping and /metrics stay open (probes and
+  scrapers), as in vLLM.
 - The POST endpoints take `Content-Type: application/json` only (415 otherwise, a missing one too, as
   vLLM): a browser sends text/plain or a form to any origin without a CORS preflight, JSON it does not.
 - A body larger than `max_body_bytes` is refused with 413 before the app sees it: by its
@@ -28,8 +29,14 @@ from omni.serve.shutdown import Drain, shutting_down
 
 logger = logging.getLogger(__name__)
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/v1/audio/transcriptions",
-         "/v1/audio/translations", "/v1/realtime", "/v1/models", "/health", "/metrics")
-JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech")
+         "/v1/audio/translations", "/v1/realtime", "/v1/models", "/health", "/metrics", "/ping", "/tokenize",
+         "/detokenize", "/version")
+JSON_POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/audio/speech", "/tokenize", "/detokenize")
+GUARDED_OUTSIDE_V1 = ("/tokenize", "/detokenize", "/version")  # the API's too: the key guards them, drains them
+
+
+def _api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in GUARDED_OUTSIDE_V1
 
 
 async def send_error(send: Send, err: ApiError) -> None:
@@ -78,11 +85,11 @@ class ServerMiddleware:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(headers):
+        if self.api_key is not None and _api_path(scope["path"]) and not self._authorized(headers):
             await send_error(send, ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer "
                                             "<key>`.", param=None, code="invalid_api_key"))
             return
-        if self.drain.draining and scope["path"].startswith("/v1/"):
+        if self.drain.draining and _api_path(scope["path"]):
             await send_error(send, shutting_down("it answers the requests in flight and takes no new ones"))
             return
         if scope["method"] == "POST" and scope["path"] in JSON_POSTS:

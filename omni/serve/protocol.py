@@ -11,7 +11,10 @@ completion_create_params.py). A field this server does not implement (tools, suf
 ...) is accepted when it asks for nothing: null, or its default value (`"logprobs": false`,
 `"tool_choice": null`), as clients that serialise their unset
 fields send them; any other value is a 400 naming it (code `unsupported_parameter`), never silently
-ignored. A field OpenAI does not have is a 400 too (`unknown_parameter`).
+ignored. vLLM's own request fields are known the same way (_VLLM_UNSUPPORTED: what clients written for vLLM
+send, often at their defaults), or taken (truncate_prompt_tokens, chat_template_kwargs, guided_json, request_id,
+stream_options.continuous_usage_stats, ...). A field neither has is a 400 (`unknown_parameter`), as OpenAI's.
+Integer fields take whole-number floats (5.0), as vLLM's lax pydantic does; strings and booleans stay refused.
 """
 from __future__ import annotations
 
@@ -57,6 +60,35 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
+# vLLM's own request fields (vllm/entrypoints/openai/protocol.py) that clients written for vLLM send, often at
+# their defaults: known here, so that they are accepted at those values and refused by name otherwise, as OpenAI's
+# (guided_json / guided_regex / guided_choice, vLLM's older spelling of structured outputs, are taken: translate.py)
+_VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "priority": (None, 0),  # vLLM refuses a priority unless its scheduler is started with priority scheduling
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "structural_tag": (None,),
+    "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,),
+    "vllm_xargs": (None,),
+    "kv_transfer_params": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "prompt_embeds": (None,),
+}
+_VLLM_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "add_special_tokens": (None, False),
+    "chat_template": (None,),
+    "documents": (None,),
+    "media_io_kwargs": (None, {}),
+}
 
 
 def _check_unsupported(req: BaseModel, table: dict[str, tuple[Any, ...]]) -> None:
@@ -71,6 +103,14 @@ def _check_unsupported(req: BaseModel, table: dict[str, tuple[Any, ...]]) -> Non
 class _Strict(BaseModel):
     # strict: no "0.5" for a number, no true for an int; JSON ints are still accepted for floats
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def whole_number(v: Any) -> Any:
+    """A JSON number with no fraction (5.0, 1e2) taken for an integer field, as vLLM's (lax) pydantic takes it:
+    JavaScript and YAML clients write numbers as floats. Strings and booleans stay refused."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
 
 
 # ------------------------------------------------------------------- content
@@ -213,6 +253,8 @@ class NamedToolChoice(_Strict):
 # ------------------------------------------------------------------ requests
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send one more chunk with the usage before [DONE].")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk also carries "
+                                         "the usage so far.")
 
 
 def check_voice(v: Any) -> Any:
@@ -323,6 +365,33 @@ class _Common(_Strict):
     truncate_prompt_tokens: int | None = Field(
         None, description="vLLM's: keep only the last k prompt tokens (k >= 1; -1: max_model_len), the prompt "
         "the entry stage takes (one that renders its own prompt refuses one that would have to be cut).")
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text"} (default), {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema"}}: the reply constrained to JSON (the text stage; structured outputs).')
+    guided_json: Any = Field(None, description="vLLM's older spelling of structured_outputs {\"json\": schema}.")
+    guided_regex: str | None = Field(None, description="vLLM's older spelling of structured_outputs {\"regex\"}.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older spelling of structured_outputs "
+                                            "{\"choice\"}.")
+    guided_decoding_backend: str | None = Field(None, description="vLLM's: accepted; llguidance compiles every "
+                                                "grammar here.")
+    guided_grammar: Any = Field(None, description="vLLM's: not implemented (null).")
+    guided_whitespace_pattern: Any = Field(None, description="vLLM's: not implemented (null).")
+    request_id: str | None = Field(None, min_length=1, description="vLLM's: the request's id (the response's id "
+                                   "is made from it; the server makes one when absent).")
+    priority: int | None = Field(None, description="vLLM's: 0 (no priority scheduling here).")
+    use_beam_search: Any = Field(None, description="vLLM's: not implemented (null or false).")
+    length_penalty: Any = Field(None, description="vLLM's: not implemented (null or 1.0).")
+    allowed_token_ids: Any = Field(None, description="vLLM's: not implemented (null); use logit_bias.")
+    bad_words: Any = Field(None, description="vLLM's: not implemented (null or []); use logit_bias -100.")
+    logits_processors: Any = Field(None, description="vLLM's: not implemented (null).")
+    return_tokens_as_token_ids: Any = Field(None, description="vLLM's: not implemented (null or false).")
+    return_token_ids: Any = Field(None, description="vLLM's: not implemented (null or false).")
+    structural_tag: Any = Field(None, description="vLLM's: not implemented (null).")
+    vllm_xargs: Any = Field(None, description="vLLM's: not implemented (null).")
+    kv_transfer_params: Any = Field(None, description="vLLM's: not implemented (null).")
+    mm_processor_kwargs: Any = Field(None, description="vLLM's: not implemented (null or {}).")
+    prompt_embeds: Any = Field(None, description="vLLM's: not implemented over HTTP (null); the Python API takes "
+                               "prompt_embeds.")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
         None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
         "that stage's defaults, or null. The top-level fields above then apply to the text stage.")
@@ -336,6 +405,15 @@ class _Common(_Strict):
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache isolation: requests only share cached blocks with requests "
         "of the same salt (one tenant's prefix cache, and its timing side channel, stays its own).")
+
+    _whole = field_validator("max_tokens", "n", "top_k", "seed", "min_tokens", "prompt_logprobs",
+                             "truncate_prompt_tokens", "priority", mode="before")(classmethod(
+        lambda cls, v: whole_number(v)))
+
+    @model_validator(mode="after")
+    def _vllm_unsupported(self) -> "_Common":
+        _check_unsupported(self, _VLLM_UNSUPPORTED)
+        return self
 
     @field_validator("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p")
     @classmethod
@@ -372,6 +450,11 @@ class _Common(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
@@ -395,9 +478,6 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = Field(None, description='With "required": false allows one call only.')
     functions: Any = Field(None, description="Not implemented: null or [].")
     function_call: Any = Field(None, description='Not implemented: null, "none" or "auto".')
-    response_format: ResponseFormat | None = Field(
-        None, description='{"type": "text"} (default), {"type": "json_object"} or {"type": "json_schema", '
-        '"json_schema": {"name", "schema"}}: the reply constrained to JSON (the text stage; structured outputs).')
     prediction: Any = Field(None, description="Not implemented: null.")
     reasoning_effort: Any = Field(None, description="Not implemented: null.")
     verbosity: Any = Field(None, description="Not implemented: null.")
@@ -410,6 +490,17 @@ class ChatCompletionRequest(_Common):
     metadata: dict[str, str] | None = Field(None, description="Accepted; not used (nothing is stored).")
     prompt_cache_key: str | None = Field(None, description="Accepted; the prefix cache needs no key.")
     safety_identifier: str | None = Field(None, description="Accepted; not used.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the text stage's chat template (enable_thinking, ...); a "
+        "template that does not use one ignores it, as Jinja does; a stage that renders its own prompt (the omni "
+        "thinkers) uses none.")
+    echo: Any = Field(None, description="vLLM's: not implemented for chat (null or false).")
+    add_generation_prompt: Any = Field(None, description="vLLM's: not implemented (null or true).")
+    continue_final_message: Any = Field(None, description="vLLM's: not implemented (null or false).")
+    add_special_tokens: Any = Field(None, description="vLLM's: not implemented for chat (null or false).")
+    chat_template: Any = Field(None, description="vLLM's: not implemented (null): the stage's own template.")
+    documents: Any = Field(None, description="vLLM's: not implemented (null).")
+    media_io_kwargs: Any = Field(None, description="vLLM's: not implemented (null or {}).")
     omni_stream_format: Literal["openai", "vllm-omni"] = Field(
         "openai", description="Streaming audio: openai sends it in delta.audio.data; vllm-omni sends each "
         "chunk with a top-level modality ('text' or 'audio') and the audio's base64 in delta.content.")
@@ -417,7 +508,11 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
         _check_unsupported(self, _CHAT_UNSUPPORTED)
+        _check_unsupported(self, _VLLM_CHAT_UNSUPPORTED)
         return self
+
+    _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(classmethod(
+        lambda cls, v: whole_number(v)))
 
     @model_validator(mode="after")
     def _tools(self) -> "ChatCompletionRequest":
@@ -507,10 +602,15 @@ class CompletionRequest(_Common):
                               "logprob; the prompt is then recomputed: no prefix-cache hit). Streamed, the prompt "
                               "comes first, in a chunk of its own.")
     suffix: Any = Field(None, description='Not implemented: null or "".')
+    add_special_tokens: bool | None = Field(None, description="vLLM's: a text prompt is tokenized with the "
+                                            "tokenizer's special tokens (true, the default); false is not "
+                                            "implemented.")
+
+    _whole_completion = field_validator("logprobs", mode="before")(classmethod(lambda cls, v: whole_number(v)))
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
-        _check_unsupported(self, _COMPLETION_UNSUPPORTED)
+        _check_unsupported(self, {**_COMPLETION_UNSUPPORTED, "add_special_tokens": (None, True)})
         if self.max_tokens == 0 and not self.echo:
             raise field_error("max_tokens", "must be >= 1 (0 only with echo: true, which returns the prompt alone)")
         return self

@@ -27,8 +27,9 @@ Usage = Any  # a reply_stream.Run or a choices.Choices: prompt_tokens, completio
 AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field): its transcript is kept as long (audio_ids.py)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, given: str | None = None) -> str:
+    """A response's id: `prefix-` and the request's own id (vLLM's request_id), or a fresh one."""
+    return f"{prefix}-{given if given is not None else uuid.uuid4().hex}"
 
 
 def input_token_details(run: Usage) -> dict[str, Any]:

@@ -120,11 +120,17 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
                 job.sampling[stage] = dict(entry)
                 job.from_list[stage] = (i, set(entry))
     top = {name: getattr(req, name) for name in _TOP_LEVEL if getattr(req, name) is not None}
-    if req.token_limit is not None:
-        top["max_tokens"] = req.token_limit
     if req.num_logprobs is not None:
         top["logprobs"] = req.num_logprobs
-    fmt = getattr(req, "response_format", None)  # chat only
+    if req.token_limit is not None:
+        top["max_tokens"] = req.token_limit
+    elif "max_tokens" not in job.sampling.get(info.text_stage or info.entry_stage, {}):
+        # vLLM's: a request that sets no bound generates up to what the context leaves, not past it (the stage's
+        # default max_tokens is then a bound only, never the reason a long prompt is refused)
+        top["max_tokens_fit"] = True
+        if job.audio_stage is not None:
+            top["reserve_tokens"] = info.context_reserve
+    fmt = req.response_format
     if fmt is not None and fmt.structured_outputs is not None:
         if req.structured_outputs is not None:
             raise bad_request("response_format: and structured_outputs say the same thing twice; send one",
@@ -132,6 +138,16 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
         top["structured_outputs"] = fmt.structured_outputs
         job.fields["structured_outputs"] = ("response_format.json_schema.schema" if fmt.type == "json_schema"
                                             else "response_format")
+    guided = [(name, spec) for name, spec in (("guided_json", {"json": req.guided_json}),
+                                              ("guided_regex", {"regex": req.guided_regex}),
+                                              ("guided_choice", {"choice": req.guided_choice}))
+              if getattr(req, name) is not None]
+    if guided:  # vLLM's older spelling of structured outputs
+        if len(guided) > 1 or "structured_outputs" in top or req.structured_outputs is not None:
+            raise bad_request(f"{guided[0][0]}: one constraint at a time (guided_json, guided_regex, guided_choice, "
+                              "response_format or structured_outputs)", guided[0][0])
+        top["structured_outputs"] = guided[0][1]
+        job.fields["structured_outputs"] = guided[0][0]
     if req.stops:  # the text stage stops itself (SamplingParams.stop): stop_reason, and no audio past the string
         top["stop"] = list(req.stops)
         job.fields["stop"] = "stop"
@@ -207,7 +223,8 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
     if "audio" in want and (unknown := info.unknown_voice(extra.get("speaker"), voice_field)):
         raise bad_request(unknown, voice_field)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools)
+    prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools,
+                        chat_template_kwargs=dict(req.chat_template_kwargs) if req.chat_template_kwargs else None)
     job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,
               info.audio_stage if "audio" in want else None, info.text_stage or info.entry_stage,
               [], fields)

@@ -17,9 +17,10 @@ TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% en
 def tokenizer(tiny_qwen2):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_qwen2))
-    tok.chat_template = TEMPLATE
-    return tok
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen2))  # the session's one (conftest's TokenizerCache): put back
+    saved, tok.chat_template = tok.chat_template, TEMPLATE
+    yield tok
+    tok.chat_template = saved
 
 
 def test_tools_and_calls_are_rendered_by_the_template(tokenizer):
@@ -41,3 +42,21 @@ def test_a_raw_prompt_refuses_tools_and_prompt_dicts_carry_them(tokenizer):
     with pytest.raises(RequestError) as e:
         to_stage_input({"prompt": "hi", "tools": "get_weather"}, "prompts[0]", lambda: "r")
     assert e.value.field == "tools"
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tokenizer):
+    """vLLM's chat_template_kwargs: variables the template reads (Qwen3's enable_thinking); one it does not read
+    changes nothing; the template call's own arguments are refused by name. From the Python API's dicts too."""
+    tokenizer.chat_template = TEMPLATE + "{% if think %} <think>{% endif %}"
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tokenize_prompt(tokenizer, messages, False, "s")
+    assert tokenize_prompt(tokenizer, messages, False, "s", template_kwargs={"unused": 1}) == plain
+    thinking = tokenize_prompt(tokenizer, messages, False, "s", template_kwargs={"think": True})
+    assert tokenizer.decode(thinking) == tokenizer.decode(plain) + " <think>"
+    with pytest.raises(RequestError) as e:
+        tokenize_prompt(tokenizer, messages, False, "s", template_kwargs={"tokenize": False})
+    assert e.value.field == "chat_template_kwargs.tokenize"
+    inp = to_stage_input({"prompt": messages, "chat_template_kwargs": {"think": True}}, "prompts[0]", lambda: "r")
+    assert inp.chat_template_kwargs == {"think": True}
+    with pytest.raises(RequestError, match="chat_template_kwargs"):
+        to_stage_input({"prompt": messages, "chat_template_kwargs": ["think"]}, "prompts[0]", lambda: "r")

@@ -794,3 +794,77 @@ def test_vllm_truncate_prompt_tokens_and_spaces_between_special_tokens(server, c
         r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
                                            extra_body={"spaces_between_special_tokens": flag})
         assert r.choices[0].message.content
+
+
+VLLM_DEFAULTS = {"priority": 0, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
+                 "bad_words": [], "logits_processors": None, "return_tokens_as_token_ids": False,
+                 "return_token_ids": False, "structural_tag": None, "guided_grammar": None, "vllm_xargs": None,
+                 "kv_transfer_params": None, "mm_processor_kwargs": None, "guided_decoding_backend": "auto"}
+VLLM_CHAT_DEFAULTS = {"echo": False, "add_generation_prompt": True, "continue_final_message": False,
+                      "add_special_tokens": False, "chat_template": None, "documents": None,
+                      "chat_template_kwargs": {"enable_thinking": False}, "media_io_kwargs": None}
+
+
+def test_vllm_request_fields_at_their_defaults_are_accepted(server, client):
+    """Clients written for vLLM send its own fields, often at their defaults (the QA pass: a 400 for each before):
+    accepted there; any other value of one omni does not implement is a 400 naming it (unsupported_parameter)."""
+    plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+    got = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                         extra_body={**VLLM_DEFAULTS, **VLLM_CHAT_DEFAULTS})
+    assert got.choices[0].message.content == plain.choices[0].message.content
+    comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3,
+                                     extra_body={**VLLM_DEFAULTS, "add_special_tokens": True, "prompt_embeds": None})
+    assert comp.choices[0].text
+    for name, value in [("use_beam_search", True), ("priority", 1), ("bad_words", ["x"]), ("echo", True),
+                        ("continue_final_message", True), ("return_tokens_as_token_ids", True)]:
+        status, _, err = server.post("/v1/chat/completions", {**GOOD, name: value})
+        assert status == 400 and err["error"]["param"] == name, (name, err)
+        assert err["error"]["code"] == "unsupported_parameter", err
+    status, _, err = server.post("/v1/completions", {"model": MODEL, "prompt": "a", "add_special_tokens": False})
+    assert status == 400 and err["error"]["param"] == "add_special_tokens", err
+
+
+def test_vllm_guided_fields_request_id_and_whole_number_floats(server, client):
+    got = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
+                                         extra_body={"guided_choice": ["yes", "no"]})
+    assert got.choices[0].message.content in ("yes", "no")
+    schema = {"type": "object", "properties": {"b": {"enum": ["x", "y"]}}, "required": ["b"],
+              "additionalProperties": False}
+    js = client.completions.create(model=MODEL, prompt="{", max_tokens=40, extra_body={"guided_json": schema})
+    assert json.loads(js.choices[0].text)["b"] in ("x", "y")
+    fmt = client.completions.create(model=MODEL, prompt="{", max_tokens=40, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": schema}}})
+    assert json.loads(fmt.choices[0].text)["b"] in ("x", "y")
+    status, _, err = server.post("/v1/chat/completions", {**GOOD, "guided_choice": ["a"], "guided_regex": "a"})
+    assert status == 400 and err["error"]["param"] == "guided_regex", err
+    mine = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2,
+                                          extra_body={"request_id": "my-id-7"})
+    assert mine.id == "chatcmpl-my-id-7"
+    status, _, ok = server.post("/v1/chat/completions", {**GOOD, "max_tokens": 3.0, "n": 1e0})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 3, ok
+    for bad in (3.5, "3", True):
+        status, _, err = server.post("/v1/chat/completions", {**GOOD, "max_tokens": bad})
+        assert status == 400 and err["error"]["param"] == "max_tokens", (bad, err)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    for make in (lambda **kw: client.chat.completions.create(model=MODEL, messages=HELLO, **kw),
+                 lambda **kw: client.completions.create(model=MODEL, prompt="Once upon a time", **kw)):
+        chunks = list(make(max_tokens=6, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert all(c.usage is not None for c in chunks)
+        done = [c.usage.completion_tokens for c in chunks]
+        assert done == sorted(done) and done[-1] == 6 and done[0] < 6
+        assert {c.usage.prompt_tokens for c in chunks[1:]} == {chunks[-1].usage.prompt_tokens}
+        plain = list(make(max_tokens=6, stream=True, stream_options={"include_usage": True}))
+        assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_no_max_tokens_generates_up_to_the_context_left(server, client):
+    """vLLM's: a request without max_tokens is bounded by the stage's default and by what the context leaves; a
+    prompt near max_model_len (256 here) is not refused for a bound the client never sent."""
+    ids = list(range(100, 352))  # 252 tokens: 4 left, the stage's default is 8
+    got = client.completions.create(model=MODEL, prompt=ids)
+    assert got.usage.completion_tokens == 4 and got.choices[0].finish_reason == "length"
+    status, _, err = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 8})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
