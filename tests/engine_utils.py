@@ -50,3 +50,17 @@ def assert_no_leak(engine: StageEngine) -> None:
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks leaked"
     assert not engine.runner.states and len(engine.rows) == 0
+
+
+def run_one(engine: StageEngine, rid: str, prompt: list[int], stream: bool = False, **params) -> tuple[StageOutput, list]:
+    """One request through the engine alone: its output (no error) and the deltas it streamed."""
+    engine.add_request(StageInput(rid, prompt_token_ids=list(prompt), stream=stream, sampling_params=params))
+    deltas = []
+    while engine.has_unfinished():
+        step = engine.step()
+        deltas += [d for d in step.deltas if d.request_id == rid]
+        for o in step.finished:
+            if o.request_id == rid:
+                assert o.error is None, o.error
+                return o, deltas
+    raise AssertionError(f"no output for {rid}")

@@ -8,22 +8,13 @@ import pytest
 
 from omni.outputs import StageInput
 from omni.sampling_params import SamplingParams
-from tests.engine_utils import make_engine
+from tests.engine_utils import make_engine, run_one
 
 PROMPT = list(range(40, 52))
 
 
 def _run(engine, rid, stream=False, **params):
-    engine.add_request(StageInput(rid, prompt_token_ids=PROMPT, stream=stream,
-                                  sampling_params={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **params}))
-    deltas = []
-    while engine.has_unfinished():
-        step = engine.step()
-        deltas += [d for d in step.deltas if d.request_id == rid]
-        for o in step.finished:
-            if o.request_id == rid:
-                return o, deltas
-    raise AssertionError("no output")
+    return run_one(engine, rid, PROMPT, stream, **{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **params})
 
 
 @pytest.fixture(scope="module")

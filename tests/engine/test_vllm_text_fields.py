@@ -15,23 +15,15 @@ from omni.engine.detokenizer import final_decode
 from omni.errors import RequestError
 from omni.outputs import StageInput
 from omni.sampling_params import SamplingParams
-from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
+from tests.engine_utils import assert_no_leak, make_engine, run_one, run_to_completion
 
 PROMPT = list(range(40, 52))
 
 
 def _run(engine, rid, stream=False, prompt=PROMPT, **params):
-    engine.add_request(StageInput(rid, prompt_token_ids=list(prompt), stream=stream,
-                                  sampling_params={"temperature": 0.0, "max_tokens": 16, **params}))
-    deltas = []
-    while engine.has_unfinished():
-        step = engine.step()
-        deltas += [d for d in step.deltas if d.request_id == rid]
-        for o in step.finished:
-            if o.request_id == rid:
-                assert o.error is None, o.error
-                return o, "".join(d.text for d in deltas)
-    raise AssertionError("no output")
+    """The output, and the text its deltas streamed."""
+    out, deltas = run_one(engine, rid, prompt, stream, **{"temperature": 0.0, "max_tokens": 16, **params})
+    return out, "".join(d.text for d in deltas)
 
 
 @pytest.fixture(scope="module")
