@@ -218,9 +218,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         return cls(model, load_speakers(Path(model_path)), device, **gen)
 
     def codes_of(self, inp: StageInput) -> list[int]:
-        codes = [int(t) for t in (inp.prompt_token_ids or [])]
-        if not codes:
-            raise RequestError("prompt_token_ids: token2wav needs at least one codec token", field="prompt_token_ids")
+        codes = [int(t) for t in (inp.prompt_token_ids or [])]  # none: no audio (a talker's eos came first)
         bad = [c for c in codes if not 0 <= c < self.num_codes]
         if bad:
             raise RequestError(f"prompt_token_ids: codec token {bad[0]} is out of range (0..{self.num_codes - 1})",
@@ -272,13 +270,16 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
     def run_generation(self, job: tuple[list[int], str | None, int]) -> dict[str, Any]:
         codes, speaker, seed = job
-        return {"audio": self.generate(codes, speaker, seed), "sampling_rate": self.sampling_rate}
+        audio = self.generate(codes, speaker, seed) if codes else np.zeros(0, np.float32)
+        return {"audio": audio, "sampling_rate": self.sampling_rate}
 
     def run_generation_batch(self, jobs: list[tuple[list[int], str | None, int]],
                              max_batch_tokens: int) -> list[dict[str, Any]]:
-        windows = [self._window(codes, speaker, self._noise(seed, len(codes))) for codes, speaker, seed in jobs]
-        return [{"audio": audio, "sampling_rate": self.sampling_rate}
-                for audio in self._audio(windows, max_batch_tokens)]
+        windows = [self._window(codes, speaker, self._noise(seed, len(codes))) for codes, speaker, seed in jobs
+                   if codes]
+        audios = iter(self._audio(windows, max_batch_tokens))
+        return [{"audio": next(audios) if codes else np.zeros(0, np.float32), "sampling_rate": self.sampling_rate}
+                for codes, _, _ in jobs]
 
     # -- streaming --------------------------------------------------------------
     def prepare_stream(self, inp: StageInput, seed: int) -> _WavStream:
@@ -302,9 +303,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         if state.complete:
             raise RequestError("prompt_token_ids: this request's codes are complete", field="prompt_token_ids")
         state.codes += self._check_codes([int(t) for t in (inp.prompt_token_ids or [])], len(state.codes))
-        state.complete = last
-        if last and not state.codes:
-            raise RequestError("prompt_token_ids: token2wav needs at least one codec token", field="prompt_token_ids")
+        state.complete = last  # with no codes at all: one empty last piece (no audio)
 
     def _next_end(self, state: _WavStream) -> int | None:
         """End (exclusive) of the next chunk of codes, or None while it cannot be made yet."""

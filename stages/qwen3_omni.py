@@ -108,8 +108,7 @@ def talker2code2wav(upstream: dict[str, StageOutput], request: StageInput) -> St
     hands them to code2wav (the frame of the last sampled token, the codec eos, is never computed)."""
     out = single_upstream(upstream, "qwen3_omni_talker2code2wav")
     frames = _frames(out.mm_outputs or {}, len(out.prompt_token_ids))
-    if not len(frames):
-        raise ValueError("qwen3_omni_talker2code2wav: the talker produced no codec frames before its eos")
+    # none (the talker's eos came first): code2wav makes no audio (a reply that says nothing is no failure)
     return StageInput(request.request_id, prompt_token_ids=frames[:, 0].tolist(),
                       sampling_params=request.extra.get("code2wav_sampling_params"), extra={"codes": frames})
 
@@ -118,9 +117,6 @@ def talker2code2wav_chunk(chunk: StageDelta, request: StageInput, state: dict) -
     """talker2code2wav on a streaming edge: the frames of the generated positions computed since the last
     chunk (rows of prompt positions hold -1 and are skipped)."""
     frames = _frames(chunk.rows or {}, None) if chunk.rows else np.zeros((0, 0), np.int64)
-    state["count"] = state.get("count", 0) + len(frames)
-    if chunk.finished and not state["count"]:
-        raise ValueError("qwen3_omni_talker2code2wav: the talker produced no codec frames before its eos")
     if not state.get("started"):
         if not len(frames) and not chunk.finished:
             return None

@@ -150,13 +150,11 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
 
     # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> np.ndarray:
-        codes = self.check_frames(inp.extra.get("codes"))
-        if not len(codes):
-            raise RequestError("extra.codes: code2wav needs at least one codec frame", field="extra.codes")
-        return codes
+        return self.check_frames(inp.extra.get("codes"))  # none: no audio (the talker's eos came first)
 
     def run_generation(self, job: np.ndarray) -> dict[str, Any]:
-        return {"audio": self.generate(job), "sampling_rate": self.sampling_rate}
+        audio = self.generate(job) if len(job) else np.zeros(0, np.float32)
+        return {"audio": audio, "sampling_rate": self.sampling_rate}
 
     # -- streaming --------------------------------------------------------------
     def prepare_stream(self, inp: StageInput, seed: int) -> _CodeStream:
@@ -174,9 +172,7 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         if state.complete:
             raise RequestError("extra.codes: this request's frames are complete", field="extra.codes")
         self._add(state, inp)
-        state.complete = last
-        if last and not state.total:
-            raise RequestError("extra.codes: code2wav needs at least one codec frame", field="extra.codes")
+        state.complete = last  # with no frames at all: one empty last piece (no audio)
 
     def _next_end(self, state: _CodeStream) -> int | None:
         """End (exclusive) of the next chunk of frames, or None while it cannot be made yet."""

@@ -72,6 +72,12 @@ class SpeechRequest(_Strict):
     def _voice(cls, v: Any) -> Any:
         return check_voice(v)
 
+    @field_validator("response_format", "stream_format", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v: Any, info: Any) -> Any:
+        """null is the field left out, as OpenAI takes it (typed clients send their unset fields as null)."""
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @field_validator("speed")
     @classmethod
     def _speed(cls, v: float | None) -> float | None:

@@ -178,8 +178,8 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
     if n_media > settings.max_media_items:
         raise too_large(f"messages: {n_media} images/audio clips, at most {settings.max_media_items} per request "
                         "(--max-media-items)", "messages")
-    fields = {"prompt": "messages", "speaker": "audio.voice", "tools": "tools", "max_tokens": (
-        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")}
+    fields = {"prompt": "messages", "speaker": "audio.voice", "tools": "tools", "request_id": "request_id",
+              "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
     messages: list[dict[str, Any]] = []
     media: list[MultiModalInput] = []
     counts = {"image": 0, "audio": 0}
@@ -273,7 +273,7 @@ def completion_job(req: CompletionRequest, info: PipelineInfo, request_id: str, 
     # A text prompt is the model's input as it is (vLLM's completions never apply a chat template).
     prompt = (StageInput("", prompt=p, cache_salt=req.cache_salt, chat_template=False) if isinstance(p, str)
               else StageInput("", prompt_token_ids=list(p), cache_salt=req.cache_salt))
-    fields = {"prompt": where, "prompt_token_ids": where, "max_tokens": "max_tokens"}
+    fields = {"prompt": where, "prompt_token_ids": where, "max_tokens": "max_tokens", "request_id": "request_id"}
     job = Job(request_id, prompt, {}, info.text_stage, None, info.text_stage, [], fields)
     _sampling(req, info, job)
     if req.echo:

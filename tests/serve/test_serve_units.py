@@ -336,3 +336,28 @@ def test_echo_asks_the_text_stage_for_its_decoded_prompt_and_logprobs():
     both = job(echo=True, logprobs=1, prompt_logprobs=3)
     assert both.show_prompt_logprobs and both.sampling[info.text_stage]["prompt_logprobs"] == 3
 
+
+
+def test_a_duplicate_request_id_names_request_id_and_null_speech_formats_are_the_defaults():
+    """QA pass: a vLLM request_id already running was a 400 naming `messages`; OpenAI's null for an optional speech
+    field (what typed clients send for an unset one) was a 400."""
+    import json
+
+    from omni.config_loader import load_config
+    from omni.serve.protocol import CompletionRequest
+    from omni.serve.settings import ServeSettings
+    from omni.serve.speech import SpeechRequest
+    from omni.serve.translate import PipelineInfo, chat_job, completion_job
+
+    info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
+    dup = RequestError("request_id 'x' is already in use", field="request_id", code="duplicate_request_id")
+    chat = chat_job(parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, "request_id": "x"}).encode()), info,
+                    ServeSettings(), "chatcmpl-x")
+    comp = completion_job(parse(CompletionRequest, json.dumps({"model": "m", "prompt": "a", "request_id": "x"})
+                                .encode()), info, "cmpl-x")
+    for job in (chat, comp):
+        err = from_omni_error(dup, job.fields, job.sampling_param)
+        assert (err.status, err.param, err.code) == (400, "request_id", "duplicate_request_id")
+    body = {"model": "m", "input": "hi", "voice": "Chelsie", "response_format": None, "stream_format": None}
+    req = parse(SpeechRequest, json.dumps(body).encode())
+    assert (req.response_format, req.stream_format) == ("mp3", "audio")
