@@ -192,6 +192,32 @@ class Omni:
                 stages[n]["router"] = orch["routers"][n]
         return {"backend": self.backend, "requests": orch["requests"], "stages": stages}
 
+    def tokenize(self, prompt: Any, *, stage: str | None = None, add_generation_prompt: bool = True,
+                 add_special_tokens: bool | None = None, return_token_strs: bool = False) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt (a string, chat messages in a dict's "prompt", token ids, a StageInput) as the
+        stage computes it, `stage` the entry stage unless named: {"tokens", "token_strs", "max_model_len"}. Its own
+        tokenizer and prompt renderer, where the stage runs (the omni thinkers render their system prompt too).
+        vLLM's other cases: add_generation_prompt false, add_special_tokens set (the rendered template tokenized
+        with or without them) where the stage's chat template renders the prompt. Raises the stage's RequestError."""
+        self._check_open()
+        inp = to_stage_input(prompt, "prompt", lambda: "tokenize")
+        return self._backend.text(self._text_stage(stage), "tokenize", inp, add_generation_prompt=add_generation_prompt,
+                                  add_special_tokens=add_special_tokens, return_token_strs=return_token_strs)
+
+    def detokenize(self, token_ids: list[int], *, stage: str | None = None) -> str:
+        """vLLM's /detokenize: the text of token ids of the stage (the entry stage unless named), special tokens
+        shown. Raises the stage's RequestError (an id outside its vocabulary)."""
+        self._check_open()
+        return self._backend.text(self._text_stage(stage), "detokenize", list(token_ids))
+
+    def _text_stage(self, stage: str | None) -> str:
+        if stage is None:
+            return self.graph.entry_stages[0]
+        if stage not in self.graph.stages:
+            raise RequestError(f"stage: {stage!r} is not a stage of this pipeline ({', '.join(self.graph.order)})",
+                               field="stage")
+        return stage
+
     def voices(self) -> tuple[str, ...]:
         """The voices the pipeline speaks in: what its stage models report as `voices` in their stats (the
         talkers: their speakers), sorted; () when no stage names any."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -122,6 +123,16 @@ class AsyncOmni:
     async def stats(self) -> dict[str, Any]:
         """Omni.stats(), off the event loop (on Ray it asks every stage actor)."""
         return await asyncio.get_running_loop().run_in_executor(None, self._omni.stats)
+
+    async def tokenize(self, prompt: Any, **kw: Any) -> dict[str, Any]:
+        """Omni.tokenize(), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(self._omni.tokenize, prompt,
+                                                                                        **kw))
+
+    async def detokenize(self, token_ids: list[int], **kw: Any) -> str:
+        """Omni.detokenize(), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(self._omni.detokenize,
+                                                                                        token_ids, **kw))
 
     def voices(self) -> tuple[str, ...]:
         """Omni.voices() (blocking: asks every stage once; the server calls it before it serves)."""

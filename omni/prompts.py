@@ -158,7 +158,7 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat
         raise RequestError(f"tools: stage {stage!r} takes a raw text prompt here; tools need chat messages",
                            field="tools", stage=stage)
     else:
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens is not False)["input_ids"])
     own = sorted(_OWN.intersection(template_kwargs or {}))
     if own:
         raise RequestError(f"chat_template_kwargs: {own[0]!r} is an argument of the template call, not a variable "

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from omni.engine.interface import EngineStepOutput, StageStats
+from omni.errors import RequestError
 from omni.sampling_params import resolve_sampling_params
 from omni.outputs import StageDelta, StageInput, StageOutput
 from omni.registry import register_input_processor, register_stage_model
@@ -105,6 +106,19 @@ class FakeEngine:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
         sp = resolve_sampling_params(inp.sampling_params, self.stage.sampling)
         self.running[rid] = _Req(rid, text, ids, sp.max_tokens, time.monotonic(), stream=inp.stream)
+
+    def tokenize(self, inp: StageInput, **_: Any) -> dict[str, Any]:
+        """The ids add_request would take (text: a character each), and the stage's pid (which process ran it)."""
+        if inp.prompt_token_ids is not None:
+            ids = [int(t) for t in inp.prompt_token_ids]
+        else:
+            ids = text_ids(str(inp.prompt))
+        if "__bad__" in _prompt_text(inp.prompt):
+            raise RequestError("prompt: contains __bad__", stage=self.name, field="prompt", code="bad_prompt")
+        return {"tokens": ids, "token_strs": None, "max_model_len": os.getpid()}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
 
     def step(self) -> EngineStepOutput:
         self.steps += 1

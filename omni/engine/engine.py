@@ -29,6 +29,7 @@ import torch
 
 from omni.errors import ContextLengthError, RequestError, StageError
 from omni.outputs import StageInput, StageOutput, TokenLogprob
+from omni.prompts import tokenize_prompt
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 
 from .interface import EngineStepOutput, StageStats
@@ -284,6 +285,44 @@ class StageEngine:
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             self._release_finished()
             raise
+
+    def tokenize(self, inp: StageInput, add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
+                 return_token_strs: bool = False) -> dict[str, Any]:
+        """vLLM's /tokenize: {"tokens", "token_strs", "max_model_len"}, the prompt's ids as admission computes them
+        (a model that renders its own prompt, the omni thinkers, renders it here too). At the defaults exactly a
+        request's prompt; add_generation_prompt false / add_special_tokens (vLLM's other cases) only where the
+        stage's chat template renders it. Changes nothing of the stage's state."""
+        if self.tokenizer is None:
+            raise RequestError(f"prompt: stage {self.name!r} has no tokenizer to tokenize with", stage=self.name,
+                               field="prompt")
+        if inp.mm_inputs:
+            raise RequestError("multi_modal_data: tokenize takes text (the media's placeholders are the model's)",
+                               stage=self.name, field="multi_modal_data")
+        self.checks.given_not_empty(inp)
+        own = type(self.model).preprocess is not AutoregressiveStageModel.preprocess
+        if own and (not add_generation_prompt or add_special_tokens is not None):
+            field = "add_generation_prompt" if not add_generation_prompt else "add_special_tokens"
+            raise RequestError(f"{field}: stage {self.name!r} renders its own prompt, always with the generation "
+                               "prompt and its own special tokens", stage=self.name, field=field)
+        if own:
+            prepared = self.model.preprocess(inp)
+            ids = list(prepared.token_ids) if prepared is not None else self.checks.prompt_ids(inp)
+        elif inp.prompt is not None and (not add_generation_prompt or add_special_tokens is not None):
+            ids = tokenize_prompt(self.tokenizer, inp.prompt, self.checks.use_chat_template
+                                  and inp.chat_template is not False, self.name, inp.tools, inp.chat_template_kwargs,
+                                  add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = self.checks.prompt_ids(inp)
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if return_token_strs else None
+        return {"tokens": [int(t) for t in ids], "token_strs": strs, "max_model_len": self.max_model_len}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """vLLM's /detokenize: the text of the ids, special tokens shown (ids checked against the vocabulary)."""
+        if self.tokenizer is None:
+            raise RequestError(f"tokens: stage {self.name!r} has no tokenizer to decode with", stage=self.name,
+                               field="tokens")
+        ids = self.checks.token_ids(list(token_ids), "tokens")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _truncated(self, token_ids: list[int], keep: int, fixed: bool) -> list[int]:
         """The last `keep` tokens of the prompt (-1: max_model_len), vLLM's truncate_prompt_tokens. `fixed`: the

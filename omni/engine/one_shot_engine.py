@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni.errors import StageError
+from omni.errors import RequestError, StageError
 from omni.outputs import StageDelta, StageInput, StageOutput
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 
@@ -256,6 +256,15 @@ class OneShotStageEngine:
                 self._latencies = (self._latencies + [now - job.arrival])[-1000:]
                 self._num_finished += 1
         return len(ready)
+
+    def tokenize(self, inp: StageInput, add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
+                 return_token_strs: bool = False) -> dict[str, Any]:
+        raise RequestError(f"prompt: stage {self.name!r} takes codes, not text: it has nothing to tokenize",
+                           stage=self.name, field="prompt")
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        raise RequestError(f"tokens: stage {self.name!r} takes codes, not text: it has nothing to decode",
+                           stage=self.name, field="tokens")
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> StageStats:

@@ -89,6 +89,12 @@ class LocalBackend:
             time.sleep(min(timeout_s, 0.005))
         return events
 
+    def text(self, stage: str, op: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:  # never while a step runs
+            if stage not in self.replicas:
+                raise BackendClosedError("the pipeline is closed", stage=stage)
+            return self.replicas[stage][0].text(op, *args, **kwargs)
+
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             # The threads the stages step with (the polling thread's), not this caller thread's.

@@ -36,6 +36,7 @@ from omni.outputs import CacheReport, StageDelta, StageInput, StageOutput, error
 from omni.pipeline.backend import Submission
 from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
 
+TEXT_OPS = ("tokenize", "detokenize")  # what StageWorker.text runs on the engine
 logger = logging.getLogger(__name__)
 
 
@@ -367,6 +368,12 @@ class StageWorker:
             d.rows = self.engine.read_rows(d.request_id, start, d.num_computed_tokens)
             self._rows_sent[d.request_id] = d.num_computed_tokens
         d.rows_start = start
+
+    def text(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's /tokenize or /detokenize (`op`) on this stage's engine: its tokenizer and prompt renderer."""
+        if op not in TEXT_OPS:
+            raise ValueError(f"text op {op!r}: one of {TEXT_OPS}")
+        return getattr(self.engine, op)(*args, **kwargs)
 
     def stats(self) -> dict[str, Any]:
         try:

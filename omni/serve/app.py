@@ -39,7 +39,7 @@ from omni.serve.realtime import RealtimeHub, realtime_endpoint
 from omni.serve.settings import ServeSettings
 from omni.serve.shutdown import shutting_down
 from omni.serve.speech import create_speech
-from omni.serve.tokenization import EntryTokenizer, detokenize, omni_version, tokenize
+from omni.serve.tokenization import detokenize, omni_version, tokenize
 from omni.serve.transcriptions import create_transcription, create_translation
 from omni.serve.translate import PipelineInfo, check_model
 
@@ -58,7 +58,6 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state
-    tokenizer = app.state.tokenizer = EntryTokenizer(state)
     hub = app.state.realtime = RealtimeHub.of(state)
     app.add_middleware(ServerMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=state.metrics, drain=state.drain)
@@ -121,11 +120,11 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
 
     @app.post("/tokenize")
     async def _tokenize(request: Request) -> Response:
-        return await tokenize(state, tokenizer, request)
+        return await tokenize(state, request)
 
     @app.post("/detokenize")
     async def _detokenize(request: Request) -> Response:
-        return await detokenize(state, tokenizer, request)
+        return await detokenize(state, request)
 
     @app.get("/version")
     async def _version() -> JSONResponse:

@@ -116,6 +116,19 @@ def test_stream_and_stats_on_ray(chain):
     assert st["stages"]["thinker"]["pid"] != os.getpid()
 
 
+def test_tokenize_runs_in_the_stage_actor_and_its_errors_keep_their_type(chain):
+    """Omni.tokenize / detokenize on Ray: the entry stage's actor computes them (its pid, not the driver's), and a
+    stage's refusal comes back as the stage raised it (a RequestError naming its field), not Ray's wrapper."""
+    from omni.errors import RequestError
+
+    out = chain.tokenize("hi")
+    assert out["tokens"] == text_ids("hi") and out["max_model_len"] != os.getpid()  # (the fake's pid)
+    assert chain.detokenize([104, 105]) == "hi"
+    with pytest.raises(RequestError) as e:
+        chain.tokenize("__bad__")
+    assert (e.value.field, e.value.code, e.value.stage) == ("prompt", "bad_prompt", "thinker")
+
+
 def test_streams_from_several_threads_at_once():
     """Omni is thread-safe: several threads stream at once, each polling the backend (the submit()
     generators one thread reads to their end must not be waited on by another)."""

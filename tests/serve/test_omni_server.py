@@ -592,3 +592,21 @@ def test_transcription_errors_name_the_field(server, fields, files, status, para
 def test_transcription_takes_multipart_only(server):
     status, _, body = server.post("/v1/audio/transcriptions", {"model": MODEL})
     assert status == 415 and body["error"]["code"] == "unsupported_media_type"
+
+
+def test_tokenize_is_the_thinkers_own_prompt(server, client):
+    """vLLM's /tokenize on Qwen2.5-Omni: the thinker renders its own prompt (system prompt, chat format), and
+    /tokenize counts exactly what a chat completion's usage.prompt_tokens reports; a plain prompt too (as a user
+    turn, as the thinker takes a completions prompt); the rendered text comes back through /detokenize."""
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    status, _, out = server.post("/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200, out
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert out["count"] == chat.usage.prompt_tokens == len(out["tokens"])
+    status, _, text = server.post("/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert status == 200 and "Hello there, how are you?" in text["prompt"] and "<|im_start|>system" in text["prompt"]
+    status, _, plain = server.post("/tokenize", {"model": MODEL, "prompt": "Hello there"})
+    comp = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2)
+    assert status == 200 and plain["count"] == comp.usage.prompt_tokens, plain
+    status, _, err = server.post("/tokenize", {"model": MODEL, "messages": messages, "add_generation_prompt": False})
+    assert status == 400 and err["error"]["param"] == "add_generation_prompt", err

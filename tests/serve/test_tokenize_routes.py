@@ -6,9 +6,7 @@ what a completion's prompt is (plain text), of chat messages what a chat complet
 """
 from __future__ import annotations
 
-import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -155,28 +153,22 @@ def test_version_and_ping(server):
         assert got == 200 and out == health  # open, as /health is
 
 
-def test_a_stage_that_renders_its_own_prompt_is_refused(server):
-    """An entry stage whose model renders its own prompt (a Qwen-Omni thinker: its stats' `shows_tools`) tokenizes
-    neither chat messages nor text the way /tokenize can: 400 naming the field; /detokenize still decodes."""
-    info = server.app.state.omni.info
-    saved, info.shows_tools = info.shows_tools, False
-    try:
-        for body, field in (({"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
-                            ({"prompt": "Hi"}, "prompt")):
-            err = tokenize(server, body, 400)["error"]
-            assert err["param"] == field and "renders" in err["message"] and "itself" in err["message"], err
-        assert server.post("/detokenize", {"tokens": [9707]}, AUTH)[0] == 200
-    finally:
-        info.shows_tools = saved
+def test_the_omni_apis_tokenize_and_detokenize_on_the_stage(tiny_qwen2):
+    """Omni.tokenize / detokenize run on the stage's engine: a one-shot stage and a stage without a tokenizer refuse
+    by name; a stage that is not the pipeline's is refused naming `stage`."""
+    from omni import Omni
+    from omni.errors import RequestError
 
-
-def test_an_entry_stage_without_a_tokenizer_is_a_400(tmp_path):
-    from omni.serve.errors import ApiError
-    from omni.serve.tokenization import EntryTokenizer
-
-    stage = SimpleNamespace(name="talker", model="causal_lm", tokenizer=None, model_path=str(tmp_path))
-    state = SimpleNamespace(omni=SimpleNamespace(config=SimpleNamespace(stage=lambda name: stage)),
-                            info=SimpleNamespace(entry_stage="talker", model="ids_only", shows_tools=None))
-    with pytest.raises(ApiError) as e:
-        asyncio.run(EntryTokenizer(state).get())
-    assert e.value.status == 400 and e.value.param == "model" and "no tokenizer" in e.value.message
+    with Omni(str(CHAIN), backend="local") as o:
+        out = o.tokenize({"prompt": [{"role": "user", "content": "Hi"}]}, return_token_strs=True)
+        assert out["tokens"] and len(out["token_strs"]) == len(out["tokens"]) and out["max_model_len"] == 256
+        assert o.detokenize(o.tokenize("Hello there")["tokens"]) == "Hello there"
+        with pytest.raises(RequestError) as e:
+            o.detokenize([10**9])
+        assert e.value.field == "tokens"
+        with pytest.raises(RequestError) as e:
+            o.tokenize("Hi", stage="nope")
+        assert e.value.field == "stage"
+        o._backend.workers["talker"].engine.tokenizer = None
+        with pytest.raises(RequestError, match="has no tokenizer"):
+            o.tokenize("Hi", stage="talker")

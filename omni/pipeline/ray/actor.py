@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -34,7 +35,7 @@ import ray
 
 from omni import registry
 from omni.config import StageConfig
-from omni.errors import StageStartError
+from omni.errors import OmniError, StageError, StageStartError
 from omni.outputs import StageDelta, StageOutput, error_output
 from omni.pipeline.backend import Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
@@ -208,6 +209,17 @@ class StageActor:
             self.worker.abort(request_id)
         assert self._wake is not None
         self._wake.set()
+
+    async def text(self, op: str, args: tuple, kwargs: dict[str, Any]) -> tuple[str, Any]:
+        """StageWorker.text, between steps: ("ok", its result) or ("error", the OmniError it raised), so that the
+        driver re-raises the error itself (its type, field and code), not Ray's wrapper of it."""
+        if self.worker is None:
+            return "error", StageError(f"stage {self.name!r} did not start: {self._start_error}", stage=self.name)
+        call = functools.partial(self.worker.text, op, *args, **kwargs)
+        try:
+            return "ok", await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except OmniError as e:
+            return "error", e
 
     async def stats(self) -> dict[str, Any]:
         if self.worker is None:

@@ -34,7 +34,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from omni import registry
 from omni.config import PipelineConfig, StageConfig
-from omni.errors import ConfigError, StageStartError
+from omni.errors import BackendClosedError, ConfigError, StageError, StageStartError
 from omni.outputs import error_output
 from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory
@@ -366,6 +366,18 @@ class RayBackend:
         if own == failed:
             return self._where(*failed)
         return f"the stage it streams into, {failed[0]!r}, failed: {self._where(*failed)}"
+
+    def text(self, stage: str, op: str, *args: Any, **kwargs: Any) -> Any:
+        actors = self.replica_actors.get(stage)
+        if not actors:
+            raise BackendClosedError("the pipeline is closed", stage=stage)
+        try:
+            status, value = ray.get(actors[0].text.remote(op, args, kwargs), timeout=GET_TIMEOUT_S)
+        except RayError as e:
+            raise StageError(f"stage {stage!r}: {describe(e)}", stage=stage) from None
+        if status == "error":
+            raise value
+        return value
 
     def stats(self) -> dict[str, dict[str, Any]]:
         refs = {name: [actor.stats.remote() for actor in actors] for name, actors in self.replica_actors.items()}
