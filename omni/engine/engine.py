@@ -32,11 +32,11 @@ from omni.outputs import StageInput, StageOutput, TokenLogprob
 from omni.prompts import tokenize_prompt
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 
+from .detokenizer import final_decode
 from .interface import EngineStepOutput, StageStats
 from .kv_cache import KVCacheManager
 from .loading import load_stage_model
 from .memory import check_before_load, check_loaded
-from .detokenizer import final_decode
 from .model_runner import ModelRunner, RunnerRequestState
 from .prompt_report import prompt_report
 from .request import Request, RequestStatus
