@@ -286,6 +286,11 @@ class StageEngine:
             self._release_finished()
             raise
 
+    @property
+    def _renders_own_prompt(self) -> bool:
+        """The stage model turns a request's text or chat messages into its prompt itself (its own preprocess)."""
+        return type(self.model).preprocess is not AutoregressiveStageModel.preprocess
+
     def tokenize(self, inp: StageInput, add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
                  return_token_strs: bool = False) -> dict[str, Any]:
         """vLLM's /tokenize: {"tokens", "token_strs", "max_model_len"}, the prompt's ids as admission computes them
@@ -299,7 +304,7 @@ class StageEngine:
             raise RequestError("multi_modal_data: tokenize takes text (the media's placeholders are the model's)",
                                stage=self.name, field="multi_modal_data")
         self.checks.given_not_empty(inp)
-        own = type(self.model).preprocess is not AutoregressiveStageModel.preprocess
+        own = self._renders_own_prompt
         if own and (not add_generation_prompt or add_special_tokens is not None):
             field = "add_generation_prompt" if not add_generation_prompt else "add_special_tokens"
             raise RequestError(f"{field}: stage {self.name!r} renders its own prompt, always with the generation "
@@ -599,7 +604,7 @@ class StageEngine:
         extra.update(device=str(self.model.device), tensor_cache_worker_time_s=self.rows.worker_time_s,
                      tensor_cache_write_time_s=self.rows.write_time_s, rows_deliver_time_s=self.rows.deliver_time_s,
                      rows_delivered=self.rows.rows_delivered)
-        if type(self.model).preprocess is not AutoregressiveStageModel.preprocess:
+        if self._renders_own_prompt:
             # it renders its own prompts: whether a request's tools reach the model (else they are refused)
             extra["shows_tools"] = bool(self.model.renders_tools)
         extra.update(self.model.stats())

@@ -31,8 +31,7 @@ from omni.outputs import StageInput
 from omni.serve.endpoints import ServerState, _earlier_audio_replies, parse
 from omni.serve.errors import bad_request, from_omni_error
 from omni.serve.protocol import ChatMessage, ToolDef, _Strict, field_error
-from omni.serve.tools import template_tool_calls
-from omni.serve.translate import check_model
+from omni.serve.translate import check_model, stage_message
 
 
 def omni_version() -> str:
@@ -90,23 +89,15 @@ class DetokenizeRequest(_Strict):
 
 # ------------------------------------------------------------------ the edge
 def _template_messages(req: TokenizeChatRequest, stage: str) -> list[dict[str, Any]]:
-    """The messages as chat_job hands them to the entry stage (translate.py), text parts only."""
+    """The messages as chat_job hands them to the entry stage (translate.stage_message), text parts only."""
     out = []
     for i, msg in enumerate(req.messages):
-        texts = []
         for j, part in enumerate(msg.content or []):
             if part.type != "text":
                 raise bad_request(f"messages[{i}].content[{j}]: /tokenize takes text parts only (the entry stage "
                                   f"{stage!r} tokenizes text; got a {part.type} part)", f"messages[{i}].content[{j}]",
                                   "unsupported_value")
-            texts.append(part.text)
-        message: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role,
-                                   "content": None if msg.content is None else "".join(texts)}
-        if msg.tool_calls:
-            message["tool_calls"] = template_tool_calls(msg.tool_calls)
-        if msg.tool_call_id is not None:
-            message["tool_call_id"] = msg.tool_call_id
-        out.append(message)
+        out.append(stage_message(msg, [{"type": "text", "text": part.text} for part in msg.content or []]))
     return out
 
 

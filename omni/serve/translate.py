@@ -162,6 +162,20 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
             job.from_list[stage][1].difference_update(top)
 
 
+def stage_message(msg: Any, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A request's chat message as the entry stage takes it, its content parts already converted (text, or a media
+    placeholder {"type": "image" | "audio"}): chat_job's, and /tokenize's (tokenization.py)."""
+    content: Any = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+    if msg.content is None:
+        content = None  # an assistant turn of tool calls only
+    message: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+    if msg.tool_calls:
+        message["tool_calls"] = template_tool_calls(msg.tool_calls)
+    if msg.tool_call_id is not None:
+        message["tool_call_id"] = msg.tool_call_id
+    return message
+
+
 def _media_count(req: ChatCompletionRequest) -> int:
     return sum(p.type != "text" for m in req.messages for p in m.content or [])
 
@@ -209,15 +223,7 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
             counts[item.modality] += 1
             media.append(item)
             parts.append({"type": item.modality})
-        content: Any = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
-        if msg.content is None:
-            content = None  # an assistant turn of tool calls only
-        message: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
-        if msg.tool_calls:
-            message["tool_calls"] = template_tool_calls(msg.tool_calls)
-        if msg.tool_call_id is not None:
-            message["tool_call_id"] = msg.tool_call_id
-        messages.append(message)
+        messages.append(stage_message(msg, parts))
     extra = {"speaker": req.audio.speaker} if req.audio is not None and req.audio.speaker else {}
     voice_field = req.audio.voice_field if req.audio is not None else "audio.voice"
     if "audio" in want and (unknown := info.unknown_voice(extra.get("speaker"), voice_field)):

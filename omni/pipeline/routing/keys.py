@@ -29,15 +29,16 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from omni import registry
 from omni.config import StageConfig
 from omni.engine.kv_cache.hashing import BlockHasher
 from omni.outputs import StageInput
 from omni.prompts import tokenize_prompt
-from omni.stage_tokenizer import load_stage_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,19 @@ class DriverTokenizer:
             return
         self.state = "unavailable"
         try:
-            self._tok = load_stage_tokenizer(self.stage)
+            path = Path(registry.resolve_model_path(self.stage.tokenizer or self.stage.model_path, "tokenizer path"))
+            if not path.exists():  # never download from the driver: the stage's node may have the files
+                return
+            from transformers import AutoTokenizer
+
+            if path.is_file() and path.suffix == ".gguf":
+                self._tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            else:
+                self._tok = AutoTokenizer.from_pretrained(str(path))
             self.state = "ok"
         except Exception as e:  # noqa: BLE001 - routing falls back to text keys
-            logger.info("stage %s: no tokenizer in the driver (%s); routing text prompts by their text",
-                        self.stage.name, e)
+            logger.info("stage %s: no tokenizer in the driver (%s: %s); routing text prompts by their text",
+                        self.stage.name, type(e).__name__, e)
 
     def tokenize(self, request: StageInput) -> list[int] | None:
         if request.mm_inputs or request.prompt is None or request.prompt_embeds is not None:
