@@ -4,7 +4,7 @@
     with Omni("stage_configs/tiny_chain.yaml") as o:
         outs = o.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
 
-Public names are imported lazily, so that `import omni.engine.kv_cache` (pure
+Public names are imported lazily, so that `import omni.engine.core.kv_cache` (pure
 Python) does not pull in torch, pydantic or Ray.
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Omni": "omni.api",
     "AsyncOmni": "omni.async_api",
-    "StageDelta": "omni.outputs",
+    "StageDelta": "omni.messages",
     "SamplingParams": "omni.sampling_params",
-    "StageInput": "omni.outputs",
-    "StageOutput": "omni.outputs",
-    "RequestOutput": "omni.outputs",
-    "MultiModalInput": "omni.outputs",
-    "load_config": "omni.config_loader",
-    "PipelineConfig": "omni.config",
-    "StageConfig": "omni.config",
+    "StageInput": "omni.messages",
+    "StageOutput": "omni.messages",
+    "RequestOutput": "omni.messages",
+    "MultiModalInput": "omni.messages",
+    "load_config": "omni.config.loader",
+    "PipelineConfig": "omni.config.schema",
+    "StageConfig": "omni.config.schema",
     "OmniError": "omni.errors",
     "ConfigError": "omni.errors",
     "StageError": "omni.errors",
@@ -48,11 +48,11 @@ assert sorted(__all__) == sorted(_EXPORTS)
 if TYPE_CHECKING:
     from omni.api import Omni
     from omni.async_api import AsyncOmni
-    from omni.config import PipelineConfig, StageConfig
-    from omni.config_loader import load_config
+    from omni.config.schema import PipelineConfig, StageConfig
+    from omni.config.loader import load_config
     from omni.errors import (BackendClosedError, ConfigError, ContextLengthError, OmniError, RequestAbortedError,
                              RequestError, RequestTimeoutError, StageError, StageStartError)
-    from omni.outputs import MultiModalInput, RequestOutput, StageDelta, StageInput, StageOutput
+    from omni.messages import MultiModalInput, RequestOutput, StageDelta, StageInput, StageOutput
     from omni.sampling_params import SamplingParams
 
 

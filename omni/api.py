@@ -25,11 +25,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni import registry
-from omni.config import PipelineConfig
-from omni.config_loader import load_config
+from omni.config.schema import PipelineConfig
+from omni.config.loader import load_config
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 from omni.errors import BackendClosedError, ConfigError, OmniError, RequestError
-from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput
+from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
 from omni.prompts import to_stage_input

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni.api import Omni
-from omni.config import PipelineConfig
+from omni.config.schema import PipelineConfig
 from omni.errors import BackendClosedError, RequestAbortedError, RequestError
-from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput
+from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
 

@@ -288,7 +288,7 @@ def _run_streaming(omni: Any, prompts: list[Any], sampling: Any, out: Any, audio
 
     One prompt: each stage's text is written as it grows. Several: one line per delta,
     prefixed "[i stage]" (they interleave as the requests run concurrently)."""
-    from omni.outputs import RequestOutput, StageDelta
+    from omni.messages import RequestOutput, StageDelta
 
     order: list[str] = []
     results: dict[str, RequestOutput] = {}
@@ -330,7 +330,7 @@ def _on_stream_event(ev: Any, prompts: list[Any], order: list[str], results: dic
                      current: tuple[str, str] | None, wavs: dict[tuple[str, str], Any], out: Any,
                      audio_dir: Path) -> tuple[str, str] | None:
     """Handle one streamed item; returns the (request, stage) whose text is being written inline."""
-    from omni.outputs import RequestOutput, StageDelta
+    from omni.messages import RequestOutput, StageDelta
 
     rid = ev.request_id
     if rid not in results:

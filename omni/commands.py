@@ -18,12 +18,12 @@ def load_checked(config: str, overrides: str | None, memory_gb: float | None = N
     """Load and validate the config, and check its paths where the stages run (raises ConfigError).
     `memory_gb` (--memory-gb) sets runtime.memory.budget_gb.
     Returns (config, the Ray cluster whose nodes hold the paths, when they were not checked here)."""
-    from omni.config_loader import load_config
-    from omni.preflight import check_paths, remote_cluster
+    from omni.config.loader import load_config
+    from omni.config.preflight import check_paths, remote_cluster
 
     cfg = load_config(config, overrides)
     if memory_gb is not None:
-        from omni.config import MemoryConfig
+        from omni.config.schema import MemoryConfig
         from omni.errors import ConfigError
 
         if not (math.isfinite(memory_gb) and memory_gb > 0):  # inf has no bytes: the plan would fail converting it

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from omni.errors import RequestError
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.serve.errors import ApiError
 
 # The decoders check the size a header announces before decoding. Here the files are the user's own, on

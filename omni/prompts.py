@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from omni.errors import RequestError
-from omni.outputs import MultiModalInput, StageInput
+from omni.messages import MultiModalInput, StageInput
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id",
                "tools", "chat_template_kwargs")

@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from omni.errors import FIELD_ERROR
 
-from omni.strict import StrictFlag, no_bool_for_number
+from omni.config.strict import StrictFlag, no_bool_for_number
 from omni.structured_spec import check_spec
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns

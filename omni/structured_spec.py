@@ -1,7 +1,7 @@
 """The shape of `SamplingParams.structured_outputs` (no torch, no tokenizer: checked at the edge).
 
 Exactly one constraint, as vLLM's StructuredOutputsParams names them; compiling it against a stage's
-tokenizer is the engine's (omni/engine/structured_output.py).
+tokenizer is the engine's (omni/engine/io/structured_output.py).
 """
 from __future__ import annotations
 

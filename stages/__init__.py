@@ -11,25 +11,25 @@ def register() -> None:
     from omni.registry import register_input_processor, register_model_path_scheme, register_stage_model
 
     register_stage_model("causal_lm", "stages.causal_lm:CausalLMStage")
-    register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni:Qwen2_5OmniThinkerStage")
-    register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni:Qwen2_5OmniTalkerStage")
-    register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni:Qwen2_5OmniToken2WavStage",
+    register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni.edges:Qwen2_5OmniThinkerStage")
+    register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni.edges:Qwen2_5OmniTalkerStage")
+    register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni.edges:Qwen2_5OmniToken2WavStage",
                          autoregressive=False, streams_input=True)
-    register_stage_model("qwen3_omni_thinker", "stages.qwen3_omni:Qwen3OmniThinkerStage")
-    register_stage_model("qwen3_omni_talker", "stages.qwen3_omni:Qwen3OmniTalkerStage")
-    register_stage_model("qwen3_omni_code2wav", "stages.qwen3_omni:Qwen3OmniCode2WavStage",
+    register_stage_model("qwen3_omni_thinker", "stages.qwen3_omni.edges:Qwen3OmniThinkerStage")
+    register_stage_model("qwen3_omni_talker", "stages.qwen3_omni.edges:Qwen3OmniTalkerStage")
+    register_stage_model("qwen3_omni_code2wav", "stages.qwen3_omni.edges:Qwen3OmniCode2WavStage",
                          autoregressive=False, streams_input=True)
 
-    register_input_processor("hidden_to_embeds", "stages.processors:hidden_to_embeds", needs_hidden_states=True,
-                             incremental="stages.processors:hidden_to_embeds_chunk")
-    register_input_processor("thinker2talker", "stages.qwen2_5_omni:thinker2talker", needs_hidden_states=True,
-                             incremental="stages.qwen2_5_omni:thinker2talker_chunk")
-    register_input_processor("talker2wav", "stages.qwen2_5_omni:talker2wav",
-                             incremental="stages.qwen2_5_omni:talker2wav_chunk")
+    register_input_processor("hidden_to_embeds", "stages.common.processors:hidden_to_embeds", needs_hidden_states=True,
+                             incremental="stages.common.processors:hidden_to_embeds_chunk")
+    register_input_processor("thinker2talker", "stages.qwen2_5_omni.edges:thinker2talker", needs_hidden_states=True,
+                             incremental="stages.qwen2_5_omni.edges:thinker2talker_chunk")
+    register_input_processor("talker2wav", "stages.qwen2_5_omni.edges:talker2wav",
+                             incremental="stages.qwen2_5_omni.edges:talker2wav_chunk")
     # Qwen3-Omni: the talker reads the thinker's embeds / accept_hidden rows, code2wav the talker's `codes` rows.
-    register_input_processor("qwen3_omni_thinker2talker", "stages.qwen3_omni:thinker2talker", needs_hidden_states=True,
-                             incremental="stages.qwen3_omni:thinker2talker_chunk")
-    register_input_processor("qwen3_omni_talker2code2wav", "stages.qwen3_omni:talker2code2wav",
-                             needs_hidden_states=True, incremental="stages.qwen3_omni:talker2code2wav_chunk")
+    register_input_processor("qwen3_omni_thinker2talker", "stages.qwen3_omni.edges:thinker2talker", needs_hidden_states=True,
+                             incremental="stages.qwen3_omni.edges:thinker2talker_chunk")
+    register_input_processor("qwen3_omni_talker2code2wav", "stages.qwen3_omni.edges:talker2code2wav",
+                             needs_hidden_states=True, incremental="stages.qwen3_omni.edges:talker2code2wav_chunk")
 
-    register_model_path_scheme("builtin", "stages.checkpoints:builtin_path", check="stages.checkpoints:check_builtin")
+    register_model_path_scheme("builtin", "stages.checkpoints.builtin:builtin_path", check="stages.checkpoints.builtin:check_builtin")

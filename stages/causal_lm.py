@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from omni.engine.attention import register_attention
+from omni.engine.runner.attention import register_attention
 from omni.engine.memory import StageGeometry, checkpoint_geometry
-from omni.engine.cpu_linear import pack_cpu_linears
-from omni.engine.output_head import prepare_cpu_head
+from omni.engine.runner.cpu_linear import pack_cpu_linears
+from omni.engine.runner.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec
 
 

@@ -95,28 +95,28 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
 # ------------------------------------------------------------------ checkpoints
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from stages.checkpoints import tiny_checkpoint
+    from stages.checkpoints.builtin import tiny_checkpoint
 
     return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    from stages.checkpoints import tiny_checkpoint
+    from stages.checkpoints.builtin import tiny_checkpoint
 
     return tiny_checkpoint("qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_omni():
-    from stages.qwen2_5_omni_checkpoint import tiny_omni_checkpoint
+    from stages.qwen2_5_omni.checkpoint import tiny_omni_checkpoint
 
     return tiny_omni_checkpoint()
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from stages.checkpoints import smollm2_path
+    from stages.checkpoints.builtin import smollm2_path
 
     return smollm2_path()
 

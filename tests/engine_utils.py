@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from omni.engine.engine import StageEngine, StageEngineConfig
 from omni.sampling_params import SamplingParams
-from omni.engine.scheduler import SchedulerSettings
-from omni.outputs import StageInput, StageOutput
+from omni.engine.core.scheduler import SchedulerSettings
+from omni.messages import StageInput, StageOutput
 from stages.causal_lm import CausalLMStage
 
 GREEDY = dict(temperature=0.0)

@@ -21,7 +21,7 @@ import numpy as np
 from omni.engine.interface import EngineStepOutput, StageStats
 from omni.errors import RequestError
 from omni.sampling_params import resolve_sampling_params
-from omni.outputs import StageDelta, StageInput, StageOutput
+from omni.messages import StageDelta, StageInput, StageOutput
 from omni.registry import register_input_processor, register_stage_model
 
 HIDDEN = 4
@@ -52,7 +52,7 @@ def tagged_concat(upstream: dict[str, StageOutput], request: StageInput) -> Stag
 
 
 def fake_hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
-    """Like stages.processors:hidden_to_embeds: the upstream hidden states become the prompt embeddings."""
+    """Like stages.common.processors:hidden_to_embeds: the upstream hidden states become the prompt embeddings."""
     (out,) = upstream.values()
     if out.hidden_states is None:
         raise ValueError(f"stage {out.stage!r} sent no hidden states")

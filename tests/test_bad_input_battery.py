@@ -21,7 +21,7 @@ import yaml
 
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, RequestError, StageStartError
-from omni.outputs import StageInput, StageOutput
+from omni.messages import StageInput, StageOutput
 from tests.engine_utils import assert_no_leak
 
 REPO = Path(__file__).resolve().parents[1]

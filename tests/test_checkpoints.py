@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from omni.registry import resolve_model_path
-from stages import checkpoints
-from stages.checkpoints import smollm2_gguf_path, tiny_checkpoint
+from stages.checkpoints import builtin as checkpoints
+from stages.checkpoints.builtin import smollm2_gguf_path, tiny_checkpoint
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -1,4 +1,4 @@
-"""omni.config: every validation error names the stage and the field."""
+"""omni.config.schema: every validation error names the stage and the field."""
 from __future__ import annotations
 
 import copy
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from omni.config import PipelineConfig
-from omni.config_loader import load_config, parse_stage_overrides
+from omni.config.schema import PipelineConfig
+from omni.config.loader import load_config, parse_stage_overrides
 from omni.sampling_params import SamplingParams
 from omni.errors import ConfigError, OmniError
 from tests.fakes import chain_config, diamond_config, stage
@@ -276,9 +276,9 @@ def test_boolean_fields_take_only_true_or_false(make, name, value):
 
 
 def test_every_boolean_field_of_the_config_is_strict():
-    """A new `bool` field of omni/config.py, or of the SamplingParams a stage's `sampling:` holds, must be a
+    """A new `bool` field of omni/config/schema.py, or of the SamplingParams a stage's `sampling:` holds, must be a
     StrictFlag too (the table above covers each one)."""
-    import omni.config as config_module
+    import omni.config.schema as config_module
     import omni.sampling_params as sampling_module
     from pydantic import BaseModel
 
@@ -469,7 +469,7 @@ def test_bad_replica_settings_name_the_field(fields, msg):
 
 
 def test_merge_stage_overrides_puts_the_users_fields_over_a_benchmarks():
-    from omni.config_loader import merge_stage_overrides
+    from omni.config.loader import merge_stage_overrides
 
     base = {"thinker": {"sampling": {"temperature": 0.0, "max_tokens": 8}}, "talker": {"replicas": 1}}
     update = {"thinker": {"sampling": {"max_tokens": 16}}, "token2wav": {"replicas": 2}}

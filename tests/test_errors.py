@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from omni import errors
-from omni.outputs import RequestOutput, StageOutput, error_output
+from omni.messages import RequestOutput, StageOutput, error_output
 
 ALL = [errors.OmniError, errors.ConfigError, errors.RequestError, errors.ContextLengthError,
        errors.RequestTimeoutError, errors.RequestAbortedError, errors.StageError, errors.StageStartError,

@@ -23,8 +23,8 @@ def _fresh_python(code: str) -> str:
 
 def test_loading_and_validating_a_config_imports_no_torch():
     out = _fresh_python(
-        "import sys, omni.config_loader\n"
-        "cfg = omni.config_loader.load_config('stage_configs/tiny_chain.yaml')\n"
+        "import sys, omni.config.loader\n"
+        "cfg = omni.config.loader.load_config('stage_configs/tiny_chain.yaml')\n"
         "from omni.pipeline.graph import StageGraph\n"
         "g = StageGraph(cfg.stages)\n"
         "print([s.name for s in cfg.stages], [g.emits_hidden_states(n) for n in g.order],\n"

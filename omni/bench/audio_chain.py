@@ -46,7 +46,7 @@ def audio_chain(cfg: Any) -> AudioChain:
     """The chain of a PipelineConfig (or a config path): ValueError naming the stages when it is not
     exactly thinker -> talker -> audio stage."""
     if not hasattr(cfg, "stages"):
-        from omni.config_loader import load_config
+        from omni.config.loader import load_config
 
         cfg = load_config(cfg)
     audio = [s for s in cfg.stages if s.final_output == "audio"]

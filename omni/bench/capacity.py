@@ -78,10 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args) -> dict[str, Any]:
-    from omni.config_loader import merge_stage_overrides, parse_stage_overrides
+    from omni.config.loader import merge_stage_overrides, parse_stage_overrides
 
-    from .audio_chain import audio_chain
-    from .omni_streaming import omni_overrides
+    from omni.bench.audio_chain import audio_chain
+    from omni.bench.omni_streaming import omni_overrides
 
     ov = omni_overrides(audio_chain(args.config), streaming=True, caching=True, audio_codes=_codes(args))
     n = args.thinker_tokens
@@ -94,7 +94,7 @@ def _codes(args) -> int:
 
 
 def _prompts(tok, n: int, tag: str) -> list[list[int]]:
-    from .omni_streaming import TOPICS
+    from omni.bench.omni_streaming import TOPICS
 
     return [tok(f"Tell me a story about {TOPICS[i % len(TOPICS)]}, number {tag}-{i}.")["input_ids"]
             for i in range(n)]
@@ -137,10 +137,10 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
     from omni import AsyncOmni
     from omni.engine.step_profile import PHASES, window
 
-    from .machine_cpu import MachineCPU
+    from omni.bench.machine_cpu import MachineCPU
 
-    from .omni_streaming import audio_times
-    from .workloads import closed_loop_timed, open_loop_timed, poisson_arrivals
+    from omni.bench.omni_streaming import audio_times
+    from omni.bench.workloads import closed_loop_timed, open_loop_timed, poisson_arrivals
 
     async def measure(o: Any, label: str, load) -> tuple[dict[str, Any], list[Any]]:
         before = (await o.stats())["stages"]
@@ -210,8 +210,8 @@ def _hf(args, path, prompts: list[list[int]], device: str) -> tuple[dict[str, An
 
     from omni.pipeline.threads import available_cores
 
-    from . import hf_omni
-    from .machine_cpu import MachineCPU
+    from omni.bench import hf_omni
+    from omni.bench.machine_cpu import MachineCPU
 
     model = hf_omni.load(path, device)
     threads = available_cores()  # what a user's process gets: this machine's cores
@@ -252,7 +252,7 @@ def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:
 def run(args) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from omni.config_loader import load_config, parse_stage_overrides
+    from omni.config.loader import load_config, parse_stage_overrides
     from omni.registry import resolve_model_path
 
     if (args.requests < 1 or args.thinker_tokens < 2 or args.reply_seconds <= 0 or min(args.concurrency) < 1

@@ -1,7 +1,7 @@
 """`omni bench cuda-graphs`: a stage's decode step with CUDA graphs vs eager, same requests, one run.
 
 On a GPU a small decode step is bound by the host: hundreds of kernel launches from Python, each costing more
-than the kernel. A captured CUDA graph replays them with one launch (omni/engine/cuda_graphs.py). This bench
+than the kernel. A captured CUDA graph replays them with one launch (omni/engine/runner/cuda_graphs.py). This bench
 loads one stage model once, builds two engines on it (CUDA graphs on and off), and runs the same requests
 through both, `--batch` requests at a time: a `--prompt-tokens` prefill, then `--decode-steps` greedy steps
 (min_tokens = max_tokens: every run does the same work). Per batch size: the median decode step in ms of each,
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _engines(args) -> tuple[Any, Any]:
     from omni import registry
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.scheduler import SchedulerSettings
+    from omni.engine.core.scheduler import SchedulerSettings
 
     cls = registry.resolve_stage_model(args.stage_model)
     path = registry.resolve_model_path(args.model)
@@ -55,7 +55,7 @@ def _run(engine: Any, tag: str, args, batch: int) -> tuple[float, list[list[int]
     """(median decode step in ms, each request's tokens)."""
     import torch
 
-    from omni.outputs import StageInput
+    from omni.messages import StageInput
     from omni.sampling_params import SamplingParams
 
     n = args.decode_steps

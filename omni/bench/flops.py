@@ -10,7 +10,7 @@ The machine's rate is measured in the same process, on the same thread count, wi
 model's own weights (every distinct layer shape, and the head as laid out) at the run's step sizes:
 what a GEMM library gets on exactly these shapes. `mfu_vs_sgemm` = achieved / that (float32:
 sgemm; another dtype: that dtype's GEMM). On a CPU in float32 the same shapes are also timed with
-oneDNN's product on weights packed once (what omni's decoders run: omni/engine/cpu_linear.py),
+oneDNN's product on weights packed once (what omni's decoders run: omni/engine/runner/cpu_linear.py),
 faster than sgemm on small batches; `mfu_vs_best_gemm` = achieved / the faster of the two at each
 shape, the stricter ratio (a forward pass cannot beat it by choosing a GEMM). Norms, activations,
 rotary embeddings and the attention's softmax are not counted (a few percent of a step), so the
@@ -58,10 +58,10 @@ def forward_flops(shape: DecoderShape, spans: list[tuple[int, int]], sampled_row
 def _products(w: torch.Tensor) -> dict:
     """The GEMMs this machine offers for `x @ w.T`, by name: "sgemm" (F.linear: MKL's sgemm on a CPU,
     cuBLAS on a GPU) and, on a CPU in float32, "packed" (oneDNN's product on the weight packed once:
-    omni/engine/cpu_linear.py, what omni's decoders run)."""
+    omni/engine/runner/cpu_linear.py, what omni's decoders run)."""
     products = {"sgemm": lambda x: torch.nn.functional.linear(x, w)}
     if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        from omni.engine.cpu_linear import pack_weight, packed_linear
+        from omni.engine.runner.cpu_linear import pack_weight, packed_linear
 
         try:
             packed = pack_weight(w)

@@ -2,7 +2,7 @@
 
 The logits of a decode step are the sampled rows (one per running request) times the output head's
 [vocab, hidden] weight; on a CPU that product is bound by reading the weight, and how fast MKL reads it
-depends on the layout and the operand order (omni/engine/output_head.py). For each head shape (default:
+depends on the layout and the operand order (omni/engine/runner/output_head.py). For each head shape (default:
 the small Qwen2.5-Omni / Qwen3-Omni thinkers' 151,936 x 256 and SmolLM2's 49,152 x 576) and each row count
 (default 1, 2, 4, 8, 16), side by side in one run, alternating: the median time of `F.linear(x, W)` with W
 row-major (what transformers runs), with W stored column-major (every row count's product before the
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from omni.engine.output_head import prepare_cpu_head
+    from omni.engine.runner.output_head import prepare_cpu_head
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)

@@ -31,8 +31,8 @@ import statistics
 import time
 from typing import Callable
 
-from omni.engine.kv_cache import KVCacheManager
-from omni.engine.request import Request
+from omni.engine.core.kv_cache import KVCacheManager
+from omni.engine.core.request import Request
 
 BLOCK_SIZE = 16
 VOCAB = 128_000

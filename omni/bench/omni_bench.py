@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .audio_chain import AudioChain, audio_chain
+from omni.bench.audio_chain import AudioChain, audio_chain
 
 _USER_TURNS = [
     "Please describe the picture and the sound in as much detail as you can, then tell me a story.",
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pipeline(args, caching: bool, chain: AudioChain) -> Any:
     from omni import Omni
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     overrides = {chain.thinker: {"enable_prefix_caching": caching,
                                  "sampling": {"max_tokens": args.thinker_max_tokens}},
@@ -87,7 +87,7 @@ def _pipeline(args, caching: bool, chain: AudioChain) -> Any:
 
 
 def _turn(omni: Any, chain: AudioChain, rid: str, prompt: list[dict], mm: dict[str, Any]) -> dict[str, Any]:
-    from .workloads import stream_timed
+    from omni.bench.workloads import stream_timed
 
     [r] = stream_timed(omni, [{"prompt": prompt, "multi_modal_data": mm, "request_id": rid}])
     if r.error:
@@ -113,7 +113,7 @@ def _media(args, chain: AudioChain, rng: Any) -> dict[str, Any]:
 def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
     from omni.registry import resolve_model_path
 
-    from .workloads import Conversation
+    from omni.bench.workloads import Conversation
 
     omni = _pipeline(args, caching, chain)
     try:
@@ -124,7 +124,7 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
         if args.doc_tokens:
             from transformers import AutoTokenizer
 
-            from .workloads import long_document
+            from omni.bench.workloads import long_document
 
             path = resolve_model_path(omni.config.stage(chain.thinker).model_path)
             doc = long_document(AutoTokenizer.from_pretrained(str(path)), args.doc_tokens, args.seed) + "\n"
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same = tokens_same and all(np.array_equal(a[2], b[2]) for a, b in pairs)
     # Where the waveforms are not bit for bit equal (a GPU's kernels need not sum in one order from run to run),
     # how close they are: the worst turn's SNR of caching on against caching off.
-    from .capacity import _snr_db
+    from omni.bench.capacity import _snr_db
 
     snr = min((_snr_db(np.asarray(b[2]), np.asarray(a[2])) if np.shape(a[2]) == np.shape(b[2]) else float("-inf")
                for a, b in pairs), default=float("inf"))

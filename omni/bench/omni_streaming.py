@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .audio_chain import AudioChain, audio_chain
+from omni.bench.audio_chain import AudioChain, audio_chain
 
 TOPICS = ["the sea", "a lighthouse", "the mountains", "a city at night", "an old library", "a rainy day",
            "the desert", "a forest in autumn"]
@@ -52,7 +52,7 @@ def omni_overrides(chain: AudioChain, streaming: bool, caching: bool, audio_code
 
 def _run(omni, chain: AudioChain, prompts: list[Any]) -> list[dict[str, float]]:
     """Submit all prompts at once; per request: ttfp, e2e, audio seconds, rtf (audio_times)."""
-    from .workloads import stream_timed
+    from omni.bench.workloads import stream_timed
 
     return audio_times(stream_timed(omni, prompts), chain.audio)
 
@@ -62,7 +62,7 @@ def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
     delta of `audio_stage` when streaming, the finished waveform otherwise), e2e, audio seconds, rtf. A failed
     request raises, naming the stage. stall_s: the silence a listener playing the chunks as they come hears
     after the first one (workloads.playback_stall_s; 0 for a one-shot waveform)."""
-    from .workloads import playback_stall_s
+    from omni.bench.workloads import playback_stall_s
 
     out = []
     for r in records:
@@ -77,7 +77,7 @@ def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
 
 def _conversation(omni, chain: AudioChain, tokenizer, args) -> list[float]:
     """TTFP per turn of one conversation (turn 1 carries a long document, an image and audio: AudioChain.media)."""
-    from .workloads import Conversation, long_document
+    from omni.bench.workloads import Conversation, long_document
 
     mm = chain.media(np.random.default_rng(args.seed))
     doc = long_document(tokenizer, args.omni_doc_tokens, args.seed)
@@ -97,7 +97,7 @@ def run_omni(args) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from omni import Omni
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.registry import resolve_model_path
 
     config = args.omni_config or DEFAULT_CONFIG[_pipeline(args)]

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .workloads import Conversation, random_ids
+from omni.bench.workloads import Conversation, random_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET_RATIO = 1.15
@@ -278,7 +278,7 @@ def bench_ttft(args: argparse.Namespace, cfg: Any, base_overrides: dict[str, Any
 
 # ---------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config_loader import load_config, parse_stage_overrides
+    from omni.config.loader import load_config, parse_stage_overrides
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the embedded Ray needs no token auth
     for name in ("num_requests", "repeats", "conversations", "system_tokens", "turn_tokens"):

@@ -9,7 +9,7 @@ is then split two ways over the autoregressive stages' KV caches:
     even      the bytes left after the fixed needs, halved (one share per stage), each share in blocks
 
 and a multi-turn workload is replayed through each stage's real KV cache manager
-(omni/engine/kv_cache: the scheduler's own path, Request -> get_computed_blocks -> allocate_slots ->
+(omni/engine/core/kv_cache: the scheduler's own path, Request -> get_computed_blocks -> allocate_slots ->
 free) with that many blocks: N conversations interleaved, batches of up to max_num_seqs turns; a
 turn's thinker sequence is the conversation so far + the user's message + its reply (sampling.max_tokens);
 the talker's is that sequence + its own codec tokens. No model runs: the hit rate is the caches'
@@ -25,9 +25,9 @@ import random
 import time
 from typing import Any
 
-from omni.config_loader import load_config
-from omni.engine.kv_cache import KVCacheManager
-from omni.engine.request import Request
+from omni.config.loader import load_config
+from omni.engine.core.kv_cache import KVCacheManager
+from omni.engine.core.request import Request
 from omni.pipeline.graph import StageGraph
 
 GiB = 2**30

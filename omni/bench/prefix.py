@@ -20,7 +20,7 @@ import argparse
 import random
 import statistics
 
-from .workloads import Timer, long_document, questions
+from omni.bench.workloads import Timer, long_document, questions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: str = "float32"):
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.scheduler import SchedulerSettings
+    from omni.engine.core.scheduler import SchedulerSettings
     from omni.registry import resolve_stage_model
 
     return StageEngine(StageEngineConfig(
@@ -45,7 +45,7 @@ def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: st
 def run_one(engine, rid: str, ids: list[int], max_tokens: int):
     """Submit one request and run it to completion; returns its StageOutput."""
     from omni.sampling_params import SamplingParams
-    from omni.outputs import StageInput
+    from omni.messages import StageInput
 
     engine.add_request(StageInput(rid, prompt_token_ids=ids,
                                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
@@ -65,7 +65,7 @@ def qa_ttfts(engine, doc_ids: list[int], question_ids: list[list[int]], max_toke
 def _flops_ratio(engine, doc_ids: list[int], q_ids: list[list[int]], cached_outs) -> float:
     """Mean FLOPs of the cached questions' forwards (from each one's cached tokens to its end) over the
     questions alone (from 0), one sampled row each."""
-    from .flops import decoder_shape, forward_flops
+    from omni.bench.flops import decoder_shape, forward_flops
 
     shape = decoder_shape(engine.model)
     cached = sum(sum(forward_flops(shape, [(o.num_cached_tokens, len(doc_ids) + len(q))], 1))
@@ -87,7 +87,7 @@ def qa_workload(path, args):
 
 def run(args) -> dict:
     from omni.sampling_params import SamplingParams
-    from omni.outputs import StageInput
+    from omni.messages import StageInput
     from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .audio_chain import AudioChain, audio_chain
+from omni.bench.audio_chain import AudioChain, audio_chain
 
 FRAMES_PER_SECOND = 12.5  # Qwen3-Omni's talker: one codec frame per 80 ms of audio
 
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(chain: AudioChain, args) -> dict[str, Any]:
-    from .omni_streaming import omni_overrides
+    from omni.bench.omni_streaming import omni_overrides
 
     ov = omni_overrides(chain, streaming=True, caching=True, audio_codes=args.reply_frames)
     n = args.thinker_tokens
@@ -60,14 +60,14 @@ def _overrides(chain: AudioChain, args) -> dict[str, Any]:
 
 
 def _prompts(n: int, tag: str) -> list[dict[str, Any]]:
-    from .omni_streaming import TOPICS
+    from omni.bench.omni_streaming import TOPICS
 
     return [{"prompt": f"Tell me a story about {TOPICS[i % len(TOPICS)]}, number {tag}-{i}."} for i in range(n)]
 
 
 def _level(chain: AudioChain, recs: list[Any], wall_s: float) -> dict[str, Any]:
-    from .capacity import _pct
-    from .omni_streaming import audio_times
+    from omni.bench.capacity import _pct
+    from omni.bench.omni_streaming import audio_times
 
     times = audio_times(recs, chain.audio)
     ttfp = [t["ttfp_s"] * 1000 for t in times]
@@ -79,7 +79,7 @@ def _level(chain: AudioChain, recs: list[Any], wall_s: float) -> dict[str, Any]:
 async def _omni(args, chain: AudioChain) -> tuple[dict[int, Any], list[Any]]:
     from omni import AsyncOmni
 
-    from .workloads import closed_loop_timed
+    from omni.bench.workloads import closed_loop_timed
 
     out: dict[int, Any] = {}
     c1: list[Any] = []
@@ -115,8 +115,8 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
 
     from omni.pipeline.threads import available_cores
 
-    from . import hf_qwen3_omni
-    from .capacity import AGREE_SNR_DB, _pct, _snr_db
+    from omni.bench import hf_qwen3_omni
+    from omni.bench.capacity import AGREE_SNR_DB, _pct, _snr_db
 
     model = hf_qwen3_omni.load(path, device)
     threads = available_cores()  # what a user's process gets: this machine's cores
@@ -146,10 +146,10 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
 
 
 def run(args) -> dict[str, Any]:
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.registry import resolve_model_path
 
-    from .capacity import hf_device
+    from omni.bench.capacity import hf_device
 
     if args.requests < 1 or args.thinker_tokens < 2 or args.reply_frames < 1:
         raise SystemExit("error: --requests >= 1, --thinker-tokens >= 2 (the talker starts on the thinker's second "

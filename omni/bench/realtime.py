@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .serve import NOTES
-from .server_process import serve_process
+from omni.bench.serve import NOTES
+from omni.bench.server_process import serve_process
 
 RATE = 24000
 
@@ -139,7 +139,7 @@ def _summary(results: list[list[dict[str, float]]], turns: int) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     if args.turns < 2:
         raise ValueError(f"--turns must be >= 2 (turn 2 on is what caching speeds up), got {args.turns}")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .workloads import Conversation, random_ids, stream_timed
+from omni.bench.workloads import Conversation, random_ids, stream_timed
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUPS = ("affinity", "round_robin", "single")
@@ -160,7 +160,7 @@ def run_setup(args: argparse.Namespace, cfg: Any, setup: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the embedded Ray needs no token auth
     for name in ("replicas", "conversations", "system_tokens", "context_tokens", "turn_tokens", "reply_tokens",

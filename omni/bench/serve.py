@@ -28,8 +28,8 @@ import statistics
 import time
 from typing import Any
 
-from .server_process import serve_process
-from .workloads import Conversation
+from omni.bench.server_process import serve_process
+from omni.bench.workloads import Conversation
 
 NOTES = ("I am planning a slow trip along the coast: three nights in the old harbour town, a day on the ferry "
          "to the islands, then a week walking between the hill villages, staying in small guest houses and "
@@ -166,7 +166,7 @@ async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     if not 1 <= args.turns <= len(TURNS):
         raise ValueError(f"--turns must be in 1..{len(TURNS)}, got {args.turns}")

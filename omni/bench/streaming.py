@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _prompts(path, args, n: int, offset: int) -> list[str]:
     from transformers import AutoTokenizer
 
-    from .workloads import long_document
+    from omni.bench.workloads import long_document
 
     tok = AutoTokenizer.from_pretrained(str(path))
     return [long_document(tok, args.doc_tokens, args.seed + offset + i) + "\nSummarise the table."
@@ -75,7 +75,7 @@ def _overrides(args, stream: bool) -> dict[str, Any]:
 
 def _run_batch(omni, prompts: list[str]) -> list[dict[str, Any]]:
     """Submit all prompts at once; per request: first talker token, end, thinker tokens."""
-    from .workloads import stream_timed
+    from omni.bench.workloads import stream_timed
 
     out = []
     for r in stream_timed(omni, prompts):
@@ -110,14 +110,14 @@ def run(args) -> dict[str, Any]:
     if args.pipeline in ("chain", "both"):
         result.update(run_chain(args))
     if args.pipeline in ("omni", "qwen3-omni", "both"):
-        from .omni_streaming import run_omni
+        from omni.bench.omni_streaming import run_omni
 
         result.update(run_omni(args))
     return result
 
 
 def run_chain(args) -> dict[str, Any]:
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.registry import resolve_model_path
 
     cfg = load_config(args.config)

@@ -22,7 +22,7 @@ import statistics
 
 import numpy as np
 
-from .prefix import make_engine, qa_workload, run_one
+from omni.bench.prefix import make_engine, qa_workload, run_one
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,8 +98,8 @@ def run(args) -> dict:
 
 def _concurrent(engine, doc_ids, q_ids, max_tokens: int) -> dict:
     """All questions at once, each decoding `max_tokens`; the engine's stats afterwards."""
-    from omni.engine.sampler import SamplingParams
-    from omni.outputs import StageInput
+    from omni.engine.runner.sampler import SamplingParams
+    from omni.messages import StageInput
 
     before = engine.stats().as_dict()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -16,7 +16,7 @@ import resource
 
 import torch
 
-from .workloads import Timer, throughput_requests
+from omni.bench.workloads import Timer, throughput_requests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,9 +39,9 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
     passes did: model, computed spans, sampled rows, steps, forward / sampling seconds)."""
     from omni.engine.engine import StageEngine, StageEngineConfig
     from omni.sampling_params import SamplingParams
-    from omni.engine.scheduler import SchedulerSettings
+    from omni.engine.core.scheduler import SchedulerSettings
     from omni.registry import resolve_stage_model
-    from omni.outputs import StageInput
+    from omni.messages import StageInput
 
     engine = StageEngine(StageEngineConfig(
         name="bench", model_cls=resolve_stage_model("causal_lm"), model_path=path, dtype=dtype, device=device,
@@ -89,7 +89,7 @@ def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, i
 
 def _mfu(work: dict, device: str) -> dict:
     """Achieved GFLOP/s of the forward passes vs this machine's GEMM rate on the model's shapes (flops.py)."""
-    from .flops import decoder_shape, forward_flops, gemm_gflops
+    from omni.bench.flops import decoder_shape, forward_flops, gemm_gflops
 
     shape = decoder_shape(work["model"])
     flops = forward_flops(shape, work["spans"], work["sampled_rows"])
@@ -174,7 +174,7 @@ def _hf_generate_batch(model, reqs) -> tuple[float, int]:
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from omni.engine.host_allocator import tune_host_allocator
+    from omni.engine.runner.host_allocator import tune_host_allocator
     from omni.registry import resolve_model_path
 
     path = resolve_model_path(args.model)

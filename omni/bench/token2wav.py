@@ -14,7 +14,7 @@ Streamed, a newcomer's first audio (`newcomer`): the stage's engine streams a 25
 chunks of stage_configs/qwen2_5_omni_small.yaml: 8, then 50 doubling to 100) and a second request
 arrives once the first one's second window is in flight; its time to first audio beside the time of
 the same request alone, `newcomer_wait_ratio` = behind / alone. Windows advance one Runge-Kutta step
-per engine step with the newcomer's first window ahead (qwen2_5_omni_token2wav.py), so the ratio is
+per engine step with the newcomer's first window ahead (stages/qwen2_5_omni/token2wav.py), so the ratio is
 about 1 plus one step of the window in flight, where a newcomer used to wait for that whole window.
 
     omni bench token2wav [--model builtin:small-qwen2_5-omni] [--codes 32 250] [--threads 1]
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from omni.registry import resolve_model_path, resolve_stage_model
 
-    from .capacity import AGREE_SNR_DB, _snr_db
+    from omni.bench.capacity import AGREE_SNR_DB, _snr_db
 
     for name in ("codes", "threads", "repeats"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _newcomer(stage, seed: int, repeats: int, codes: int = 250) -> dict[str, Any]:
     """A streamed request's time to first audio alone, and behind a stream whose second window is in
     flight (engine steps, as the stage's actor runs them); best of `repeats`."""
-    from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
-    from omni.outputs import StageInput
+    from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
+    from omni.messages import StageInput
 
     rng = np.random.default_rng(seed)
     old, new = (rng.integers(0, stage.num_codes, codes).tolist() for _ in range(2))

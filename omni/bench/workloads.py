@@ -144,7 +144,7 @@ def _id_order(request_id: str) -> tuple[int, Any]:
 
 def _record(r: TimedRequest, ev: Any, now: float) -> None:
     """One streamed event (a StageDelta or a final StageOutput) of `r`, `now` seconds after its submission."""
-    from omni.outputs import StageDelta
+    from omni.messages import StageDelta
 
     if isinstance(ev, StageDelta):
         if ev.token_ids and ev.stage not in r.first_token_s:

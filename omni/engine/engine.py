@@ -28,29 +28,29 @@ import numpy as np
 import torch
 
 from omni.errors import ContextLengthError, RequestError, StageError
-from omni.outputs import StageInput, StageOutput, TokenLogprob
+from omni.messages import StageInput, StageOutput, TokenLogprob
 from omni.prompts import tokenize_prompt
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 
-from .detokenizer import final_decode
-from .interface import EngineStepOutput, StageStats
-from .kv_cache import KVCacheManager
-from .loading import load_stage_model
-from .memory import check_before_load, check_loaded
-from .model_runner import ModelRunner, RunnerRequestState
-from .prompt_report import prompt_report
-from .request import Request, RequestStatus
-from .request_checks import RequestChecker
-from .request_rows import FinishedRows, OutputRows, RowsRequest
-from .request_streams import RequestStreams, block_digests
-from .sampler import make_generator
-from .scheduler import Scheduler, SchedulerSettings
-from .stage_model import AutoregressiveStageModel
-from .stop_strings import StopText
-from .step_profile import StepProfile
-from .structured_output import GrammarCompiler
-from .tensor_cache import StageTensorCache
-from .token_bytes import TokenBytes
+from omni.engine.io.detokenizer import final_decode
+from omni.engine.interface import EngineStepOutput, StageStats
+from omni.engine.core.kv_cache import KVCacheManager
+from omni.engine.loading import load_stage_model
+from omni.engine.memory import check_before_load, check_loaded
+from omni.engine.runner.model_runner import ModelRunner, RunnerRequestState
+from omni.engine.io.prompt_report import prompt_report
+from omni.engine.core.request import Request, RequestStatus
+from omni.engine.io.request_checks import RequestChecker
+from omni.engine.io.request_rows import FinishedRows, OutputRows, RowsRequest
+from omni.engine.io.request_streams import RequestStreams, block_digests
+from omni.engine.runner.sampler import make_generator
+from omni.engine.core.scheduler import Scheduler, SchedulerSettings
+from omni.engine.stage_model import AutoregressiveStageModel
+from omni.engine.io.stop_strings import StopText
+from omni.engine.step_profile import StepProfile
+from omni.engine.io.structured_output import GrammarCompiler
+from omni.engine.tensor_cache import StageTensorCache
+from omni.engine.io.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ _DEFAULT_MEMORY_BUDGET_MB = 1024.0
 class StageEngineConfig:
     """Resolved configuration of one autoregressive stage.
 
-    omni.pipeline.engine_factory translates the user's omni.config.StageConfig into it;
+    omni.pipeline.engine_factory translates the user's omni.config.schema.StageConfig into it;
     tests and benchmarks may build one directly.
     """
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from omni.outputs import StageDelta, StageInput, StageOutput
+from omni.messages import StageDelta, StageInput, StageOutput
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .host_allocator import tune_host_allocator
-from .stage_model import StageModel
+from omni.engine.runner.host_allocator import tune_host_allocator
+from omni.engine.stage_model import StageModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICES = ("auto", "cpu", "cuda")

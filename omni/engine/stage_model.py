@@ -24,8 +24,8 @@ import torch
 
 if TYPE_CHECKING:
     from omni.engine.memory import StageGeometry
-    from omni.engine.request import MultiModalFeature
-    from omni.outputs import StageInput
+    from omni.engine.core.request import MultiModalFeature
+    from omni.messages import StageInput
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from omni.outputs import StageDelta, StageInput, StageOutput
+from omni.messages import StageDelta, StageInput, StageOutput
 from omni.pipeline.streaming import StreamTarget
 
 

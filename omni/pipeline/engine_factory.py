@@ -1,6 +1,6 @@
 """The engine factory: the one translation of a user's StageConfig into a running engine.
 
-    StageConfig (pydantic, omni.config)
+    StageConfig (pydantic, omni.config.schema)
         model          -> registry entry: autoregressive?  -> StageEngine | OneShotStageEngine
                        -> the model class (imported here, in the process that runs the stage)
         model_path     -> registry path schemes (builtin:NAME) or a local path
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from omni import registry
-from omni.config import StageConfig
+from omni.config.schema import StageConfig
 from omni.engine.interface import Engine
 from omni.errors import ConfigError, StageStartError
 
@@ -27,7 +27,7 @@ def build_engine(stage: StageConfig) -> Engine:
     model_cls = registry.resolve_stage_model(stage.model)
     model_path = registry.resolve_model_path(stage.model_path)
     if not entry.autoregressive:
-        from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
+        from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 
         return OneShotStageEngine(OneShotEngineConfig(
             name=stage.name, model_cls=model_cls, model_path=model_path,
@@ -36,7 +36,7 @@ def build_engine(stage: StageConfig) -> Engine:
             dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
 
     from omni.engine.engine import StageEngine, StageEngineConfig
-    from omni.engine.scheduler import SchedulerSettings
+    from omni.engine.core.scheduler import SchedulerSettings
 
     if stage.cache.memory_budget_mb == "auto":  # Omni resolves it (omni/planning/) before any engine is built
         raise ConfigError(f"stage {stage.name!r}: cache.memory_budget_mb: 'auto' takes the memory plan's number, "

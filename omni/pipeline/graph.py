@@ -25,7 +25,7 @@ from omni import registry
 from omni.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
-    from omni.config import InputEdge, PipelineConfig, StageConfig
+    from omni.config.schema import InputEdge, PipelineConfig, StageConfig
 
 
 def _edge_name(edge: "str | InputEdge") -> str:

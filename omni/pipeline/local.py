@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from omni.config import PipelineConfig
+from omni.config.schema import PipelineConfig
 from omni.errors import BackendClosedError
 from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine

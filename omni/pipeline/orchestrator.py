@@ -47,7 +47,7 @@ from typing import Any
 
 from omni.errors import (BackendClosedError, OmniError, RequestAbortedError, RequestError, RequestTimeoutError,
                          StageError, as_omni_error)
-from omni.outputs import RequestOutput, StageDelta, StageInput, StageOutput, error_output
+from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import Backend, StageEvent, Submission
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.routing.table import Lineage, PipelineRouting

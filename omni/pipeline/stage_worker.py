@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni import registry
-from omni.config import StageConfig
+from omni.config.schema import StageConfig
 from omni.engine.interface import Engine
 from omni.errors import OmniError, RequestError, StageError
-from omni.outputs import CacheReport, StageDelta, StageInput, StageOutput, error_output
+from omni.messages import CacheReport, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import Submission
 from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
 

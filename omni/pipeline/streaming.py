@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from omni.outputs import StageDelta, StageOutput
+from omni.messages import StageDelta, StageOutput
 
 if TYPE_CHECKING:  # backend.py imports StreamTarget from here
     from omni.pipeline.backend import Submission

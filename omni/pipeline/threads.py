@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Iterable
 
-from omni.config import StageConfig
+from omni.config.schema import StageConfig
 
 
 def available_cores() -> int:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from omni.config import PipelineConfig
+from omni.config.schema import PipelineConfig
 
-from .needs import StageNeeds
+from omni.planning.needs import StageNeeds
 
 GiB = 2**30
 FREE_FRACTION = 0.9  # of what a device has free, when no budget is given (room for the rest of the process)

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni import registry
-from omni.config import PipelineConfig, StageConfig
+from omni.config.schema import PipelineConfig, StageConfig
 from omni.engine.memory import DTYPE_BYTES, HASH_BYTES_PER_BLOCK, POOL_BYTES_PER_BLOCK, StageGeometry
 from omni.errors import ConfigError
 
-from .profile_store import ProfileRecord, ProfileStore, profile_key
-from .weights import checkpoint_weights
+from omni.planning.profile_store import ProfileRecord, ProfileStore, profile_key
+from omni.planning.weights import checkpoint_weights
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the dynamic threshold's cap
 
@@ -150,7 +150,7 @@ def stage_needs(config: PipelineConfig, stage: StageConfig, *, cuda_available: b
                 store: ProfileStore | None = None, emits_rows: bool = True) -> StageNeeds:
     """The arithmetic needs of one copy of `stage`: nothing is loaded (the stage model's class is imported
     for its checkpoint hooks). `emits_rows`: the stage keeps per-token rows (every autoregressive stage's
-    engine does; see omni/engine/request_rows.py)."""
+    engine does; see omni/engine/io/request_rows.py)."""
     entry = registry.stage_model_entry(stage.model)
     model_cls = registry.resolve_stage_model(stage.model)
     try:

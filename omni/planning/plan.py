@@ -23,14 +23,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from omni.config import PipelineConfig
-from omni.config_loader import load_config
+from omni.config.schema import PipelineConfig
+from omni.config.loader import load_config
 from omni.errors import MemoryPlanError
 from omni.pipeline.graph import StageGraph
 
-from .budget import DeviceBudget, MachineProbe, device_budgets, place, real_probe
-from .needs import StageNeeds, is_auto, stage_needs, uses_plan
-from .profile_store import ProfileStore
+from omni.planning.budget import DeviceBudget, MachineProbe, device_budgets, place, real_probe
+from omni.planning.needs import StageNeeds, is_auto, stage_needs, uses_plan
+from omni.planning.profile_store import ProfileStore
 
 
 def size(n: float) -> str:

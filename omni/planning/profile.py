@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from omni.config import PipelineConfig, StageConfig
-from omni.outputs import StageInput
+from omni.config.schema import PipelineConfig, StageConfig
+from omni.messages import StageInput
 from omni.pipeline.graph import StageGraph
 
-from .profile_store import ProfileRecord, ProfileStore, profile_key
+from omni.planning.profile_store import ProfileRecord, ProfileStore, profile_key
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
     """Load the stage's model, run one profile step, measure. Raises what building or stepping raises."""
     from omni.pipeline.engine_factory import build_engine
 
-    from .needs import stage_device
+    from omni.planning.needs import stage_device
 
     stage = config.stage(name)
     graph = StageGraph.of(config)
@@ -241,7 +241,7 @@ def _header_weights(stage: StageConfig, device: str) -> int:
     from omni import registry
     from omni.engine.memory import DTYPE_BYTES
 
-    from .weights import checkpoint_weights
+    from omni.planning.weights import checkpoint_weights
 
     prefix = getattr(registry.resolve_stage_model(stage.model), "checkpoint_prefix", "")
     w = checkpoint_weights(registry.resolve_model_path(stage.model_path), DTYPE_BYTES[stage.dtype], prefix)
@@ -263,7 +263,7 @@ def profile_pipeline(config: PipelineConfig, store: ProfileStore, *,
 
     from omni import registry
 
-    from .needs import stage_device
+    from omni.planning.needs import stage_device
 
     results = []
     for stage in config.stages:

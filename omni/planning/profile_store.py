@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni.config import StageConfig
+from omni.config.schema import StageConfig
 
 _VERSION = 1
 

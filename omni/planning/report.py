@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plan import MemoryPlan, size
+from omni.planning.plan import MemoryPlan, size
 
 
 def _row(cells: list[str], widths: list[int]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from omni.outputs import MultiModalInput, StageInput
+from omni.messages import MultiModalInput, StageInput
 from omni.serve.audio import clips
 from omni.serve.translate import Job
 

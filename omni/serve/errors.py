@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from omni.errors import (FIELD_ERROR, BackendClosedError, OmniError, RequestAbortedError, RequestError, RequestTimeoutError,
                          StageError)
-from omni.pydantic_errors import UNION_ERROR, Problem, got, resolve, shown, union_message, wrong_type
+from omni.config.pydantic_errors import UNION_ERROR, Problem, got, resolve, shown, union_message, wrong_type
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
@@ -68,7 +68,7 @@ def internal(message: str) -> ApiError:
 
 
 # ------------------------------------------------------------------ pydantic
-# Union resolution and field paths are omni/pydantic_errors.py's (the config loader renders from them too);
+# Union resolution and field paths are omni/config/pydantic_errors.py's (the config loader renders from them too);
 # here they become OpenAI error bodies.
 def from_validation_error(err: ValidationError, tags: frozenset[str] = frozenset()) -> ApiError:
     """The first problem pydantic found, naming its field (as the user wrote it: no union member's name)."""

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from omni.errors import FIELD_ERROR
-from omni.pydantic_errors import accepts, shown
+from omni.config.pydantic_errors import accepts, shown
 
 
 def field_error(field: str, text: str, code: str = "invalid_value") -> PydanticCustomError:

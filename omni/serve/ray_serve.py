@@ -22,8 +22,8 @@ import ray
 from ray import serve
 
 from omni.async_api import AsyncOmni
-from omni.config import PipelineConfig
-from omni.config_loader import load_config
+from omni.config.schema import PipelineConfig
+from omni.config.loader import load_config
 from omni.serve.app import create_app
 from omni.serve.settings import ServeSettings
 

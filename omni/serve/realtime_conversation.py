@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from omni.outputs import MultiModalInput
+from omni.messages import MultiModalInput
 from omni.serve.audio import clips
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
                       field_validator, model_validator)
 
-from omni.pydantic_errors import loc_to_param, shown
+from omni.config.pydantic_errors import loc_to_param, shown
 
 
 class RealtimeEventError(Exception):

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.serve import g711
 from omni.serve.audio import pcm16_chunks, resample
 from omni.serve.errors import ApiError

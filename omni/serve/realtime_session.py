@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from omni.pydantic_errors import loc_to_param
+from omni.config.pydantic_errors import loc_to_param
 from omni.serve import g711
 from omni.serve import realtime_events as E
 from omni.serve.audio import pcm16_to_float, resample

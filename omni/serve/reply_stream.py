@@ -34,7 +34,7 @@ import numpy as np
 
 from omni.async_api import AsyncOmni
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, BackendClosedError, OmniError
-from omni.outputs import StageDelta, StageOutput, TokenLogprob
+from omni.messages import StageDelta, StageOutput, TokenLogprob
 from omni.serve.errors import ApiError, bad_request, from_omni_error, internal
 from omni.serve.tool_parser import parse_tool_calls
 from omni.serve.translate import Job

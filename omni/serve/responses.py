@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from omni.outputs import TokenLogprob
+from omni.messages import TokenLogprob
 from omni.serve.speech_formats import encode
 from omni.serve.tool_parser import parse_tool_calls
 from omni.serve.tools import reply_tool_calls

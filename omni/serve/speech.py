@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from omni.errors import ContextLengthError, OmniError
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.serve.audio import pcm16_chunks
 from omni.serve.endpoints import ClientGone, ServerState, parse, race
 from omni.serve.errors import ApiError, bad_request, internal

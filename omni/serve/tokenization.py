@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from omni.errors import OmniError
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.serve.endpoints import ServerState, _earlier_audio_replies, parse
 from omni.serve.errors import bad_request, from_omni_error
 from omni.serve.protocol import ChatMessage, ToolDef, _Strict, field_error

@@ -18,7 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from omni.outputs import TokenLogprob
+from omni.messages import TokenLogprob
 from omni.serve.speech_segments import SpeechSegment
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni.config import PipelineConfig
-from omni.outputs import MultiModalInput, StageInput
+from omni.config.schema import PipelineConfig
+from omni.messages import MultiModalInput, StageInput
 from omni.serve.audio import decode_audio
 from omni.serve.errors import ApiError, bad_request, too_large
 from omni.serve.media import b64decode, decode_image, parse_data_url

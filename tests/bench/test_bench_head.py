@@ -6,7 +6,7 @@ import json
 import pytest
 
 from omni.bench import head
-from omni.engine import output_head
+from omni.engine.runner import output_head
 
 
 def _run(argv):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omni.bench.workloads import closed_loop_timed, open_loop_timed, poisson_arrivals
-from omni.outputs import StageDelta
+from omni.messages import StageDelta
 
 
 def test_poisson_arrivals_are_seeded_exponential_gaps_from_zero():

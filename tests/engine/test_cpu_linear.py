@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni.engine import cpu_linear
-from omni.engine.cpu_linear import pack_cpu_linears
+from omni.engine.runner import cpu_linear
+from omni.engine.runner.cpu_linear import pack_cpu_linears
 from tests.tolerances import reorder_atol
 
 CPU = torch.device("cpu")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels.store_kv import interpreting
-from stages.checkpoints import TINY_ARCHS
-from omni.outputs import StageInput
+from stages.checkpoints.builtin import TINY_ARCHS
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
 from tests.tolerances import assert_rows_close, decoder_atol

@@ -18,7 +18,7 @@ import pytest
 # the second allocation reuses the pages the first touched.
 _PROBE = r"""
 import ctypes, ctypes.util, json, resource, sys
-from omni.engine.host_allocator import tune_host_allocator
+from omni.engine.runner.host_allocator import tune_host_allocator
 outcome = tune_host_allocator()
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -70,7 +70,7 @@ def test_user_glibc_settings_win():
 
 
 def test_unknown_choice_is_refused(monkeypatch):
-    from omni.engine import host_allocator
+    from omni.engine.runner import host_allocator
 
     monkeypatch.setenv("OMNI_HOST_ALLOCATOR", "jemalloc")
     with pytest.raises(ValueError, match="OMNI_HOST_ALLOCATOR must be 'tuned' or 'default', got 'jemalloc'"):

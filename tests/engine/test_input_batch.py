@@ -12,7 +12,7 @@ import torch
 
 from kernels import dispatch
 from kernels.store_kv import interpreting
-from omni.engine.input_batch import InputBatch
+from omni.engine.runner.input_batch import InputBatch
 from tests.kernels.test_reference import make_batch
 from tests.tolerances import attention_atol
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
+from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 from omni.engine.stage_model import OneShotStageModel
-from omni.outputs import StageInput
+from omni.messages import StageInput
 
 
 @dataclass

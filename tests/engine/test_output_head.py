@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni.engine import output_head
-from omni.engine.output_head import prepare_cpu_head
+from omni.engine.runner import output_head
+from omni.engine.runner.output_head import prepare_cpu_head
 from tests.tolerances import reorder_atol
 
 CPU = torch.device("cpu")

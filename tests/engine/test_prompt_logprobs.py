@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omni.errors import RequestError
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 

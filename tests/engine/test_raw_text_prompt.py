@@ -2,7 +2,7 @@
 `use_chat_template` (the completions endpoint's prompt, as vLLM's completions never apply a template)."""
 from __future__ import annotations
 
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.serve.protocol import CompletionRequest
 from omni.serve.translate import completion_jobs
 from tests.engine_utils import make_engine, run_to_completion

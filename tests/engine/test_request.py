@@ -1,7 +1,7 @@
 import pytest
 
-from omni.engine.kv_cache import BlockHasher
-from omni.engine.request import MultiModalFeature, Request, RequestStatus
+from omni.engine.core.kv_cache import BlockHasher
+from omni.engine.core.request import MultiModalFeature, Request, RequestStatus
 
 
 def test_counters_and_append():
@@ -68,11 +68,11 @@ def test_kv_modules_import_no_torch():
     import ast
     import pathlib
 
-    import omni.engine.kv_cache as kv_pkg
-    import omni.engine.request as req_mod
+    import omni.engine.core.kv_cache as kv_pkg
+    import omni.engine.core.request as req_mod
 
     files = [pathlib.Path(req_mod.__file__), *pathlib.Path(kv_pkg.__file__).parent.glob("*.py")]
-    allowed_omni = ("omni.engine.request", "omni.engine.kv_cache")
+    allowed_omni = ("omni.engine.core.request", "omni.engine.core.kv_cache")
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from omni.sampling_params import SamplingParams
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 
 

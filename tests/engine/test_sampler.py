@@ -6,7 +6,7 @@ from pydantic import ValidationError
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
-from omni.engine.sampler import (Sampler, apply_logit_bias, apply_min_p, apply_output_penalties,
+from omni.engine.runner.sampler import (Sampler, apply_logit_bias, apply_min_p, apply_output_penalties,
                                  apply_repetition_penalty, apply_top_k_top_p, ban_tokens, make_generator)
 from omni.sampling_params import SamplingParams
 

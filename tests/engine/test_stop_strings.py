@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, run_one
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omni.sampling_params import SamplingParams
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 from tests.tolerances import assert_rows_close, decoder_atol
 

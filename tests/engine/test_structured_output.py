@@ -1,4 +1,4 @@
-"""Structured outputs (SamplingParams.structured_outputs, omni/engine/structured_output.py): every reply follows its
+"""Structured outputs (SamplingParams.structured_outputs, omni/engine/io/structured_output.py): every reply follows its
 grammar whatever the model prefers, the request ends when the grammar is complete, the other rows of a batch are
 untouched, and what cannot be compiled is refused naming the field."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from omni.errors import RequestError
-from omni.engine.sampler import apply_bitmask
-from omni.outputs import StageInput
+from omni.engine.runner.sampler import apply_bitmask
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
 

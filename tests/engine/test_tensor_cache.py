@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from omni.engine.forward_context import get_forward_context
+from omni.engine.runner.forward_context import get_forward_context
 from omni.sampling_params import SamplingParams
 from omni.engine.tensor_cache import StageTensorCache
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from stages.causal_lm import CausalLMStage
-from stages.checkpoints import TINY_ARCHS
+from stages.checkpoints.builtin import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 from tests.tolerances import assert_rows_close, decoder_atol, reorder_atol
 

@@ -2,7 +2,7 @@
 token holding part of a multi-byte character is U+FFFD."""
 from __future__ import annotations
 
-from omni.engine.token_bytes import TokenBytes
+from omni.engine.io.token_bytes import TokenBytes
 
 TEXT = "naïve café: 日本語 🦩🪼 ꙮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done"  # the flamingo, ꙮ, the fraktur: split across tokens
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from omni.engine.detokenizer import final_decode
+from omni.engine.io.detokenizer import final_decode
 from omni.errors import RequestError
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, make_engine, run_one, run_to_completion
 

@@ -9,7 +9,7 @@ import pytest
 
 from omni import Omni, SamplingParams
 from omni.errors import BackendClosedError
-from omni.outputs import StageOutput
+from omni.messages import StageOutput
 from tests.fakes import chain_config, fake_factory
 
 HANG = "__hang__"  # the fake engine never finishes it

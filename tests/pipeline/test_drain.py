@@ -13,7 +13,7 @@ import time
 import pytest
 
 from omni import Omni, SamplingParams, StageDelta
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from tests.fakes import AUDIO_SAMPLES, fake_factory, stage
 
 BUSY = 8  # requests whose internal outputs share the round with the first audio

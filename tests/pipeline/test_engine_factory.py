@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni.config import SchedulerConfig
-from omni.config_loader import load_config
+from omni.config.schema import SchedulerConfig
+from omni.config.loader import load_config
 from omni.engine.engine import StageEngine
-from omni.engine.one_shot_engine import OneShotStageEngine
-from omni.engine.scheduler import SchedulerSettings
+from omni.engine.one_shot import OneShotStageEngine
+from omni.engine.core.scheduler import SchedulerSettings
 from omni.engine.stage_model import OneShotStageModel
 from omni.errors import StageStartError
 from omni.pipeline.engine_factory import build_engine, make_engine

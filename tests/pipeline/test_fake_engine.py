@@ -1,12 +1,12 @@
 """The fake engine (tests/fakes.py) follows the engine contract the pipeline tests rely on."""
 from __future__ import annotations
 
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from tests.fakes import HIDDEN, chain_config, expected_tokens, fake_factory, text_ids
 
 
 def test_fake_engine_follows_the_contract():
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     cfg = load_config(chain_config())
     eng = fake_factory(cfg.stages[0])

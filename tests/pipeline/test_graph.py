@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.errors import ConfigError
 from omni.pipeline.graph import StageGraph
 from tests.fakes import chain_config, diamond_config
@@ -101,7 +101,7 @@ def test_an_edge_reading_hidden_states_needs_an_upstream_that_emits_them():
 
 def test_the_graph_is_built_once_where_the_config_is_loaded():
     from omni import Omni
-    from omni.config import PipelineConfig
+    from omni.config.schema import PipelineConfig
     from tests.fakes import fake_factory
 
     cfg = load_config(chain_config())

@@ -10,7 +10,7 @@ import pytest
 from omni import Omni, RequestOutput, SamplingParams, StageOutput
 from omni.errors import (BackendClosedError, ConfigError, RequestAbortedError, RequestError, RequestTimeoutError,
                          StageError, StageStartError)
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.pipeline.stage_worker import build_stage_input, passthrough_tokens, summarize
 from tests.fakes import (HIDDEN, chain_config, diamond_config, expected_tokens, fake_factory, stage,
                          text_ids)
@@ -166,7 +166,7 @@ def test_final_outputs_carry_what_their_input_stages_generated():
 def test_a_final_output_polled_before_its_producer_waits_for_its_count():
     """On Ray a consumer on a streaming edge may be polled finished before its producer (two actors, no order
     between their events): its output reaches the caller only once the producer's count is known, with it."""
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.pipeline.backend import StageEvent
     from omni.pipeline.graph import StageGraph
     from omni.pipeline.orchestrator import Orchestrator

@@ -8,7 +8,7 @@ import pytest
 
 from omni import AsyncOmni, Omni
 from omni.errors import RequestError
-from omni.outputs import StageInput, StageOutput
+from omni.messages import StageInput, StageOutput
 from omni.registry import register_input_processor
 from tests.fakes import diamond_config, expected_tokens, fake_factory, stage, text_ids
 

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, RequestAbortedError, RequestTimeoutError, StageError, StageStartError
-from omni.outputs import StageOutput
+from omni.messages import StageOutput
 from tests.fakes import chain_config, diamond_config, embeds_ids, expected_tokens, fake_factory, text_ids
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.ray, pytest.mark.slow]
@@ -305,7 +305,7 @@ def test_resources_no_node_has_fail_at_once_naming_the_numbers(resources, field,
 
 def test_a_demand_each_part_of_which_is_on_another_node_is_refused(monkeypatch):
     """An actor runs on one node: CPUs on one node and a GPU on another do not make a place for it."""
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.pipeline.ray import cluster
 
     nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "memory": 1e9}},

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from omni.config import RuntimeConfig
+from omni.config.schema import RuntimeConfig
 from omni.pipeline.ray import cluster
 
 

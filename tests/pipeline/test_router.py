@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.errors import StageError
-from omni.outputs import CacheReport, StageInput, StageOutput, error_output
+from omni.messages import CacheReport, StageInput, StageOutput, error_output
 from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator

@@ -24,7 +24,7 @@ import pytest
 
 from omni import Omni
 from omni.errors import OmniError
-from omni.outputs import StageOutput
+from omni.messages import StageOutput
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

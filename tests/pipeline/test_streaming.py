@@ -31,7 +31,7 @@ def streaming(chunk_tokens=3, caching=True):
 
 
 def with_runtime(overrides, **runtime):
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     cfg = load_config(CONFIG, overrides)
     return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update=runtime)})
@@ -269,13 +269,13 @@ def test_upstream_failure_mid_stream_fails_the_request_naming_the_edge():
 
 @pytest.mark.parametrize("change,match", [
     ({"talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": 0}]}}, "chunk_tokens"),
-    ({"talker": {"inputs": [{"stage": "thinker", "stream": True}], "input_processor": "stages.processors:"
+    ({"talker": {"inputs": [{"stage": "thinker", "stream": True}], "input_processor": "stages.common.processors:"
                  "hidden_to_embeds"}}, "no chunk form"),
     ({"talker": {"inputs": [{"stage": "thinker", "stream": "yes"}]}}, "stream"),
     ({"talker": {"inputs": [{"stage": "nope", "stream": True}]}}, "unknown stage 'nope'"),
 ])
 def test_bad_streaming_edges_are_config_errors(change, match):
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config(CONFIG, stage_overrides=change)
@@ -290,7 +290,7 @@ def test_merged_deltas_lose_nothing():
 
     import numpy as np
 
-    from omni.outputs import TokenLogprob
+    from omni.messages import TokenLogprob
     from omni.pipeline.streaming import merge_chunks
 
     lp = lambda t: TokenLogprob(t, -0.5, f"t{t}", [(t, -0.5, f"t{t}")], 1)  # noqa: E731

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni import Omni
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.engine.interface import StageStats
 from omni.pipeline.threads import ThreadsPerCaller, available_cores, local_threads, stage_threads
 from tests.fakes import FakeEngine, chain_config

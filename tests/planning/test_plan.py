@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.errors import ConfigError, MemoryPlanError
 from omni.planning.budget import GiB
 from omni.planning.plan import conversation_tokens, plan_memory
@@ -12,7 +12,7 @@ from omni.planning.report import as_dict, render
 from omni.planning.weights import checkpoint_weights
 from omni.pipeline.graph import StageGraph
 
-from .conftest import fake_probe
+from tests.planning.conftest import fake_probe
 
 
 def _tiny(**runtime):

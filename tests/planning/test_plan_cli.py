@@ -77,7 +77,7 @@ def test_memory_gb_is_an_option_of_every_config_command():
 
 
 def test_an_unplanned_auto_stage_is_refused_by_the_engine_factory():
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.errors import ConfigError
     from omni.pipeline.engine_factory import build_engine
 

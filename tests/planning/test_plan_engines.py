@@ -4,7 +4,7 @@ import time
 import pytest
 
 from omni import Omni, SamplingParams
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.errors import MemoryPlanError
 from omni.planning.profile import CudaPeakMeter, HostPeakMeter, profile_pipeline, profile_stage
 
@@ -159,7 +159,7 @@ def test_profile_step_on_a_gpu_counts_the_graph_pools_with_faked_device_queries(
 def test_an_unplanned_config_is_reported_with_the_blocks_its_engines_build(store):
     from omni.planning.plan import plan_memory
 
-    from .conftest import fake_probe
+    from tests.planning.conftest import fake_probe
 
     cfg = load_config("stage_configs/tiny_chain.yaml", {n: {"cache": {"num_blocks": None}} for n in ("thinker", "talker")})
     plan = plan_memory(cfg, probe=fake_probe(), store=store)  # no budget, no workload: nothing is 'auto'

@@ -11,8 +11,8 @@ CONFIG = "stage_configs/qwen3_omni_tiny.yaml"
 
 
 def test_the_qwen3_checkpoint_is_split_by_stage_prefix():
-    from stages.qwen3_omni import Qwen3OmniCode2WavStage, Qwen3OmniTalkerStage, Qwen3OmniThinkerStage
-    from stages.qwen3_omni_checkpoint import tiny_qwen3_omni_checkpoint
+    from stages.qwen3_omni.edges import Qwen3OmniCode2WavStage, Qwen3OmniTalkerStage, Qwen3OmniThinkerStage
+    from stages.qwen3_omni.checkpoint import tiny_qwen3_omni_checkpoint
 
     path = tiny_qwen3_omni_checkpoint("tiny")
     whole = checkpoint_weights(path, 4).bytes

@@ -3,7 +3,7 @@ planned KV blocks, and its KV tensors and tensor cache hold the planned bytes.""
 import pytest
 
 from omni import Omni
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.planning.plan import plan_memory
 from omni.planning.profile import profile_pipeline
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from omni import Omni, SamplingParams
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.planning.plan import plan_memory
 from omni.planning.profile import profile_pipeline
 

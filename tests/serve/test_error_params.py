@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from omni.serve.endpoints import parse
-from omni.pydantic_errors import accepts, loc_to_param
+from omni.config.pydantic_errors import accepts, loc_to_param
 from omni.serve.errors import ApiError, from_validation_error
 from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
 
@@ -196,7 +196,7 @@ def test_an_empty_content_array_is_refused_naming_it(messages, param):
 def test_a_value_shown_cut_keeps_its_quotes(value, text):
     """Every message that echoes a value cuts it with pydantic_errors.shown: the cut is marked and a string the cut
     falls in still closes (a plain slice printed `(got 'aaaa…aaa)`, its closing quote gone)."""
-    from omni.pydantic_errors import shown
+    from omni.config.pydantic_errors import shown
 
     assert shown(value) == text and len(text) <= 60
 

@@ -191,7 +191,7 @@ CALL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 def _prompt_tokens(server, messages, tools) -> int:
     """What the thinker's prompt is when it shows the model the tools (qwen3_omni_inputs.render_chatml)."""
-    from stages.qwen3_omni_inputs import render_chatml
+    from stages.qwen3_omni.inputs import render_chatml
 
     thinker = server.omni._omni._backend.workers["thinker"].engine.model
     return len(thinker.tokenizer(render_chatml(messages, thinker.system_prompt, tools))["input_ids"])

@@ -272,7 +272,7 @@ def test_penalties_min_p_and_logit_bias_reach_the_text_stage():
     sampler applies them: tests/engine/test_sampler.py, test_engine.py), like the other top-level fields."""
     import json
 
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.sampling_params import SamplingParams
     from omni.serve.settings import ServeSettings
     from omni.serve.translate import PipelineInfo, chat_job
@@ -312,7 +312,7 @@ def test_completion_only_openai_fields(extra, param, code):
 def test_echo_asks_the_text_stage_for_its_decoded_prompt_and_logprobs():
     import json
 
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.sampling_params import SamplingParams
     from omni.serve.protocol import CompletionRequest
     from omni.serve.translate import PipelineInfo, completion_job
@@ -343,7 +343,7 @@ def test_a_duplicate_request_id_names_request_id_and_null_speech_formats_are_the
     field (what typed clients send for an unset one) was a 400."""
     import json
 
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
     from omni.serve.protocol import CompletionRequest
     from omni.serve.settings import ServeSettings
     from omni.serve.speech import SpeechRequest

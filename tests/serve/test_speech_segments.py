@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from omni.outputs import TokenLogprob
+from omni.messages import TokenLogprob
 from omni.serve.speech_segments import MIN_SPEECH_MS, SUFFIX_PAD_MS, SpeechSegment, VadOptions, speech_segments
 from omni.serve.transcript_formats import (
     TranscriptSegment, compression_ratio, cue_text, joined_text, timestamp, to_srt, to_verbose_json, to_vtt)

@@ -13,7 +13,7 @@ def hf_omni(tiny_omni):
 def thinker_stage(tiny_omni):
     import torch
 
-    from stages.qwen2_5_omni_thinker import Qwen2_5OmniThinkerStage
+    from stages.qwen2_5_omni.thinker import Qwen2_5OmniThinkerStage
 
     return Qwen2_5OmniThinkerStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"))
 
@@ -22,7 +22,7 @@ def thinker_stage(tiny_omni):
 def talker_stage(tiny_omni):
     import torch
 
-    from stages.qwen2_5_omni_talker import Qwen2_5OmniTalkerStage
+    from stages.qwen2_5_omni.talker import Qwen2_5OmniTalkerStage
 
     return Qwen2_5OmniTalkerStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"))
 
@@ -31,6 +31,6 @@ def talker_stage(tiny_omni):
 def token2wav_stage(tiny_omni):
     import torch
 
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     return Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"))

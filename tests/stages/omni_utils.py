@@ -4,13 +4,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omni.outputs import MultiModalInput, StageInput
+from omni.messages import MultiModalInput, StageInput
 from tests.tolerances import SUMS_PER_DECODER_LAYER, decoder_atol, reorder_atol
 
 THINKER_MAX = 8
 TALKER_MAX = 24
 
-# The tiny checkpoint's decoders (stages/qwen2_5_omni_checkpoint.py tiny_omni_config): thinker 3 layers,
+# The tiny checkpoint's decoders (stages/qwen2_5_omni/checkpoint.py tiny_omni_config): thinker 3 layers,
 # hidden 64, intermediate 128; talker 2 layers, hidden 32, intermediate 64.
 THINKER_LAYERS, TALKER_LAYERS = 3, 2
 
@@ -142,7 +142,7 @@ TALKER_SAMPLING = dict(temperature=0.0, max_tokens=TALKER_MAX, repetition_penalt
 
 def make_chain(thinker, talker, token2wav, *, caching=True, block_size=4, chunk=512):
     """Three engines wired like stage_configs/qwen2_5_omni_tiny.yaml (without the pipeline layer)."""
-    from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
+    from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
     from omni.sampling_params import SamplingParams
     from tests.engine_utils import make_engine
 
@@ -160,7 +160,7 @@ def run_chain(chain, inputs: list[StageInput], processors=None):
     from tests.engine_utils import run_to_completion
 
     if processors is None:
-        from stages.qwen2_5_omni import talker2wav, thinker2talker
+        from stages.qwen2_5_omni.edges import talker2wav, thinker2talker
 
         processors = (thinker2talker, talker2wav)
     to_talker, to_audio = processors

@@ -9,13 +9,13 @@ import functools
 import numpy as np
 import torch
 
-from omni.outputs import StageInput
+from omni.messages import StageInput
 
 THINKER_MAX = 10
 TALKER_MAX = 30
 TALKER_SAMPLING = dict(temperature=0.0, max_tokens=TALKER_MAX, repetition_penalty=1.05)
 VARIANTS = ("tiny", "k1g2")  # 4 experts top-2 with 4 code groups; 2 experts top-1 with 2 code groups
-# The tiny checkpoints' decoders (stages/qwen3_omni_checkpoint.py): thinker 3 layers, widest sum 128 (its
+# The tiny checkpoints' decoders (stages/qwen3_omni/checkpoint.py): thinker 3 layers, widest sum 128 (its
 # dense intermediate size; the experts' are 32).
 THINKER_LAYERS = 3
 
@@ -33,7 +33,7 @@ def audio(seed: int = 0, seconds: float = 1.0) -> np.ndarray:
 
 def cases() -> list[StageInput]:
     """The text prompts above, an audio clip with a question and an image with a question."""
-    from omni.outputs import MultiModalInput
+    from omni.messages import MultiModalInput
 
     return [StageInput(name, prompt=p) for name, p in PROMPTS.items()] + [
         StageInput("audio", prompt="What do you hear?", mm_inputs=[MultiModalInput("audio", audio(0), 16000)]),
@@ -46,7 +46,7 @@ def image(seed: int = 0, h: int = 64, w: int = 96) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def checkpoint(variant: str):
-    from stages.qwen3_omni_checkpoint import tiny_qwen3_omni_checkpoint
+    from stages.qwen3_omni.checkpoint import tiny_qwen3_omni_checkpoint
 
     return tiny_qwen3_omni_checkpoint(variant)
 
@@ -54,7 +54,7 @@ def checkpoint(variant: str):
 @functools.lru_cache(maxsize=None)
 def stages(variant: str):
     """(thinker, talker, code2wav) stage models of a tiny checkpoint, loaded through their `load`."""
-    from stages.qwen3_omni import Qwen3OmniCode2WavStage, Qwen3OmniTalkerStage, Qwen3OmniThinkerStage
+    from stages.qwen3_omni.edges import Qwen3OmniCode2WavStage, Qwen3OmniTalkerStage, Qwen3OmniThinkerStage
 
     path, kw = checkpoint(variant), dict(dtype=torch.float32, device=torch.device("cpu"))
     return (Qwen3OmniThinkerStage.load(path, **kw), Qwen3OmniTalkerStage.load(path, **kw),
@@ -144,7 +144,7 @@ def hf_reference(variant: str, inp: StageInput, **kw) -> tuple[list[int], np.nda
 
 def make_chain(variant: str, *, caching: bool = True, block_size: int = 4, chunk: int = 512, code2wav_kwargs=None):
     """Three engines wired like stage_configs/qwen3_omni_tiny.yaml (without the pipeline layer)."""
-    from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
+    from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
     from omni.sampling_params import SamplingParams
     from tests.engine_utils import make_engine
 
@@ -159,14 +159,14 @@ def make_chain(variant: str, *, caching: bool = True, block_size: int = 4, chunk
 
 def run_chain(chain, inputs: list[StageInput]):
     """Run requests through thinker -> talker -> code2wav; returns {rid: (thinker, talker, code2wav) outputs}."""
-    from stages.qwen3_omni import talker2code2wav, thinker2talker
+    from stages.qwen3_omni.edges import talker2code2wav, thinker2talker
     from tests.stages import omni_utils
 
     return omni_utils.run_chain(chain, inputs, (thinker2talker, talker2code2wav))
 
 
 def frames_of(talker_out, request: StageInput) -> np.ndarray:
-    from stages.qwen3_omni import talker2code2wav
+    from stages.qwen3_omni.edges import talker2code2wav
 
     return talker2code2wav({"talker": talker_out}, request).extra["codes"]
 

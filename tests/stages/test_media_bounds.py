@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from omni.outputs import MultiModalInput, StageInput
-from stages.qwen2_5_omni_inputs import (PREPROCESS_DEFAULTS, audio_num_tokens, load_preprocess_config, mm_num_tokens,
+from omni.messages import MultiModalInput, StageInput
+from stages.qwen2_5_omni.inputs import (PREPROCESS_DEFAULTS, audio_num_tokens, load_preprocess_config, mm_num_tokens,
                                         preprocess_audio, preprocess_mm)
 
 RATE = 16000

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
-from omni.outputs import StageInput
+from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
+from omni.messages import StageInput
 from tests.stages.omni_utils import wave_atol
 
 
@@ -175,7 +175,7 @@ def test_windows_at_different_steps_step_together_and_give_the_pieces_of_each_al
     at different Runge-Kutta steps; those steps run packed in one velocity call per evaluation (each
     window its own time), and every piece equals the piece of that stream run alone, within the bound of
     a reordered sum."""
-    import stages.qwen2_5_omni_token2wav as t2w
+    import stages.qwen2_5_omni.token2wav as t2w
 
     mixed: list[list[int]] = []
     real = t2w.ode_step

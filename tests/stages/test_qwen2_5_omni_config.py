@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from tests.stages.omni_utils import image
 
 TINY = "stage_configs/qwen2_5_omni_tiny.yaml"

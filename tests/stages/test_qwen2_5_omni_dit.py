@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from stages.qwen2_5_omni_dit import DiTRequest, DiTVelocity
+from stages.qwen2_5_omni.dit import DiTRequest, DiTVelocity
 from tests.stages.omni_utils import mel_atol, velocity_atol, wave_atol
-from stages.qwen2_5_omni_talker import speaker_params
-from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+from stages.qwen2_5_omni.talker import speaker_params
+from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
 
 @pytest.fixture(scope="module", params=["tiny", "small"])
 def stage(request, tiny_omni):
-    from stages.qwen2_5_omni_checkpoint import small_omni_checkpoint
+    from stages.qwen2_5_omni.checkpoint import small_omni_checkpoint
 
     path = tiny_omni if request.param == "tiny" else small_omni_checkpoint()
     return Qwen2_5OmniToken2WavStage.load(path, dtype=torch.float32, device=torch.device("cpu"))
@@ -31,7 +31,7 @@ def _layer_windows(dit) -> set[tuple[int, int]]:
 
 def _takes_blocks(dit, num_codes: int) -> bool:
     """Whether some layer runs block-local attention for a request of `num_codes` codes."""
-    from stages.qwen2_5_omni_dit_attention import needs_blocks
+    from stages.qwen2_5_omni.dit_attention import needs_blocks
 
     frames = num_codes * dit.repeats
     return any(needs_blocks(frames, dit.block_size, b, a) for b, a in _layer_windows(dit))
@@ -78,7 +78,7 @@ def test_velocity_equals_the_dit_forward(stage, guidance_scale, num_codes):
 def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker):
     """The stage's waveform is transformers' Qwen2_5OmniToken2WavModel.forward under the same seed: bitwise
     for a request of up to two DiT blocks, within the bound of reordered fp32 sums (omni_utils.wave_atol)
-    for longer ones, whose attention runs block-local (qwen2_5_omni_dit_attention.py)."""
+    for longer ones, whose attention runs block-local (dit_attention.py)."""
     if speaker not in (None, *stage.speakers):
         speaker = None
     codes = np.random.default_rng(num_codes).integers(0, stage.num_codes, num_codes).tolist()
@@ -97,7 +97,7 @@ def test_waveform_equals_transformers_token2wav(stage, num_codes, seed, speaker)
 
 
 def test_noise_of_the_wrong_length_is_refused(stage):
-    from stages.qwen2_5_omni_dit import dit_sample
+    from stages.qwen2_5_omni.dit import dit_sample
 
     dit = stage.token2wav.code2wav_dit_model
     cond, ref = _speaker(stage, None)
@@ -114,7 +114,7 @@ def test_requests_in_lockstep_give_each_ones_mel(stage, guidance_scale):
     whose 2 rows alone take MKL's small-matrix path: 6e-8 apart); in any case within the bound of a
     reordered fp32 chain (omni_utils.mel_atol), which is below what a swapped or mixed-up request makes
     (asserted). Machine-independent: which kernel a shape takes is the BLAS's choice; the bound holds for any."""
-    from stages.qwen2_5_omni_dit import dit_sample_batch
+    from stages.qwen2_5_omni.dit import dit_sample_batch
 
     dit = stage.token2wav.code2wav_dit_model
     rng = np.random.default_rng(5)
@@ -136,8 +136,8 @@ def test_requests_in_lockstep_give_each_ones_mel(stage, guidance_scale):
 
 
 def test_batch_cap_splits_calls_in_order():
-    from stages.qwen2_5_omni_dit import DiTRequest
-    from stages.qwen2_5_omni_token2wav import _batches
+    from stages.qwen2_5_omni.dit import DiTRequest
+    from stages.qwen2_5_omni.token2wav import _batches
 
     def w(n):
         return DiTRequest(torch.zeros(1, 1), torch.zeros(1, 1, 1), torch.zeros(1, n, dtype=torch.long),

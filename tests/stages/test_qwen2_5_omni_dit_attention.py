@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages.qwen2_5_omni_dit_attention import BlockLocalAttention, needs_blocks
+from stages.qwen2_5_omni.dit_attention import BlockLocalAttention, needs_blocks
 from tests.tolerances import reorder_atol
 
 BLOCK = 8
@@ -83,8 +83,8 @@ def test_the_guidance_rows_stay_apart():
 def test_a_long_request_builds_no_frames_squared_mask(tiny_omni):
     """A 2,048-code request (4,096 frames) keeps no [frames, frames] mask per layer kind (64 MB each in
     fp32 on the full attention's path): every layer attends block-local."""
-    from stages.qwen2_5_omni_dit import DiTRequest, DiTVelocity
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.dit import DiTRequest, DiTVelocity
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"))
     dit = stage.token2wav.code2wav_dit_model

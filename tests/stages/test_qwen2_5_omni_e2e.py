@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni.outputs import StageInput
-from stages.qwen2_5_omni import talker2wav, thinker2talker
+from omni.messages import StageInput
+from stages.qwen2_5_omni.edges import talker2wav, thinker2talker
 from tests.stages.omni_utils import CASES, TALKER_LAYERS, hf_generate, hf_inputs, make_chain, run_chain
 from tests.tolerances import decoder_atol, reorder_atol
 
@@ -24,13 +24,13 @@ def test_pipeline_matches_transformers_generate(thinker_stage, talker_stage, tok
         assert talker2wav({"talker": talker_out}, inp).prompt_token_ids == ref_codes, inp.request_id
         assert wav_out.audio.dtype == np.float32 and wav_out.audio.shape == ref_wav.shape
         # The same codes and noise seed through exactly transformers' tensor ops in the same order and
-        # shapes (stages/qwen2_5_omni_dit.py): the waveform is bitwise transformers'.
+        # shapes (stages/qwen2_5_omni/dit.py): the waveform is bitwise transformers'.
         np.testing.assert_array_equal(wav_out.audio, ref_wav)
     assert len({tuple(r[1].token_ids) for r in results.values()}) == 3
 
 
 def test_thinker2talker_and_talker2wav_contracts(thinker_stage, talker_stage):
-    from omni.outputs import StageOutput
+    from omni.messages import StageOutput
 
     with pytest.raises(ValueError, match="hidden states"):
         thinker2talker({"thinker": StageOutput("r", "thinker", prompt_token_ids=[1, 2], token_ids=[3, 4])},

@@ -10,7 +10,7 @@ def loaded_geometry(stage) -> StageGeometry:
 
 
 def test_thinker_and_talker_geometry_match_the_loaded_models(tiny_omni, thinker_stage, talker_stage):
-    from stages.qwen2_5_omni import Qwen2_5OmniTalkerStage, Qwen2_5OmniThinkerStage
+    from stages.qwen2_5_omni.edges import Qwen2_5OmniTalkerStage, Qwen2_5OmniThinkerStage
 
     assert Qwen2_5OmniThinkerStage.checkpoint_geometry(tiny_omni) == loaded_geometry(thinker_stage)
     assert Qwen2_5OmniTalkerStage.checkpoint_geometry(tiny_omni) == loaded_geometry(talker_stage)

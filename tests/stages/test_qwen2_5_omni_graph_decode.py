@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels.store_kv import interpreting
-from omni.engine.forward_context import set_forward_context
-from omni.outputs import StageInput
+from omni.engine.runner.forward_context import set_forward_context
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 from tests.stages.omni_utils import CASES, thinker_atol
@@ -71,7 +71,7 @@ def test_graph_decode_equals_the_host_state_path(thinker_stage):
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
                     reason="needs a CUDA GPU with real Triton kernels (TRITON_INTERPRET=0)")
 def test_thinker_decode_replays_cuda_graphs_on_a_gpu(tiny_omni):
-    from stages.qwen2_5_omni_thinker import Qwen2_5OmniThinkerStage
+    from stages.qwen2_5_omni.thinker import Qwen2_5OmniThinkerStage
 
     stage = Qwen2_5OmniThinkerStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cuda"))
     outs = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni.outputs import MultiModalInput, StageInput
+from omni.messages import MultiModalInput, StageInput
 from tests.stages.omni_utils import image, make_chain, run_chain, talker_atol, thinker_atol
 from tests.tolerances import assert_rows_close
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni.outputs import MultiModalInput, StageInput
+from omni.messages import MultiModalInput, StageInput
 from tests.stages.omni_utils import audio, image
 
 pytest.importorskip("PIL")
@@ -21,7 +21,7 @@ def _reference_processor(thinker_stage):
     turns text, images and audio into model inputs is transformers' own."""
     from transformers import Qwen2_5OmniProcessor, WhisperFeatureExtractor
 
-    from stages.qwen2_5_omni_inputs import hf_image_processor
+    from stages.qwen2_5_omni.inputs import hf_image_processor
 
     class NoVideoProcessor(Qwen2_5OmniProcessor):
         def check_argument_for_proper_class(self, argument_name, argument):
@@ -41,7 +41,7 @@ def _ours(thinker_stage, prompt, mm):
 
 
 def _rendered(thinker_stage, prompt, mm) -> str:
-    from stages.qwen2_5_omni_inputs import messages_for, render_chat
+    from stages.qwen2_5_omni.inputs import messages_for, render_chat
 
     return render_chat(messages_for(prompt, mm), thinker_stage.preprocess_cfg["system_prompt"])
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omni import Omni, StageDelta
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from tests.tolerances import SUMS_PER_DECODER_LAYER, reorder_atol
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "qwen2_5_omni_tiny.yaml")
@@ -131,7 +131,7 @@ def test_abort_mid_audio_releases_all_three_stages():
 
 @pytest.mark.slow
 def test_a_lost_codec_chunk_fails_naming_the_edge():
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     cfg = load_config(CONFIG, STREAMED)
     cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"stream_chunk_timeout_s": 1.0})})
@@ -148,8 +148,8 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
     """Codes that end between chunks, and an end announced after the last full chunk went out."""
     import torch
 
-    from stages.checkpoints import builtin_path
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.checkpoints.builtin import builtin_path
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     model = Qwen2_5OmniToken2WavStage.load(builtin_path("tiny-qwen2_5-omni"), dtype=torch.float32,
                                            device=torch.device("cpu"),
@@ -183,8 +183,8 @@ def test_token2wav_chunks_grow_to_max_chunk_codes(length, sizes):
     folds into the chunk before it; the pieces still make the one-shot waveform."""
     import torch
 
-    from stages.checkpoints import builtin_path
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.checkpoints.builtin import builtin_path
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     path = builtin_path("tiny-qwen2_5-omni")
     cpu = torch.device("cpu")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from omni.sampling_params import SamplingParams
-from omni.outputs import MultiModalInput, StageInput
+from omni.messages import MultiModalInput, StageInput
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 from tests.stages.omni_utils import CASES, THINKER_MAX, hf_generate, hf_inputs, image, thinker_atol
 from tests.tolerances import assert_rows_close

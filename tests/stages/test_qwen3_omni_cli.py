@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from omni import cli
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.pipeline.threads import local_threads
 from tests.stages.qwen3_omni_utils import assert_same_audio, hf_generate, hf_model, torch_threads
 
@@ -60,7 +60,7 @@ def test_omni_run_matches_transformers_generate(tmp_path, capsys):
     assert wav_on == wav_off
     from transformers import AutoTokenizer
 
-    from stages.qwen3_omni_inputs import render_chatml
+    from stages.qwen3_omni.inputs import render_chatml
     from tests.stages.qwen3_omni_utils import checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
@@ -88,7 +88,7 @@ def test_omni_run_streams_code2wav_chunks(tmp_path, capsys):
         assert w.readframes(w.getnframes()) == streamed
     from transformers import AutoTokenizer
 
-    from stages.qwen3_omni_inputs import render_chatml
+    from stages.qwen3_omni.inputs import render_chatml
     from tests.stages.qwen3_omni_utils import checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))
@@ -123,7 +123,7 @@ def test_omni_run_streams_thinker_to_talker(tmp_path, capsys):
     assert result["error"] is None
     from transformers import AutoTokenizer
 
-    from stages.qwen3_omni_inputs import render_chatml
+    from stages.qwen3_omni.inputs import render_chatml
     from tests.stages.qwen3_omni_utils import checkpoint
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint("tiny")))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from omni import cli
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "stage_configs" / "qwen3_omni_tiny.yaml"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omni.errors import RequestError
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from tests.stages.qwen3_omni_utils import (THINKER_LAYERS, VARIANTS, audio, cases, frames_of, hf_reference, image,
                                            make_chain, run_chain, stages)
 from tests.tolerances import assert_rows_close, decoder_atol
@@ -44,7 +44,7 @@ def test_three_turn_conversation_hits_the_caches_and_matches_transformers(modali
     """Each turn's prompt is the conversation so far (an audio clip or an image in turn 1): from turn 2 on the
     thinker and the talker (whose prompt holds every user turn) hit their prefix caches, and still equal
     transformers' generate; the thinker's per-token rows handed to the talker equal an uncached run's."""
-    from omni.outputs import MultiModalInput
+    from omni.messages import MultiModalInput
 
     variant = "tiny"
     cached, uncached = make_chain(variant, caching=True), make_chain(variant, caching=False)
@@ -152,7 +152,7 @@ def test_streamed_code2wav_equals_chunked_decode():
 
 def test_refusals_name_the_field():
     thinker, talker, code2wav = stages("tiny")
-    from omni.outputs import MultiModalInput
+    from omni.messages import MultiModalInput
 
     frames = np.zeros((4, 32, 32, 3), np.uint8)
     with pytest.raises(RequestError) as e:
@@ -167,7 +167,7 @@ def test_refusals_name_the_field():
     t, k, w = make_chain("tiny")
     inp = StageInput("r", prompt="Hello")
     out = run_chain((t, k, w), [inp])["r"][0]
-    from stages.qwen3_omni import thinker2talker
+    from stages.qwen3_omni.edges import thinker2talker
 
     bad = thinker2talker({"thinker": out}, StageInput("r", extra={"speaker": "Nobody"}))
     with pytest.raises(RequestError) as e:
@@ -188,7 +188,7 @@ def test_streaming_edges_with_an_image_equal_one_shot():
     from pathlib import Path
 
     from omni import Omni
-    from omni.config_loader import load_config
+    from omni.config.loader import load_config
 
     config = Path(__file__).resolve().parents[2] / "stage_configs" / "qwen3_omni_tiny.yaml"
     streaming = {"talker": {"inputs": [{"stage": "thinker", "stream": True, "chunk_tokens": 1}]},

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from omni import Omni
-from omni.config_loader import load_config
+from omni.config.loader import load_config
 from omni.errors import StageError
 from omni.pipeline.threads import stage_threads
 from tests.gated import GatedFactory, engaged, gate_files, released

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from omni.outputs import StageInput
+from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
-from stages.qwen3_omni import thinker2talker
+from stages.qwen3_omni.edges import thinker2talker
 from tests.engine_utils import make_engine, run_to_completion
 from tests.stages.qwen3_omni_utils import PROMPTS, TALKER_SAMPLING, frames_of, make_chain, run_chain, stages
 
@@ -105,7 +105,7 @@ def test_each_stage_loads_its_part_exactly_as_the_full_model():
 
 
 def test_batched_code_predictor_equals_transformers_generate_per_frame():
-    """The code predictor's own pass (stages/qwen3_omni_code_predictor.py: transformers' modules without its
+    """The code predictor's own pass (stages/qwen3_omni/code_predictor.py: transformers' modules without its
     generic forward) over a batch of frames gives each frame the codes transformers' `generate` gives it alone,
     bitwise, frame after frame with the same preallocated K/V (4 code groups: a two-position first pass, then
     single positions)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.qwen3_omni_inputs import render_chatml
+from stages.qwen3_omni.inputs import render_chatml
 
 # Qwen3's chat template, the parts a non-thinking conversation with tools goes through (the reasoning parts of
 # the original drop out for assistant turns without <think>).
@@ -98,7 +98,7 @@ def test_the_hermes_parser_reads_back_the_calls_the_format_writes():
 
 def test_both_omni_renderers_name_a_part_they_cannot_take_and_leave_empty_content_empty():
     from omni.errors import RequestError
-    from stages.qwen2_5_omni_inputs import render_chat
+    from stages.qwen2_5_omni.inputs import render_chat
 
     video = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "video"}]}]
     for render, model in ((lambda m: render_chatml(m, None), "Qwen3-Omni"), (lambda m: render_chat(m, "S"),

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from omni import Omni
-from stages.checkpoint_parts import MARKER, random_weights_seed
-from stages.qwen2_5_omni_checkpoint import omni_7b_shapes_config
-from stages.qwen2_5_omni_thinker import load_omni_part
+from stages.common.parts import MARKER, random_weights_seed
+from stages.qwen2_5_omni.checkpoint import omni_7b_shapes_config
+from stages.qwen2_5_omni.thinker import load_omni_part
 
 REPO = Path(__file__).resolve().parents[2]
 

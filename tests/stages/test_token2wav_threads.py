@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from omni.engine.one_shot_engine import OneShotEngineConfig, OneShotStageEngine
-from omni.outputs import StageInput
+from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
+from omni.messages import StageInput
 
 
 @pytest.fixture(scope="module")
 def threaded(tiny_omni):
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
                                            model_kwargs={"vocoder_thread": True})
@@ -33,7 +33,7 @@ def threaded(tiny_omni):
 
 @pytest.fixture(scope="module")
 def two_dit_threads(tiny_omni):
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
                                            model_kwargs={"vocoder_thread": True, "dit_threads": 2})
@@ -118,7 +118,7 @@ def test_with_more_streams_than_a_step_takes_the_audio_is_within_the_packing_bou
                                           ({"dit_threads": True}, "dit_threads: must be 1 or 2"),
                                           ({"dit_threads": 2.0}, "dit_threads: must be 1 or 2, got 2.0")])
 def test_thread_options_are_checked(tiny_omni, kwargs, match):
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     with pytest.raises(ValueError, match=match):
         Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
@@ -133,7 +133,7 @@ class _Window:
 @pytest.mark.parametrize("sizes,loads", [([20], None), ([20, 20], (20, 20)), ([124, 124, 74, 20], (198, 144)),
                                          ([200, 20, 20, 20], (200, 60)), ([70, 124, 106, 20, 20], (164, 176))])
 def test_a_step_splits_into_two_packs_of_about_equal_frames(sizes, loads):
-    from stages.qwen2_5_omni_token2wav import _halves
+    from stages.qwen2_5_omni.token2wav import _halves
 
     group = [_Window(n) for n in sizes]
     packs = _halves(group)
@@ -227,7 +227,7 @@ def test_an_abort_while_a_piece_is_at_the_vocoder_drops_it(threaded, monkeypatch
 
 @pytest.mark.slow
 def test_closing_the_engine_stops_the_vocoder_thread(tiny_omni):
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
                                            model_kwargs={"vocoder_thread": True})
@@ -244,7 +244,7 @@ def test_closing_the_engine_stops_the_vocoder_thread(tiny_omni):
 
 @pytest.mark.slow
 def test_closing_the_engine_stops_the_dit_thread(tiny_omni):
-    from stages.qwen2_5_omni_token2wav import Qwen2_5OmniToken2WavStage
+    from stages.qwen2_5_omni.token2wav import Qwen2_5OmniToken2WavStage
 
     stage = Qwen2_5OmniToken2WavStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
                                            model_kwargs={"dit_threads": 2})

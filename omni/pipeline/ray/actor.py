@@ -34,9 +34,9 @@ from typing import Any
 import ray
 
 from omni import registry
-from omni.config import StageConfig
+from omni.config.schema import StageConfig
 from omni.errors import OmniError, StageError, StageStartError
-from omni.outputs import StageDelta, StageOutput, error_output
+from omni.messages import StageDelta, StageOutput, error_output
 from omni.pipeline.backend import Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
 from omni.pipeline.ray.failures import describe

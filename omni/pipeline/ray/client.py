@@ -33,9 +33,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from omni import registry
-from omni.config import PipelineConfig, StageConfig
+from omni.config.schema import PipelineConfig, StageConfig
 from omni.errors import BackendClosedError, ConfigError, StageError, StageStartError
-from omni.outputs import error_output
+from omni.messages import error_output
 from omni.pipeline.backend import StageEvent, Submission
 from omni.pipeline.engine_factory import EngineFactory
 from omni.pipeline.graph import StageGraph

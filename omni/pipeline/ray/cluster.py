@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from omni.config import RuntimeConfig, StageConfig
+from omni.config.schema import RuntimeConfig, StageConfig
 from omni.errors import StageStartError
 from omni.pipeline.ray import temp_reaper
 

@@ -35,9 +35,9 @@ from typing import Any
 import xxhash
 
 from omni import registry
-from omni.config import StageConfig
-from omni.engine.kv_cache.hashing import BlockHasher
-from omni.outputs import StageInput
+from omni.config.schema import StageConfig
+from omni.engine.core.kv_cache.hashing import BlockHasher
+from omni.messages import StageInput
 from omni.prompts import tokenize_prompt
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni.outputs import CacheReport, StageInput, StageOutput
+from omni.messages import CacheReport, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.routing.keys import DriverTokenizer, RouteKeys, prompt_text, text_hashes, token_hashes
 from omni.pipeline.routing.policy import DEFAULT_CAPACITY, Decision, Router, RouterSettings

@@ -1,6 +1,6 @@
 import pytest
 
-from omni.engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock
+from omni.engine.core.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def assert_queue(q: FreeBlockQueue, expected_ids, all_blocks):

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from omni.engine.kv_cache import BlockHasher, KVCacheManager, hash_block_tokens, root_hash
-from omni.engine.request import MultiModalFeature, Request
+from omni.engine.core.kv_cache import BlockHasher, KVCacheManager, hash_block_tokens, root_hash
+from omni.engine.core.request import MultiModalFeature, Request
 
 BS = 4
 
@@ -45,7 +45,7 @@ def test_prefix_dependence_and_seed():
 
 
 def test_reproducible_across_processes():
-    code = ("from omni.engine.kv_cache import hash_block_tokens as h; "
+    code = ("from omni.engine.core.kv_cache import hash_block_tokens as h; "
             "print(h(h(None, [1, 2, 3, 4], ('salt', 's'), 5), [70000, 6, 7, 8], None, 5).hex())")
     outs = set()
     for seed in ("0", "12345"):

@@ -8,8 +8,8 @@ the exact block ids and free-queue order our free policy produces:
 
 import pytest
 
-from omni.engine.kv_cache import KVCacheManager
-from omni.engine.request import MultiModalFeature, Request
+from omni.engine.core.kv_cache import KVCacheManager
+from omni.engine.core.request import MultiModalFeature, Request
 
 
 def req(kv, rid, tokens, **kw):

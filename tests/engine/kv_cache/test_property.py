@@ -10,8 +10,8 @@ or a reset, and refused allocations are checked to leave no trace.
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni.engine.kv_cache import KVCacheManager
-from omni.engine.request import Request
+from omni.engine.core.kv_cache import KVCacheManager
+from omni.engine.core.request import Request
 
 TOKEN = st.integers(0, 2)  # tiny vocabulary on purpose: shared blocks and duplicates
 IDX = st.integers(0, 63)
