@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omni.messages import StageDelta, StageInput, StageOutput
-from omni.pipeline.streaming import StreamTarget
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTarget:
+    """A downstream stage (one replica of it) fed by one stage over a streaming edge."""
+
+    stage: str
+    chunk_tokens: int
+    needs_rows: bool  # its input processor reads the upstream's per-token rows
+    replica: int = 0  # which replica of `stage` the router chose: chunks go to that one only
 
 
 @dataclass(frozen=True, slots=True)

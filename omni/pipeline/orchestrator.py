@@ -48,10 +48,10 @@ from typing import Any
 from omni.errors import (BackendClosedError, OmniError, RequestAbortedError, RequestError, RequestTimeoutError,
                          StageError, as_omni_error)
 from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput, error_output
-from omni.pipeline.backend import Backend, StageEvent, Submission
+from omni.pipeline.backend import Backend, StageEvent, StreamTarget, Submission
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.routing.table import Lineage, PipelineRouting
-from omni.pipeline.streaming import StreamTarget, merge_chunks
+from omni.pipeline.streaming import merge_chunks
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from omni.config.schema import StageConfig
 from omni.engine.interface import Engine
 from omni.errors import OmniError, RequestError, StageError
 from omni.messages import CacheReport, StageDelta, StageInput, StageOutput, error_output
-from omni.pipeline.backend import Submission
-from omni.pipeline.streaming import Incoming, Outgoing, StreamTarget
+from omni.pipeline.backend import StreamTarget, Submission
+from omni.pipeline.streaming import Incoming, Outgoing
 
 TEXT_OPS = ("tokenize", "detokenize")  # what StageWorker.text runs on the engine
 logger = logging.getLogger(__name__)

@@ -17,24 +17,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from omni.messages import StageDelta, StageOutput
-
-if TYPE_CHECKING:  # backend.py imports StreamTarget from here
-    from omni.pipeline.backend import Submission
-
-
-@dataclass(frozen=True, slots=True)
-class StreamTarget:
-    """A downstream stage (one replica of it) fed by one stage over a streaming edge."""
-
-    stage: str
-    chunk_tokens: int
-    needs_rows: bool  # its input processor reads the upstream's per-token rows
-    replica: int = 0  # which replica of `stage` the router chose: chunks go to that one only
+from omni.pipeline.backend import StreamTarget, Submission
 
 
 @dataclass(slots=True)
@@ -136,7 +124,7 @@ def _first(a: Any, b: Any) -> Any:
 class Incoming:
     """One downstream request fed over a streaming edge, until its last chunk is applied."""
 
-    sub: "Submission"  # its stream_from names the upstream stage
+    sub: Submission  # its stream_from names the upstream stage
     timeout_s: float
     deadline: float
     state: dict[str, Any] = field(default_factory=dict)  # the processor's, across chunks

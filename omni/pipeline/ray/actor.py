@@ -37,11 +37,10 @@ from omni import registry
 from omni.config.schema import StageConfig
 from omni.errors import OmniError, StageError, StageStartError
 from omni.messages import StageDelta, StageOutput, error_output
-from omni.pipeline.backend import Submission
+from omni.pipeline.backend import StreamTarget, Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.stage_worker import StageWorker, TickResult
-from omni.pipeline.streaming import StreamTarget
 from omni.pipeline.threads import set_torch_threads, stage_threads
 
 logger = logging.getLogger(__name__)

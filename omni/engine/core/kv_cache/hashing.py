@@ -33,14 +33,27 @@ import struct
 import sys
 from array import array
 from functools import lru_cache
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import xxhash
 
-if TYPE_CHECKING:
-    from omni.engine.core.request import Request
-
 BlockHash = bytes  # 16-byte xxh3_128 digest
+
+
+class HashedRequest(Protocol):
+    """What the hasher reads of a request (omni.engine.core.request.Request is one): declared here so that
+    the request module imports the hasher and not the other way round."""
+
+    request_id: str
+    mm_features: Sequence[Any]  # each with mm_hash, offset, length; sorted by offset
+    cache_salt: str | None
+    adapter_id: str | None
+    prompt_embeds_digests: list[bytes] | None
+    block_hashes: list[BlockHash]
+    all_token_ids: list[int]  # prompt + output
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 _MAX_SEED = 2**64 - 1
 # Domain separation between plain blocks and blocks carrying extra keys.
@@ -134,7 +147,7 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
 class BlockHasher:
     """Computes the hashes of a request's new full blocks.
 
-    ``Request`` calls it at construction and whenever appended tokens
+    ``Request`` (a HashedRequest) calls it at construction and whenever appended tokens
     complete a block; it returns only the hashes not yet in
     ``request.block_hashes``.
 
@@ -158,7 +171,7 @@ class BlockHasher:
         self.seed = _check_seed(seed)
         self._root = root_hash(seed)
 
-    def block_extra_keys(self, request: "Request", block_idx: int) -> tuple | None:
+    def block_extra_keys(self, request: HashedRequest, block_idx: int) -> tuple | None:
         """The extra keys of block ``block_idx`` of ``request`` (``None`` if none)."""
         keys: list[tuple] = []
         bs = self.block_size
@@ -179,7 +192,7 @@ class BlockHasher:
             keys.append(("emb", digests[block_idx]))
         return tuple(keys) if keys else None
 
-    def _check_digests(self, request: "Request") -> None:
+    def _check_digests(self, request: HashedRequest) -> None:
         digests = request.prompt_embeds_digests
         expected = -(-request.num_prompt_tokens // self.block_size)
         if len(digests) != expected:
@@ -189,7 +202,7 @@ class BlockHasher:
                 f"got {len(digests)}"
             )
 
-    def __call__(self, request: "Request") -> list[BlockHash]:
+    def __call__(self, request: HashedRequest) -> list[BlockHash]:
         bs = self.block_size
         hashes = request.block_hashes
         first = len(hashes)
