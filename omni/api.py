@@ -22,8 +22,6 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
 from omni import registry
 from omni.config.schema import PipelineConfig
 from omni.config.loader import load_config
@@ -332,22 +330,7 @@ class Omni:
                            field="sampling_params")
 
     def _stage_params(self, stage: str, v: Any) -> SamplingParams:
-        if not isinstance(v, (SamplingParams, Mapping)):
-            raise RequestError(f"sampling_params for stage {stage!r}: expected a SamplingParams or a dict, "
-                               f"got {type(v).__name__}", stage=stage, field="sampling_params")
-        try:
-            return resolve_sampling_params(v, self.graph.stages[stage].sampling)
-        except ValidationError as e:
-            errors = e.errors()
-            # (a model validator's error has no loc: its message starts with the field)
-            msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: " * bool(x["loc"])
-                             + x["msg"].removeprefix("Value error, ") for x in errors)
-            # The first field at fault (a model validator has no loc: its message names the field).
-            first = errors[0]
-            name = ".".join(map(str, first["loc"])) or first.get("ctx", {}).get("field", "")
-            code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
-            raise RequestError(f"sampling_params for stage {stage!r}: {msgs}", stage=stage,
-                               field=f"sampling_params.{name}", code=code) from None
+        return resolve_sampling_params(v, self.graph.stages[stage].sampling, stage)
 
 
 def _as_list(prompts: Any) -> list[Any]:

@@ -13,10 +13,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from omni.errors import FIELD_ERROR
+from omni.errors import FIELD_ERROR, RequestError
 
 from omni.config.strict import StrictFlag, no_bool_for_number
 from omni.structured_spec import check_spec
@@ -363,13 +363,27 @@ class SamplingParams(BaseModel):
         return self.top_p < 1.0
 
 
-def resolve_sampling_params(value: Any, defaults: SamplingParams) -> SamplingParams:
+def resolve_sampling_params(value: Any, defaults: SamplingParams, stage: str | None = None) -> SamplingParams:
     """A request's parameters: None -> the stage defaults; a SamplingParams as is; a mapping of fields
-    merged over the defaults. Raises ValueError (pydantic's ValidationError is one) naming the field."""
+    merged over the defaults. Raises RequestError naming the field (of `stage`): bad fields are the
+    caller's to fix wherever they are found, at the edge or in a stage's engine."""
+    where = "sampling_params" if stage is None else f"sampling_params for stage {stage!r}"
     if value is None:
         return defaults
     if isinstance(value, SamplingParams):
         return value
-    if isinstance(value, Mapping):
+    if not isinstance(value, Mapping):
+        raise RequestError(f"{where}: expected a SamplingParams or a dict, got {type(value).__name__}",
+                           stage=stage, field="sampling_params")
+    try:
         return SamplingParams(**{**defaults.model_dump(), **value})
-    raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
+    except ValidationError as e:
+        errors = e.errors()
+        # (a model validator's error has no loc: its message starts with the field)
+        msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: " * bool(x["loc"])
+                         + x["msg"].removeprefix("Value error, ") for x in errors)
+        # The first field at fault (a model validator has no loc: its message names the field).
+        first = errors[0]
+        name = ".".join(map(str, first["loc"])) or first.get("ctx", {}).get("field", "")
+        code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
+        raise RequestError(f"{where}: {msgs}", stage=stage, field=f"sampling_params.{name}", code=code) from None

@@ -1,7 +1,8 @@
 """Shared helpers for engine-level tests."""
 from __future__ import annotations
 
-from omni.engine.engine import StageEngine, StageEngineConfig
+from omni.engine.engine import StageEngine
+from omni.engine.engine_config import StageEngineConfig
 from omni.sampling_params import SamplingParams
 from omni.engine.core.scheduler import SchedulerSettings
 from omni.messages import StageInput, StageOutput

@@ -3,7 +3,8 @@
 
 Tokens are a deterministic function of (stage name, prompt ids, position), so
 every backend must produce the same outputs. Magic prompt texts (a text prompt,
-or any chat message's text) drive failures: "__bad__" (add_request raises), "__error__" (the output carries an
+or any chat message's text) drive failures: "__bad__" (add_request refuses it: a RequestError, the caller's
+fault), "__value_error__" (add_request raises a bare ValueError: the stage's fault), "__error__" (the output carries an
 error), "__hang__" (never finishes), "__step_raise__" (step() raises),
 "__crash__" (the process exits: Ray tests only). With `model_kwargs: {audio_deltas: true}`
 a stage streams audio: each step of a request whose caller streams yields a StageDelta
@@ -90,10 +91,12 @@ class FakeEngine:
     def add_request(self, inp: StageInput) -> None:
         rid = inp.request_id
         if rid in self.running:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise RequestError(f"request_id {rid!r} is already in use", stage=self.name, field="request_id")
         text = _prompt_text(inp.prompt)
         if "__bad__" in text:
-            raise ValueError("prompt: contains __bad__")
+            raise RequestError("prompt: contains __bad__", stage=self.name, field="prompt")
+        if "__value_error__" in text:  # a stage's own check that is no request check (a shape bug, say)
+            raise ValueError("rows: expected 2 dimensions, got 3")
         if inp.prompt_token_ids is not None:
             ids = [int(t) for t in inp.prompt_token_ids]
         elif inp.prompt is not None:
@@ -101,9 +104,9 @@ class FakeEngine:
         elif inp.prompt_embeds is not None:
             ids = embeds_ids(inp.prompt_embeds)
         else:
-            raise ValueError("prompt: a request needs a prompt")
+            raise RequestError("prompt: a request needs a prompt", stage=self.name, field="prompt")
         if not ids:
-            raise ValueError("prompt: the prompt is empty (0 tokens)")
+            raise RequestError("prompt: the prompt is empty (0 tokens)", stage=self.name, field="prompt")
         sp = resolve_sampling_params(inp.sampling_params, self.stage.sampling)
         self.running[rid] = _Req(rid, text, ids, sp.max_tokens, time.monotonic(), stream=inp.stream)
 

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engines(args) -> tuple[Any, Any]:
     from omni import registry
-    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.engine import StageEngine
+    from omni.engine.engine_config import StageEngineConfig
     from omni.engine.core.scheduler import SchedulerSettings
 
     cls = registry.resolve_stage_model(args.stage_model)

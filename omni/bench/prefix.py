@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: str = "float32"):
-    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.engine import StageEngine
+    from omni.engine.engine_config import StageEngineConfig
     from omni.engine.core.scheduler import SchedulerSettings
     from omni.registry import resolve_stage_model
 

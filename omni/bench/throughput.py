@@ -37,7 +37,8 @@ def _sync(device: str) -> None:
 def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict, dict]:
     """Time omni's engine on `reqs`: (seconds, tokens produced, engine counters, the work its forward
     passes did: model, computed spans, sampled rows, steps, forward / sampling seconds)."""
-    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.engine import StageEngine
+    from omni.engine.engine_config import StageEngineConfig
     from omni.sampling_params import SamplingParams
     from omni.engine.core.scheduler import SchedulerSettings
     from omni.registry import resolve_stage_model

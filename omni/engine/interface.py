@@ -1,10 +1,10 @@
 """The engine contract: what the pipeline calls on one stage's engine, and what comes back.
 
-    add_request(inp)    queue a request; ValueError naming the field when it is bad
-                        (the engine keeps serving)
+    add_request(inp)    queue a request; a RequestError (omni.errors) naming the field when
+                        it is bad (the engine keeps serving)
     extend_request(request_id, token_ids, prompt_embeds, last)
                         grow the prompt of a request admitted with input_complete=False
-                        (a streaming edge); ValueError when it cannot
+                        (a streaming edge); a RequestError when the chunk is bad
     read_rows(request_id, start, end)
                         per-token rows [start, end) of a live request (streamed downstream)
     abort(request_id)   release the request at once (its id may be reused right away);
@@ -18,8 +18,11 @@
                         stage's cache with them; an engine without a prefix cache leaves it out)
 
 Both StageEngine (autoregressive) and OneShotStageEngine (one-shot) implement it; so
-can a test double. One request, one terminal output: a request that finishes (stop,
-length or error) appears once in `finished`, the step that releases it.
+can a test double. Only a RequestError is the caller's fault: anything else an engine raises
+(a bare ValueError included) fails the request as the stage's (a StageError, a 500).
+
+One request, one terminal output: a request that finishes (stop, length or error) appears
+once in `finished`, the step that releases it.
 """
 from __future__ import annotations
 

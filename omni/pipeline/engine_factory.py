@@ -35,7 +35,8 @@ def build_engine(stage: StageConfig) -> Engine:
             default_sampling=stage.sampling,
             dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
 
-    from omni.engine.engine import StageEngine, StageEngineConfig
+    from omni.engine.engine import StageEngine
+    from omni.engine.engine_config import StageEngineConfig
     from omni.engine.core.scheduler import SchedulerSettings
 
     if stage.cache.memory_budget_mb == "auto":  # Omni resolves it (omni/planning/) before any engine is built

@@ -31,7 +31,7 @@ from typing import Any
 from omni import registry
 from omni.config.schema import StageConfig
 from omni.engine.interface import Engine
-from omni.errors import OmniError, RequestError, StageError
+from omni.errors import OmniError, StageError
 from omni.messages import CacheReport, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import StreamTarget, Submission
 from omni.pipeline.streaming import Incoming, Outgoing
@@ -82,13 +82,12 @@ def summarize(out: StageOutput, final_output: str | None, keep_hidden: bool) -> 
 
 
 def _admission_error(e: Exception, stage: str, rid: str) -> OmniError:
-    """Why a stage refused a request, typed: the RequestError it raised (stage and request id filled in);
-    another ValueError (a stage model's own check) is the request's fault too, with no field known;
-    anything else is the stage's (a StageError)."""
+    """Why a stage refused a request, typed: an OmniError it raised on purpose keeps its type (a RequestError is
+    the caller's to fix: the engine's request checks raise those, naming the field), with the stage and request id
+    filled in; anything else, a bare ValueError included (a stage model's own shape check, a bug), is the stage's:
+    a StageError, its traceback logged by the caller."""
     if isinstance(e, OmniError):
         return e.replace(stage=e.stage or stage, request_id=e.request_id or rid)
-    if isinstance(e, ValueError):  # pydantic's ValidationError of bad sampling fields is one too
-        return RequestError(f"invalid request: {type(e).__name__}: {e}", stage=stage, request_id=rid)
     return StageError(f"could not admit the request: {type(e).__name__}: {e}", stage=stage, request_id=rid)
 
 
@@ -223,6 +222,8 @@ class StageWorker:
         try:
             self.engine.add_request(inp)
         except Exception as e:  # noqa: BLE001 - a refused request fails alone
+            if not isinstance(e, OmniError):  # not a refusal on purpose: the stage's fault, its traceback kept
+                logger.exception("stage %s: admitting %s failed", self.name, rid)
             self._drop_streams(rid)
             self._fail(rid, _admission_error(e, self.name, rid))
             return False

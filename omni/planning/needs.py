@@ -141,7 +141,7 @@ def _hand_blocks(stage: StageConfig, kv_per_block: int) -> tuple[int | None, str
     c = stage.cache
     if c.num_blocks is not None:
         return c.num_blocks, "cache.num_blocks"
-    if isinstance(c.memory_budget_mb, (int, float)):  # the engine's own translation (StageEngine._num_blocks)
+    if isinstance(c.memory_budget_mb, (int, float)):  # the engine's own translation (engine_config.cache_size)
         return int(c.memory_budget_mb * 2**20 // max(kv_per_block, 1)), "cache.memory_budget_mb"
     return None, None
 

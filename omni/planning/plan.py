@@ -137,7 +137,7 @@ def conversation_tokens(config: PipelineConfig, graph: StageGraph, context_token
 
 
 def _engine_default_blocks(n: StageNeeds) -> int:
-    """StageEngine._num_blocks with neither num_blocks nor memory_budget_mb: enough for max_num_seqs
+    """engine_config.cache_size with neither num_blocks nor memory_budget_mb: enough for max_num_seqs
     sequences of max_model_len, within 1 GiB of KV."""
     tokens = n.max_num_seqs * (n.max_model_len or n.max_num_batched_tokens)
     return min(2**30 // max(n.kv_per_block, 1), -(-tokens // n.block_size) + 1)
@@ -235,7 +235,7 @@ def plan_memory(config: PipelineConfig, *, memory_gb: float | None = None, probe
         auto = planned and n.autoregressive and is_auto(s)
         p = StagePlan(n, where[s.name], auto, tokens_per_conversation=tokens.get(s.name) if n.autoregressive else None)
         if n.autoregressive and not auto:
-            # Not planned and nothing set: the engine's own default (StageEngine._num_blocks), for the report.
+            # Not planned and nothing set: the engine's own default (engine_config.cache_size), for the report.
             p.num_blocks = n.hand_blocks if n.hand_blocks is not None else _engine_default_blocks(n)
         p.wanted_blocks = _wanted(p, workload) if n.autoregressive else 0
         plans[s.name] = p

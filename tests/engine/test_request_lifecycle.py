@@ -72,7 +72,7 @@ def test_finished_ids_leave_the_step(tiny_llama):
 
 # ------------------------------------------------------------------ admission
 def test_kv_cache_smaller_than_max_model_len_lowers_it_with_a_warning(tiny_llama, caplog):
-    with caplog.at_level(logging.WARNING, logger="omni.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="omni.engine.engine_config"):
         engine = make_engine(tiny_llama, name="thinker", num_blocks=8, block_size=4, max_model_len=256)
     assert engine.max_model_len == 32 == engine.stats().max_model_len
     msg = caplog.text

@@ -88,7 +88,7 @@ def test_min_tokens_holds_stop_strings_back(engine, free, caplog):
         assert got.text == out.text and got.stop_reason is None and got.finish_reason == "length"
     else:
         assert got.text == out.text[:later] and got.stop_reason == stop
-    with caplog.at_level("WARNING", logger="omni.engine.engine"):
+    with caplog.at_level("WARNING", logger="omni.engine.io.outputs"):
         _run(engine, "m2", stream=True, stop=[stop])
     assert not [r for r in caplog.records if "differs from its full decode" in r.message]
 
@@ -97,7 +97,7 @@ def test_a_stage_without_a_tokenizer_ignores_stop_strings(tiny_qwen2):
     """One SamplingParams a caller gives every stage (stop included) must not fail a stage that makes no text (a
     talker): stop strings apply where there is text."""
     eng = make_engine(tiny_qwen2)
-    eng.tokenizer = None
+    eng.outputs.tokenizer = None  # the stage makes no text (its output assembly has no tokenizer)
     eng.add_request(StageInput("x", prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3, "stop": ["a"],
                                                                              "ignore_eos": True}))
     outs = {}

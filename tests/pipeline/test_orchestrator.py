@@ -1,6 +1,7 @@
 """Request routing on the local backend with the fake engine (no model, fast)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -77,8 +78,11 @@ def test_default_fan_in_concatenates_in_inputs_order():
 
 @pytest.mark.parametrize("bad,error", [
     ("__error__", StageError("stage 'thinker' failed: fake stage error", stage="thinker", request_id="1")),
-    ("__bad__", RequestError("stage 'thinker' failed: invalid request: ValueError: prompt: contains __bad__",
-                             stage="thinker", request_id="1")),
+    ("__bad__", RequestError("stage 'thinker' failed: prompt: contains __bad__", stage="thinker", field="prompt",
+                             request_id="1")),
+    # a bare ValueError is no request check: the stage's fault (a 500), not the caller's
+    ("__value_error__", StageError("stage 'thinker' failed: could not admit the request: ValueError: rows: expected 2 "
+                                   "dimensions, got 3", stage="thinker", request_id="1")),
 ])
 def test_error_in_one_request_does_not_affect_others(chain, bad, error):
     outs = chain.generate(["ok 1", bad, "ok 2"], use_tqdm=False)
@@ -86,6 +90,17 @@ def test_error_in_one_request_does_not_affect_others(chain, bad, error):
     assert outs[1].outputs == {} and outs[1].finished
     assert outs[2].outputs["talker"].token_ids  # the stage kept serving
     assert chain.stats()["requests"]["failed"] == 1
+
+
+def test_a_bare_value_error_in_a_stage_fails_that_request_as_the_stages_with_its_traceback(chain, caplog):
+    with caplog.at_level(logging.ERROR, logger="omni.pipeline.stage_worker"):
+        bad, ok = chain.generate(["__value_error__", "ok"], use_tqdm=False)
+    assert isinstance(bad.error, StageError) and not isinstance(bad.error, RequestError)
+    assert bad.error.code == "stage_failed" and bad.error.stage == "thinker"
+    [record] = [r for r in caplog.records if "admitting" in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[0] is ValueError  # the traceback is in the log
+    assert ok.error is None and ok.outputs["talker"].token_ids  # the stage kept serving
+    assert chain.generate(["fine"], use_tqdm=False)[0].error is None
 
 
 def test_engine_step_exception_fails_in_flight_requests_only(chain):

@@ -60,7 +60,7 @@ def chain(_chain):
 
 
 def test_ray_and_local_give_identical_outputs(chain):
-    prompts = ["hello", "world", "__error__", {"prompt_token_ids": [5, 6, 7]}, "__bad__", "x" * 50]
+    prompts = ["hello", "world", "__error__", {"prompt_token_ids": [5, 6, 7]}, "__bad__", "x" * 50, "__value_error__"]
     with Omni(chain_config(), backend="local", engine_factory=fake_factory) as local:
         expected = summary(local.generate(prompts, use_tqdm=False))
     got = summary(chain.generate(prompts, use_tqdm=False))
@@ -68,6 +68,9 @@ def test_ray_and_local_give_identical_outputs(chain):
     assert [g[1:] for g in got] == [e[1:] for e in expected]
     # The error crossed from the actor as itself: the same typed error as on the local backend.
     assert got[2][1] == StageError("stage 'thinker' failed: fake stage error", stage="thinker", request_id="2")
+    # A bare ValueError raised in the actor is the stage's fault there too, not the caller's.
+    assert got[6][1] == StageError("stage 'thinker' failed: could not admit the request: ValueError: rows: expected 2 "
+                                   "dimensions, got 3", stage="thinker", request_id="6")
 
 
 def test_ray_and_local_identical_on_a_dag():

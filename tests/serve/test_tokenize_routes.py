@@ -169,6 +169,6 @@ def test_the_omni_apis_tokenize_and_detokenize_on_the_stage(tiny_qwen2):
         with pytest.raises(RequestError) as e:
             o.tokenize("Hi", stage="nope")
         assert e.value.field == "stage"
-        o._backend.workers["talker"].engine.tokenizer = None
+        o._backend.workers["talker"].engine.text.tokenizer = None
         with pytest.raises(RequestError, match="has no tokenizer"):
             o.tokenize("Hi", stage="talker")
