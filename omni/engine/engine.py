@@ -1,22 +1,19 @@
 """StageEngine: one autoregressive stage, in one process. No Ray, no pipeline import here.
 
-The loop that ties the stage's pieces together, as vLLM's EngineCore between its input and output
-processors:
+The loop that ties the stage's pieces together, as vLLM's EngineCore between its input and output processors:
 
-    add_request()  admission (io/admission.py: sampling, prompt, reply, grammar, embeddings), then the
-                   Request joins the scheduler, the runner and the model
+    add_request()  admission (io/admission.py), then the Request joins the scheduler, the runner and the model
     step()         schedule -> forward -> rows -> scheduler update -> stop strings, logprobs, deltas and
                    outputs (io/outputs.py) -> release what finished -> EngineStepOutput
-    abort()        the scheduler finishes the request and it is released at once, so its
-                   id can be reused right away; the next step() reports the abort
+    abort()        the scheduler finishes the request and it is released at once, so its id can be reused
+                   right away; the next step() reports the abort
     tokenize(), detokenize()   io/text_ops.py
 
-The scheduler is the source of truth of a request's life; `_release_finished` is the one
-place where everything else the stage holds for a request (runner state, the model's
-per-request state, collected rows, its text) is dropped, for the ids the scheduler hands back.
-
-max_model_len is resolved once, at start-up (engine_config.cache_size): at most what the KV cache
-holds, so that any admitted request can always run to completion, alone if need be.
+The scheduler is the source of truth of a request's life; `_release_finished` is the one place where
+everything else the stage holds for a request (runner state, the model's per-request state, collected rows,
+its text) is dropped, for the ids the scheduler hands back. max_model_len is resolved once, at start-up
+(engine_config.cache_size): at most what the KV cache holds, so that any admitted request can always run to
+completion, alone if need be.
 """
 from __future__ import annotations
 
@@ -53,6 +50,7 @@ from omni.engine.tensor_cache import StageTensorCache
 
 logger = logging.getLogger(__name__)
 
+
 class StageEngine:
     def __init__(self, config: StageEngineConfig, model: AutoregressiveStageModel | None = None):
         self.config = config
@@ -66,8 +64,8 @@ class StageEngine:
         self.tokenizer = model.tokenizer
         size = cache_size(config, model)
         num_blocks, max_len = size.num_blocks, size.max_model_len
-        checks = RequestChecker(self.name, model.vocab_size, self.tokenizer, config.use_chat_template)
-        checks.max_len_note = size.max_len_note
+        checks = RequestChecker(self.name, model.vocab_size, self.tokenizer, config.use_chat_template,
+                                size.max_len_note)
         check_loaded(config, model, num_blocks)  # before the KV cache, block pool and tensor cache exist
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, config.hash_seed)
         try:
@@ -160,10 +158,9 @@ class StageEngine:
 
     def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
                        last: bool = False, extra: dict[str, Any] | None = None) -> None:
-        """Append a chunk to the input of a request admitted with input_complete=False: prompt tokens
-        (and their embeddings), and/or model-specific side input (`extra`, for a model that decodes
-        while its input streams in). RequestError (naming the field) when the chunk is bad or cannot
-        fit; the prompt stays as it was."""
+        """Append a chunk to the input of a request admitted with input_complete=False: prompt tokens (and their
+        embeddings), and/or model-specific side input (`extra`, for a model that decodes while its input streams
+        in). RequestError (naming the field) when the chunk is bad or cannot fit; the prompt stays as it was."""
         t0 = time.perf_counter()
         try:
             self._extend_request(request_id, token_ids, prompt_embeds, last, extra)
@@ -239,7 +236,6 @@ class StageEngine:
         if sched.is_empty:
             return out
         t0 = time.perf_counter()
-        outputs = self.outputs
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # a failing batch fails its requests, not the stage
@@ -247,17 +243,17 @@ class StageEngine:
             error = StageError(f"stage {self.name}: forward pass failed: {type(exc).__name__}: {exc}",
                                stage=self.name)
             failed = self.scheduler.finish_requests([s.req_id for s in sched.scheduled], RequestStatus.FINISHED_ERROR)
-            out.finished += [outputs.failed(req, error) for req in failed]
+            out.finished += [self.outputs.failed(req, error) for req in failed]
         else:
             if result.rows is not None or result.other_outputs:
                 self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
             finished = self.scheduler.update(result.sampled)
-            if outputs.stops:
-                finished += outputs.stop_strings(result.sampled, finished)
+            if self.outputs.stops:
+                finished += self.outputs.stop_strings(result.sampled, finished)
             if result.logprobs:
-                outputs.record_logprobs(result.logprobs, finished)
+                self.outputs.record_logprobs(result.logprobs, finished)
             if result.prompt_logprobs:
-                outputs.record_prompt_logprobs(result.prompt_logprobs, finished)
+                self.outputs.record_prompt_logprobs(result.prompt_logprobs, finished)
             rows = {}
             if finished:
                 # Block tables as scheduled this step (update() has freed them already).
@@ -268,7 +264,7 @@ class StageEngine:
                 out.deltas = self.streams.step_deltas([s.req_id for s in sched.scheduled], result.sampled,
                                                       self.scheduler.requests, {r.request_id: r for r in finished})
             for req in finished:
-                out.finished.append(outputs.finished(req, rows.get(req.request_id)))
+                out.finished.append(self.outputs.finished(req, rows.get(req.request_id)))
             self.counters.record_step(time.perf_counter() - t0)
         self._release_finished()
         return out
@@ -288,9 +284,7 @@ class StageEngine:
         kv = self.kv.stats()
         extra = dict(self.tensor_cache.stats()) if self.tensor_cache is not None else {}
         extra.update(self.runner.stats())
-        extra.update(device=str(self.model.device), tensor_cache_worker_time_s=self.rows.worker_time_s,
-                     tensor_cache_write_time_s=self.rows.write_time_s, rows_deliver_time_s=self.rows.deliver_time_s,
-                     rows_delivered=self.rows.rows_delivered)
+        extra.update(device=str(self.model.device), **self.rows.stats())
         if renders_own_prompt(self.model):
             # it renders its own prompts: whether a request's tools reach the model (else they are refused)
             extra["shows_tools"] = bool(self.model.renders_tools)

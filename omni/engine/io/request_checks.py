@@ -26,13 +26,13 @@ from omni.sampling_params import SamplingParams
 class RequestChecker:
     """The checks of one stage; `max_model_len` is read at each check (the engine resolves it once)."""
 
-    def __init__(self, stage: str, vocab_size: int, tokenizer: Any, use_chat_template: bool):
+    def __init__(self, stage: str, vocab_size: int, tokenizer: Any, use_chat_template: bool, max_len_note: str = ""):
         self.stage = stage
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.use_chat_template = use_chat_template
         self.max_model_len = 0
-        self.max_len_note = ""  # why max_model_len is lower than configured, if it is
+        self.max_len_note = max_len_note  # why max_model_len is lower than configured, if it is
 
     def token_ids(self, ids: Iterable[int], field: str) -> list[int]:
         """Ids as ints, each in [0, vocabulary size)."""

@@ -123,6 +123,11 @@ class OutputRows:
         """Time spent writing and gathering rows, on any thread."""
         return self._serial.busy_s
 
+    def stats(self) -> dict[str, Any]:
+        """The rows' counters as a stage's stats list them (StageStats.extra)."""
+        return dict(tensor_cache_worker_time_s=self.worker_time_s, tensor_cache_write_time_s=self.write_time_s,
+                    rows_deliver_time_s=self.deliver_time_s, rows_delivered=self.rows_delivered)
+
     def __contains__(self, req_id: str) -> bool:
         return self._serial.call(self._live.__contains__, req_id)
 

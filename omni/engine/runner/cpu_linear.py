@@ -7,15 +7,8 @@ copy is small next to the arithmetic, but a decode step multiplies a few rows (o
 by every weight of every layer, so it pays the whole copy for little arithmetic. Packing each weight
 once at load (`torch.ops.mkldnn._reorder_linear_weight`) and multiplying with oneDNN's packed product
 (`torch.ops.mkldnn._linear_pointwise`, what PyTorch's own CPU compiler emits for frozen linears, and
-what vLLM's CPU backend does with its oneDNN GEMM) takes that copy off every step. SmolLM2-135M's 210
-layer weights, one pass in order (so from DRAM, as in a step), 2 threads of the CI machine (AMD EPYC,
-fp32, ms; 2026-11-28, /tmp script, best of 4):
-
-    rows                 1       16      32
-    F.linear            35.4    49.1    66.3
-    packed (below)      23.9    27.9    44.7
-
-and 16.4 against 21.3 ms for one 1536x576 weight at 2,048 rows (a prefill chunk).
+what vLLM's CPU backend does with its oneDNN GEMM) takes that copy off every step, for a decode step's
+few rows and a prefill chunk's thousands alike (`omni bench throughput` measures it: README's table).
 
 Exactness: the packed product sums in another order than MKL's, so its results differ from `F.linear`'s
 in the last bits (~1e-7 relative), as MKL's already differ between a row alone and the same row in a
@@ -26,8 +19,8 @@ against transformers' `generate` hold.
 Where: the `causal_lm` stages' decoders (stages/causal_lm.py). The Qwen2.5-Omni and Qwen3-Omni stages
 keep transformers' own products: with their thinker and talker packed, one of `omni bench capacity`'s 16
 greedy replies flipped a near-tied codec code (code 227 of 250) against transformers' `generate`
-(`audio_identical` 0), and on the small checkpoints packing bought nothing measurable (c1 1.53 -> 1.50,
-c4 2.08 -> 1.97 audio s/s, one run each, 2026-11-28): their cost is the vocoder's.
+(`audio_identical` 0), and on the small checkpoints packing bought nothing measurable: their cost is
+the vocoder's.
 
 Memory: the packed copy is the layers' weights once more in host memory (SmolLM2: 425 MB); the
 parameters stay as they are (the state dict, tied weights and `omni bench throughput`'s shapes read
@@ -49,7 +42,7 @@ from omni.engine.memory import host_available
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN is told to expect: it picks the packed layout and kernel for it. A decode
-# step's row count; any other count multiplies correctly with the same layout (measured above).
+# step's row count; any other count multiplies correctly with the same layout (1 to 2,048 rows tested).
 BATCH_HINT = 32
 # The packed copy may take at most this share of the host memory still free after the model loaded: the
 # KV cache is sized after it, and other stages' processes share the machine.

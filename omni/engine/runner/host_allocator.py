@@ -3,9 +3,8 @@
 Why: a CPU forward pass allocates and frees the same activation tensors step after step (a 2,048-token
 prefill chunk's MLP rows alone are 12 MB each). glibc's malloc serves large blocks with fresh mmaps
 and returns the free top of its heap to the kernel once it exceeds a few MB, so the next step touches
-new pages and page-faults on each 4 KiB of them: `omni bench throughput` (SmolLM2-135M, 32 requests)
-counts 1.68 million minor faults during the steps by default and 27 thousand with the settings below
-(README, "Host memory", with the forward passes' rate before and after).
+new pages and page-faults on each 4 KiB of them (`omni bench throughput` counts the steps' minor faults
+with and without the settings below: README, "Host memory").
 PyTorch's CPU performance guides reach for jemalloc or tcmalloc through LD_PRELOAD for the same reason;
 glibc's own knobs (mallopt) get the step loop's share of it with nothing to install:
 

@@ -3,26 +3,18 @@
 Decoding samples one row per running request, so a decode step's logits are a product of a few rows
 (one per request) with the head's [vocab, hidden] weight, and on a CPU that product is bound by reading
 the weight (SmolLM2: 113 MB, the small Qwen2.5-Omni and Qwen3-Omni thinkers: 155 MB, once per step).
-How fast MKL reads it depends on the weight's layout, on the operand order and on the number of rows.
-`omni bench head` on the CI machine (AMD EPYC, one thread, fp32; ms per product, 151,936 x 256 / 49,152 x
-576, one run, 2026-11-24):
-
-    rows                                        1            2            4            8            16
-    x @ W.T, W row-major (torch's default)      22.1 / 10.6  43.5 / 23.4  32.9 / 17.0  38.3 / 19.6  42.5 / 25.0
-    x @ Wt, Wt = W.T contiguous (column-major)   7.4 /  5.2  14.6 / 10.4  23.2 / 20.6  25.5 / 23.0  31.1 / 28.7
-    prepared (below)                             8.0 /  5.5  10.4 /  6.6  16.1 /  9.0  25.9 / 14.9  41.5 / 25.6
+How fast MKL reads it depends on the weight's layout, on the operand order and on the number of rows
+(`omni bench head` times them side by side; its numbers are in README's benchmark table).
 
 One row is fastest from a column-major weight; two to eight rows from the row-major weight with the
 operands swapped, (W @ x.T).T; from about twelve rows on, neither layout wins on both heads (the
-column-major one is 15-28% faster on the 256-wide head, 6-16% slower on the 576-wide one, up to 64
-rows), so torch's own product runs there. A head larger than the CPU's last-level cache
-(`LARGE_HEAD_BYTES`: every product streams the weight from DRAM) therefore keeps its row-major
-parameter and gains a column-major copy: one row multiplies the copy, two to `SWAPPED_MAX_ROWS` rows
-take the swapped product, more rows `linear`. The copy costs the head's size once more in host memory
-(155 MB for the small thinkers); a tied input embedding keeps reading the row-major parameter,
-untouched. A smaller head (a talker's codec head: 8.6 MB, in cache after its first step) is only
-re-laid out column-major in place (`omni bench head --shapes 8448x256`, same run conditions: 1 / 2 / 4 / 8
-rows 0.97 / 1.81 / 1.39 / 1.59 ms -> 0.37 / 0.71 / 1.03 / 1.23 ms).
+column-major one is faster on a narrow head and slower on a wide one), so torch's own product runs there.
+A head larger than the CPU's last-level cache (`LARGE_HEAD_BYTES`: every product streams the weight from
+DRAM) therefore keeps its row-major parameter and gains a column-major copy: one row multiplies the copy,
+two to `SWAPPED_MAX_ROWS` rows take the swapped product, more rows `linear`. The copy costs the head's size
+once more in host memory; a tied input embedding keeps reading the row-major parameter, untouched. A
+smaller head (a talker's codec head, in cache after its first step) is only re-laid out column-major in
+place, which is faster at every row count there.
 
 The logits may differ from `linear`'s in the last bits (another summation order) as they already differ
 between a row alone and the same row in a batch: the same rows always take the same product, so caching
