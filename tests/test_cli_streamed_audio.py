@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.run_outputs import DEFAULT_SAMPLE_RATE
 from omni.serve.audio import to_pcm16
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def assert_streamed_wav(path: Path, chunks: list[np.ndarray], rate: int | None) 
     assert path.is_file(), f"no streamed WAV at {path}"
     params, frames = read_wav(path)
     assert (params.nchannels, params.sampwidth) == (1, 2)
-    assert params.framerate == (rate or cli._DEFAULT_SAMPLE_RATE)
+    assert params.framerate == (rate or DEFAULT_SAMPLE_RATE)
     assert params.nframes == sum(c.size for c in chunks) > 0
     assert frames == to_pcm16(np.concatenate(chunks))
     return frames

@@ -42,6 +42,8 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.bench import BENCHES
+from omni.cli.entry import build_parser
 from tests.documented import REPO, Doc, collect, split_env
 from tests.procs import free_ports, stop_tree, tail
 from tests.test_cli_streamed_audio import streaming_edges
@@ -510,11 +512,11 @@ def _parse(argv: list[str]) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(argparse.ArgumentParser, "error", error)
-        args = cli.build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
         if args.command == "bench":
-            if args.name not in cli.BENCHES:
+            if args.name not in BENCHES:
                 raise _ParseError(f"unknown benchmark {args.name!r}")
-            module = importlib.import_module(f"omni.bench.{cli.BENCHES[args.name]}")
+            module = importlib.import_module(f"omni.bench.{BENCHES[args.name]}")
             parser = argparse.ArgumentParser(prog=f"omni bench {args.name}")
             module.add_arguments(parser)
             parser.parse_args(args.args)

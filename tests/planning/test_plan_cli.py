@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.entry import build_parser
 
 
 def _write(tmp_path, budget_gb=None, auto=True, **runtime):
@@ -71,7 +72,7 @@ def test_validate_without_a_budget_plans_nothing(tmp_path, capsys):
 
 
 def test_memory_gb_is_an_option_of_every_config_command():
-    parser = cli.build_parser()
+    parser = build_parser()
     for cmd in ("run", "validate", "plan", "serve"):
         assert parser.parse_args([cmd, "x.yaml", "--memory-gb", "1.5"]).memory_gb == 1.5
 
