@@ -629,7 +629,7 @@ def run_omni_run(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
         # audio goes to a WAV as it comes (in chunks behind a streaming edge, else whole)
         for name, kind in finals.items():
             if kind == "audio":
-                wav = (out_dir or tmp) / f"0000_{name}.stream.wav"
+                wav = (out_dir or tmp / "omni_outputs") / f"0000_{name}.stream.wav"
                 params, frames = _read_wav(wav)
                 assert (params.nchannels, params.sampwidth) == (1, 2) and params.nframes > 0
                 if results is not None:
