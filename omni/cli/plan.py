@@ -34,7 +34,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         store = ProfileStore()
         failed = []
         if not args.no_profile:
-            failed = [r for r in profile_pipeline(cfg, store) if r.error]
+            failed = [r for r in profile_pipeline(cfg, store, progress=True) if r.error]
         plan = plan_memory(cfg, memory_gb=args.memory_gb, store=store)
     except ConfigError as e:
         return error(str(e))
