@@ -102,3 +102,27 @@ def test_a_key_typo_gets_did_you_mean(tmp_path, capsys, typo, suggestion):
     assert cli.main(["validate", str(cfg)]) == 2
     err = one_line_error(capsys)
     assert f"unknown key {typo!r} (allowed: " in err and err.endswith(f"); did you mean {suggestion!r}?"), err
+
+
+def test_a_qwen2_5_omni_config_loads_without_false_vocabulary_warnings():
+    """The talker config's thinker-vocabulary ids are right (transformers checks them against the codec's
+    vocabulary): loading prints none of its seven warnings; a token id really out of range still warns."""
+    import logging
+
+    import stages.qwen2_5_omni  # noqa: F401 - what every Qwen2.5-Omni stage imports first
+    from transformers import Qwen2_5OmniTalkerConfig
+
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process and message
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.configuration_utils")
+    logger.addHandler(handler)
+    try:
+        Qwen2_5OmniTalkerConfig()
+        assert [r.getMessage() for r in records if "within the vocabulary" in r.getMessage()] == []
+        Qwen2_5OmniTalkerConfig(pad_token_id=99999)
+    finally:
+        logger.removeHandler(handler)
+    [bad] = [r.getMessage() for r in records if "within the vocabulary" in r.getMessage()]
+    assert bad.startswith("Model config: pad_token_id must be")
