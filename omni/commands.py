@@ -1,4 +1,4 @@
-"""What the `omni` commands share (cli.py and serve/launch.py both import it, neither imports the other):
+"""What the `omni` commands share (omni/cli/ and serve/launch.py both import it, neither imports the other):
 the exit-status convention of an error, and loading a config checked against this machine.
 """
 from __future__ import annotations

@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.bench import BENCHES
+from omni.cli.jsonable import dumps
 from tests.fakes import chain_config, expected_tokens, fake_factory, text_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +143,7 @@ def test_bench_dispatch_prints_json_last(monkeypatch, capsys):
 
 
 def test_bench_names_map_to_modules():
-    assert cli.BENCHES == {"kv": "kv", "kernels": "kernels", "throughput": "throughput", "prefix": "prefix",
+    assert BENCHES == {"kv": "kv", "kernels": "kernels", "throughput": "throughput", "prefix": "prefix",
                            "tensor-cache": "tensor_cache", "pipeline": "pipeline", "omni": "omni_bench",
                            "token2wav": "token2wav", "streaming": "streaming", "routing": "routing", "serve": "serve",
                            "capacity": "capacity", "plan": "plan",
@@ -152,7 +154,7 @@ def test_bench_names_map_to_modules():
 def test_bench_errors(monkeypatch, capsys):
     assert cli.main(["bench", "nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
-    monkeypatch.setitem(cli.BENCHES, "ghost", "definitely_missing_module")
+    monkeypatch.setitem(BENCHES, "ghost", "definitely_missing_module")
     assert cli.main(["bench", "ghost"]) == 2
     assert "benchmark 'ghost' is not available" in capsys.readouterr().err
     assert cli.main(["bench"]) == 2
@@ -174,7 +176,7 @@ def test_bench_help_lists_every_benchmark_with_one_line(flag, capsys):
     assert cli.main(["bench", flag]) == 0
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.split("benchmarks:\n", 1)[1].strip().splitlines()]
-    assert listed == list(cli.BENCHES)
+    assert listed == list(BENCHES)
     assert "  kv            micro-benchmarks of the prefix-cached KV cache manager." in out
     assert "(not available)" not in out
 
@@ -190,5 +192,5 @@ def test_help_works_everywhere(argv, capsys):
 def test_json_encoder_handles_numpy():
     import numpy as np
 
-    assert json.loads(cli.dumps({"a": np.float32(1.5), "b": np.arange(2), "c": {1, 2}})) == \
+    assert json.loads(dumps({"a": np.float32(1.5), "b": np.arange(2), "c": {1, 2}})) == \
         {"a": 1.5, "b": [0, 1], "c": [1, 2]}

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.run_outputs import DEFAULT_SAMPLE_RATE
 from omni.serve.audio import to_pcm16
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def assert_streamed_wav(path: Path, chunks: list[np.ndarray], rate: int | None) 
     assert path.is_file(), f"no streamed WAV at {path}"
     params, frames = read_wav(path)
     assert (params.nchannels, params.sampwidth) == (1, 2)
-    assert params.framerate == (rate or cli._DEFAULT_SAMPLE_RATE)
+    assert params.framerate == (rate or DEFAULT_SAMPLE_RATE)
     assert params.nframes == sum(c.size for c in chunks) > 0
     assert frames == to_pcm16(np.concatenate(chunks))
     return frames
@@ -96,3 +97,16 @@ def test_streamed_audio_goes_to_a_wav_as_it_arrives(tmp_path, capsys, monkeypatc
     # the chunks are the final waveform: the same samples as the final output's WAV
     assert result["outputs"]["token2wav"]["audio_samples"] == len(frames) // 2
     assert read_wav(out_dir / "0000_token2wav.wav")[1] == frames
+
+
+@pytest.mark.timeout(300)
+def test_run_without_output_dir_writes_the_audio_and_says_where(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["run", str(TINY), "--prompt", "Hello, how are you?", "--backend", "local",
+                   "--max-tokens", str(MAX_TOKENS)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    wav = Path("omni_outputs") / "0000_token2wav.wav"
+    params, _ = read_wav(tmp_path / wav)
+    assert f"  token2wav (audio): {params.nframes} samples -> {wav}\n" in out, out
+    assert "audio written to ./omni_outputs/ (--output-dir DIR to choose where)" in out

@@ -42,6 +42,8 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.bench import BENCHES
+from omni.cli.entry import build_parser
 from tests.documented import REPO, Doc, collect, split_env
 from tests.procs import free_ports, stop_tree, tail
 from tests.test_cli_streamed_audio import streaming_edges
@@ -510,11 +512,11 @@ def _parse(argv: list[str]) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(argparse.ArgumentParser, "error", error)
-        args = cli.build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
         if args.command == "bench":
-            if args.name not in cli.BENCHES:
+            if args.name not in BENCHES:
                 raise _ParseError(f"unknown benchmark {args.name!r}")
-            module = importlib.import_module(f"omni.bench.{cli.BENCHES[args.name]}")
+            module = importlib.import_module(f"omni.bench.{BENCHES[args.name]}")
             parser = argparse.ArgumentParser(prog=f"omni bench {args.name}")
             module.add_arguments(parser)
             parser.parse_args(args.args)
@@ -627,7 +629,7 @@ def run_omni_run(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
         # audio goes to a WAV as it comes (in chunks behind a streaming edge, else whole)
         for name, kind in finals.items():
             if kind == "audio":
-                wav = (out_dir or tmp) / f"0000_{name}.stream.wav"
+                wav = (out_dir or tmp / "omni_outputs") / f"0000_{name}.stream.wav"
                 params, frames = _read_wav(wav)
                 assert (params.nchannels, params.sampwidth) == (1, 2) and params.nframes > 0
                 if results is not None:

@@ -6,6 +6,7 @@ the stage graph's checks (edges, cycles, final outputs) run here, through omni.p
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import types
@@ -117,7 +118,9 @@ def _format_errors(err: ValidationError, raw: Mapping[str, Any]) -> str:
         elif e["type"] == "extra_forbidden":
             model = _model_at(loc[:-1])
             allowed = f" (allowed: {', '.join(model.model_fields)})" if model else ""
-            text, rest = f"unknown key {str(loc[-1])!r}{allowed}", rest[:-1]
+            close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if model else []
+            guess = f"; did you mean {close[0]!r}?" if close else ""
+            text, rest = f"unknown key {str(loc[-1])!r}{allowed}{guess}", rest[:-1]
         elif e["type"] == "missing":
             text = "required field is missing"
         elif e["type"] == "value_error" or isinstance(e.get("input"), (dict, list)):

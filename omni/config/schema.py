@@ -48,6 +48,11 @@ def expand_env(value: str) -> str:
     return os.path.expanduser(out) if out.startswith("~") else out
 
 
+def env_names(value: str) -> list[str]:
+    """The environment variables a value names (`${VAR}`, `${VAR:-default}`), in order."""
+    return [m.group(1) for m in _ENV_RE.finditer(value)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -200,6 +205,23 @@ class StageConfig(_Model):
             raise ValueError(f"{v!r} is not a valid stage name: use letters, digits, '_', '-', '.' "
                              "(starting with a letter or '_')")
         return v
+
+    # model_path / tokenizer as the config wrote them, before ${VAR} expansion, where they name a variable:
+    # so that an error about the path can say which variable sets it (omni/config/preflight.py)
+    _as_written: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_as_written(cls, data: Any, handler: Any) -> "StageConfig":
+        stage = handler(data)
+        if isinstance(data, dict):
+            stage._as_written = {f: data[f] for f in ("model_path", "tokenizer")
+                                 if isinstance(data.get(f), str) and env_names(data[f])}
+        return stage
+
+    def path_variables(self, field: str) -> list[str]:
+        """The environment variables the config's `field` (model_path, tokenizer) is written with."""
+        return env_names(self._as_written.get(field, ""))
 
     @field_validator("model_path", "tokenizer")
     @classmethod

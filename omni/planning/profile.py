@@ -255,18 +255,23 @@ def _is_autoregressive(stage: StageConfig) -> bool:
 
 
 def profile_pipeline(config: PipelineConfig, store: ProfileStore, *,
-                     meter_for_stage: Callable[[str], PeakMeter | None] | None = None) -> list[ProfileResult]:
+                     meter_for_stage: Callable[[str], PeakMeter | None] | None = None,
+                     progress: bool = False) -> list[ProfileResult]:
     """Profile every stage once (one copy: replicas are alike), one after the other, and keep each
     measurement in `store` for the plans made without loading anything. A stage that cannot be
-    profiled keeps its estimate; the result says why."""
+    profiled keeps its estimate; the result says why. `progress`: a bar on stderr, a tick per stage and
+    the stage being profiled (loading a real model and its step take minutes; as vLLM shows its loading)."""
     import torch
+    from tqdm.auto import tqdm
 
     from omni import registry
 
     from omni.planning.needs import stage_device
 
     results = []
-    for stage in config.stages:
+    bar = tqdm(config.stages, desc="Profiling stages", unit="stage", disable=not progress, dynamic_ncols=True)
+    for stage in bar:
+        bar.set_postfix_str(f"{stage.name}: loading, one step at its batch limits")
         device = stage_device(stage, config.runtime.backend, torch.cuda.is_available())
         key = profile_key(stage, registry.resolve_model_path(stage.model_path), device)
         try:

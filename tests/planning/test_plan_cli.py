@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from omni import cli
+from omni.cli.entry import build_parser
 
 
 def _write(tmp_path, budget_gb=None, auto=True, **runtime):
@@ -71,7 +72,7 @@ def test_validate_without_a_budget_plans_nothing(tmp_path, capsys):
 
 
 def test_memory_gb_is_an_option_of_every_config_command():
-    parser = cli.build_parser()
+    parser = build_parser()
     for cmd in ("run", "validate", "plan", "serve"):
         assert parser.parse_args([cmd, "x.yaml", "--memory-gb", "1.5"]).memory_gb == 1.5
 
@@ -85,3 +86,23 @@ def test_an_unplanned_auto_stage_is_refused_by_the_engine_factory():
                                                                              "memory_budget_mb": "auto"}}})
     with pytest.raises(ConfigError, match="'auto' takes the memory plan's number"):
         build_engine(cfg.stage("thinker"))
+
+
+def test_plan_shows_progress_while_it_profiles(tmp_path, store, capsys, monkeypatch):
+    """Profiling a real model takes minutes: a bar on stderr says which stage is being profiled (stdout keeps
+    the plan alone)."""
+    import omni.planning.profile as profile
+
+    seen = []
+
+    def profile_stage(config, name, meter=None):
+        seen.append(name)
+        raise RuntimeError("not measured in this test")
+
+    monkeypatch.setattr(profile, "profile_stage", profile_stage)
+    rc = cli.main(["plan", _write(tmp_path), "--memory-gb", "0.5", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0 and seen == ["thinker", "talker"]
+    json.loads(captured.out.strip().splitlines()[-1])
+    assert "Profiling stages" in captured.err and "2/2" in captured.err, captured.err
+    assert "thinker: loading" in captured.err and "talker: loading" in captured.err, captured.err
