@@ -1,6 +1,6 @@
 """A multi-turn voice chat against `omni serve`, with the `openai` package.
 
-    omni serve stage_configs/qwen2_5_omni_tiny.yaml &          # listens on 127.0.0.1:8000
+    omni serve stage_configs/qwen2_5_omni_small.yaml &         # listens on 127.0.0.1:8000
     python examples/chat_client.py --turn "Hello, who are you?" --turn "Tell me more." \
         [--audio question.wav] [--voice Chelsie] [--out-dir replies/] [--base-url http://127.0.0.1:8000/v1]
 

@@ -3,9 +3,11 @@
     python examples/offline_pipeline.py                                   # tiny random models, embedded Ray
     python examples/offline_pipeline.py --config stage_configs/smollm2_chain.yaml --backend local
     python examples/offline_pipeline.py --stage-overrides '{"talker": {"enable_prefix_caching": false}}'
+    python examples/offline_pipeline.py --stream --backend local          # progress as each stage makes it
 
 Every final stage's output comes back per request: the thinker's text and the talker's
-token ids for the chain configs. `--stream` prints outputs as each stage finishes instead.
+token ids for the chain configs. With `--stream` each stage's progress is printed as it comes (a
+StageDelta: the tokens of a step, their text), then each final stage's StageOutput (or its error).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from omni import Omni, SamplingParams
+from omni import Omni, SamplingParams, StageOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,9 +40,12 @@ def main() -> None:
         # {stage: params} sets them per stage.
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         if args.stream:
-            for out in omni.stream(prompts, params):
-                what = out.error or (out.text if out.text is not None else out.token_ids)
-                print(f"[{out.request_id}] {out.stage}: {what}")
+            for item in omni.stream(prompts, params):
+                if isinstance(item, StageOutput):  # a final stage finished the request (or it failed)
+                    what = f"error: {item.error}" if item.error else f"done: text={item.text!r} tokens={item.token_ids}"
+                else:  # a StageDelta: what one step generated
+                    what = f"+{item.token_ids} {item.text!r}"
+                print(f"[{item.request_id}] {item.stage}: {what}")
         else:
             for res in omni.generate(prompts, params):
                 print(f"[{res.request_id}] {res.prompt!r}")

@@ -1,6 +1,6 @@
 """A spoken conversation over `/v1/realtime`, with the `openai` package's `client.realtime.connect`.
 
-    omni serve stage_configs/qwen2_5_omni_tiny.yaml &          # listens on 127.0.0.1:8000
+    omni serve stage_configs/qwen2_5_omni_small.yaml &         # listens on 127.0.0.1:8000
     python examples/realtime_client.py --speak question.wav --say "And what else?" \
         [--vad] [--voice Chelsie] [--out-dir replies/] [--base-url http://127.0.0.1:8000/v1]
 
