@@ -260,7 +260,7 @@ def _stage_record(out: Any) -> dict[str, Any]:
 
 
 def _write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
-    from omni.serve.audio import encode_wav
+    from omni.serve.audio.codecs import encode_wav
 
     path.write_bytes(encode_wav(audio, rate))
 

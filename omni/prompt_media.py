@@ -21,7 +21,7 @@ from typing import Any
 
 from omni.errors import RequestError
 from omni.messages import StageInput
-from omni.serve.errors import ApiError
+from omni.serve.http.errors import ApiError
 
 # The decoders check the size a header announces before decoding. Here the files are the user's own, on
 # their own machine, so the bound is only there so that a header that lies cannot allocate without end.
@@ -30,8 +30,8 @@ _MAX_DECODED_BYTES = 1 << 30
 
 def _read(modality: str, file: Path, where: str) -> Any:
     """One file -> an image array, or (waveform, rate). ApiError (the decoders' own) when unreadable."""
-    from omni.serve.audio import decode_audio
-    from omni.serve.media import decode_image
+    from omni.serve.audio.codecs import decode_audio
+    from omni.serve.chat.media import decode_image
 
     data = file.read_bytes()
     if modality == "image":

@@ -21,7 +21,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from omni.serve.generation.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
 # uvicorn's own graceful wait, once the drain is over: only the last bytes of responses already
 # ended are left to send by then.

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from omni.serve.generation.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
 API_KEY_ENV = "OMNI_API_KEY"
 _MB = 2**20

@@ -1,7 +1,7 @@
 """omni/serve/audio_ids.py: a spoken reply's transcript by audio id, until its expires_at, the oldest leaving first."""
 from __future__ import annotations
 
-from omni.serve.audio_ids import AudioTranscripts
+from omni.serve.state import AudioTranscripts
 
 
 def test_transcripts_expire_and_the_oldest_leave_first():

@@ -7,8 +7,9 @@ import warnings
 import numpy as np
 import pytest
 
-from omni.serve import g711
-from omni.serve.g711 import DELAY, Rate3
+from omni.serve.audio import g711
+from omni.serve.audio.resampling import DELAY
+from omni.serve.audio.resampling import Resampler8k24k
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -33,22 +34,22 @@ def _snr_db(x: np.ndarray, ref: np.ndarray) -> float:
 
 def test_up_and_down_keep_a_tone_and_drop_what_8k_cannot_hold():
     t8 = np.arange(8000) / 8000
-    up = Rate3(up=True).push(0.5 * np.sin(2 * np.pi * 1000 * t8))
+    up = Resampler8k24k(up=True).push(0.5 * np.sin(2 * np.pi * 1000 * t8))
     ideal = 0.5 * np.sin(2 * np.pi * 1000 * (np.arange(24000) - DELAY) / 24000)  # the filter's group delay
     assert up.size == 24000 and _snr_db(up[200:-200], ideal[200:-200]) > 60
-    down = Rate3(up=False).push(ideal)
+    down = Resampler8k24k(up=False).push(ideal)
     assert down.size == 8000
     want = 0.5 * np.sin(2 * np.pi * 1000 * (np.arange(8000) * 3 - 2 * DELAY) / 24000)
     assert _snr_db(down[100:-100], want[100:-100]) > 60
-    high = Rate3(up=False).push(0.5 * np.sin(2 * np.pi * 6000 * np.arange(24000) / 24000))  # above 4 kHz
+    high = Resampler8k24k(up=False).push(0.5 * np.sin(2 * np.pi * 6000 * np.arange(24000) / 24000))  # above 4 kHz
     assert 10 * np.log10(np.mean(high[100:] ** 2) / 0.125) < -60  # filtered, not aliased to 2 kHz
 
 
 @pytest.mark.parametrize("up", [True, False])
 def test_any_chunking_gives_the_same_samples(up):
     x = np.random.default_rng(0).standard_normal(9001).astype(np.float32) * 0.3
-    whole = Rate3(up).push(x)
-    r, parts, i = Rate3(up), [], 0
+    whole = Resampler8k24k(up).push(x)
+    r, parts, i = Resampler8k24k(up), [], 0
     rng = np.random.default_rng(1)
     while i < x.size:
         j = i + int(rng.integers(0, 700))

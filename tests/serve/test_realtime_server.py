@@ -465,8 +465,8 @@ def test_output_speed_changes_the_tempo_of_the_reply(server):
 def test_g711_in_and_out(server):
     """A phone line's session: mu-law at 8 kHz in (real speech; server VAD hears it), A-law or mu-law at 8 kHz
     out, a third of the pcm16 samples, the same reply as the pcm16 session's (within G.711's quantisation)."""
-    from omni.serve import g711
-    from omni.serve.audio import resample
+    from omni.serve.audio import g711
+    from omni.serve.audio.resampling import resample
 
     async def reply(out_fmt: str | None) -> np.ndarray | bytes:
         audio = {**MANUAL["audio"], "output": {"voice": "Chelsie", **({"format": {"type": out_fmt}} if out_fmt
@@ -560,8 +560,9 @@ def test_input_audio_transcription_by_the_pipelines_own_thinker(server):
 
     import soundfile as sf
 
-    from omni.serve.audio import pcm16_to_float, resample
-    from omni.serve.asr import ASR_SYSTEM, instruction
+    from omni.serve.audio.codecs import pcm16_to_float
+    from omni.serve.audio.resampling import resample
+    from omni.serve.generation.asr_job import ASR_SYSTEM, instruction
 
     speech = speech_24k(2.0, offset_s=1.0)
     asked = {"type": "realtime", "audio": {"input": {"turn_detection": None, "transcription": {

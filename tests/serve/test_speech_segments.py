@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from omni.messages import TokenLogprob
-from omni.serve.speech_segments import MIN_SPEECH_MS, SUFFIX_PAD_MS, SpeechSegment, VadOptions, speech_segments
-from omni.serve.transcript_formats import (
+from omni.serve.transcription.speech_segments import MIN_SPEECH_MS, SUFFIX_PAD_MS, SpeechSegment, VadOptions, speech_segments
+from omni.serve.transcription.formats import (
     TranscriptSegment, compression_ratio, cue_text, joined_text, timestamp, to_srt, to_verbose_json, to_vtt)
-from omni.serve.vad import FRAME_MS, speech_probabilities
+from omni.serve.audio.vad import FRAME_MS, speech_probabilities
 
 F = FRAME_MS / 1000  # seconds a frame
 
@@ -160,9 +160,9 @@ def test_a_long_clip_is_heard_as_equal_clips_and_its_token_bound_is_a_bound():
     """A transcription of 70 s: three clips of the encoder's 30 s window at most, equal (no sliver shorter than the
     encoder's first window), in one request; its generous token bound is a bound only (max_tokens_fit: a clip
     whose prompt fits the context is transcribed, it was refused for the bound's sake)."""
-    from omni.serve.asr import asr_job, max_tokens_for
-    from omni.serve.audio import clips
-    from omni.serve.translate import PipelineInfo
+    from omni.serve.generation.asr_job import asr_job, max_tokens_for
+    from omni.serve.audio.codecs import clips
+    from omni.serve.state import PipelineInfo
 
     info = PipelineInfo("m", ["thinker"], "thinker", "thinker", None)
     wave = np.arange(16000 * 70, dtype=np.float32)

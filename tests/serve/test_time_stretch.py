@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni.serve.audio import resample
-from omni.serve.time_stretch import TimeStretch, stretch
+from omni.serve.audio.resampling import resample
+from omni.serve.audio.time_stretch import TimeStretch, stretch
 from tests.serve.realtime_utils import speech_24k
 
 RATE = 24000

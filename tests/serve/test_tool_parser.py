@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from omni.serve.tool_parser import ToolCallStream, parse_tool_calls
+from omni.serve.generation.tool_parser import ToolCallStream, parse_tool_calls
 
 WEATHER = '{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "utc"}}'
