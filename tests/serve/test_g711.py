@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from omni.serve.audio import g711
-from omni.serve.audio.resampling import DELAY
-from omni.serve.audio.resampling import Resampler8k24k
+from omni.serve.audio.resampling import DELAY, Resampler8k24k
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)

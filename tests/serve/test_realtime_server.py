@@ -466,7 +466,7 @@ def test_g711_in_and_out(server):
     """A phone line's session: mu-law at 8 kHz in (real speech; server VAD hears it), A-law or mu-law at 8 kHz
     out, a third of the pcm16 samples, the same reply as the pcm16 session's (within G.711's quantisation)."""
     from omni.serve.audio import g711
-    from omni.serve.audio.resampling import resample
+    from omni.serve.audio.resampling import resample, Resampler8k24k
 
     async def reply(out_fmt: str | None) -> np.ndarray | bytes:
         audio = {**MANUAL["audio"], "output": {"voice": "Chelsie", **({"format": {"type": out_fmt}} if out_fmt
@@ -515,7 +515,7 @@ def test_g711_in_and_out(server):
     async def go():
         pcm = (await reply(None)).astype(np.float32) / 32767.0
         mulaw, alaw = await reply("audio/pcmu"), await reply("audio/pcma")
-        want = g711.Rate3(up=False).push(pcm)  # the pcm16 reply brought to 8 kHz
+        want = Resampler8k24k(up=False).push(pcm)  # the pcm16 reply brought to 8 kHz
         assert len(mulaw) == len(alaw) == want.size == -(-pcm.size // 3)
         for fmt, data in (("audio/pcmu", mulaw), ("audio/pcma", alaw)):
             # The server encodes the float reply, the reference its pcm16 (rounded to 1/32767): a sample on a

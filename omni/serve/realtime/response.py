@@ -27,23 +27,25 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni.messages import StageInput
 from omni.serve.audio import g711
 from omni.serve.audio.codecs import pcm16_chunks
-from omni.serve.audio.resampling import resample
-from omni.serve.http.errors import ApiError
-from omni.serve.audio.resampling import Resampler8k24k
-from omni.serve.realtime.conversation import ConvItem, Part, new_item_id
-from omni.serve.generation.run import AudioEvent, Run, TextEvent
-from omni.serve.generation.openai_shapes import input_token_details
+from omni.serve.audio.resampling import Resampler8k24k, resample
 from omni.serve.audio.time_stretch import TimeStretch
+from omni.serve.generation.job import Job, voice_short_replies
+from omni.serve.generation.openai_shapes import input_token_details
+from omni.serve.generation.run import AudioEvent, Run, TextEvent
 from omni.serve.generation.tool_parser import ToolCallStream
 from omni.serve.generation.tools import force_call, reply_tool_calls
-from omni.serve.generation.job import Job, voice_short_replies
+from omni.serve.http.errors import ApiError
+from omni.serve.realtime.conversation import ConvItem, Part, new_item_id
 
 logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from omni.serve.realtime.session import Session
+
 RATE = 24000  # the protocol's pcm16 rate
 
 
@@ -53,7 +55,7 @@ def format_shape(fmt: str) -> dict[str, Any]:
 
 
 class RealtimeResponse:
-    def __init__(self, session: Any, rid: str, item: ConvItem, modality: str, voice: str | None,
+    def __init__(self, session: Session, rid: str, item: ConvItem, modality: str, voice: str | None,
                  max_output_tokens: int | str):
         self.session, self.id, self.item, self.modality = session, rid, item, modality
         self.voice, self.max_output_tokens = voice, max_output_tokens
@@ -335,7 +337,7 @@ class RealtimeResponse:
             await send({"type": "conversation.item.done", "item": item.shape()})
 
 
-def new_response(session: Any, rid: str, modality: str, voice: str | None, max_output_tokens: int | str
+def new_response(session: Session, rid: str, modality: str, voice: str | None, max_output_tokens: int | str
                  ) -> RealtimeResponse:
     kind = "output_audio" if modality == "audio" else "output_text"
     return RealtimeResponse(session, rid, ConvItem(new_item_id(), "assistant", [Part(kind)], status="in_progress"),

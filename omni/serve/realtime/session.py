@@ -27,29 +27,22 @@ them. Any refused client event is an `error` event naming the event and field; t
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
-from pydantic import ValidationError
-
-from omni.config.pydantic_errors import loc_to_param
-from omni.serve.audio import g711
-from omni.serve.protocol import realtime as E
-from omni.serve.audio.codecs import pcm16_to_float
 from omni.serve.audio.resampling import resample
-from omni.serve.audio.resampling import Resampler8k24k
-from omni.serve.realtime.conversation import ConvItem, Conversation, Part, new_item_id
+from omni.serve.protocol import realtime as E
 from omni.serve.protocol.realtime import RealtimeEventError
+from omni.serve.realtime.conversation import ConvItem, Conversation, Part, new_item_id
+from omni.serve.realtime.hub import RealtimeHub
+from omni.serve.realtime.input_audio import InputAudio
+from omni.serve.realtime.items import client_item, response_context
 from omni.serve.realtime.response import RATE, RealtimeResponse, format_shape, new_response
 from omni.serve.realtime.transcription import Transcriptions
 
-MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
 # OpenAI's server VAD defaults: a session starts with them, and a turn detection turned on again starts from them
 DEFAULT_TURN = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
                 "create_response": True, "interrupt_response": True}
@@ -60,7 +53,7 @@ def _id(prefix: str) -> str:
 
 
 class Session:
-    def __init__(self, server: Any, send: Callable[[dict[str, Any]], Awaitable[None]], model: str):
+    def __init__(self, server: RealtimeHub, send: Callable[[dict[str, Any]], Awaitable[None]], model: str):
         self.server, self._send, self.id = server, send, _id("sess")
         s = server.settings
         self.model = model
@@ -68,10 +61,9 @@ class Session:
         self.modality = "audio" if server.info.audio_stage is not None else "text"
         self.voice: str | None = None
         self.speed = 1.0  # session.audio.output.speed: the reply audio's tempo (its pitch kept)
-        # session.audio.{input,output}.format.type: pcm16 at 24 kHz, or G.711 at 8 kHz (g711.py); appended
-        # G.711 audio is brought to 24 kHz as it comes (everything in the session runs at RATE)
-        self.input_format = self.output_format = "audio/pcm"
-        self.upsampler: Resampler8k24k | None = None
+        # session.audio.output.format.type: pcm16 at 24 kHz, or G.711 at 8 kHz (audio/g711.py); the input's is the
+        # input audio's (everything in the session runs at RATE)
+        self.output_format = "audio/pcm"
         self.max_output_tokens: int | str = "inf"
         self.tools: list[E.RealtimeTool] = []  # session.tools: functions the model may call
         self.tool_choice: str | E.FunctionChoice = "auto"
@@ -85,17 +77,10 @@ class Session:
         # transcribed by the pipeline's text stage beside the response (realtime_transcription.py)
         self.transcription: dict[str, Any] | None = None
         self.transcriptions = Transcriptions(self)
-        self.buffer: list[np.ndarray] = []  # float32 at 24 kHz since the last commit / clear
-        self.buffer_samples = 0
-        self.buffer_start_ms = 0.0  # session audio clock at the buffer's first sample
-        self.pending_item_id = new_item_id()  # the id the buffer's item will have
-        self.speech_start_ms: float | None = None
-        self.vad: Any = None
-        self.vad_offset_ms = 0.0  # the session audio clock when the detector started
+        self.input_audio = InputAudio(s.max_media_bytes // 4)
         self.response: RealtimeResponse | None = None  # the conversation's response in progress
         self.out_of_band: dict[str, RealtimeResponse] = {}  # response.conversation "none", by id
         self.turn_t0: float | None = None
-        self.max_buffer_samples = s.max_media_bytes // 4
 
     # ------------------------------------------------------------------ out
     async def send(self, event: dict[str, Any]) -> None:
@@ -109,7 +94,7 @@ class Session:
     def shape(self) -> dict[str, Any]:
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": [self.modality], "instructions": self.instructions or "",
-                "audio": {"input": {"format": format_shape(self.input_format), "turn_detection": self.turn,
+                "audio": {"input": {"format": format_shape(self.input_audio.format), "turn_detection": self.turn,
                                     "transcription": self.transcription, "noise_reduction": None},
                           "output": {"format": format_shape(self.output_format), "voice": self.voice,
                                      "speed": self.speed}},
@@ -153,19 +138,19 @@ class Session:
             choice = cfg.tool_choice or self.tool_choice
             self._check_tools(tools, choice, "session", ev.event_id)
         td_set = inp is not None and "turn_detection" in inp.model_fields_set
-        if td_set and inp.turn_detection is not None and self.vad is None:  # the last step that may fail
-            await self._load_vad(ev.event_id, self.buffer_start_ms + self.buffer_samples * 1000 / RATE)
+        if td_set and inp.turn_detection is not None and self.input_audio.vad is None:  # the last step that may fail
+            await self.input_audio.load_vad(ev.event_id, self.input_audio.clock_ms)
         # ---- applied
         if cfg.output_modalities is not None:
             self.modality = cfg.output_modalities[0]
         if td_set:
             td = inp.turn_detection
             if td is None:
-                self.turn, self.vad = None, None
+                self.turn, self.input_audio.vad = None, None
             else:
                 base = self.turn or DEFAULT_TURN
                 self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
-                self.vad.configure(self.turn["threshold"], self.turn["prefix_padding_ms"],
+                self.input_audio.vad.configure(self.turn["threshold"], self.turn["prefix_padding_ms"],
                                    self.turn["silence_duration_ms"])
         if inp is not None and "transcription" in inp.model_fields_set:
             tr = inp.transcription
@@ -175,9 +160,8 @@ class Session:
             self.voice = voice
         if out is not None and out.speed is not None:
             self.speed = float(out.speed)
-        if inp is not None and inp.format is not None and inp.format.type != self.input_format:
-            self.input_format = inp.format.type
-            self.upsampler = None if self.input_format == "audio/pcm" else Resampler8k24k(up=True)
+        if inp is not None and inp.format is not None:
+            self.input_audio.set_format(inp.format.type)
         if out is not None and out.format is not None:
             self.output_format = out.format.type
         if cfg.instructions is not None:
@@ -219,17 +203,6 @@ class Session:
                                      "--enable-auto-tool-choice --tool-call-parser hermes (as vLLM's); or send "
                                      'tool_choice "none"', f"{at}.tools", "unsupported_value", event_id)
 
-    async def _load_vad(self, event_id: str | None, clock_ms: float) -> None:
-        """A detector for the audio from `clock_ms` on (the session's audio clock: its events' ms are on it)."""
-        from omni.serve.audio.vad import TurnDetector, VadUnavailable
-
-        try:
-            self.vad = await asyncio.to_thread(TurnDetector)
-            self.vad_offset_ms = clock_ms
-        except VadUnavailable as e:
-            raise RealtimeEventError(str(e), "session.audio.input.turn_detection", "vad_unavailable",
-                                     event_id) from None
-
     def _check_modality(self, want: str, param: str, event_id: str | None) -> None:
         stage = self.server.info.audio_stage if want == "audio" else self.server.info.text_stage
         if stage is None:
@@ -237,40 +210,25 @@ class Session:
                                      "invalid_value", event_id)
 
     async def _on_input_audio_buffer_append(self, ev: E.AudioAppend) -> None:
-        try:
-            data = base64.b64decode(ev.audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise RealtimeEventError("audio: not valid base64", "audio", "invalid_value", ev.event_id) from None
-        if self.upsampler is not None:  # G.711 at 8 kHz: one byte a sample, any length
-            samples = self.upsampler.push(g711.decode(self.input_format, data))
-        elif len(data) % 2:
-            raise RealtimeEventError(f"audio: pcm16 has 2 bytes per sample, got {len(data)} bytes", "audio",
-                                     "invalid_value", ev.event_id)
-        else:
-            samples = pcm16_to_float(data)
-        if self.buffer_samples + samples.size > self.max_buffer_samples:
-            raise RealtimeEventError(f"audio: the input audio buffer would hold {self.buffer_samples + samples.size} "
-                                     f"samples, more than the server's limit of {self.max_buffer_samples} "
-                                     "(--max-media-mb); commit or clear it", "audio", "buffer_too_large", ev.event_id)
-        self.buffer.append(samples)
-        self.buffer_samples += samples.size
-        if self.vad is None and self.turn is not None:
-            await self._load_vad(ev.event_id, self.buffer_start_ms + (self.buffer_samples - samples.size) * 1000 / RATE)
-        if self.vad is None:
+        buf = self.input_audio
+        samples = buf.decode(ev.audio, ev.event_id)
+        buf.append(samples, ev.event_id)
+        if buf.vad is None and self.turn is not None:
+            await buf.load_vad(ev.event_id, buf.clock_ms - samples.size * 1000 / RATE)
+        if buf.vad is None:
             return
-        for vad_ev in await asyncio.to_thread(self.vad.feed, samples):
-            ms = int(self.vad_offset_ms + vad_ev.ms)
+        for vad_ev, ms in await buf.detect(samples):
             if vad_ev.kind == "speech_started":
-                self.speech_start_ms = ms
+                buf.speech_start_ms = ms
                 await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ms,
-                                 "item_id": self.pending_item_id})
+                                 "item_id": buf.pending_item_id})
                 if self.response is not None and self.turn and self.turn.get("interrupt_response", True):
                     self.server.realtime_metrics.barge_ins.inc()
                     await self.cancel_response("turn_detected")
             else:
                 await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms,
-                                 "item_id": self.pending_item_id})
-                await self._commit(None, trim_from_ms=self.speech_start_ms)
+                                 "item_id": buf.pending_item_id})
+                await self._commit(None, trim_from_ms=buf.speech_start_ms)
                 if self.turn and self.turn.get("create_response", True) and self.response is None:
                     await self._create_response(None, None)
 
@@ -278,35 +236,21 @@ class Session:
         await self._commit(ev.event_id)
 
     async def _commit(self, event_id: str | None, trim_from_ms: float | None = None) -> None:
-        audio = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32)
-        if trim_from_ms is not None:  # server VAD: the turn from its speech start (with its prefix padding)
-            audio = audio[max(0, int((trim_from_ms - self.buffer_start_ms) * RATE / 1000)):]
-        if audio.size < MIN_COMMIT_MS * RATE // 1000:
-            raise RealtimeEventError(f"input_audio_buffer: {audio.size * 1000 / RATE:.0f} ms of audio, at least "
-                                     f"{MIN_COMMIT_MS} ms are needed to commit", None,
-                                     "input_audio_buffer_commit_empty", event_id)
+        audio = self.input_audio.committable(event_id, trim_from_ms)
         self.turn_t0 = time.monotonic()
         model_rate = self.server.settings.audio_input_rate
         wave = await asyncio.to_thread(resample, audio, RATE, model_rate)
-        item = ConvItem(self.pending_item_id, "user", [Part("input_audio", audio=wave, audio_rate=model_rate)])
-        self._clear_buffer()
+        item = ConvItem(self.input_audio.pending_item_id, "user",
+                        [Part("input_audio", audio=wave, audio_rate=model_rate)])
+        self.input_audio.clear()
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
         await self._item_added(item, previous)
         if self.transcription is not None:
             self.transcriptions.start(item, self.transcription)
 
-    def _clear_buffer(self) -> None:
-        self.buffer_start_ms += self.buffer_samples * 1000 / RATE
-        self.buffer, self.buffer_samples, self.pending_item_id = [], 0, new_item_id()
-        self.speech_start_ms = None
-
     async def _on_input_audio_buffer_clear(self, ev: E.AudioClear) -> None:
-        self._clear_buffer()
-        if self.upsampler is not None:  # the cleared audio is not the next audio's past
-            self.upsampler = Resampler8k24k(up=True)
-        if self.vad is not None:
-            self.vad.reset()
+        self.input_audio.restart()
         await self.send({"type": "input_audio_buffer.cleared"})
 
     async def _item_added(self, item: ConvItem, previous: str | None) -> None:
@@ -318,7 +262,8 @@ class Session:
         if it.id is not None and self.conversation.find(it.id) is not None:
             raise RealtimeEventError(f"item.id: an item {it.id!r} exists already", "item.id", "duplicate_item_id", eid)
         if isinstance(it, E.Item):
-            item = await self._new_item(it, "item", eid)
+            item = await client_item(it, "item", eid, self.input_audio,
+                                    self.server.settings.audio_input_rate)
         elif isinstance(it, E.FunctionCallItem):
             item = ConvItem(it.id or new_item_id(), "assistant", [], type="function_call", call_id=it.call_id,
                             name=it.name, arguments=it.arguments)
@@ -331,62 +276,6 @@ class Session:
             raise RealtimeEventError(f"previous_item_id: no item {ev.previous_item_id!r} in the conversation",
                                      "previous_item_id", "item_not_found", eid) from None
         await self._item_added(item, previous)
-
-    async def _new_item(self, it: E.Item, at: str, eid: str | None) -> ConvItem:
-        """A client's item (`at`: where the event holds it, for the errors' param) as the conversation keeps it."""
-        parts = []
-        allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
-                   "assistant": ("output_text", "output_audio", "text")}[it.role]
-        for j, c in enumerate(it.content):
-            where = f"{at}.content[{j}]"
-            if c.type not in allowed:
-                raise RealtimeEventError(f"{where}.type: a {it.role} item holds {' or '.join(allowed)} parts, not "
-                                         f"{c.type}", f"{where}.type", "invalid_value", eid)
-            if c.type == "input_audio":
-                if not c.audio:
-                    raise RealtimeEventError(f"{where}.audio: an input_audio part needs its audio (base64 pcm16 at "
-                                             "24 kHz)", f"{where}.audio", "missing_required_parameter", eid)
-                try:
-                    pcm = base64.b64decode(c.audio, validate=True)
-                except (binascii.Error, ValueError):
-                    raise RealtimeEventError(f"{where}.audio: not valid base64", f"{where}.audio",
-                                             "invalid_value", eid) from None
-                rate = self.server.settings.audio_input_rate
-                if self.input_format == "audio/pcm":
-                    wave = await asyncio.to_thread(resample, pcm16_to_float(pcm[: len(pcm) // 2 * 2]), RATE, rate)
-                else:  # a whole item: resampled in one piece
-                    wave = await asyncio.to_thread(resample, g711.decode(self.input_format, pcm), g711.G711_RATE,
-                                                   rate)
-                parts.append(Part("input_audio", audio=wave, audio_rate=rate))
-            else:
-                text = c.text if c.text is not None else c.transcript
-                if text is None:
-                    raise RealtimeEventError(f"{where}.text: a {c.type} part needs its text", f"{where}.text",
-                                             "missing_required_parameter", eid)
-                parts.append(Part(c.type, text=text))
-        return ConvItem(it.id or new_item_id(), it.role, parts)
-
-    async def _context(self, entries: list[dict[str, Any]], eid: str | None) -> Conversation:
-        """A response's own `input`: its items, or references to the conversation's, in order."""
-        context = Conversation()
-        for i, raw in enumerate(entries):
-            at = f"response.input[{i}]"
-            if raw.get("type") == "item_reference":
-                ref = raw.get("id")
-                item = self.conversation.find(ref) if isinstance(ref, str) else None
-                if item is None:
-                    raise RealtimeEventError(f"{at}.id: no item {ref!r} in the conversation", f"{at}.id",
-                                             "item_not_found", eid)
-                context.items.append(item)
-                continue
-            try:
-                it = E.Item.model_validate(raw)  # (calls and their outputs: reference them from the conversation)
-            except ValidationError as err:
-                e = err.errors()[0]
-                param = f"{at}.{loc_to_param(tuple(e['loc']))}"
-                raise RealtimeEventError(f"{param}: {e['msg']}", param, "invalid_value", eid) from None
-            context.items.append(await self._new_item(it, at, eid))
-        return context
 
     def _item(self, item_id: str, event_id: str | None) -> ConvItem:
         item = self.conversation.find(item_id)
@@ -488,7 +377,8 @@ class Session:
         out_of_band = params is not None and params.conversation == "none"
         context = self.conversation
         if params is not None and params.input is not None:
-            context = await self._context(params.input, event_id)
+            context = await response_context(params.input, event_id, self.conversation, self.input_audio,
+                                             self.server.settings.audio_input_rate)
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         tools, tool_choice = self.tools, self.tool_choice
         if params is not None:

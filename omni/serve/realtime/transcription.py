@@ -19,12 +19,15 @@ import asyncio
 import time
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni.serve.generation.asr_job import asr_job, asr_usage
 from omni.serve.http.errors import ApiError
 from omni.serve.realtime.conversation import ConvItem, Part
 from omni.serve.generation.run import Run, TextEvent
+
+if TYPE_CHECKING:
+    from omni.serve.realtime.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ logger = logging.getLogger(__name__)
 class Transcriptions:
     """A session's transcriptions in flight (one per committed audio item), cancelled when the session ends."""
 
-    def __init__(self, session: Any):
+    def __init__(self, session: Session):
         self.session = session
         self.tasks: set[asyncio.Task] = set()
         self.ended_at = 0.0  # time.monotonic() when the last one ended (the session's idle clock starts there)

@@ -29,38 +29,19 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omni.serve.http.errors import ApiError
-from omni.serve.realtime.metrics import RealtimeMetrics
+from omni.serve.realtime.hub import RealtimeHub
 from omni.serve.realtime.session import Session
 
 logger = logging.getLogger(__name__)
 CLOSE_POLICY = 1008  # a wrong model: retrying the same request cannot help
 CLOSE_TRY_AGAIN = 1013
 CLOSE_GOING_AWAY = 1001
-
-
-@dataclass
-class RealtimeHub:
-    """What the sessions share: the pipeline and the server's settings, metrics and drain."""
-
-    omni: Any
-    settings: Any
-    info: Any
-    metrics: Any  # ServerMetrics: the Observer of every run
-    drain: Any
-    realtime_metrics: RealtimeMetrics
-    sessions: set[Session] = field(default_factory=set)
-
-    @classmethod
-    def of(cls, state: Any) -> "RealtimeHub":
-        return cls(state.omni, state.settings, state.info, state.metrics, state.drain,
-                   RealtimeMetrics(state.metrics.registry))
 
 
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: the key as a subprotocol
