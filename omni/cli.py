@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from omni.commands import error, load_checked
+from omni.commands import error
+from omni.config.checked import load_checked
 from omni.serve.launch import add_arguments as serve_options
 from omni.serve.launch import main as serve_main
 

@@ -23,6 +23,7 @@ exception is a 500 that names its type, never a traceback (http/middleware.py, w
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 
 from fastapi import FastAPI, Request, WebSocket
@@ -32,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omni.async_api import AsyncOmni
 from omni.serve.chat.serving_chat import chat_completions
 from omni.serve.chat.serving_completion import completions
-from omni.serve.chat.serving_tokenize import detokenize, omni_version, tokenize
+from omni.serve.chat.serving_tokenize import detokenize, tokenize
 from omni.serve.generation.openai_shapes import model_card, models
 from omni.serve.http.errors import ApiError
 from omni.serve.http.metrics import CONTENT_TYPE
@@ -46,6 +47,16 @@ from omni.serve.transcription.serving import create_transcription, create_transl
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0  # a scrape waits this long for the stages' stats
+
+
+def omni_version() -> str:
+    """The installed package's version (the project's own constant when it is not installed)."""
+    try:
+        return importlib.metadata.version("omni")
+    except importlib.metadata.PackageNotFoundError:
+        from omni import __version__
+
+        return __version__
 
 
 def _error(err: ApiError) -> JSONResponse:

@@ -192,11 +192,13 @@ def main(args: argparse.Namespace) -> int:
     """`omni serve`; exit status as the rest of the CLI (2: bad config or options)."""
     from pydantic import ValidationError
 
-    from omni.commands import error, load_checked
+    from omni.async_api import AsyncOmni
+    from omni.commands import error
     from omni.errors import ConfigError
 
     try:
-        config, _ = load_checked(args.config, args.stage_overrides, getattr(args, "memory_gb", None))
+        config = AsyncOmni.load_config(args.config, args.stage_overrides, memory_gb=getattr(args, "memory_gb", None),
+                                       check_paths=True)
         settings = settings_from_args(args)
     except ConfigError as e:
         return error(str(e))

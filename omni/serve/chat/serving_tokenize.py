@@ -18,7 +18,6 @@ bodies only and refuses them while the server drains.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from typing import Any
 
@@ -33,16 +32,6 @@ from omni.serve.http.errors import bad_request, from_omni_error
 from omni.serve.protocol.parse import parse_request
 from omni.serve.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from omni.serve.state import ServerState, check_model
-
-
-def omni_version() -> str:
-    """The installed package's version (the project's own constant when it is not installed)."""
-    try:
-        return importlib.metadata.version("omni")
-    except importlib.metadata.PackageNotFoundError:
-        from omni import __version__
-
-        return __version__
 
 
 # ------------------------------------------------------------------ the edge

@@ -35,7 +35,7 @@ import numpy as np
 from omni.async_api import AsyncOmni
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, BackendClosedError, OmniError
 from omni.messages import StageDelta, StageOutput, TokenLogprob
-from omni.serve.http.errors import ApiError, bad_request, from_omni_error, internal
+from omni.serve.http.errors import ApiError, from_omni_error, internal
 from omni.serve.generation.tool_parser import parse_tool_calls
 from omni.serve.generation.job import Job
 
@@ -147,10 +147,8 @@ class Run:
         except BackendClosedError as e:
             raise ApiError(503, f"the pipeline is shutting down: {e}", type="server_error",
                            code="shutting_down") from None
-        except OmniError as e:  # refused at the edge (a RequestError naming its field)
+        except OmniError as e:  # refused at the edge (a RequestError naming its field), or failed (a 500)
             raise self._error(e) from None
-        except ValueError as e:  # not one of omni's own: the request's fault, no field known
-            raise bad_request(str(e)) from None
         except StopAsyncIteration:
             raise internal("the pipeline ended the request without any output") from None
         if isinstance(self._first, StageOutput) and self._first.error is not None:
