@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
@@ -63,6 +64,14 @@ def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
 
+def _endpoint(state: ServerState, handler: Callable[[ServerState, Request], Awaitable[Response]]
+              ) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(state, request)
+
+    return endpoint
+
+
 def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAPI:
     settings = settings or ServeSettings()
     info = PipelineInfo.of(omni.config, settings.served_model_name, omni.voices(), omni.shows_tools(),
@@ -85,25 +94,11 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
                    else str(exc.detail))
         return _error(ApiError(exc.status_code, message, code=code))
 
-    @app.post("/v1/chat/completions")
-    async def _chat(request: Request) -> Response:
-        return await chat_completions(state, request)
-
-    @app.post("/v1/completions")
-    async def _completions(request: Request) -> Response:
-        return await completions(state, request)
-
-    @app.post("/v1/audio/speech")
-    async def _speech(request: Request) -> Response:
-        return await create_speech(state, request)
-
-    @app.post("/v1/audio/transcriptions")
-    async def _transcriptions(request: Request) -> Response:
-        return await create_transcription(state, request)
-
-    @app.post("/v1/audio/translations")
-    async def _translations(request: Request) -> Response:
-        return await create_translation(state, request)
+    for path, handler in (("/v1/chat/completions", chat_completions), ("/v1/completions", completions),
+                          ("/v1/audio/speech", create_speech), ("/v1/audio/transcriptions", create_transcription),
+                          ("/v1/audio/translations", create_translation), ("/tokenize", tokenize),
+                          ("/detokenize", detokenize)):
+        app.add_api_route(path, _endpoint(state, handler), methods=["POST"])
 
     @app.websocket("/v1/realtime")
     async def _realtime(ws: WebSocket) -> None:
@@ -129,14 +124,6 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness probe: /health's answer
     async def _ping() -> JSONResponse:
         return await _health()
-
-    @app.post("/tokenize")
-    async def _tokenize(request: Request) -> Response:
-        return await tokenize(state, request)
-
-    @app.post("/detokenize")
-    async def _detokenize(request: Request) -> Response:
-        return await detokenize(state, request)
 
     @app.get("/version")
     async def _version() -> JSONResponse:

@@ -25,12 +25,11 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
-import anyio
 
 from omni.async_api import AsyncOmni
-from omni.serve.generation.run import AudioEvent, Observer, Run, TextEvent
+from omni.serve.generation.run import AudioEvent, Observer, Run, TextEvent, leave_runs, summed
 from omni.serve.generation.job import Job
 
 _SEED_SPAN = 2**63  # SamplingParams seeds are non-negative 63-bit ints: choice seeds wrap within them
@@ -86,12 +85,12 @@ class Choices:
 
     @property
     def prompt_mm_tokens(self) -> dict[str, int]:
-        return _summed(runs[0].prompt_mm_tokens for runs in self._prompts())  # one prompt for its choices
+        return summed(runs[0].prompt_mm_tokens for runs in self._prompts())  # one prompt for its choices
 
     @property
     def cached_mm_tokens(self) -> dict[str, int]:
         """Those of each prompt's choice with the fewest cached tokens (as cached_tokens)."""
-        return _summed(r.cached_mm_tokens for r in map(_fewest_cached, self._prompts()) if r is not None)
+        return summed(r.cached_mm_tokens for r in map(_fewest_cached, self._prompts()) if r is not None)
 
     @property
     def finish_reason(self) -> str | None:
@@ -142,27 +141,11 @@ class Choices:
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Leave every choice (aborted on every stage where it still runs). Shielded, as Run.aclose: it also
-        runs inside a cancelled scope (a client that went away)."""
+        """Leave every choice (aborted on every stage where it still runs)."""
         tasks, self._tasks = self._tasks, []
-        with anyio.CancelScope(shield=True):
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(BaseException):
-                    await t
-            for r in self.runs:
-                await r.aclose()
+        await leave_runs(tasks, self.runs)
 
 
 def _fewest_cached(runs: list[Run]) -> Run | None:
     known = [r for r in runs if r.cached_tokens is not None]
     return min(known, key=lambda r: r.cached_tokens) if known else None
-
-
-def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return out

@@ -23,9 +23,11 @@ end-of-sequence token, enough for the talker, which voices every reply token but
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -297,3 +299,26 @@ class Run:
                 self.observer.first_audio(time.monotonic() - self.t0)
         self._audio_sent += samples.size
         return [AudioEvent(samples, int(rate or self.default_rate))]
+
+
+async def leave_runs(tasks: list[asyncio.Task], runs: list[Run]) -> None:
+    """Leave a request's runs (n choices, a clip's segments): their tasks cancelled and awaited, each run left
+    (aborted on every stage where it still runs). Shielded, as Run.aclose: it also runs inside a cancelled scope
+    (a client that went away)."""
+    with anyio.CancelScope(shield=True):
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for r in runs:
+            await r.aclose()
+
+
+def summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Token counts by kind ({"audio": n, "image": m}) added up over runs."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out

@@ -11,12 +11,13 @@ events: the session stays open.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
 
-from omni.config.pydantic_errors import loc_to_param, shown
+from omni.config.pydantic_errors import loc_to_param
+from omni.serve.protocol.base import RequestModel, unsupported
 
 
 class RealtimeEventError(Exception):
@@ -28,25 +29,31 @@ class RealtimeEventError(Exception):
         self.message, self.param, self.code, self.event_id = message, param, code, event_id
 
 
-class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RealtimeModel(RequestModel):
+    """A Realtime event's part. Pydantic's lax mode, as the events have always been read (a whole-number float for
+    an int, say); unknown fields are still refused. UNSUPPORTED: the fields this server does not implement -> the
+    values that ask for nothing (any other is refused naming the field)."""
 
+    model_config = ConfigDict(strict=False)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
-def _unsupported(name: str, v: Any, accepted: tuple[Any, ...] = (None,)) -> Any:
-    if v not in accepted:
-        values = [json.dumps(a) for a in accepted if a is not None]
-        raise ValueError(f"this server does not implement {name} {shown(v)}: send it absent or null"
-                         + (f", or {' or '.join(values)}" if values else ""))
-    return v
+    @field_validator("*")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        accepted = cls.UNSUPPORTED.get(info.field_name or "")
+        why = None if accepted is None else unsupported(v, accepted)
+        if why is not None:
+            raise ValueError(why)
+        return v
 
 
 REALTIME_MIN_SPEED, REALTIME_MAX_SPEED = 0.25, 1.5  # session.audio.output.speed, as OpenAI's Realtime API
 
 
 # ------------------------------------------------------------------ session
-class AudioFormat(_M):
+class AudioFormat(RealtimeModel):
     type: Literal["audio/pcm", "audio/pcmu", "audio/pcma"] = Field(
-        "audio/pcm", description="pcm16 at 24 kHz mono, or G.711 (mu-law / A-law) at 8 kHz (g711.py).")
+        "audio/pcm", description="pcm16 at 24 kHz mono, or G.711 (mu-law / A-law) at 8 kHz (audio/g711.py).")
     rate: Literal[24000] | None = Field(None, description="audio/pcm only: 24000.")
 
     @model_validator(mode="after")
@@ -56,7 +63,7 @@ class AudioFormat(_M):
         return self
 
 
-class TurnDetection(_M):
+class TurnDetection(RealtimeModel):
     type: Literal["server_vad"] = Field(description="server_vad (semantic_vad is not supported).")
     threshold: float | None = Field(None, ge=0.0, le=1.0, description="Speech probability that starts speech.")
     prefix_padding_ms: int | None = Field(None, ge=0, le=5000)
@@ -64,38 +71,30 @@ class TurnDetection(_M):
     create_response: bool | None = None
     interrupt_response: bool | None = None
     idle_timeout_ms: int | None = None
-
-    @field_validator("idle_timeout_ms")
-    @classmethod
-    def _idle(cls, v: Any) -> Any:
-        return _unsupported("idle_timeout_ms", v)
+    UNSUPPORTED = {"idle_timeout_ms": (None,)}
 
 
-class Transcription(_M):
+class Transcription(RealtimeModel):
     model: str | None = Field(None, min_length=1, description="Any name (OpenAI's clients send whisper-1, "
                               "gpt-4o-transcribe, ...): the pipeline's own text stage transcribes.")
     language: str | None = Field(None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code of the speech.")
     prompt: str | None = Field(None, max_length=4000, description="Text that guides the transcription.")
 
 
-class AudioInput(_M):
+class AudioInput(RealtimeModel):
     format: AudioFormat | None = None
     turn_detection: TurnDetection | None = Field(None, description="null: manual turns (commit + response.create).")
     transcription: Transcription | None = Field(None, description="Transcribe each committed audio item "
-                                                "(realtime_transcription.py); null: no transcription.")
+                                                "(realtime/transcription.py); null: no transcription.")
     noise_reduction: Any = None
-
-    @field_validator("noise_reduction")
-    @classmethod
-    def _none(cls, v: Any, info: Any) -> Any:
-        return _unsupported(info.field_name, v)
+    UNSUPPORTED = {"noise_reduction": (None,)}
 
 
-class VoiceRef(_M):
+class VoiceRef(RealtimeModel):
     id: str
 
 
-class AudioOutput(_M):
+class AudioOutput(RealtimeModel):
     format: AudioFormat | None = None
     voice: str | VoiceRef | None = None
     speed: float | None = None
@@ -103,18 +102,18 @@ class AudioOutput(_M):
     @field_validator("speed")
     @classmethod
     def _speed(cls, v: Any) -> Any:
-        # OpenAI's Realtime range: the tempo of the reply's audio, its pitch kept (time_stretch.py)
+        # OpenAI's Realtime range: the tempo of the reply's audio, its pitch kept (audio/time_stretch.py)
         if v is not None and not (REALTIME_MIN_SPEED <= v <= REALTIME_MAX_SPEED):  # NaN fails too
             raise ValueError(f"must be in [{REALTIME_MIN_SPEED}, {REALTIME_MAX_SPEED}] (1: as voiced)")
         return v
 
 
-class AudioConfig(_M):
+class AudioConfig(RealtimeModel):
     input: AudioInput | None = None
     output: AudioOutput | None = None
 
 
-class RealtimeTool(_M):
+class RealtimeTool(RealtimeModel):
     """A function the model may call (the Realtime API's flat shape: no nested `function`)."""
 
     type: Literal["function"] = "function"
@@ -131,7 +130,7 @@ class RealtimeTool(_M):
         return {"type": "function", "function": fn}
 
 
-class FunctionChoice(_M):
+class FunctionChoice(RealtimeModel):
     """tool_choice naming the function the reply must call."""
 
     type: Literal["function"]
@@ -165,7 +164,7 @@ def forced_tool(choice: str | FunctionChoice | None) -> str | None:
     return "required" if choice == "required" else None
 
 
-class SessionConfig(_M):
+class SessionConfig(RealtimeModel):
     type: Literal["realtime"] | None = None
     model: str | None = None
     instructions: str | None = None
@@ -173,31 +172,26 @@ class SessionConfig(_M):
     audio: AudioConfig | None = None
     max_output_tokens: MaxOutputTokens = None
     tools: list[RealtimeTool] | None = Field(None, max_length=128, description="Functions the model may call "
-                                             "(the reply is read for Hermes calls: realtime_response.py).")
+                                             "(the reply is read for Hermes calls: realtime/response.py).")
     tool_choice: ToolChoice = Field(None, description='auto (default), none, required or {"type": "function", '
                                     '"name"}.')
     tracing: Any = None
     truncation: Any = None
     include: Any = None
     prompt: Any = None
-
-    @field_validator("tracing", "truncation", "include", "prompt")
-    @classmethod
-    def _none(cls, v: Any, info: Any) -> Any:
-        ok = {"tracing": (None,), "truncation": (None, "auto", "disabled"), "include": (None, []),
-              "prompt": (None,)}[info.field_name]
-        return _unsupported(info.field_name, v, ok)
+    UNSUPPORTED = {"tracing": (None,), "truncation": (None, "auto", "disabled"), "include": (None, []),
+                   "prompt": (None,)}
 
 
 # ------------------------------------------------------------------- items
-class ContentPart(_M):
+class ContentPart(RealtimeModel):
     type: Literal["input_text", "input_audio", "text", "output_text", "output_audio"]
     text: str | None = None
     audio: str | None = Field(None, description="base64 pcm16 at 24 kHz (input_audio).")
     transcript: str | None = None
 
 
-class Item(_M):
+class Item(RealtimeModel):
     id: str | None = Field(None, max_length=64)
     type: Literal["message"] = "message"
     object: Literal["realtime.item"] | None = None
@@ -206,7 +200,7 @@ class Item(_M):
     content: list[ContentPart] = Field(min_length=1)
 
 
-class FunctionCallItem(_M):
+class FunctionCallItem(RealtimeModel):
     """A call the model made (a client may replay one into a conversation)."""
 
     id: str | None = Field(None, max_length=64)
@@ -218,7 +212,7 @@ class FunctionCallItem(_M):
     arguments: str = Field(description="The call's arguments, JSON text.")
 
 
-class FunctionCallOutputItem(_M):
+class FunctionCallOutputItem(RealtimeModel):
     """What a call returned: the client ran the function."""
 
     id: str | None = Field(None, max_length=64)
@@ -241,11 +235,11 @@ ITEM_TAGS = frozenset({"message", "function_call", "function_call_output"})
 
 
 # --------------------------------------------------------------- responses
-class ResponseAudio(_M):
+class ResponseAudio(RealtimeModel):
     output: AudioOutput | None = None
 
 
-class ResponseParams(_M):
+class ResponseParams(RealtimeModel):
     output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
     instructions: str | None = None
     max_output_tokens: MaxOutputTokens = None
@@ -261,15 +255,11 @@ class ResponseParams(_M):
         None, description="The response's own context instead of the conversation: items, or "
         '{"type": "item_reference", "id"} of the conversation\'s ([]: nothing but the instructions).')
     prompt: Any = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _none(cls, v: Any, info: Any) -> Any:
-        return _unsupported(info.field_name, v)
+    UNSUPPORTED = {"prompt": (None,)}
 
 
 # ------------------------------------------------------------------ events
-class _Event(_M):
+class _Event(RealtimeModel):
     event_id: str | None = Field(None, max_length=256)
 
 

@@ -15,15 +15,11 @@ admission and metrics read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
-
-import anyio
 
 from omni.async_api import AsyncOmni
-from omni.serve.generation.run import Run, TextEvent
+from omni.serve.generation.run import Run, TextEvent, leave_runs, summed
 from omni.serve.transcription.speech_segments import SpeechSegment
 from omni.serve.transcription.formats import TranscriptSegment
 from omni.serve.generation.job import Job
@@ -54,11 +50,11 @@ class SegmentedRun:
 
     @property
     def prompt_mm_tokens(self) -> dict[str, int]:
-        return _summed(r.prompt_mm_tokens for r in self.runs)
+        return summed(r.prompt_mm_tokens for r in self.runs)
 
     @property
     def cached_mm_tokens(self) -> dict[str, int]:
-        return _summed(r.cached_mm_tokens for r in self.runs)
+        return summed(r.cached_mm_tokens for r in self.runs)
 
     @property
     def finish_reason(self) -> str | None:
@@ -105,21 +101,6 @@ class SegmentedRun:
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Leave every segment (shielded, as Run.aclose: it also runs in a cancelled scope)."""
+        """Leave every segment (aborted on every stage where it still runs)."""
         tasks, self._tasks = self._tasks, []
-        with anyio.CancelScope(shield=True):
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(BaseException):
-                    await t
-            for r in self.runs:
-                await r.aclose()
-
-
-def _summed(counts: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return out
+        await leave_runs(tasks, self.runs)
