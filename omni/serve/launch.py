@@ -5,7 +5,7 @@
 
 The pipeline starts first (models load; a bad config exits 2 before anything listens), then the
 server prints one line `omni serve: NAME on http://HOST:PORT` and serves until Ctrl-C / SIGTERM.
-The first signal drains the app (shutdown.py: new requests 503, those in flight run on for
+The first signal drains the app (http/shutdown.py: new requests 503, those in flight run on for
 --shutdown-grace-s, then each one left is ended with an error and streams with [DONE]); then uvicorn
 stops and the pipeline closes. Exit 0 when everything in flight finished within the grace period,
 else 143 (SIGTERM) / 130 (Ctrl-C). A second signal ends what is in flight at once.

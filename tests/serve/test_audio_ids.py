@@ -1,4 +1,4 @@
-"""omni/serve/audio_ids.py: a spoken reply's transcript by audio id, until its expires_at, the oldest leaving first."""
+"""omni/serve/state.py: a spoken reply's transcript by audio id, until its expires_at, the oldest leaving first."""
 from __future__ import annotations
 
 from omni.serve.state import AudioTranscripts

@@ -1,4 +1,4 @@
-"""G.711 for /v1/realtime (omni/serve/g711.py): mu-law and A-law bit for bit what Python's own audioop computes,
+"""G.711 for /v1/realtime (omni/serve/audio/g711.py): mu-law and A-law bit for bit what Python's own audioop computes,
 and the streaming 8 kHz <-> 24 kHz resampler: in tune, alias-free, the same samples however the stream is cut."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`/v1/realtime` while `omni serve` shuts down (the drain SIGTERM starts, omni/serve/shutdown.py), on the tiny
+"""`/v1/realtime` while `omni serve` shuts down (the drain SIGTERM starts, omni/serve/http/shutdown.py), on the tiny
 Qwen2.5-Omni in this process: a response in progress counts as in flight and may finish within the grace
 period, a session asking for a new one meanwhile gets an `error` event (shutting_down), and once the drain
 is over every session gets an `error` event and a close 1001 (going away); past the grace period the

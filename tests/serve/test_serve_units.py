@@ -323,8 +323,8 @@ def test_echo_asks_the_text_stage_for_its_decoded_prompt_and_logprobs():
     info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
 
     def job(**extra):
-        return completion_job(parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": "x", **extra}).encode()),
-                              info, "r")
+        body = json.dumps({"model": "m", "prompt": "x", **extra}).encode()
+        return completion_job(parse_request(CompletionRequest, body), info, "r")
 
     plain = job(max_tokens=3)
     assert not plain.echo and "echo_prompt" not in plain.sampling[info.text_stage]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from omni.messages import TokenLogprob
-from omni.serve.transcription.speech_segments import MIN_SPEECH_MS, SUFFIX_PAD_MS, SpeechSegment, VadOptions, speech_segments
+from omni.serve.transcription.speech_segments import (MIN_SPEECH_MS, SUFFIX_PAD_MS, SpeechSegment, VadOptions,
+                                                      speech_segments)
 from omni.serve.transcription.formats import (
     TranscriptSegment, compression_ratio, cue_text, joined_text, timestamp, to_srt, to_verbose_json, to_vtt)
 from omni.serve.audio.vad import FRAME_MS, speech_probabilities

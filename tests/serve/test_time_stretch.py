@@ -1,4 +1,4 @@
-"""Speech `speed` (omni/serve/time_stretch.py): the tempo changes, the pitch does not, the length is the input's
+"""Speech `speed` (omni/serve/audio/time_stretch.py): the tempo changes, the pitch does not, the length is the input's
 over the speed, and streaming gives the same samples as one call whatever the chunking."""
 from __future__ import annotations
 

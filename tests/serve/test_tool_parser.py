@@ -1,5 +1,5 @@
-"""The Hermes tool-call parser of tool_choice "auto" (omni/serve/tool_parser.py), whole replies and streamed ones:
-however a reply is cut into deltas, the stream ends with exactly what the whole reply parses to."""
+"""The Hermes tool-call parser of tool_choice "auto" (omni/serve/generation/tool_parser.py), whole replies and
+streamed ones: however a reply is cut into deltas, the stream ends with exactly what the whole reply parses to."""
 from __future__ import annotations
 
 import json

@@ -67,7 +67,7 @@ def decode_audio(data: bytes, where: str, max_decoded_bytes: int, rate_out: int 
 
 
 # The longest clip the omni thinkers' audio encoders take (one Whisper window: 30 s); the server cuts longer
-# audio it owns into clips (a realtime turn: realtime_conversation.py; a transcription: transcriptions.py).
+# audio it owns into clips (a realtime turn: realtime/conversation.py; a transcription: transcription/serving.py).
 MODEL_CLIP_S = 30.0
 
 

@@ -18,7 +18,7 @@ _U_SEG_END = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF])  #
 
 
 def _to_int16(x: np.ndarray) -> np.ndarray:
-    """float in [-1, 1] -> int16 as the pcm16 path makes it (omni/serve/audio.py to_pcm16: clip, x 32767)."""
+    """float in [-1, 1] -> int16 as the pcm16 path makes it (omni/serve/audio/codecs.py to_pcm16: clip, x 32767)."""
     return (np.clip(np.asarray(x, np.float32).reshape(-1), -1.0, 1.0) * 32767.0).astype(np.int16)
 
 

@@ -80,7 +80,7 @@ def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo
 
 def stage_message(msg: Any, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A request's chat message as the entry stage takes it, its content parts already converted (text, or a media
-    placeholder {"type": "image" | "audio"}): chat_job's, and /tokenize's (tokenization.py)."""
+    placeholder {"type": "image" | "audio"}): chat_job's, and /tokenize's (chat/serving_tokenize.py)."""
     content: Any = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
     if msg.content is None:
         content = None  # an assistant turn of tool calls only

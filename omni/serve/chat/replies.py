@@ -6,7 +6,7 @@
 
 A client that disconnects aborts its request on every stage: while it waits for a non-streamed reply
 (a watcher on the connection cancels the run), or mid-stream (the SSE response is cancelled). When a
-shutdown's grace period runs out (shutdown.py), a waiting request is answered 503 and a stream ends
+shutdown's grace period runs out (http/shutdown.py), a waiting request is answered 503 and a stream ends
 with an error event and [DONE]; their runs are aborted the same way.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ from omni.serve.state import AUDIO_TTL_S, AudioTranscripts, ServerState, check_m
 
 def earlier_audio_replies(req: ChatCompletionRequest, transcripts: AudioTranscripts) -> None:
     """An assistant message that names an earlier spoken reply by audio id only (OpenAI's multi-turn voice
-    pattern) gets that reply's transcript as its content (audio_ids.py); an id not kept here is a 400 naming it."""
+    pattern) gets that reply's transcript as its content (state.py); an id not kept here is a 400 naming it."""
     for i, msg in enumerate(req.messages):
         if msg.content is None and msg.audio is not None:
             text = transcripts.get(msg.audio.id)

@@ -70,7 +70,7 @@ async def tokenize(state: ServerState, request: Request) -> JSONResponse:
         kw = {"add_generation_prompt": req.add_generation_prompt, "add_special_tokens": special}
         fields.update(add_generation_prompt="add_generation_prompt", add_special_tokens="add_special_tokens")
     else:
-        # a completion's text prompt: plain text, never a chat template (translate.py); without its special tokens
+        # a completion's text prompt: plain text, never a chat template (chat/jobs.py); without its special tokens
         inp = StageInput("tokenize", prompt=req.prompt, chat_template=False)
         kw = {"add_special_tokens": None if req.add_special_tokens else False}
     try:

@@ -77,8 +77,8 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> 
         offsets.append(offset)
         offset += len(e.token or "")
     return {"tokens": [e.token or "" for e in entries], "token_logprobs": [floor_logprob(e.logprob) for e in entries],
-            "top_logprobs": [{(e.token or ""): floor_logprob(e.logprob), **{(t or ""): floor_logprob(lp) for _, lp, t, _raw in e.top}}
-                             for e in entries],
+            "top_logprobs": [{(e.token or ""): floor_logprob(e.logprob),
+                              **{(t or ""): floor_logprob(lp) for _, lp, t, _raw in e.top}} for e in entries],
             "text_offset": offsets}
 
 

@@ -1,6 +1,6 @@
 """Speech to text on an omni pipeline: the text stage (a thinker that hears audio) asked to write down, or
-translate, a clip. Used by `/v1/audio/transcriptions`, `/v1/audio/translations` (transcriptions.py) and the
-Realtime sessions' input transcription (realtime_transcription.py).
+translate, a clip. Used by `/v1/audio/transcriptions`, `/v1/audio/translations` (transcription/serving.py) and the
+Realtime sessions' input transcription (realtime/transcription.py).
 
 A request of its own: a system turn saying what the model is, the clip, and the instruction (Qwen2.5-Omni's and
 Qwen3-Omni's speech recognition prompts), text only, greedy unless the caller gives a temperature. Its token

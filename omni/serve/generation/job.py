@@ -10,9 +10,10 @@ from omni.messages import StageInput
 from omni.serve.state import PipelineInfo
 
 # request field -> SamplingParams field, applied to the text stage
-TOP_LEVEL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
-              "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "structured_outputs",
-              "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+TOP_LEVEL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
+                      "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids",
+                      "structured_outputs", "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
+                      "spaces_between_special_tokens")
 
 
 @dataclass(slots=True)
@@ -35,9 +36,9 @@ class Job:
     echo_logprobs: bool = False  # the prompt's tokens lead the reply's logprobs
     show_prompt_logprobs: bool = True  # False: the prompt's logprobs were computed for echo only (not asked)
     # chat's forced tool_choice: "required" (the reply is a JSON list of {name, parameters}) or a function's
-    # name (the reply is its arguments' JSON object); None: a text reply (tools.py turns it into tool_calls)
+    # name (the reply is its arguments' JSON object); None: a text reply (generation/tools.py turns it into tool_calls)
     forced_tool: str | None = None
-    # chat's tool_choice "auto": the format the reply's calls are read in (tool_parser.py); None: not read
+    # chat's tool_choice "auto": the format the reply's calls are read in (generation/tool_parser.py); None: not read
     tool_parser: str | None = None
     # tool_choice "auto" with audio out: the audio stage that voices the reply once its whole text is known to
     # hold no tool call (a call has no speech); the request itself runs text only (reply_stream.Run). Also a

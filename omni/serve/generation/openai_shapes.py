@@ -1,5 +1,5 @@
-"""The OpenAI shapes more than one endpoint sends: a response's id, the model list, the prompt's tokens by kind (realtime and
-transcription usage) and one token's log-probability entry (chat and transcription logprobs)."""
+"""The OpenAI shapes more than one endpoint sends: a response's id, the model list, the prompt's tokens by kind
+(realtime and transcription usage) and one token's log-probability entry (chat and transcription logprobs)."""
 from __future__ import annotations
 
 import uuid
@@ -35,7 +35,8 @@ def token_entry(token: str | None, logprob: float, raw: bytes | None) -> dict[st
     a token holding part of a character has the text U+FFFD but not its bytes); its text's UTF-8 where the stage
     has no tokenizer to say."""
     text = token or ""
-    return {"token": text, "logprob": floor_logprob(logprob), "bytes": list(raw if raw is not None else text.encode("utf-8"))}
+    return {"token": text, "logprob": floor_logprob(logprob),
+            "bytes": list(raw if raw is not None else text.encode("utf-8"))}
 
 
 def model_card(model: str, created: int) -> dict[str, Any]:

@@ -10,8 +10,8 @@
     tool_choice {"function"}  the reply is constrained to that function's parameters (a JSON object) and comes
                               back as one call of it, finish_reason "stop" (OpenAI's, for a named choice)
     tool_choice "none"        a text reply (the tools still shown to the model, as vLLM does by default)
-    "auto" (the default)      text or calls, read from the reply in the model's own format (tool_parser.py) by
-                              a server started with --enable-auto-tool-choice --tool-call-parser hermes; without
+    "auto" (the default)      text or calls, read from the reply in the model's own format
+                              (generation/tool_parser.py) by a server started with --enable-auto-tool-choice --tool-call-parser hermes; without
                               them refused, naming tool_choice (as vLLM)
 
 Earlier turns' calls and their results go back to the template as it expects them: an assistant message's

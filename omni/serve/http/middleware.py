@@ -8,7 +8,7 @@ the HTTP status count, and the last word on unexpected errors.
   vLLM): a browser sends text/plain or a form to any origin without a CORS preflight, JSON it does not.
 - A body larger than `max_body_bytes` is refused with 413 before the app sees it: by its
   Content-Length when it has one, else while it is read (chunked uploads are counted too).
-- While the server drains (shutdown.py), new `/v1/*` requests are answered 503 `shutting_down`.
+- While the server drains (http/shutdown.py), new `/v1/*` requests are answered 503 `shutting_down`.
 - An exception nothing else handled is a 500 that names its type (logged here, never a traceback to
   the client); one raised after the response started (a stream) ends the connection.
 - Every answer is counted once by path and the status the client got (`omni_http_requests_total`),

@@ -70,7 +70,7 @@ class Drain:
             stop.cancel()
         clean = idle.done() and not self.stopping.is_set()
         # Set either way: what is left ends now. After a clean drain that is only the connections that
-        # outlive their requests (a Realtime session between responses closes with 1001, realtime.py).
+        # outlive their requests (a Realtime session between responses closes with 1001, realtime/websocket.py).
         self.stopping.set()
         if not clean:
             with contextlib.suppress(asyncio.TimeoutError):

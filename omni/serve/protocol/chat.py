@@ -81,7 +81,7 @@ PART_TAGS = frozenset({"text", "image_url", "input_audio", "audio_url"})  # drop
 
 
 class AssistantAudio(RequestModel):
-    """An earlier spoken reply: by id (OpenAI's pattern; the server puts its transcript back, audio_ids.py), or
+    """An earlier spoken reply: by id (OpenAI's pattern; the server puts its transcript back, state.py), or
     the reply's own `message.audio` sent back whole (its transcript is used; the audio data is not read)."""
 
     id: str = Field(description="The id of an earlier reply's audio.")
@@ -273,7 +273,7 @@ class ChatCompletionRequest(GenerationRequest):
         if not names:
             raise field_error("tool_choice", "needs tools to call")
         if choice in (None, "auto"):
-            # the server reads calls from the reply, if it has a parser (endpoints.py); with audio out, the
+            # the server reads calls from the reply, if it has a parser (chat/serving_chat.py); with audio out, the
             # reply is voiced once its text is known to be no call (reply_stream.Run)
             return self
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:

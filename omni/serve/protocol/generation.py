@@ -28,7 +28,7 @@ from omni.serve.protocol.base import RequestModel, check_unsupported, field_erro
 
 # vLLM's own request fields (vllm/entrypoints/openai/protocol.py) that clients written for vLLM send, often at
 # their defaults: known here, so that they are accepted at those values and refused by name otherwise, as OpenAI's
-# (guided_json / guided_regex / guided_choice, vLLM's older spelling of structured outputs, are taken: translate.py)
+# (guided_json / guided_regex / guided_choice, vLLM's older spelling of structured outputs, are taken: chat/jobs.py)
 VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),  # vLLM refuses a priority unless its scheduler is started with priority scheduling
     "use_beam_search": (None, False),

@@ -47,7 +47,7 @@ class Part:
     text: str = ""  # text, or the transcript of output audio
     audio: np.ndarray | None = None  # input audio at the model's rate
     audio_rate: int = 16000
-    transcript: str | None = None  # input audio: its transcription, once done (realtime_transcription.py)
+    transcript: str | None = None  # input audio: its transcription, once done (realtime/transcription.py)
 
 
 @dataclass

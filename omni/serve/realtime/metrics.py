@@ -1,4 +1,4 @@
-"""Prometheus metrics of `/v1/realtime`, on the server's own registry (metrics.py's ServerMetrics):
+"""Prometheus metrics of `/v1/realtime`, on the server's own registry (http/metrics.py's ServerMetrics):
 
     omni_realtime_sessions_open                   sessions connected now
     omni_realtime_sessions_total{outcome}         sessions ended: closed (by the client), idle, refused, error

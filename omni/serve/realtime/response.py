@@ -59,13 +59,13 @@ class RealtimeResponse:
                  max_output_tokens: int | str):
         self.session, self.id, self.item, self.modality = session, rid, item, modality
         self.voice, self.max_output_tokens = voice, max_output_tokens
-        self.speed = 1.0  # the audio's tempo (time_stretch.py: the pitch kept)
-        self.audio_format = "audio/pcm"  # or G.711 at 8 kHz (g711.py)
+        self.speed = 1.0  # the audio's tempo (audio/time_stretch.py: the pitch kept)
+        self.audio_format = "audio/pcm"  # or G.711 at 8 kHz (audio/g711.py)
         self.task: asyncio.Task | None = None
         self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
         self.cancel_reason: str | None = None
         self.t_turn: float | None = None  # commit / speech stop of the turn it answers
-        self.in_flight = False  # counted in the server's drain (shutdown.py) until it ends
+        self.in_flight = False  # counted in the server's drain (http/shutdown.py) until it ends
         self.ids = {"response_id": rid, "item_id": item.id, "output_index": 0, "content_index": 0}
         # out of band (response.conversation "none"): its item stays out of the conversation, which it may
         # still read (`context`: the conversation, or the response's own `input` items)
@@ -88,7 +88,7 @@ class RealtimeResponse:
         self.calls: list[ConvItem] = []
 
     def job(self, instructions: str | None) -> Job:
-        """The whole conversation as one request (realtime_conversation.py), this response's options."""
+        """The whole conversation as one request (realtime/conversation.py), this response's options."""
         self.instructions = instructions
         info = self.session.server.info
         messages, media = self.context.prompt(instructions)

@@ -1,5 +1,5 @@
 """One `/v1/realtime` session: its configuration, input audio buffer, turn detection, conversation and
-the responses it runs (realtime.py owns the socket and hands every client event here).
+the responses it runs (realtime/websocket.py owns the socket and hands every client event here).
 
     client event                     what it does                              server events
     session.update                   modalities, instructions, voice, turn     session.updated
@@ -16,7 +16,7 @@ the responses it runs (realtime.py owns the socket and hands every client event 
     response.create                  the conversation -> the pipeline          response.created ... .done
     response.cancel                  its request aborted on every stage        response.done (cancelled)
 
-A response (realtime_response.py) runs the whole conversation as one request (realtime_conversation.py:
+A response (realtime/response.py) runs the whole conversation as one request (realtime/conversation.py:
 every turn's prompt starts with the previous one, so the stages' prefix caches hold all but the new turn).
 One conversation response at a time: `response.cancel`, a barge-in (speech starting while it runs, with
 server VAD's `interrupt_response`) and a closed socket cancel it. Out-of-band responses (`conversation:
@@ -74,7 +74,7 @@ class Session:
         self.turn: dict[str, Any] | None = dict(DEFAULT_TURN)
         self.conversation = Conversation()
         # session.audio.input.transcription ({model, language, prompt}), or None: each committed audio item is
-        # transcribed by the pipeline's text stage beside the response (realtime_transcription.py)
+        # transcribed by the pipeline's text stage beside the response (realtime/transcription.py)
         self.transcription: dict[str, Any] | None = None
         self.transcriptions = Transcriptions(self)
         self.input_audio = InputAudio(s.max_media_bytes // 4)

@@ -2,7 +2,7 @@
 
 OpenAI's sessions name a speech-to-text model; an omni pipeline has its own: the thinker hears audio and
 writes text, so the pipeline's text stage transcribes each committed audio item, in a request of its own
-(asr.py: the clip and an instruction to transcribe it, greedy, text only) that runs beside the response:
+(generation/asr_job.py: the clip and an instruction to transcribe it, greedy, text only) that runs beside the response:
 
     conversation.item.input_audio_transcription.delta       the transcript as it streams (item_id, content_index)
     conversation.item.input_audio_transcription.completed   the whole transcript, and the request's token usage

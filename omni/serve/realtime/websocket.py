@@ -1,5 +1,5 @@
 """`GET /v1/realtime?model=NAME` upgraded to a WebSocket: one Realtime session per connection
-(realtime_session.py holds the protocol; this file the socket and the limits around it).
+(realtime/session.py holds the protocol; this file the socket and the limits around it).
 
     handshake   the same bearer check as HTTP (--api-key; a browser, which cannot set headers, may send
                 the key as the subprotocol `openai-insecure-api-key.KEY` next to `realtime`, as OpenAI's
@@ -12,7 +12,7 @@
                 answers to client events never interleave inside a frame)
     idle        no client event for --session-idle-timeout-s and no response running: an `error` event
                 saying so, close 1000
-    draining    (shutdown.py) a response in progress counts as in flight: it may finish within the
+    draining    (http/shutdown.py) a response in progress counts as in flight: it may finish within the
                 grace period; a new one is refused with an `error` event (code shutting_down)
     shut down   once the drain is over (grace period out, or nothing left in flight): the response still
                 running is cancelled (response.done, reason shutting_down), an `error` event (code

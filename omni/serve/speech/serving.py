@@ -4,7 +4,7 @@
       -> the entry stage (the thinker) gets a user turn holding `input` (and `instructions` as its system
          turn) and its reply is *forced* to `input` (sampling `forced_text`: the prompt and the reply are
          prefilled in one pass, nothing is sampled), so the talker and the vocoder voice exactly that text
-      -> the audio stage's waveform, encoded as `response_format` (speech_formats.py)
+      -> the audio stage's waveform, encoded as `response_format` (audio/formats.py)
 
 Replies:
     stream_format "audio" (default)  the file's bytes; `pcm` goes out chunk by chunk as the pipeline yields
@@ -17,7 +17,7 @@ Replies:
 Errors before any audio (a bad field, an unknown voice the talker refuses, an encoder this build lacks)
 are HTTP errors naming the field: a streamed reply starts only once its first audio exists. `aac` is refused.
 
-`speed` (OpenAI's 0.25-4.0, default 1) changes the tempo of the waveform, not its pitch (time_stretch.py:
+`speed` (OpenAI's 0.25-4.0, default 1) changes the tempo of the waveform, not its pitch (audio/time_stretch.py:
 WSOLA; resampling would shift the pitch), as the audio comes: a streamed reply stays streamed, and its pieces
 are the same samples the file holds.
 """
@@ -124,7 +124,7 @@ class _Reply:
         self.reason = self.run.finish_reason or "stop"
 
     async def audio(self) -> AsyncIterator[AudioEvent]:
-        """The audio as the client gets it: at `speed` (time_stretch.py) when that is not 1."""
+        """The audio as the client gets it: at `speed` (audio/time_stretch.py) when that is not 1."""
         if self.speed == 1.0:
             async for ev in self._voiced():
                 yield ev

@@ -1,5 +1,5 @@
 """Timestamped transcripts in OpenAI's response formats: `verbose_json`, `srt` and `vtt`, from the segments a clip
-was transcribed in (speech_segments.py).
+was transcribed in (transcription/speech_segments.py).
 
     verbose_json  {"task", "language", "duration", "text", "segments": [{"id", "seek", "start", "end", "text",
                   "tokens", "temperature", "avg_logprob", "compression_ratio", "no_speech_prob"}], "usage"}

@@ -1,4 +1,4 @@
-"""A clip transcribed segment by segment: each speech segment (speech_segments.py) is a speech-recognition
+"""A clip transcribed segment by segment: each speech segment (transcription/speech_segments.py) is a speech-recognition
 request of its own (asr.asr_job), at most PARALLEL of them in the pipeline at once, so that the text stage batches
 them; the segments come out in the clip's order.
 

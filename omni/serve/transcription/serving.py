@@ -8,12 +8,13 @@ file=...)` calls them.
                           stream (transcriptions), include[] (logprobs), timestamp_granularities[] (segment),
                           chunking_strategy ("auto" or {"type": "server_vad", threshold, prefix_padding_ms,
                           silence_duration_ms})
-      -> the text stage transcribes the clip (or translates it into English) in a text-only request (asr.py)
+      -> the text stage transcribes the clip (or translates it into English) in a text-only request
+         (generation/asr_job.py)
       -> {"text", "usage"} (json; with include logprobs: "logprobs") or the bare text (text); streamed:
          `transcript.text.delta` events, then `transcript.text.done` with the text and the usage
 
 Timestamps (verbose_json's segments, srt, vtt) and `chunking_strategy` cut the clip into speech segments by
-voice activity (speech_segments.py: Silero VAD) and transcribe each one as a request of its own (segmented_asr.py:
+voice activity (speech_segments.py: Silero VAD) and transcribe each one as a request of its own (segmented_run.py:
 batched by the text stage); the text is the segments' texts joined by spaces, streamed segment by segment.
 
 Refused naming the field: a pipeline without a text stage (`model`), a clip that does not decode (`file`),
@@ -52,7 +53,8 @@ MAX_FIELD_BYTES = 64 * 1024  # a form field that is not the file (the prompt is 
 _NESTED = re.compile(r"^(\w+)\[(\w+)\]$")  # `chunking_strategy[type]`: how OpenAI's clients send an object
 
 
-async def _read_form(request: Request, model: type[TranscriptionFormBase], max_bytes: int) -> tuple[TranscriptionFormBase, bytes]:
+async def _read_form(request: Request, model: type[TranscriptionFormBase], max_bytes: int
+                     ) -> tuple[TranscriptionFormBase, bytes]:
     """The form's fields (validated, arrays from `name[]` keys) and the file's bytes; 400 naming the field."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise ApiError(415, "send multipart/form-data (a `file` and the fields), as OpenAI's clients do",
