@@ -432,7 +432,7 @@ def test_text_response_on_the_audio_pipeline(server):
 
 def test_output_speed_changes_the_tempo_of_the_reply(server):
     """session.audio.output.speed (and a response's own): the same reply's audio, len / speed samples (the
-    pitch kept: tests/serve/test_time_stretch.py); session.updated reports the speed."""
+    pitch kept: tests/serve/audio/test_time_stretch.py); session.updated reports the speed."""
     async def reply(speed: float | None, per_response: bool = False) -> np.ndarray:
         session = MANUAL if speed is None or per_response else {
             **MANUAL, "audio": {**MANUAL["audio"], "output": {"voice": "Chelsie", "speed": speed}}}
