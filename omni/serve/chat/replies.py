@@ -1,4 +1,4 @@
-"""The two generation endpoints: parse, admit, run, reply (JSON or server-sent events).
+"""How chat completions and completions answer: parse, admit, run, reply (JSON or server-sent events).
 
     body -> pydantic request (400 naming the field) -> model check (404) -> admission (503 past
     runtime.max_pending_requests) -> Job (media decoded off the event loop; 400 / 413) ->
