@@ -365,3 +365,36 @@ def test_a_duplicate_request_id_names_request_id_and_null_speech_formats_are_the
     body = {"model": "m", "input": "hi", "voice": "Chelsie", "response_format": None, "stream_format": None}
     req = parse_request(SpeechRequest, json.dumps(body).encode())
     assert (req.response_format, req.stream_format) == ("mp3", "audio")
+
+
+def test_only_typed_request_errors_are_the_callers_fault():
+    """A RequestError raised as the pipeline takes a request is a 400 naming its field; any other exception (a
+    bare ValueError: a bug, not the request) is not turned into a 400: it reaches the app as itself (a 500, its
+    traceback logged by the middleware)."""
+    import asyncio
+
+    from omni.messages import StageInput
+    from omni.serve.generation.job import Job
+    from omni.serve.generation.run import Run
+
+    class Raising:
+        def __init__(self, exc: Exception):
+            self.exc = exc
+
+        def stream(self, *args, **kwargs):
+            async def gen():
+                raise self.exc
+                yield  # an async generator
+
+            return gen()
+
+    job = Job("r", StageInput("hi"), {}, "thinker", None, "thinker", [], {"max_tokens": "max_tokens"})
+
+    async def start(exc: Exception) -> None:
+        await Run(Raising(exc), job, 24000).start()
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(start(RequestError("too many", field="sampling_params.max_tokens", stage="thinker")))
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    with pytest.raises(ValueError, match="a shape bug"):
+        asyncio.run(start(ValueError("a shape bug")))
