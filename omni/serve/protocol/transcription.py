@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
-from omni.serve.protocol.base import RequestModel
+from omni.serve.protocol.base import RequestModel, check_unsupported
 
 
 class ServerVad(RequestModel):
@@ -40,6 +40,11 @@ class TranscriptionForm(TranscriptionFormBase):
     # OpenAI's diarization options this server does not implement: accepted absent only
     known_speaker_names: list[str] | None = None
     known_speaker_references: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "TranscriptionForm":
+        check_unsupported(self, {"known_speaker_names": (None,), "known_speaker_references": (None,)})
+        return self
 
 
 class TranslationForm(TranscriptionFormBase):

@@ -107,9 +107,6 @@ def _json_field(key: str, value: str) -> Any:
 
 def _check_options(req: TranscriptionForm) -> None:
     """The combinations OpenAI allows, and what omni cannot give, refused naming the field."""
-    for name in ("known_speaker_names", "known_speaker_references"):
-        if getattr(req, name) is not None:
-            raise bad_request(f"{name}: not implemented by this server; send it absent", name, "unsupported_parameter")
     granularities = req.timestamp_granularities or []
     if "word" in granularities:
         raise bad_request("timestamp_granularities: word timestamps are not produced (the model gives none); "
