@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 
 
 from omni.async_api import AsyncOmni
-from omni.serve.generation.run import AudioEvent, Observer, Run, TextEvent, leave_runs, summed
 from omni.serve.generation.job import Job
+from omni.serve.generation.run import AudioEvent, Observer, Run, TextEvent, leave_runs, summed
 
 _SEED_SPAN = 2**63  # SamplingParams seeds are non-negative 63-bit ints: choice seeds wrap within them
 _DONE = object()

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from omni.messages import TokenLogprob
-from omni.serve.generation.openai_shapes import floor_logprob, new_id, token_entry
 from omni.serve.audio.formats import encode
+from omni.serve.generation.openai_shapes import floor_logprob, new_id, token_entry
 from omni.serve.generation.tool_parser import parse_tool_calls
 from omni.serve.generation.tools import reply_tool_calls
 from omni.serve.state import AUDIO_TTL_S

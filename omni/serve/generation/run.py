@@ -37,9 +37,9 @@ import numpy as np
 from omni.async_api import AsyncOmni
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, BackendClosedError, OmniError
 from omni.messages import StageDelta, StageOutput, TokenLogprob
-from omni.serve.http.errors import ApiError, from_omni_error, internal
-from omni.serve.generation.tool_parser import parse_tool_calls
 from omni.serve.generation.job import Job
+from omni.serve.generation.tool_parser import parse_tool_calls
+from omni.serve.http.errors import ApiError, from_omni_error, internal
 
 
 @dataclass(slots=True)

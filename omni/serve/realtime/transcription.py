@@ -22,9 +22,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from omni.serve.generation.asr_job import asr_job, asr_usage
+from omni.serve.generation.run import Run, TextEvent
 from omni.serve.http.errors import ApiError
 from omni.serve.realtime.conversation import ConvItem, Part
-from omni.serve.generation.run import Run, TextEvent
 
 if TYPE_CHECKING:
     from omni.serve.realtime.session import Session

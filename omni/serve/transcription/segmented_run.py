@@ -19,10 +19,10 @@ import time
 from collections.abc import AsyncIterator
 
 from omni.async_api import AsyncOmni
-from omni.serve.generation.run import Run, TextEvent, leave_runs, summed
-from omni.serve.transcription.speech_segments import SpeechSegment
-from omni.serve.transcription.formats import TranscriptSegment
 from omni.serve.generation.job import Job
+from omni.serve.generation.run import Run, TextEvent, leave_runs, summed
+from omni.serve.transcription.formats import TranscriptSegment
+from omni.serve.transcription.speech_segments import SpeechSegment
 
 PARALLEL = 4  # segments in the pipeline at once: enough for the text stage to batch, few enough to leave room
 
