@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni.api import Omni
+from omni.config.checked import load_checked
 from omni.config.schema import PipelineConfig
 from omni.errors import BackendClosedError, RequestAbortedError, RequestError
 from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput
@@ -56,6 +57,15 @@ class AsyncOmni:
         self._closed = False
         self._thread = threading.Thread(target=self._drive, name="omni-async-driver", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def load_config(config_or_path: str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig,
+                    stage_overrides: str | Mapping[str, Any] | None = None, *, memory_gb: float | None = None,
+                    check_paths: bool = False) -> PipelineConfig:
+        """The config AsyncOmni(config_or_path, stage_overrides) would run, validated (ConfigError otherwise),
+        before anything starts: what a server refuses before it listens. `memory_gb` sets
+        runtime.memory.budget_gb; `check_paths`: also check the model paths where the stages run."""
+        return load_checked(config_or_path, stage_overrides, memory_gb, check_paths)[0]
 
     @classmethod
     async def create(cls, *args: Any, **kwargs: Any) -> "AsyncOmni":

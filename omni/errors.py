@@ -25,7 +25,7 @@ Every error carries what a program needs to act on it, next to its human message
 They pickle with all their fields (`__reduce__`), so a stage's error crosses from a Ray actor to the
 driver as itself. A request that fails while running does not raise: its RequestOutput.error (and the
 failing StageOutput.error) is one of these. The server maps types and codes to HTTP through a table
-(omni/serve/errors.py), never by reading the message.
+(omni/serve/http/errors.py), never by reading the message.
 """
 from __future__ import annotations
 

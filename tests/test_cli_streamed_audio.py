@@ -18,7 +18,7 @@ import yaml
 
 from omni import cli
 from omni.cli.run_outputs import DEFAULT_SAMPLE_RATE
-from omni.serve.audio import to_pcm16
+from omni.serve.audio.codecs import to_pcm16
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "stage_configs" / "qwen2_5_omni_tiny.yaml"

@@ -63,7 +63,7 @@ def default_speech() -> Path:
 
 def load_speech(path: Path) -> np.ndarray:
     """The clip as pcm16 bytes at 24 kHz (the protocol's rate)."""
-    from omni.serve.audio import resample
+    from omni.serve.audio.resampling import resample
 
     with wave.open(str(path)) as w:
         if w.getnchannels() != 1 or w.getsampwidth() != 2:

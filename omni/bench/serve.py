@@ -73,9 +73,9 @@ def _conversation(i: int) -> list[dict[str, str]]:
 
 # ------------------------------------------------------------------ in-process
 async def _turn_in_process(omni: Any, info: Any, settings: Any, messages: list, audio: bool, max_tokens: int):
-    from omni.serve.protocol import ChatCompletionRequest
-    from omni.serve.reply_stream import AudioEvent, Run, TextEvent
-    from omni.serve.translate import chat_job
+    from omni.serve.protocol.chat import ChatCompletionRequest
+    from omni.serve.generation.run import AudioEvent, Run, TextEvent
+    from omni.serve.chat.jobs import chat_job
 
     t0, rec = time.perf_counter(), {}
     req = ChatCompletionRequest.model_validate_json(json.dumps({  # as the server parses it
@@ -135,7 +135,7 @@ async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[
 
     from omni.async_api import AsyncOmni
     from omni.serve.settings import ServeSettings
-    from omni.serve.translate import PipelineInfo
+    from omni.serve.state import PipelineInfo
 
     omni = await AsyncOmni.create(config, backend=args.backend)
     try:

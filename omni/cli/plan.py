@@ -7,7 +7,8 @@ from typing import Any
 
 from omni.cli.jsonable import dumps
 from omni.cli.options import config_arguments
-from omni.commands import error, load_checked
+from omni.commands import error
+from omni.config.checked import load_checked
 
 
 def add_parser(sub: Any) -> None:

@@ -14,7 +14,8 @@ from omni.cli.options import config_arguments
 from omni.cli.run_outputs import DEFAULT_AUDIO_DIR, stage_record, write_outputs, write_wavs
 from omni.cli.run_prompts import read_prompts
 from omni.cli.run_stream import run_streaming
-from omni.commands import error, load_checked
+from omni.commands import error
+from omni.config.checked import load_checked
 
 
 def add_parser(sub: Any) -> None:

@@ -44,7 +44,7 @@ def stage_record(out: Any, audio_file: Path | None) -> dict[str, Any]:
 
 def write_wavs(audio_dir: Path, outputs: list[Any]) -> dict[tuple[int, str], Path]:
     """Every stage output's audio as one WAV; {(prompt index, stage): its file}."""
-    from omni.serve.audio import encode_wav
+    from omni.serve.audio.codecs import encode_wav
 
     written = {}
     for i, ro in enumerate(outputs):

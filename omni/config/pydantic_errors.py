@@ -8,7 +8,7 @@ each member reports its own complaint, so a value no member takes reads as sever
 what the field takes (`expected a string or an object (got 5)`); a value shaped like one member (a list
 for `str | list[str]`) keeps that member's own error, its name dropped from the path.
 
-Pydantic only: the HTTP server (omni/serve/errors.py: OpenAI error bodies) and the config loader
+Pydantic only: the HTTP server (omni/serve/http/errors.py: OpenAI error bodies) and the config loader
 (omni/config/loader.py: one-line config errors) both render from here. No message is ever parsed.
 """
 from __future__ import annotations

@@ -4,51 +4,72 @@
 
     POST /v1/chat/completions   text, images (data: URLs), audio (base64); text and audio replies; SSE
     POST /v1/completions        text or token ids, one prompt or a batch (a choice per prompt and n)
-    POST /v1/audio/speech       text -> speech (speech.py): wav / pcm / flac / mp3 / opus, streamed or SSE
+    POST /v1/audio/speech       text -> speech (speech/): wav / pcm / flac / mp3 / opus, streamed or SSE
     POST /v1/audio/transcriptions, /v1/audio/translations
-                                speech -> text by the pipeline's thinker (transcriptions.py): json / text, SSE
-    WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime.py)
+                                speech -> text by the pipeline's thinker (transcription/): json / text, SSE
+    WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime/)
     GET  /v1/models             the one model: the pipeline
     GET  /v1/models/{model}     that model (404 naming `model` for any other name)
     GET  /health                200 while the pipeline serves (HEAD too); GET|POST /ping: the same (vLLM's)
-    POST /tokenize, /detokenize vLLM's: text or chat messages <-> the entry stage's tokens (tokenization.py)
+    POST /tokenize, /detokenize vLLM's: text or chat messages <-> the entry stage's tokens (chat/serving_tokenize.py)
     GET  /version               {"version": omni's version}
     GET  /metrics               Prometheus text
 
 The app does not own the pipeline: whoever made it closes it (the CLI, the Ray Serve deployment),
-after `await app.state.omni.drain.drain(grace_s)` lets the requests in flight finish (shutdown.py).
-Every error is OpenAI-shaped (errors.py), a 404 or 405 of an unknown route included; an unexpected
-exception is a 500 that names its type, never a traceback (middleware.py, where it is also counted).
+after `await app.state.omni.drain.drain(grace_s)` lets the requests in flight finish (http/shutdown.py).
+Every error is OpenAI-shaped (http/errors.py), a 404 or 405 of an unknown route included; an unexpected
+exception is a 500 that names its type, never a traceback (http/middleware.py, where it is also counted).
 """
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni.async_api import AsyncOmni
-from omni.serve import responses as R
-from omni.serve.endpoints import ServerState, chat_completions, completions
-from omni.serve.errors import ApiError
-from omni.serve.metrics import CONTENT_TYPE
-from omni.serve.middleware import ServerMiddleware
-from omni.serve.realtime import RealtimeHub, realtime_endpoint
+from omni.serve.chat.serving_chat import chat_completions
+from omni.serve.chat.serving_completion import completions
+from omni.serve.chat.serving_tokenize import detokenize, tokenize
+from omni.serve.generation.openai_shapes import model_card, models
+from omni.serve.http.errors import ApiError
+from omni.serve.http.metrics import CONTENT_TYPE
+from omni.serve.http.middleware import ServerMiddleware
+from omni.serve.http.shutdown import shutting_down
+from omni.serve.realtime.websocket import RealtimeHub, realtime_endpoint
 from omni.serve.settings import ServeSettings
-from omni.serve.shutdown import shutting_down
-from omni.serve.speech import create_speech
-from omni.serve.tokenization import detokenize, omni_version, tokenize
-from omni.serve.transcriptions import create_transcription, create_translation
-from omni.serve.translate import PipelineInfo, check_model
+from omni.serve.speech.serving import create_speech
+from omni.serve.state import PipelineInfo, ServerState, check_model
+from omni.serve.transcription.serving import create_transcription, create_translation
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0  # a scrape waits this long for the stages' stats
 
 
+def omni_version() -> str:
+    """The installed package's version (the project's own constant when it is not installed)."""
+    try:
+        return importlib.metadata.version("omni")
+    except importlib.metadata.PackageNotFoundError:
+        from omni import __version__
+
+        return __version__
+
+
 def _error(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+
+
+def _endpoint(state: ServerState, handler: Callable[[ServerState, Request], Awaitable[Response]]
+              ) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(state, request)
+
+    return endpoint
 
 
 def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAPI:
@@ -73,25 +94,11 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
                    else str(exc.detail))
         return _error(ApiError(exc.status_code, message, code=code))
 
-    @app.post("/v1/chat/completions")
-    async def _chat(request: Request) -> Response:
-        return await chat_completions(state, request)
-
-    @app.post("/v1/completions")
-    async def _completions(request: Request) -> Response:
-        return await completions(state, request)
-
-    @app.post("/v1/audio/speech")
-    async def _speech(request: Request) -> Response:
-        return await create_speech(state, request)
-
-    @app.post("/v1/audio/transcriptions")
-    async def _transcriptions(request: Request) -> Response:
-        return await create_transcription(state, request)
-
-    @app.post("/v1/audio/translations")
-    async def _translations(request: Request) -> Response:
-        return await create_translation(state, request)
+    for path, handler in (("/v1/chat/completions", chat_completions), ("/v1/completions", completions),
+                          ("/v1/audio/speech", create_speech), ("/v1/audio/transcriptions", create_transcription),
+                          ("/v1/audio/translations", create_translation), ("/tokenize", tokenize),
+                          ("/detokenize", detokenize)):
+        app.add_api_route(path, _endpoint(state, handler), methods=["POST"])
 
     @app.websocket("/v1/realtime")
     async def _realtime(ws: WebSocket) -> None:
@@ -99,12 +106,12 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
 
     @app.get("/v1/models")
     async def _models() -> JSONResponse:
-        return JSONResponse(R.models(state.info.model, state.created))
+        return JSONResponse(models(state.info.model, state.created))
 
     @app.get("/v1/models/{model:path}")
     async def _model(model: str) -> JSONResponse:  # client.models.retrieve (a served name may hold "/")
         check_model(model, state.info)
-        return JSONResponse(R.model_card(model, state.created))
+        return JSONResponse(model_card(model, state.created))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def _health() -> JSONResponse:
@@ -117,14 +124,6 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness probe: /health's answer
     async def _ping() -> JSONResponse:
         return await _health()
-
-    @app.post("/tokenize")
-    async def _tokenize(request: Request) -> Response:
-        return await tokenize(state, request)
-
-    @app.post("/detokenize")
-    async def _detokenize(request: Request) -> Response:
-        return await detokenize(state, request)
 
     @app.get("/version")
     async def _version() -> JSONResponse:

@@ -5,7 +5,7 @@
 
 The pipeline starts first (models load; a bad config exits 2 before anything listens), then the
 server prints one line `omni serve: NAME on http://HOST:PORT` and serves until Ctrl-C / SIGTERM.
-The first signal drains the app (shutdown.py: new requests 503, those in flight run on for
+The first signal drains the app (http/shutdown.py: new requests 503, those in flight run on for
 --shutdown-grace-s, then each one left is ended with an error and streams with [DONE]); then uvicorn
 stops and the pipeline closes. Exit 0 when everything in flight finished within the grace period,
 else 143 (SIGTERM) / 130 (Ctrl-C). A second signal ends what is in flight at once.
@@ -21,7 +21,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from omni.serve.generation.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
 # uvicorn's own graceful wait, once the drain is over: only the last bytes of responses already
 # ended are left to send by then.
@@ -192,11 +192,13 @@ def main(args: argparse.Namespace) -> int:
     """`omni serve`; exit status as the rest of the CLI (2: bad config or options)."""
     from pydantic import ValidationError
 
-    from omni.commands import error, load_checked
+    from omni.async_api import AsyncOmni
+    from omni.commands import error
     from omni.errors import ConfigError
 
     try:
-        config, _ = load_checked(args.config, args.stage_overrides, getattr(args, "memory_gb", None))
+        config = AsyncOmni.load_config(args.config, args.stage_overrides, memory_gb=getattr(args, "memory_gb", None),
+                                       check_paths=True)
         settings = settings_from_args(args)
     except ConfigError as e:
         return error(str(e))

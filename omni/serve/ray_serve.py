@@ -23,7 +23,6 @@ from ray import serve
 
 from omni.async_api import AsyncOmni
 from omni.config.schema import PipelineConfig
-from omni.config.loader import load_config
 from omni.serve.app import create_app
 from omni.serve.settings import ServeSettings
 
@@ -62,7 +61,7 @@ def build_app(args: dict[str, str]) -> Any:
     if unknown or "config" not in args:
         raise ValueError("build_app takes config=PATH [stage_overrides=JSON] [api_key=KEY] [served_model_name=NAME] "
                          f"[backend=ray|local] [num_replicas=N]; got {sorted(args)}")
-    config = load_config(args["config"], args.get("stage_overrides"))
+    config = AsyncOmni.load_config(args["config"], args.get("stage_overrides"))
     settings = ServeSettings.from_env(api_key=args.get("api_key"), served_model_name=args.get("served_model_name"))
     return deployment(config, settings, args.get("backend"), int(args.get("num_replicas", "1")))
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni.serve.tool_parser import PARSERS as TOOL_CALL_PARSERS
+from omni.serve.generation.tool_parser import PARSERS as TOOL_CALL_PARSERS
 
 API_KEY_ENV = "OMNI_API_KEY"
 _MB = 2**20
@@ -45,8 +45,8 @@ class ServeSettings(BaseModel):
                                           'request has tools): the reply is read for tool calls in the model\'s own '
                                           'format (tool_call_parser); off, "auto" is refused (vLLM\'s flag).')
     tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(None, description="The model's tool-call format for "
-                                                       '"auto" (omni/serve/tool_parser.py): hermes, as Qwen2.5 / '
-                                                       "Qwen3 chat templates ask for.")
+                                                       '"auto" (omni/serve/generation/tool_parser.py): hermes, as '
+                                                       "Qwen2.5 / Qwen3 chat templates ask for.")
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> "ServeSettings":

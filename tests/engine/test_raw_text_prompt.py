@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from omni.messages import StageInput
-from omni.serve.protocol import CompletionRequest
-from omni.serve.translate import completion_jobs
+from omni.serve.protocol.completions import CompletionRequest
+from omni.serve.chat.jobs import completion_jobs
 from tests.engine_utils import make_engine, run_to_completion
 
 
@@ -23,7 +23,7 @@ def test_a_raw_text_prompt_skips_the_stages_chat_template(tiny_qwen2):
 
 
 def test_completions_send_text_prompts_raw():
-    from omni.serve.translate import PipelineInfo
+    from omni.serve.state import PipelineInfo
 
     info = PipelineInfo("m", ["thinker"], "thinker", "thinker", None)
     texts = CompletionRequest.model_validate({"model": "m", "prompt": ["Hello", "Hi"], "max_tokens": 2})

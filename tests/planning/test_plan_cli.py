@@ -58,7 +58,7 @@ def test_run_with_a_budget_and_a_workload(tmp_path, store, capsys):
     rc = cli.main(["run", path, "--prompt", "Hello", "--backend", "local", "--json", "--max-tokens", "4"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["results"][0]["error"] is None
-    from omni.commands import load_checked
+    from omni.config.checked import load_checked
     from omni.planning.plan import plan_memory
 
     plan = plan_memory(load_checked(path, None)[0])  # the same arithmetic: the same block counts

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from omni.serve.audio import resample
+from omni.serve.audio.resampling import resample
 
 EVENT_TIMEOUT_S = 120
 

@@ -9,10 +9,11 @@ from typing import Annotated, Any, Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from omni.serve.endpoints import parse
+from omni.serve.protocol.parse import parse_request
 from omni.config.pydantic_errors import accepts, loc_to_param
-from omni.serve.errors import ApiError, from_validation_error
-from omni.serve.protocol import PART_TAGS, ChatCompletionRequest, CompletionRequest
+from omni.serve.http.errors import ApiError, from_validation_error
+from omni.serve.protocol.chat import ChatCompletionRequest, PART_TAGS
+from omni.serve.protocol.completions import CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "x"}]
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
@@ -20,14 +21,14 @@ TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 def chat_error(**extra: Any) -> ApiError:
     with pytest.raises(ApiError) as e:
-        parse(ChatCompletionRequest, json.dumps({"model": "m", "messages": MESSAGES, **extra}).encode())
+        parse_request(ChatCompletionRequest, json.dumps({"model": "m", "messages": MESSAGES, **extra}).encode())
     assert e.value.status == 400 and set(e.value.body()["error"]) == {"message", "type", "param", "code"}
     return e.value
 
 
 def completion_error(**extra: Any) -> ApiError:
     with pytest.raises(ApiError) as e:
-        parse(CompletionRequest, json.dumps({"model": "m", **extra}).encode())
+        parse_request(CompletionRequest, json.dumps({"model": "m", **extra}).encode())
     assert e.value.status == 400
     return e.value
 
@@ -45,7 +46,7 @@ def test_a_batch_of_prompts_is_taken_and_a_bad_prompt_of_it_named():
     """completions' batches (strings, or token-id lists) are prompts of their own; a list of one is that prompt, a
     list of ids one prompt; a bad prompt of a batch is refused naming it (and the token id: `prompt[1][0]`)."""
     def prompts(p):
-        return parse(CompletionRequest, json.dumps({"model": "m", "prompt": p}).encode()).prompts
+        return parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": p}).encode()).prompts
 
     assert prompts([[1, 2, 3], [4, 5]]) == [[1, 2, 3], [4, 5]] and prompts(["a", "b"]) == ["a", "b"]
     assert prompts([[1, 2, 3]]) == prompts([1, 2, 3]) == [[1, 2, 3]] and prompts(["a"]) == prompts("a") == ["a"]

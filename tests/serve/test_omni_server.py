@@ -426,7 +426,7 @@ def _asr_by_chat(client, data: bytes, task: str, language: str | None) -> tuple[
     """The thinker's greedy reply to the speech-recognition prompt on the same file, through chat completions."""
     import soundfile as sf
 
-    from omni.serve.asr import ASR_SYSTEM, instruction, max_tokens_for
+    from omni.serve.generation.asr_job import ASR_SYSTEM, instruction, max_tokens_for
 
     seconds = sf.info(io.BytesIO(data)).duration
     got = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=max_tokens_for(seconds), messages=[
@@ -507,9 +507,9 @@ def test_timestamped_transcripts_are_the_segments_transcribed_one_by_one(server,
     timestamps are the VAD's spans, and every format carries the same texts."""
     import soundfile as sf
 
-    from omni.serve.speech_segments import VadOptions, speech_segments
-    from omni.serve.transcript_formats import cue_text, timestamp
-    from omni.serve.vad import speech_probabilities
+    from omni.serve.transcription.speech_segments import VadOptions, speech_segments
+    from omni.serve.transcription.formats import cue_text, timestamp
+    from omni.serve.audio.vad import speech_probabilities
     from tests.serve.realtime_utils import speech_wav
 
     x, rate = sf.read(str(speech_wav()), dtype="int16")

@@ -242,7 +242,7 @@ def test_tools_reach_the_thinker_and_its_calls_come_back(server, client):
 def test_transcriptions_on_qwen3_omni(server, client):
     """/v1/audio/transcriptions on Qwen3-Omni: its thinker writes down a real recorded clip, as it answers the same
     speech-recognition prompt through chat completions."""
-    from omni.serve.asr import ASR_SYSTEM, instruction, max_tokens_for
+    from omni.serve.generation.asr_job import ASR_SYSTEM, instruction, max_tokens_for
     from tests.serve.test_omni_server import _speech_wav
 
     data = _speech_wav(1.0)

@@ -13,12 +13,13 @@ from PIL import Image
 
 from omni.errors import (ContextLengthError, RequestAbortedError, RequestError, RequestTimeoutError,
                          StageError)
-from omni.serve.audio import decode_audio, encode_wav, pcm16_chunks, pcm16_to_float, resample, to_pcm16
-from omni.serve.endpoints import parse
-from omni.serve.errors import ApiError, from_omni_error
-from omni.serve.media import decode_image, parse_data_url
-from omni.serve.protocol import ChatCompletionRequest
-from omni.serve.reply_stream import StopMatcher
+from omni.serve.audio.codecs import decode_audio, encode_wav, pcm16_chunks, pcm16_to_float, to_pcm16
+from omni.serve.audio.resampling import resample
+from omni.serve.protocol.parse import parse_request
+from omni.serve.http.errors import ApiError, from_omni_error
+from omni.serve.chat.media import decode_image, parse_data_url
+from omni.serve.protocol.chat import ChatCompletionRequest
+from omni.serve.generation.run import StopMatcher
 
 MB = 2**20
 
@@ -176,7 +177,7 @@ def test_sampling_fields_name_the_request_field_that_set_them():
 
 
 def test_the_server_parses_no_messages():
-    import omni.serve.errors as errors_module
+    import omni.serve.http.errors as errors_module
 
     assert "import re" not in Path(errors_module.__file__).read_text()
 
@@ -200,7 +201,7 @@ def test_request_errors_name_the_field(body, param):
     import json
 
     with pytest.raises(ApiError) as e:
-        parse(ChatCompletionRequest, json.dumps({"model": "m", **body}).encode())
+        parse_request(ChatCompletionRequest, json.dumps({"model": "m", **body}).encode())
     assert e.value.status == 400 and e.value.param == param, e.value.body()
 
 
@@ -215,7 +216,7 @@ def test_every_openai_request_field_is_known():
     from openai.types import completion_create_params as completion
     from openai.types.chat import completion_create_params as chat
 
-    from omni.serve.protocol import CompletionRequest
+    from omni.serve.protocol.completions import CompletionRequest
 
     assert _openai_fields(chat) <= set(ChatCompletionRequest.model_fields)
     assert _openai_fields(completion) <= set(CompletionRequest.model_fields)
@@ -235,7 +236,7 @@ CHAT_MIN = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 def test_null_or_default_openai_fields_are_accepted(extra):
     import json
 
-    parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
+    parse_request(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
 
 
 @pytest.mark.parametrize("extra,param,code", [
@@ -263,7 +264,7 @@ def test_openai_fields_asking_for_a_missing_feature_are_refused_by_name(extra, p
     import json
 
     with pytest.raises(ApiError) as e:
-        parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
+        parse_request(ChatCompletionRequest, json.dumps({**CHAT_MIN, **extra}).encode())
     assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.body()
 
 
@@ -275,12 +276,13 @@ def test_penalties_min_p_and_logit_bias_reach_the_text_stage():
     from omni.config.loader import load_config
     from omni.sampling_params import SamplingParams
     from omni.serve.settings import ServeSettings
-    from omni.serve.translate import PipelineInfo, chat_job
+    from omni.serve.state import PipelineInfo
+    from omni.serve.chat.jobs import chat_job
 
     info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
     body = {**CHAT_MIN, "presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8,
             "logit_bias": {"17": -100, "42": 2.5}}
-    job = chat_job(parse(ChatCompletionRequest, json.dumps(body).encode()), info, ServeSettings(), "r")
+    job = chat_job(parse_request(ChatCompletionRequest, json.dumps(body).encode()), info, ServeSettings(), "r")
     fields = {"presence_penalty": -0.5, "frequency_penalty": 1.25, "min_p": 0.05, "temperature": 0.8,
               "logit_bias": {17: -100.0, 42: 2.5}}  # OpenAI's keys are JSON strings: token ids here
     assert {k: job.sampling[info.text_stage][k] for k in fields} == fields
@@ -298,14 +300,14 @@ def test_penalties_min_p_and_logit_bias_reach_the_text_stage():
 def test_completion_only_openai_fields(extra, param, code):
     import json
 
-    from omni.serve.protocol import CompletionRequest
+    from omni.serve.protocol.completions import CompletionRequest
 
     body = json.dumps({"model": "m", "prompt": "x", **extra}).encode()
     if param is None:
-        parse(CompletionRequest, body)
+        parse_request(CompletionRequest, body)
         return
     with pytest.raises(ApiError) as e:
-        parse(CompletionRequest, body)
+        parse_request(CompletionRequest, body)
     assert e.value.param == param and (code is None or e.value.code == code)
 
 
@@ -314,14 +316,15 @@ def test_echo_asks_the_text_stage_for_its_decoded_prompt_and_logprobs():
 
     from omni.config.loader import load_config
     from omni.sampling_params import SamplingParams
-    from omni.serve.protocol import CompletionRequest
-    from omni.serve.translate import PipelineInfo, completion_job
+    from omni.serve.protocol.completions import CompletionRequest
+    from omni.serve.state import PipelineInfo
+    from omni.serve.chat.jobs import completion_job
 
     info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
 
     def job(**extra):
-        return completion_job(parse(CompletionRequest, json.dumps({"model": "m", "prompt": "x", **extra}).encode()),
-                              info, "r")
+        body = json.dumps({"model": "m", "prompt": "x", **extra}).encode()
+        return completion_job(parse_request(CompletionRequest, body), info, "r")
 
     plain = job(max_tokens=3)
     assert not plain.echo and "echo_prompt" not in plain.sampling[info.text_stage]
@@ -344,20 +347,54 @@ def test_a_duplicate_request_id_names_request_id_and_null_speech_formats_are_the
     import json
 
     from omni.config.loader import load_config
-    from omni.serve.protocol import CompletionRequest
+    from omni.serve.protocol.completions import CompletionRequest
     from omni.serve.settings import ServeSettings
-    from omni.serve.speech import SpeechRequest
-    from omni.serve.translate import PipelineInfo, chat_job, completion_job
+    from omni.serve.protocol.speech import SpeechRequest
+    from omni.serve.state import PipelineInfo
+    from omni.serve.chat.jobs import chat_job, completion_job
 
     info = PipelineInfo.of(load_config(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml"))
     dup = RequestError("request_id 'x' is already in use", field="request_id", code="duplicate_request_id")
-    chat = chat_job(parse(ChatCompletionRequest, json.dumps({**CHAT_MIN, "request_id": "x"}).encode()), info,
+    chat = chat_job(parse_request(ChatCompletionRequest, json.dumps({**CHAT_MIN, "request_id": "x"}).encode()), info,
                     ServeSettings(), "chatcmpl-x")
-    comp = completion_job(parse(CompletionRequest, json.dumps({"model": "m", "prompt": "a", "request_id": "x"})
+    comp = completion_job(parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": "a", "request_id": "x"})
                                 .encode()), info, "cmpl-x")
     for job in (chat, comp):
         err = from_omni_error(dup, job.fields, job.sampling_param)
         assert (err.status, err.param, err.code) == (400, "request_id", "duplicate_request_id")
     body = {"model": "m", "input": "hi", "voice": "Chelsie", "response_format": None, "stream_format": None}
-    req = parse(SpeechRequest, json.dumps(body).encode())
+    req = parse_request(SpeechRequest, json.dumps(body).encode())
     assert (req.response_format, req.stream_format) == ("mp3", "audio")
+
+
+def test_only_typed_request_errors_are_the_callers_fault():
+    """A RequestError raised as the pipeline takes a request is a 400 naming its field; any other exception (a
+    bare ValueError: a bug, not the request) is not turned into a 400: it reaches the app as itself (a 500, its
+    traceback logged by the middleware)."""
+    import asyncio
+
+    from omni.messages import StageInput
+    from omni.serve.generation.job import Job
+    from omni.serve.generation.run import Run
+
+    class Raising:
+        def __init__(self, exc: Exception):
+            self.exc = exc
+
+        def stream(self, *args, **kwargs):
+            async def gen():
+                raise self.exc
+                yield  # an async generator
+
+            return gen()
+
+    job = Job("r", StageInput("hi"), {}, "thinker", None, "thinker", [], {"max_tokens": "max_tokens"})
+
+    async def start(exc: Exception) -> None:
+        await Run(Raising(exc), job, 24000).start()
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(start(RequestError("too many", field="sampling_params.max_tokens", stage="thinker")))
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    with pytest.raises(ValueError, match="a shape bug"):
+        asyncio.run(start(ValueError("a shape bug")))

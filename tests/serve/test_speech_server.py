@@ -128,7 +128,7 @@ def test_sse_deltas_and_done_with_usage(server, client, reference):
 
 
 def test_speed_changes_the_tempo_in_every_form(client, reference):
-    """speed 2: half as many samples (the pitch is kept: tests/serve/test_time_stretch.py), the same samples in
+    """speed 2: half as many samples (the pitch is kept: tests/serve/audio/test_time_stretch.py), the same samples in
     the file, streamed as pcm and as SSE deltas."""
     samples, _ = reference
     fast, rate = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice="Chelsie", response_format="wav",

@@ -182,7 +182,7 @@ def assert_same_audio(pcm: bytes, ref: np.ndarray) -> None:
     """The pipeline's 16-bit PCM equals transformers' waveform `ref` as PCM (bit for bit on the CPU; on a GPU, the
     same length within GPU_MIN_SNR_DB)."""
     from omni.bench.capacity import _snr_db  # the benches' SNR (capacity, qwen3-vs-hf, token2wav)
-    from omni.serve.audio import pcm16_to_float, to_pcm16
+    from omni.serve.audio.codecs import pcm16_to_float, to_pcm16
 
     want = to_pcm16(ref)
     if not PIPELINE_ON_GPU:

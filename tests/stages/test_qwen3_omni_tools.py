@@ -84,7 +84,7 @@ def test_the_hermes_parser_reads_back_the_calls_the_format_writes():
     """A reply in the format the prompt asks for is what `--tool-call-parser hermes` turns into tool_calls."""
     import json
 
-    from omni.serve.tool_parser import parse_tool_calls
+    from omni.serve.generation.tool_parser import parse_tool_calls
 
     prompt = render_chatml([ASK, {"role": "assistant", "content": "Let me look.", "tool_calls": CALLS}], None,
                            [WEATHER, TIME])

@@ -1,0 +1,189 @@
+"""One Realtime session's conversation: its items, and the prompt each turn sends the pipeline.
+
+Every turn's prompt is the whole conversation so far, rendered the same way every time (instructions as
+the system turn, each item in order, input audio as the very same 16 kHz arrays): turn N's prompt starts
+with turn N-1's, token for token and audio for audio, so the thinker's prefix cache (and the talker's,
+fed with the thinker's cached rows) holds everything but the new turn.
+
+    user items       text parts and input audio (pcm16 at 24 kHz, resampled once to the model's rate)
+    assistant items  the reply's text (its transcript when the reply was audio): what the model said,
+                     as the chat template expects a previous assistant turn
+    system items     system turns where they stand
+    function calls   the model's calls, in the assistant turn they follow (as the model wrote them: text,
+                     then <tool_call> blocks), or an assistant turn of their own
+    call outputs     tool results (the `tool` role: the chat template writes them as <tool_response>s)
+
+An assistant reply that was interrupted keeps the text that had been sent with the audio the user heard
+(`truncate`), so the next turn does not pretend the user heard the rest.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omni.messages import MultiModalInput
+from omni.serve.audio.codecs import clips
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as chat templates read them: the JSON object (the text itself if it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def new_item_id() -> str:
+    return f"item_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Part:
+    kind: str  # input_text | input_audio | output_text | output_audio | text
+    text: str = ""  # text, or the transcript of output audio
+    audio: np.ndarray | None = None  # input audio at the model's rate
+    audio_rate: int = 16000
+    transcript: str | None = None  # input audio: its transcription, once done (realtime/transcription.py)
+
+
+@dataclass
+class ConvItem:
+    id: str
+    role: str
+    parts: list[Part]
+    status: str = "completed"
+    # Output audio: (audio ms sent so far, transcript chars sent by then), one entry per audio delta.
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    type: str = "message"  # | function_call (call_id, name, arguments) | function_call_output (call_id, output)
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+    output: str = ""
+
+    def shape(self) -> dict[str, Any]:
+        """The item as events carry it (input audio is not echoed back: the client has it)."""
+        base = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
+        if self.type == "function_call":
+            return {**base, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**base, "call_id": self.call_id, "output": self.output}
+        content = []
+        for p in self.parts:
+            if p.kind == "input_audio":
+                content.append({"type": "input_audio", "transcript": p.transcript})
+            elif p.kind == "output_audio":
+                content.append({"type": "output_audio", "transcript": p.text})
+            else:
+                content.append({"type": p.kind, "text": p.text})
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
+                "role": self.role, "content": content}
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind != "input_audio")
+
+    def truncate_at(self, audio_end_ms: float) -> None:
+        """Keep the transcript sent with the first `audio_end_ms` of the reply's audio."""
+        chars = 0
+        for ms, n in self.timeline:
+            if ms > audio_end_ms:
+                break
+            chars = n
+        for p in self.parts:
+            if p.kind in ("output_audio", "output_text"):
+                p.text = p.text[:chars]
+        self.status = "incomplete"
+
+    @property
+    def audio_ms(self) -> float:
+        return self.timeline[-1][0] if self.timeline else 0.0
+
+
+class Conversation:
+    def __init__(self) -> None:
+        self.items: list[ConvItem] = []
+        # Items left out of the model's context by truncation ("auto": the conversation outgrew the thinker's
+        # max_model_len); they stay in the conversation (retrieve, delete), and stay out of every later prompt,
+        # so that the prompts keep one prefix for the caches.
+        self.dropped: set[str] = set()
+
+    def drop_oldest(self, count: int) -> int:
+        """Leave the `count` oldest items in the context out of it, then any that would start the context with
+        something but a user message (a reply or a call's output without its question); the newest item always
+        stays. Returns how many were dropped (0: nothing left to drop)."""
+        kept = [i for i in self.items if i.id not in self.dropped]
+        if len(kept) <= 1:
+            return 0
+        n = min(count, len(kept) - 1)
+        while n < len(kept) - 1 and not (kept[n].type == "message" and kept[n].role == "user"):
+            n += 1
+        self.dropped.update(i.id for i in kept[:n])
+        return n
+
+    def find(self, item_id: str) -> ConvItem | None:
+        return next((i for i in self.items if i.id == item_id), None)
+
+    def add(self, item: ConvItem, previous_item_id: str | None = None) -> str | None:
+        """Insert after `previous_item_id` (None: at the end; "root": first); returns the id before it."""
+        if previous_item_id is None:
+            at = len(self.items)
+        elif previous_item_id == "root":
+            at = 0
+        else:
+            prev = self.find(previous_item_id)
+            if prev is None:
+                raise KeyError(previous_item_id)
+            at = self.items.index(prev) + 1
+        self.items.insert(at, item)
+        return self.items[at - 1].id if at > 0 else None
+
+    def delete(self, item_id: str) -> bool:
+        item = self.find(item_id)
+        if item is None:
+            return False
+        self.items.remove(item)
+        self.dropped.discard(item_id)
+        return True
+
+    def prompt(self, instructions: str | None) -> tuple[list[dict[str, Any]], list[MultiModalInput]]:
+        """Chat messages (media as {"type": "audio"} parts) and their audio, in order."""
+        messages: list[dict[str, Any]] = []
+        media: list[MultiModalInput] = []
+        if instructions:
+            messages.append({"role": "system", "content": instructions})
+        for item in self.items:
+            if item.id in self.dropped:
+                continue
+            if item.type == "function_call":
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": _arguments(item.arguments)}}
+                if messages and messages[-1]["role"] == "assistant":  # the reply's text, then its calls
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            if item.type == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                continue
+            if item.role != "user":
+                text = item.text
+                if item.role == "assistant" and not text:
+                    continue  # an assistant turn that said nothing heard (cut before its first word)
+                messages.append({"role": item.role, "content": text})
+                continue
+            parts: list[dict[str, Any]] = []
+            for p in item.parts:
+                if p.kind == "input_audio" and p.audio is not None:
+                    # a turn longer than the encoder's window is heard as consecutive clips of it
+                    for clip in clips(p.audio, p.audio_rate):
+                        parts.append({"type": "audio"})
+                        media.append(MultiModalInput("audio", clip, sampling_rate=p.audio_rate))
+                elif p.text:
+                    parts.append({"type": "text", "text": p.text})
+            if parts:
+                messages.append({"role": "user", "content": parts})
+        return messages, media
