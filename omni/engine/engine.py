@@ -31,6 +31,7 @@ from omni.errors import ContextLengthError, RequestError, StageError
 from omni.messages import StageInput, StageOutput, TokenLogprob
 from omni.prompts import tokenize_prompt
 from omni.sampling_params import SamplingParams, resolve_sampling_params
+from omni.stage_info import StageInfo
 
 from omni.engine.io.detokenizer import final_decode
 from omni.engine.interface import EngineStepOutput, StageStats
@@ -169,6 +170,10 @@ class StageEngine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    def info(self) -> StageInfo:
+        """The model's facts with the stage's own: the max_model_len in force, whether it renders its prompt."""
+        return replace(self.model.info, max_model_len=self.max_model_len, renders_own_prompt=self._renders_own_prompt)
+
     @staticmethod
     def _num_blocks(config: StageEngineConfig, model: AutoregressiveStageModel, max_len: int) -> int:
         if config.num_blocks is not None:
@@ -204,7 +209,7 @@ class StageEngine:
             kinds = sorted({m.modality for m in inp.mm_inputs})
             raise RequestError(f"multi_modal_data: stage {self.name!r} takes no {'/'.join(kinds)} inputs "
                                "(a text-only model)", stage=self.name, field="multi_modal_data")
-        if prepared is not None and inp.tools and not getattr(self.model, "renders_tools", False):
+        if prepared is not None and inp.tools and not self.model.info.renders_tools:
             # its own prompt renderer, which shows the model no tools: they would be silently dropped
             raise RequestError(f"tools: stage {self.name!r} renders its own prompt and shows the model no tools",
                                stage=self.name, field="tools")
@@ -409,7 +414,7 @@ class StageEngine:
             self.model.extend_request(request_id, extra or {}, last)
         if last:
             req.input_complete = True
-            if not token_ids and not self.model.decodes_before_input_complete:
+            if not token_ids and not self.model.info.decodes_before_input_complete:
                 self.scheduler.recompute_last_token(req)
         req.compute_limit = self.model.compute_limit(request_id)
 
@@ -604,9 +609,6 @@ class StageEngine:
         extra.update(device=str(self.model.device), tensor_cache_worker_time_s=self.rows.worker_time_s,
                      tensor_cache_write_time_s=self.rows.write_time_s, rows_deliver_time_s=self.rows.deliver_time_s,
                      rows_delivered=self.rows.rows_delivered)
-        if self._renders_own_prompt:
-            # it renders its own prompts: whether a request's tools reach the model (else they are refused)
-            extra["shows_tools"] = bool(self.model.renders_tools)
         extra.update(self.model.stats())
         return StageStats(
             stage=self.name,
