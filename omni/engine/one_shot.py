@@ -152,7 +152,9 @@ class OneShotStageEngine:
         self._queue.clear()
         self._streams.clear()
         self._aborted.clear()
-        self.model.close()  # a model's own threads (token2wav's vocoder)
+        close = getattr(self.model, "close", None)  # optional: a model's own threads (token2wav's vocoder)
+        if close is not None:
+            close()
 
     # ----------------------------------------------------------------- step
     def step(self) -> EngineStepOutput:

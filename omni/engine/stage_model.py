@@ -75,6 +75,7 @@ class StageModel:
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None,
              tokenizer_path: Path | None = None) -> "StageModel":
+        """The model with its weights on `device`. Called once by its engine (omni/engine/loading.py)."""
         raise NotImplementedError
 
     @classmethod
@@ -100,12 +101,9 @@ class StageModel:
         return None
 
     def stats(self) -> dict[str, Any]:
-        """Model-specific counters merged into the stage's stats (e.g. encoder cache hits)."""
+        """Model-specific counters merged into the stage's stats by its engine's stats() (e.g. encoder cache
+        hits). Counters only: the model's facts are its `info`."""
         return {}
-
-    def close(self) -> None:
-        """Release what the model holds beyond its tensors (a one-shot model's own threads). Called once by
-        OneShotStageEngine.close(); StageEngine's models hold nothing of the kind."""
 
 
 class AutoregressiveStageModel(StageModel):
@@ -132,53 +130,61 @@ class AutoregressiveStageModel(StageModel):
     eos_token_id: int | None
 
     def kv_spec(self) -> KVSpec:
+        """The paged KV cache's shape; read by the model runner (and the loaded-model memory check) when
+        StageEngine builds it."""
         raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> [T, hidden] input embeddings."""
+        """[T] token ids -> [T, hidden] input embeddings. Called by the model runner in a step that mixes
+        prompt embeddings with token ids."""
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                 positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """One packed varlen forward pass over T tokens (exactly one of
         input_ids [T] / inputs_embeds [T, hidden]). Returns at least
-        "hidden_states": [T, hidden] (the last hidden states)."""
+        "hidden_states": [T, hidden] (the last hidden states). Called by the model runner once a step
+        (or captured in a CUDA graph)."""
         raise NotImplementedError
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
+        """[N, hidden] -> [N, vocab] float32 logits. Called by the model runner for the rows it samples (and
+        the rows of prompt logprobs)."""
         raise NotImplementedError
 
     def prepare_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Before capture: allocate the persistent device buffers a captured forward reads (their addresses are
-        baked into the graphs)."""
+        """Called by the model runner before capture (a model with supports_cuda_graphs): allocate the
+        persistent device buffers a captured forward reads (their addresses are baked into the graphs)."""
 
     def before_graph_replay(self, req_ids: list[str], padded: int) -> None:
-        """Before a graph replays a decode step of `req_ids` (rows in order; `padded` rows in all): fill the
-        buffers of `prepare_cuda_graphs` for these rows."""
+        """Called by the model runner before a graph replays a decode step of `req_ids` (rows in order; `padded`
+        rows in all): fill the buffers of `prepare_cuda_graphs` for these rows."""
 
     # -- optional hooks (multimodal / model-specific stages) -----------------
     def preprocess(self, inp: "StageInput") -> PreparedPrompt | None:
-        """Turn a request into token ids etc.; None = the engine's default
-        (tokenize text with the stage's tokenizer, or take the given ids/embeds)."""
+        """Turn a request into token ids etc.; None = the engine's default (tokenize text with the stage's
+        tokenizer, or take the given ids/embeds). Called by StageEngine at admission and by its tokenize()
+        (/tokenize); a model that overrides it renders its own prompt (StageInfo.renders_own_prompt)."""
         return None
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: "StageInput") -> None:
-        """Called once per admitted request, before its first forward pass; `inp.sampling_params` is the
-        request's resolved SamplingParams (the stage's defaults filled in)."""
+        """Called by StageEngine once per admitted request, before its first forward pass; `inp.sampling_params`
+        is the request's resolved SamplingParams (the stage's defaults filled in)."""
 
     def remove_request(self, request_id: str) -> None:
-        """Called once when a request leaves the stage (finished, aborted or failed)."""
+        """Called by StageEngine once when a request leaves the stage (finished, aborted or failed)."""
 
     def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
         """A chunk of model-specific input for a request on a streaming edge (StageInput.extra of the
-        processor's chunk form); `last`: nothing more will come. Raise ValueError to refuse it."""
+        processor's chunk form); `last`: nothing more will come. Called by StageEngine.extend_request for
+        each chunk. Raise ValueError to refuse it."""
         if extra:
             raise ValueError(f"extra: {type(self).__name__} takes no side input on a streaming edge")
 
     def compute_limit(self, request_id: str) -> int | None:
         """How many of the request's tokens can be computed with the input received so far (a model
-        that decodes before its input is complete: info.decodes_before_input_complete); None: no limit."""
+        that decodes before its input is complete: info.decodes_before_input_complete); None: no limit.
+        Called by StageEngine after add_request and after each extend_request."""
         return None
 
 
