@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from omni import registry
 from omni.config.schema import PipelineConfig
 from omni.config.loader import load_config
 from omni.sampling_params import SamplingParams, resolve_sampling_params
@@ -31,6 +30,7 @@ from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
 from omni.pipeline.orchestrator import Orchestrator
 from omni.prompts import to_stage_input
+from omni.stage_info import StageInfo
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class Omni:
                                 "pip install 'ray[default]', or use backend='local'") from None
             self._backend = RayBackend(config, self.graph, engine_factory)
         self._orch = Orchestrator(self.graph, self._backend, config.runtime.request_timeout_s)
+        # Each stage's facts, read once as the stages started: voices(), context_reserve(), ... answer from them.
+        self._infos: dict[str, StageInfo] = dict(self._backend.infos)
         self._ids = itertools.count()
         # Closes the backend (Ray actors, embedded Ray) at interpreter exit or when collected.
         self._finalizer = weakref.finalize(self, _close_pipeline, self._orch, self._backend)
@@ -217,38 +219,42 @@ class Omni:
         return stage
 
     def voices(self) -> tuple[str, ...]:
-        """The voices the pipeline speaks in: what its stage models report as `voices` in their stats (the
-        talkers: their speakers), sorted; () when no stage names any."""
-        return tuple(sorted({v for s in self.stats()["stages"].values() for v in s.get("voices") or ()}))
+        """The voices the pipeline speaks in: the `voices` of its stages' StageInfo (the talkers: their
+        speakers), sorted; () when no stage names any."""
+        self._check_open()
+        return tuple(sorted({v for info in self._infos.values() for v in info.voices}))
 
     def context_reserve(self) -> int:
         """Tokens of the entry stage's context a reply must leave free for the stages after it: each downstream
         autoregressive stage's prompt is the entry stage's sequence (a talker's: the thinker's prompt and reply,
         plus a few markers), and it needs room for its own max_tokens, and for any shorter max_model_len of its own
-        (the stages' stats: the lengths in force). 0 for a single stage."""
-        stats = self.stats()["stages"]
+        (the stages' StageInfo: the lengths in force). 0 for a single stage."""
+        self._check_open()
         entry = self.graph.entry_stages[0]
-        entry_len = stats[entry].get("max_model_len") or 0
+        entry_len = self._infos[entry].max_model_len or 0
         reserve = 0
         for name, stage in self.graph.stages.items():
-            if name == entry or not registry.stage_model_entry(stage.model).autoregressive:
+            info = self._infos[name]
+            if name == entry or not info.autoregressive:
                 continue
-            own_len = stats[name].get("max_model_len") or entry_len
+            own_len = info.max_model_len or entry_len
             reserve = max(reserve, stage.sampling.max_tokens + max(0, entry_len - own_len) + _MARKER_SLACK)
         return reserve
 
     def min_spoken_tokens(self) -> int:
         """The fewest tokens a reply of the entry stage must have for the stages after it to voice it as it is
-        generated: the most any stage's stats ask of its input (`min_upstream_tokens`; a talker's 2: it voices its
+        generated: the most any stage asks of its input (StageInfo.min_upstream_tokens; a talker's 2: it voices its
         thinker's reply from the thinker's rows of the reply's tokens, and the token sampled last has no row);
         1 when no stage asks."""
-        return max([1] + [int(s.get("min_upstream_tokens") or 1) for s in self.stats()["stages"].values()])
+        self._check_open()
+        return max([1] + [info.min_upstream_tokens for info in self._infos.values()])
 
     def shows_tools(self) -> bool | None:
-        """Whether a request's `tools` reach the entry stage's model (its stats' `shows_tools`: False for a model
+        """Whether a request's `tools` reach the entry stage's model (StageInfo.shows_tools: False for a model
         whose own prompt format has no tools, which refuses them); None when the stage does not say (a chat
         template shows them)."""
-        return self.stats()["stages"][self.graph.entry_stages[0]].get("shows_tools")
+        self._check_open()
+        return self._infos[self.graph.entry_stages[0]].shows_tools
 
     def close(self) -> None:
         """Stop the stages (and the embedded Ray, if this started one). Idempotent. Requests still running

@@ -145,19 +145,19 @@ class AsyncOmni:
                                                                                         token_ids, **kw))
 
     def voices(self) -> tuple[str, ...]:
-        """Omni.voices() (blocking: asks every stage once; the server calls it before it serves)."""
+        """Omni.voices() (read when the stages started: no call to them)."""
         return self._omni.voices()
 
     def shows_tools(self) -> bool | None:
-        """Omni.shows_tools() (blocking, as voices())."""
+        """Omni.shows_tools() (as voices())."""
         return self._omni.shows_tools()
 
     def context_reserve(self) -> int:
-        """Omni.context_reserve() (blocking, as voices())."""
+        """Omni.context_reserve() (as voices())."""
         return self._omni.context_reserve()
 
     def min_spoken_tokens(self) -> int:
-        """Omni.min_spoken_tokens() (blocking, as voices())."""
+        """Omni.min_spoken_tokens() (as voices())."""
         return self._omni.min_spoken_tokens()
 
     async def close(self) -> None:

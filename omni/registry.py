@@ -7,18 +7,26 @@ imported only when an engine is built (as vLLM's model registry does). The
 facts a config validator needs travel with each entry, so that validating a
 config imports neither torch nor any model:
 
-    stage model      target, autoregressive (has a KV cache), emits_hidden_states,
-                     checkpoint (loads weights from model_path: the path is checked before start)
+    stage model      target, info (the "package.module:NAME" of its omni.stage_info.StageInfo:
+                     autoregressive, emits_hidden_states, streams_input, ...), checkpoint (loads
+                     weights from model_path: the path is checked before start)
     input processor  target, needs_hidden_states (reads the upstream's per-token rows),
                      incremental (the chunk form a streaming edge uses; None: not streamable)
     path scheme      "builtin" -> target of fn(name) -> Path, and of fn(name) that checks a
                      name without building anything (optional)
 
+A stage model's facts are declared once, as one StageInfo object in a torch-free module of its
+family (e.g. stages/qwen2_5_omni/info.py): its class points at it (`info = TOKEN2WAV`), and its
+registration names that same object (`info="stages.qwen2_5_omni.info:TOKEN2WAV"`, imported when the
+name is first looked up, as the class is when an engine is built). So the validator reads exactly
+what the engine runs by without importing the class (and torch), and there is no second copy to
+drift. A model whose facts are all StageInfo's defaults (a plain decoder LM) declares nothing. A
+config may also name a target directly ("pkg.mod:Cls"); such a target is imported to read its
+class's `info`.
+
 Model packages register themselves through a plugin: "package.module:function",
 called once before the first lookup. The default plugin is this repository's
-`stages` package; $OMNI_PLUGINS (comma-separated) replaces the list. A config may
-also name a target directly ("pkg.mod:Cls"); such a target is imported to learn
-its facts (its class attributes `autoregressive` / `emits_hidden_states`).
+`stages` package; $OMNI_PLUGINS (comma-separated) replaces the list.
 
 A Ray actor does not see registrations made in the driver at run time;
 `snapshot()` / `restore()` carry them over (the Ray backend does this).
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from omni.errors import OmniError
+from omni.stage_info import StageInfo
 
 PLUGINS_ENV = "OMNI_PLUGINS"
 DEFAULT_PLUGINS = ("stages:register",)
@@ -41,12 +50,17 @@ DEFAULT_PLUGINS = ("stages:register",)
 @dataclass(frozen=True, slots=True)
 class StageModelEntry:
     target: str  # "package.module:Class"
-    autoregressive: bool = True  # False: a one-shot stage (no KV cache, no prefix caching)
-    emits_hidden_states: bool = True  # per-token last hidden states a downstream stage can read
+    info: StageInfo = StageInfo()  # the class's own `info` (the same object: declared once)
     checkpoint: bool = True  # loads weights from model_path (False: test doubles; the path is not checked)
-    # Its input may arrive in chunks (a streaming edge into it): every autoregressive model;
-    # a one-shot model only when it implements the streaming-input hooks.
-    streams_input: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class _StageModelRegistration:
+    """A registered stage model before its info is imported (what snapshot() carries)."""
+
+    target: str
+    info: str | None  # "package.module:NAME" of its StageInfo; None: StageInfo's defaults
+    checkpoint: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +79,7 @@ class InputProcessorEntry:
     incremental: str | None = None
 
 
-_STAGE_MODELS: dict[str, StageModelEntry] = {}
+_STAGE_MODELS: dict[str, _StageModelRegistration] = {}
 _INPUT_PROCESSORS: dict[str, InputProcessorEntry] = {
     # omni's own default: the upstream generated token ids become the prompt.
     "passthrough_tokens": InputProcessorEntry("omni.pipeline.stage_worker:passthrough_tokens",
@@ -111,14 +125,14 @@ def _check_name(kind: str, name: str, target: str) -> None:
         raise ValueError(f"{kind} {name!r}: target must be a 'package.module:attr' string, got {target!r}")
 
 
-def register_stage_model(name: str, target: str, *, autoregressive: bool = True,
-                         emits_hidden_states: bool | None = None, checkpoint: bool = True,
-                         streams_input: bool | None = None) -> None:
-    """Register a stage model class by its "module:Class" string (not imported here)."""
+def register_stage_model(name: str, target: str, *, info: str | None = None, checkpoint: bool = True) -> None:
+    """Register a stage model class by its "module:Class" string (not imported here); `info`: the
+    "module:NAME" string of the StageInfo object the class declares as its `info` (in a torch-free module;
+    not imported here either), None for a class that keeps StageInfo's defaults."""
     _check_name("stage model", name, target)
-    emits = autoregressive if emits_hidden_states is None else emits_hidden_states
-    streams = autoregressive if streams_input is None else streams_input
-    _STAGE_MODELS[name] = StageModelEntry(target, autoregressive, emits, checkpoint, streams)
+    if info is not None and not is_target(info):
+        raise ValueError(f"stage model {name!r}: info must be a 'package.module:NAME' string, got {info!r}")
+    _STAGE_MODELS[name] = _StageModelRegistration(target, info, checkpoint)
 
 
 def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False,
@@ -149,17 +163,22 @@ def register_model_path_scheme(scheme: str, target: str, *, check: str | None = 
 
 # ------------------------------------------------------------------ lookups
 def stage_model_entry(name: str) -> StageModelEntry:
-    """The entry of a registered name; for a "module:Class" target, facts read from the class.
+    """The entry of a registered name; for a "module:Class" target, the class's `info` (it is imported).
 
-    Raises KeyError (unknown name) or ValueError (a target that does not import / is no class).
+    Raises KeyError (unknown name) or ValueError (a target that does not import / is no class / declares no
+    StageInfo).
     """
     if is_target(name):
         cls = _resolve_target(name, "a class", lambda o: isinstance(o, type))
-        autoregressive = bool(getattr(cls, "autoregressive", True))
-        return StageModelEntry(name, autoregressive,
-                               bool(getattr(cls, "emits_hidden_states", autoregressive)),
-                               streams_input=bool(getattr(cls, "streams_input", autoregressive)))
-    return _registered(_STAGE_MODELS, "stage model", name, "package.module:Class")
+        info = getattr(cls, "info", None)  # the target is any class: checking that it declares one
+        if not isinstance(info, StageInfo):
+            raise ValueError(f"{name!r}: {cls.__name__} declares no StageInfo as its `info` "
+                             "(subclass omni.engine.stage_model's StageModel)")
+        return StageModelEntry(name, info)
+    reg: _StageModelRegistration = _registered(_STAGE_MODELS, "stage model", name, "package.module:Class")
+    info = (StageInfo() if reg.info is None
+            else _resolve_target(reg.info, "a StageInfo", lambda o: isinstance(o, StageInfo)))
+    return StageModelEntry(reg.target, info, reg.checkpoint)
 
 
 def input_processor_entry(name: str) -> InputProcessorEntry:

@@ -10,15 +10,20 @@ from __future__ import annotations
 def register() -> None:
     from omni.registry import register_input_processor, register_model_path_scheme, register_stage_model
 
+    # `info`: the StageInfo object the class declares as its `info` (torch-free, one module a family); none: the
+    # defaults (an autoregressive model that emits hidden states).
     register_stage_model("causal_lm", "stages.causal_lm:CausalLMStage")
     register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni.edges:Qwen2_5OmniThinkerStage")
-    register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni.edges:Qwen2_5OmniTalkerStage")
+    register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni.edges:Qwen2_5OmniTalkerStage",
+                         info="stages.qwen2_5_omni.info:TALKER")
     register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni.edges:Qwen2_5OmniToken2WavStage",
-                         autoregressive=False, streams_input=True)
-    register_stage_model("qwen3_omni_thinker", "stages.qwen3_omni.edges:Qwen3OmniThinkerStage")
-    register_stage_model("qwen3_omni_talker", "stages.qwen3_omni.edges:Qwen3OmniTalkerStage")
+                         info="stages.qwen2_5_omni.info:TOKEN2WAV")
+    register_stage_model("qwen3_omni_thinker", "stages.qwen3_omni.edges:Qwen3OmniThinkerStage",
+                         info="stages.qwen3_omni.info:THINKER")
+    register_stage_model("qwen3_omni_talker", "stages.qwen3_omni.edges:Qwen3OmniTalkerStage",
+                         info="stages.qwen3_omni.info:TALKER")
     register_stage_model("qwen3_omni_code2wav", "stages.qwen3_omni.edges:Qwen3OmniCode2WavStage",
-                         autoregressive=False, streams_input=True)
+                         info="stages.qwen3_omni.info:CODE2WAV")
 
     register_input_processor("hidden_to_embeds", "stages.common.processors:hidden_to_embeds", needs_hidden_states=True,
                              incremental="stages.common.processors:hidden_to_embeds_chunk")

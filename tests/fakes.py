@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from omni import registry
 from omni.engine.interface import EngineStepOutput, StageStats
 from omni.errors import RequestError
 from omni.sampling_params import resolve_sampling_params
 from omni.messages import StageDelta, StageInput, StageOutput
 from omni.registry import register_input_processor, register_stage_model
+from omni.stage_info import StageInfo
 
 HIDDEN = 4
 AUDIO_SAMPLES = 3
@@ -32,15 +34,15 @@ AUDIO_SAMPLES = 3
 class FakeStageModel:
     """Stands in for a stage model class in configs (model: fake)."""
 
-    autoregressive = True
+    info = StageInfo()
 
 
 class FakeNonARModel:
-    autoregressive = False
+    info = StageInfo(autoregressive=False, emits_hidden_states=False, streams_input=False)
 
 
 register_stage_model("fake", "tests.fakes:FakeStageModel", checkpoint=False)
-register_stage_model("fake_nar", "tests.fakes:FakeNonARModel", autoregressive=False,
+register_stage_model("fake_nar", "tests.fakes:FakeNonARModel", info="tests.fakes:FakeNonARModel.info",
                      checkpoint=False)
 
 
@@ -170,6 +172,11 @@ class FakeEngine:
     def stats(self) -> StageStats:
         return StageStats(self.name, running=len(self.running), finished=self.finished, steps=self.steps,
                           extra={"max_batch": self.max_batch})
+
+    def info(self) -> StageInfo:
+        """Its model's registered facts; `model_kwargs: {voices: [...]}` names voices."""
+        voices = tuple((self.stage.model_kwargs or {}).get("voices", ()))
+        return replace(registry.stage_model_entry(self.stage.model).info, voices=voices)
 
 
 def _prompt_text(prompt: Any) -> str:

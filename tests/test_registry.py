@@ -42,13 +42,14 @@ def test_omni_validate_imports_no_torch():
 
 
 @pytest.mark.parametrize("name", ["causal_lm", "qwen2_5_omni_thinker", "qwen2_5_omni_talker",
-                                  "qwen2_5_omni_token2wav"])
+                                  "qwen2_5_omni_token2wav", "qwen3_omni_thinker", "qwen3_omni_talker",
+                                  "qwen3_omni_code2wav"])
 def test_registered_stage_models_resolve_and_their_facts_hold(name):
     entry = registry.stage_model_entry(name)
     cls = registry.resolve_stage_model(name)
-    base = AutoregressiveStageModel if entry.autoregressive else OneShotStageModel
+    base = AutoregressiveStageModel if entry.info.autoregressive else OneShotStageModel
     assert issubclass(cls, base)
-    assert (cls.autoregressive, cls.emits_hidden_states) == (entry.autoregressive, entry.emits_hidden_states)
+    assert cls.info == entry.info  # one declaration: the class's object is the registration's
 
 
 @pytest.mark.parametrize("name,needs", [("passthrough_tokens", False), ("hidden_to_embeds", True),

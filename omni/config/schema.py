@@ -238,19 +238,19 @@ class StageConfig(_Model):
         # Facts come from the registry entries: validating imports no model code (and no torch).
         where = f"stage {self.name!r}"
         try:
-            model = registry.stage_model_entry(self.model)
+            info = registry.stage_model_entry(self.model).info
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: model: {e.args[0]}") from None
-        if not model.autoregressive and "enable_prefix_caching" not in self.model_fields_set:
+        if not info.autoregressive and "enable_prefix_caching" not in self.model_fields_set:
             self.enable_prefix_caching = False  # the default is off for a one-shot stage
-        if self.enable_prefix_caching and not model.autoregressive:
+        if self.enable_prefix_caching and not info.autoregressive:
             raise ValueError(
                 f"{where}: enable_prefix_caching: model {self.model!r} is not autoregressive (no KV cache), "
                 "so prefix caching does not apply; set enable_prefix_caching: false")
         if self.routing == "prefix_affinity" and not self.enable_prefix_caching:
             raise ValueError(f"{where}: routing: prefix_affinity routes by what each replica's prefix cache "
                              "holds, and enable_prefix_caching is false; use least_loaded or round_robin")
-        if self.final_output == "hidden" and not model.emits_hidden_states:
+        if self.final_output == "hidden" and not info.emits_hidden_states:
             raise ValueError(f"{where}: final_output: model {self.model!r} emits no hidden states; "
                              "choose text, tokens or audio")
         if self.input_processor is not None:
@@ -267,7 +267,7 @@ class StageConfig(_Model):
             if len(self.inputs) != 1:
                 raise ValueError(f"{where}: inputs: a streaming input must be the stage's only input "
                                  f"(got {len(self.inputs)} inputs)")
-            if not model.streams_input:
+            if not info.streams_input:
                 raise ValueError(f"{where}: inputs[0].stream: model {self.model!r} is a one-shot stage that "
                                  "cannot take its input in chunks (set stream: false)")
             proc = self.input_processor or "passthrough_tokens"

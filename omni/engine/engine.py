@@ -27,6 +27,7 @@ import torch
 
 from omni.errors import StageError
 from omni.messages import StageInput, StageOutput
+from omni.stage_info import StageInfo
 
 from omni.engine.core.kv_cache import KVCacheManager
 from omni.engine.core.request import RequestStatus
@@ -104,6 +105,11 @@ class StageEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    def info(self) -> StageInfo:
+        """The model's facts with the stage's own: the max_model_len in force, whether it renders its prompt."""
+        return replace(self.model.info, max_model_len=self.max_model_len,
+                       renders_own_prompt=renders_own_prompt(self.model))
 
     # ------------------------------------------------------------- requests
     def add_request(self, inp: StageInput) -> None:
@@ -187,7 +193,7 @@ class StageEngine:
             self.model.extend_request(request_id, extra or {}, last)
         if last:
             req.input_complete = True
-            if not token_ids and not self.model.decodes_before_input_complete:
+            if not token_ids and not self.model.info.decodes_before_input_complete:
                 self.scheduler.recompute_last_token(req)
         req.compute_limit = self.model.compute_limit(request_id)
 
@@ -285,9 +291,6 @@ class StageEngine:
         extra = dict(self.tensor_cache.stats()) if self.tensor_cache is not None else {}
         extra.update(self.runner.stats())
         extra.update(device=str(self.model.device), **self.rows.stats())
-        if renders_own_prompt(self.model):
-            # it renders its own prompts: whether a request's tools reach the model (else they are refused)
-            extra["shows_tools"] = bool(self.model.renders_tools)
         extra.update(self.model.stats())
         return StageStats(
             stage=self.name, running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,

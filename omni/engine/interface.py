@@ -11,7 +11,9 @@
                         the next step() reports it in `aborted`
     step()              one scheduling step -> EngineStepOutput
     has_unfinished()    anything queued, running, or an abort not yet reported
-    stats()             StageStats
+    stats()             StageStats (counters only)
+    info()              StageInfo: the stage model's facts and the stage's max_model_len; the
+                        pipeline asks once, when the stage starts (StageWorker.info)
     close()             release what the engine holds
     take_evicted_blocks()  optional: prefix-cache block hashes evicted since the previous call,
                         and whether some went unlogged (a router corrects its picture of the
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from omni.messages import StageDelta, StageInput, StageOutput
+from omni.stage_info import StageInfo
 
 
 @dataclass(slots=True)
@@ -100,6 +103,7 @@ class Engine(Protocol):
     def step(self) -> EngineStepOutput: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> StageStats: ...
+    def info(self) -> StageInfo: ...
     # vLLM's /tokenize and /detokenize on this stage: a prompt's token ids as the stage computes them (its own prompt
     # renderer included) and the text of token ids; a stage with no text (one-shot) raises RequestError
     def tokenize(self, inp: StageInput, add_generation_prompt: bool = True, add_special_tokens: bool | None = None,

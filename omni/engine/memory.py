@@ -213,8 +213,7 @@ def _check(config: Any, num_blocks: int, geometry: StageGeometry | None, dtype_b
 def check_before_load(config: Any, probe: Callable[[str], AvailableMemory] | None = None) -> None:
     """Before the model loads: the geometry comes from the checkpoint's config when the stage model
     can read it (`checkpoint_geometry`); an explicit num_blocks is checked in any case."""
-    reader = getattr(config.model_cls, "checkpoint_geometry", None)
-    geometry = reader(Path(config.model_path)) if reader is not None else None
+    geometry = config.model_cls.checkpoint_geometry(Path(config.model_path))
     dtype_bytes = DTYPE_BYTES.get(config.dtype, 4)
     num_blocks = config.num_blocks
     if num_blocks is None and config.memory_budget_mb is not None and geometry is not None:

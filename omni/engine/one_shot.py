@@ -30,7 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ import torch
 from omni.errors import RequestError, StageError
 from omni.messages import StageDelta, StageInput, StageOutput
 from omni.sampling_params import SamplingParams, resolve_sampling_params
+from omni.stage_info import StageInfo
 
 from omni.engine.interface import EngineStepOutput, StageStats
 from omni.engine.loading import load_stage_model
@@ -81,7 +82,7 @@ class OneShotStageEngine:
         if model is None:
             model = load_stage_model(config.name, config.model_cls, config.model_path, dtype=config.dtype,
                                      device=config.device, model_kwargs=config.model_kwargs)
-        if getattr(model, "autoregressive", True):
+        if model.info.autoregressive:
             raise ValueError(f"stage {self.name}: {type(model).__name__} is autoregressive; use StageEngine")
         self.model = model
         self.tokenizer = model.tokenizer
@@ -103,7 +104,7 @@ class OneShotStageEngine:
             raise ValueError(f"request_id {rid!r} is already in use on stage {self.name}")
         seed = int(resolve_sampling_params(inp.sampling_params, self.config.default_sampling).seed or 0)
         if not inp.input_complete:
-            if not getattr(self.model, "streams_input", False):
+            if not self.model.info.streams_input:
                 raise ValueError(f"stage {self.name!r}: {type(self.model).__name__} cannot take a streaming input")
             self._streams[rid] = _Job(inp, self.model.prepare_stream(inp, seed), time.monotonic(),
                                       list(inp.prompt_token_ids or []))
@@ -115,7 +116,7 @@ class OneShotStageEngine:
     def cuts_streamed_input(self) -> bool:
         """Whether a streamed input is cut into pieces of work as it grows (token2wav's windows), so that
         a stream whose whole input came at once must still be admitted as growing (StageWorker)."""
-        return bool(getattr(self.model, "streams_input", False))
+        return self.model.info.streams_input
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -265,6 +266,10 @@ class OneShotStageEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         raise RequestError(f"tokens: stage {self.name!r} takes codes, not text: it has nothing to decode",
                            stage=self.name, field="tokens")
+
+    def info(self) -> StageInfo:
+        """The model's facts with its max_model_len."""
+        return replace(self.model.info, max_model_len=self.model.max_model_len)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> StageStats:

@@ -10,7 +10,9 @@ run by its own engine (the pipeline's engine factory picks it from the registry)
 
 Whatever per-token tensors `forward` returns besides `hidden_states` are
 discovered by the runner and cached/concatenated like hidden states (see
-tensor_cache.py). Every hook an engine calls is declared here.
+tensor_cache.py). Every hook the engines, the pipeline and the planner call is declared
+here, with a default where a model may leave it out; a model's facts are one StageInfo
+(omni/stage_info.py), its class attribute `info`.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from omni.stage_info import StageInfo
 
 if TYPE_CHECKING:
     from omni.engine.memory import StageGeometry
@@ -52,11 +56,13 @@ class PreparedPrompt:
 
 
 class StageModel:
-    """What every stage model has: loading, its device/dtype/tokenizer, and stats."""
+    """What every stage model has: loading, its device/dtype/tokenizer, its facts, the planner's hooks, stats."""
 
-    # Facts the registry also records for registered models (omni/registry.py).
-    autoregressive: bool
-    emits_hidden_states: bool
+    # Its facts, declared once: a registered model's class and its registration name the same object, from a
+    # torch-free module of its family (omni/registry.py says why). A loaded model may replace it with a copy
+    # that fills in what its checkpoint knows (`voices`); the engine reads it, the pipeline reads it once at
+    # start through the engine's info().
+    info: StageInfo
 
     tokenizer: Any = None
     device: torch.device
@@ -69,18 +75,41 @@ class StageModel:
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None,
              tokenizer_path: Path | None = None) -> "StageModel":
+        """The model with its weights on `device`. Called once by its engine (omni/engine/loading.py)."""
         raise NotImplementedError
 
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> "StageGeometry | None":
+        """Cache geometry (layers, KV heads, head dim, hidden size) read from the checkpoint's config
+        without loading weights. Called by StageEngine before it loads the model (omni/engine/memory.py:
+        it refuses caches the machine cannot hold) and by `omni plan` (omni/planning/needs.py: an
+        autoregressive stage's KV and row sizes). None: known only once loaded."""
+        return None
+
+    @classmethod
+    def encoder_cache_bytes(cls, model_kwargs: dict[str, Any], geometry: "StageGeometry", dtype_bytes: int,
+                            item_rows: int) -> int:
+        """The bytes its own encoder cache holds at its fullest (`model_kwargs` as `load` reads them; each
+        media item at most `item_rows` rows). Called by `omni plan` (omni/planning/needs.py) for an
+        autoregressive stage; 0: it keeps none."""
+        return 0
+
+    def profile_inputs(self, lengths: list[int]) -> "list[StageInput] | None":
+        """Requests whose prompts have `lengths` tokens, shaped as the stage's input processor builds them.
+        Called by `omni plan`'s profile step (omni/planning/profile.py) on the loaded model; None: the
+        planner's default (token-id prompts of those lengths)."""
+        return None
+
     def stats(self) -> dict[str, Any]:
-        """Model-specific counters merged into the stage's stats (e.g. encoder cache hits)."""
+        """Model-specific counters merged into the stage's stats by its engine's stats() (e.g. encoder cache
+        hits). Counters only: the model's facts are its `info`."""
         return {}
 
 
 class AutoregressiveStageModel(StageModel):
     """A model run token by token by StageEngine. Subclasses implement every method up to the hooks."""
 
-    autoregressive = True
-    emits_hidden_states = True
+    info = StageInfo()
     # True when `forward` reads nothing but its tensor arguments and the
     # ForwardContext's device tensors (no per-request host state), so that a
     # decode step can be captured once in a CUDA graph and replayed. A model
@@ -91,14 +120,6 @@ class AutoregressiveStageModel(StageModel):
     # True: a graph replays only steps whose every token is a generated one (not
     # a one-token prompt chunk, which may need, say, an encoder's rows).
     graphs_need_generated_tokens: bool = False
-    # On a streaming edge: True when the model may sample while its input is still
-    # arriving (Qwen2.5-Omni's talker consumes one thinker row per step and says how
-    # far it can go through `compute_limit`); False: a growing prompt is only
-    # prefilled, and decoding starts once the input is complete.
-    decodes_before_input_complete: bool = False
-    # A model whose `preprocess` renders its own prompt from chat messages: True when that rendering shows the
-    # model the request's `tools` (StageInput.tools); else a request with tools is refused, naming the field.
-    renders_tools: bool = False
 
     hidden_size: int  # width of the last hidden states it emits
     # Width of rows accepted as `prompt_embeds` when it differs from
@@ -109,69 +130,69 @@ class AutoregressiveStageModel(StageModel):
     eos_token_id: int | None
 
     def kv_spec(self) -> KVSpec:
+        """The paged KV cache's shape; read by the model runner (and the loaded-model memory check) when
+        StageEngine builds it."""
         raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> [T, hidden] input embeddings."""
+        """[T] token ids -> [T, hidden] input embeddings. Called by the model runner in a step that mixes
+        prompt embeddings with token ids."""
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                 positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """One packed varlen forward pass over T tokens (exactly one of
         input_ids [T] / inputs_embeds [T, hidden]). Returns at least
-        "hidden_states": [T, hidden] (the last hidden states)."""
+        "hidden_states": [T, hidden] (the last hidden states). Called by the model runner once a step
+        (or captured in a CUDA graph)."""
         raise NotImplementedError
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
+        """[N, hidden] -> [N, vocab] float32 logits. Called by the model runner for the rows it samples (and
+        the rows of prompt logprobs)."""
         raise NotImplementedError
 
     def prepare_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Before capture: allocate the persistent device buffers a captured forward reads (their addresses are
-        baked into the graphs)."""
+        """Called by the model runner before capture (a model with supports_cuda_graphs): allocate the
+        persistent device buffers a captured forward reads (their addresses are baked into the graphs)."""
 
     def before_graph_replay(self, req_ids: list[str], padded: int) -> None:
-        """Before a graph replays a decode step of `req_ids` (rows in order; `padded` rows in all): fill the
-        buffers of `prepare_cuda_graphs` for these rows."""
+        """Called by the model runner before a graph replays a decode step of `req_ids` (rows in order; `padded`
+        rows in all): fill the buffers of `prepare_cuda_graphs` for these rows."""
 
     # -- optional hooks (multimodal / model-specific stages) -----------------
-    @classmethod
-    def checkpoint_geometry(cls, model_path: Path) -> "StageGeometry | None":
-        """Cache geometry (layers, KV heads, head dim, hidden size) read from the checkpoint's config
-        without loading weights, so that the engine refuses caches the machine cannot hold before it
-        loads the model (omni/engine/memory.py). None: known only once loaded."""
-        return None
-
     def preprocess(self, inp: "StageInput") -> PreparedPrompt | None:
-        """Turn a request into token ids etc.; None = the engine's default
-        (tokenize text with the stage's tokenizer, or take the given ids/embeds)."""
+        """Turn a request into token ids etc.; None = the engine's default (tokenize text with the stage's
+        tokenizer, or take the given ids/embeds). Called by StageEngine at admission and by its tokenize()
+        (/tokenize); a model that overrides it renders its own prompt (StageInfo.renders_own_prompt)."""
         return None
 
     def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: "StageInput") -> None:
-        """Called once per admitted request, before its first forward pass; `inp.sampling_params` is the
-        request's resolved SamplingParams (the stage's defaults filled in)."""
+        """Called by StageEngine once per admitted request, before its first forward pass; `inp.sampling_params`
+        is the request's resolved SamplingParams (the stage's defaults filled in)."""
 
     def remove_request(self, request_id: str) -> None:
-        """Called once when a request leaves the stage (finished, aborted or failed)."""
+        """Called by StageEngine once when a request leaves the stage (finished, aborted or failed)."""
 
     def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
         """A chunk of model-specific input for a request on a streaming edge (StageInput.extra of the
-        processor's chunk form); `last`: nothing more will come. Raise ValueError to refuse it."""
+        processor's chunk form); `last`: nothing more will come. Called by StageEngine.extend_request for
+        each chunk. Raise ValueError to refuse it."""
         if extra:
             raise ValueError(f"extra: {type(self).__name__} takes no side input on a streaming edge")
 
     def compute_limit(self, request_id: str) -> int | None:
         """How many of the request's tokens can be computed with the input received so far (a model
-        that decodes before its input is complete); None: no limit."""
+        that decodes before its input is complete: info.decodes_before_input_complete); None: no limit.
+        Called by StageEngine after add_request and after each extend_request."""
         return None
 
 
 class OneShotStageModel(StageModel):
     """A model that turns one request into its output in one call (OneShotStageEngine)."""
 
-    autoregressive = False
-    emits_hidden_states = False
-    streams_input = False  # True: implements the streaming-input hooks below
+    # info.streams_input True: it implements the streaming-input hooks below
+    info = StageInfo(autoregressive=False, emits_hidden_states=False, streams_input=False)
     # True: next_outputs advances the pieces in flight by one unit of work per call and answers
     # (None, False) for a stream whose piece is not done; it takes every stream with work (first pieces
     # first) and orders the work itself (OneShotStageEngine); drop_stream(state) forgets an aborted one.
@@ -203,7 +224,7 @@ class OneShotStageModel(StageModel):
     # On a streaming edge the engine calls prepare_stream with the first chunk (a request with
     # input_complete=False), extend_stream with each later one, and next_output whenever the
     # stream may have something ready; a model that cannot stream leaves these unimplemented
-    # (config validation keeps streaming edges away from it: registry `streams_input`).
+    # (config validation keeps streaming edges away from it: its info's `streams_input`).
     def prepare_stream(self, inp: "StageInput", seed: int) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot take a streaming input")
 

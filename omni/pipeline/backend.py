@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omni.messages import StageDelta, StageInput, StageOutput
+from omni.stage_info import StageInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,10 @@ class StageEvent:
 
 class Backend(Protocol):
     """Runs the stages (omni.pipeline.local: in this process; omni.pipeline.ray: one actor per replica)."""
+
+    # Each stage's StageInfo (its first replica's), read once when the stages started: what Omni.voices(),
+    # context_reserve(), min_spoken_tokens() and shows_tools() answer from, without a round trip.
+    infos: dict[str, StageInfo]
 
     def submit(self, sub: Submission) -> None: ...
     def poll(self, timeout_s: float) -> list[StageEvent]: ...  # stages that finished a request (or streamed a delta)

@@ -26,7 +26,7 @@ def build_engine(stage: StageConfig) -> Engine:
     entry = registry.stage_model_entry(stage.model)
     model_cls = registry.resolve_stage_model(stage.model)
     model_path = registry.resolve_model_path(stage.model_path)
-    if not entry.autoregressive:
+    if not entry.info.autoregressive:
         from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 
         return OneShotStageEngine(OneShotEngineConfig(

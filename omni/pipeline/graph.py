@@ -102,7 +102,7 @@ class StageGraph:
             self._check_rows_exist(n)
         for (up, down) in self.streaming_edges:
             model = self.stages[up].model
-            if not registry.stage_model_entry(model).autoregressive:
+            if not registry.stage_model_entry(model).info.autoregressive:
                 raise ConfigError(f"stage {down!r}: inputs[0].stream: stage {up!r} ({model!r}) is a one-shot "
                                   "stage and produces its output at once: there is nothing to stream")
 
@@ -114,7 +114,7 @@ class StageGraph:
             return
         for up in self.upstream[name]:
             model = self.stages[up].model
-            if not registry.stage_model_entry(model).emits_hidden_states:
+            if not registry.stage_model_entry(model).info.emits_hidden_states:
                 raise ConfigError(
                     f"stage {name!r}: input_processor: {self.stages[name].input_processor!r} reads the hidden "
                     f"states of stage {up!r}, whose model {model!r} emits none")

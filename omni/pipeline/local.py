@@ -18,6 +18,7 @@ from omni.pipeline.graph import StageGraph
 from omni.pipeline.replica_stats import merge_replica_stats
 from omni.pipeline.stage_worker import StageWorker
 from omni.pipeline.threads import ThreadsPerCaller, local_threads
+from omni.stage_info import StageInfo
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class LocalBackend:
         except BaseException:
             self.close()
             raise
+        self.infos: dict[str, StageInfo] = {name: ws[0].info for name, ws in self.replicas.items()}
 
     @property
     def workers(self) -> dict[str, StageWorker]:

@@ -124,6 +124,7 @@ class StageWorker:
         self.stage = stage
         self.name = stage.name
         self.engine = engine
+        self.info = engine.info()  # read once: the backend hands it to the driver (Backend.infos)
         self.emit_hidden_states = emit_hidden_states
         self.processor = registry.resolve_input_processor(stage.input_processor) if stage.input_processor else None
         self._inbox: deque[Submission | _Abort | _Chunk] = deque()

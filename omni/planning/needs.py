@@ -159,25 +159,24 @@ def stage_needs(config: PipelineConfig, stage: StageConfig, *, cuda_available: b
         raise ConfigError(f"stage {stage.name!r}: model_path: {e}", stage=stage.name, field="model_path") from None
     device = stage_device(stage, config.runtime.backend, cuda_available)
     dtype_bytes = DTYPE_BYTES[stage.dtype]
-    prefix = getattr(model_cls, "checkpoint_prefix", "")
+    prefix = model_cls.checkpoint_prefix
     w = checkpoint_weights(path, dtype_bytes, prefix) if entry.checkpoint else None
     sched = stage.scheduler
     key = profile_key(stage, path, device)
     record: ProfileRecord | None = store.get(key) if store is not None else None
     needs = StageNeeds(
-        stage=stage.name, replicas=stage.replicas, autoregressive=entry.autoregressive, device=device,
+        stage=stage.name, replicas=stage.replicas, autoregressive=entry.info.autoregressive, device=device,
         dtype_bytes=dtype_bytes, weights=w.bytes if w else 0,
         weights_source=w.source if w else "no safetensors file: not counted",
         activations=0, activations_source="not measured",
         block_size=stage.cache.block_size, max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens, prefix_caching=stage.enable_prefix_caching,
         profile_key=key)
-    if not entry.autoregressive:
+    if not entry.info.autoregressive:
         if record is not None:
             needs.working, needs.activations_source = record.activations, "measured by omni plan"
         return _with_allocator(needs)
-    reader = getattr(model_cls, "checkpoint_geometry", None)
-    geometry = reader(Path(path)) if reader is not None else None
+    geometry = model_cls.checkpoint_geometry(Path(path))
     if geometry is None:
         raise ConfigError(f"stage {stage.name!r}: model_path: the planner cannot read the model's geometry "
                           f"(layers, KV heads, head dim) from {path}", stage=stage.name, field="model_path")
@@ -195,10 +194,8 @@ def stage_needs(config: PipelineConfig, stage: StageConfig, *, cuda_available: b
         needs.activations = estimate_activations(geometry, sched.max_num_batched_tokens, sched.max_num_seqs,
                                                  needs.max_model_len, dtype_bytes)
         needs.activations_source = "estimated"
-    encoder = getattr(model_cls, "encoder_cache_bytes", None)
-    if encoder is not None:
-        item_rows = min(sched.max_num_batched_tokens, needs.max_model_len or sched.max_num_batched_tokens)
-        needs.encoder_cache = int(encoder(dict(stage.model_kwargs), geometry, dtype_bytes, item_rows))
+    item_rows = min(sched.max_num_batched_tokens, needs.max_model_len or sched.max_num_batched_tokens)
+    needs.encoder_cache = int(model_cls.encoder_cache_bytes(dict(stage.model_kwargs), geometry, dtype_bytes, item_rows))
     needs.hand_blocks, needs.hand_field = _hand_blocks(stage, needs.kv_per_block)
     return _with_allocator(needs)
 

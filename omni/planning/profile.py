@@ -191,8 +191,9 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
         cap = int(getattr(engine.model, "max_model_len", 0) or 1)
         lengths = [_input_tokens(config, graph, stage, cap)] * sched.max_num_seqs
         vocab = int(getattr(engine.model, "vocab_size", 1))
-    inputs_for = getattr(engine.model, "profile_inputs", None)
-    inputs = inputs_for(lengths) if inputs_for else _default_inputs(name, vocab, lengths)
+    inputs = engine.model.profile_inputs(lengths)
+    if inputs is None:
+        inputs = _default_inputs(name, vocab, lengths)
     # On a GPU, what building the engine allocated beyond the weights and the KV cache is device memory
     # the stage keeps: the runner's persistent input buffers and the CUDA graphs' pools (decode steps
     # are captured while the engine is built). It counts with the activations.
@@ -243,7 +244,7 @@ def _header_weights(stage: StageConfig, device: str) -> int:
 
     from omni.planning.weights import checkpoint_weights
 
-    prefix = getattr(registry.resolve_stage_model(stage.model), "checkpoint_prefix", "")
+    prefix = registry.resolve_stage_model(stage.model).checkpoint_prefix
     w = checkpoint_weights(registry.resolve_model_path(stage.model_path), DTYPE_BYTES[stage.dtype], prefix)
     return w.bytes if w is not None else 0
 
@@ -251,7 +252,7 @@ def _header_weights(stage: StageConfig, device: str) -> int:
 def _is_autoregressive(stage: StageConfig) -> bool:
     from omni import registry
 
-    return registry.stage_model_entry(stage.model).autoregressive
+    return registry.stage_model_entry(stage.model).info.autoregressive
 
 
 def profile_pipeline(config: PipelineConfig, store: ProfileStore, *,

@@ -37,7 +37,7 @@ class PipelineInfo:
     entry_stage: str
     text_stage: str | None  # its text is the reply's content
     audio_stage: str | None  # its audio is the reply's audio
-    # The voices its stages speak in (their models' `voices` stats, read once at start: Omni.voices()); () when no
+    # The voices its stages speak in (their StageInfo's `voices`, read once at start: Omni.voices()); () when no
     # stage names them, and then a request's voice is left to the stage that takes it
     voices: tuple[str, ...] = ()
     # False: the entry stage's model renders its own prompt without tools (Qwen2.5-Omni's thinker): a request

@@ -28,7 +28,7 @@ positions are the same as the one-shot path's, so the codes are too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.messages import StageInput
 
 from stages.common.parts import random_weights_seed
+from stages.qwen2_5_omni.info import TALKER
 from stages.qwen2_5_omni.inputs import fill_mrope_positions
 from stages.qwen2_5_omni.thinker import load_omni_part
 
@@ -118,7 +119,7 @@ class _TalkerRequest:
 class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
     checkpoint_prefix = "talker."
     tokenizer = None
-    decodes_before_input_complete = True  # one thinker row per step (compute_limit says how far)
+    info = TALKER
 
     def __init__(self, talker, thinker_embed: torch.nn.Embedding, speakers: dict, device, dtype,
                  mm_token_ids: tuple[int, ...], transformers_compat: bool = True):
@@ -126,6 +127,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         self.transformers_compat = transformers_compat
         self.thinker_embed = thinker_embed
         self.speakers = speakers
+        self.info = replace(TALKER, voices=tuple(sorted(speakers)))  # what `omni serve` checks a voice against
         self.device, self.dtype = device, dtype
         cfg = self.config = talker.config
         self.codec_embed = talker.model.embed_tokens
@@ -182,12 +184,6 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
                                          "thinker_hidden": np.zeros((rows, width), np.float32),
                                          "thinker_positions": positions}))
         return out
-
-    def stats(self) -> dict[str, Any]:
-        # voices: what `omni serve` checks a request's voice against; min_upstream_tokens: reply row k is the thinker's
-        # hidden state of token k, which exists once token k + 1 is sampled, so a reply of one token has no row
-        # (preprocess refuses it; `omni serve` voices such a reply by forcing its text and eos: Omni.min_spoken_tokens)
-        return {"voices": sorted(self.speakers), "min_upstream_tokens": 2}
 
     @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:

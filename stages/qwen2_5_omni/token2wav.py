@@ -95,6 +95,7 @@ from omni.errors import RequestError
 from omni.messages import StageInput
 
 from stages.qwen2_5_omni.dit import DiTRequest, ODEWindow, dit_sample_batch, ode_step, ode_window, time_grid
+from stages.qwen2_5_omni.info import TOKEN2WAV
 from stages.qwen2_5_omni.talker import load_speakers, speaker_params
 from stages.qwen2_5_omni.thinker import load_omni_part
 
@@ -146,7 +147,7 @@ class _Vocoding:
 
 class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     checkpoint_prefix = "token2wav."
-    streams_input = True
+    info = TOKEN2WAV
     pieces_span_steps = True
     tokenizer = None
     eos_token_id = None

@@ -39,6 +39,7 @@ from omni.engine.stage_model import OneShotStageModel
 from omni.errors import RequestError
 from omni.messages import StageInput
 
+from stages.qwen3_omni.info import CODE2WAV
 from stages.qwen3_omni.loading import load_qwen3_omni_part
 
 
@@ -60,7 +61,7 @@ class _CodeStream:
 
 class Qwen3OmniCode2WavStage(OneShotStageModel):
     checkpoint_prefix = "code2wav."  # its tensors in the full checkpoint (the planner reads their headers)
-    streams_input = True
+    info = CODE2WAV
     tokenizer = None
     eos_token_id = None
     sampling_rate = 24000

@@ -46,7 +46,7 @@ block only if both had the same prompt rows and the same c0 tokens but different
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from omni.sampling_params import SamplingParams
 from stages.qwen2_5_omni.inputs import fill_mrope_positions
 from stages.qwen2_5_omni.talker import load_thinker_embedding
 from stages.qwen3_omni.code_predictor import CodePredictor
+from stages.qwen3_omni.info import TALKER
 from stages.qwen3_omni.loading import load_qwen3_omni_part, register_talker_expert_conversion
 
 DEFAULT_SPEAKER = "Ethan"  # transformers' generate default
@@ -98,7 +99,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
     # choose their media.
     mixed_media = False
     tokenizer = None
-    decodes_before_input_complete = True  # one trailing thinker row per step (compute_limit says how far)
+    info = TALKER
 
     def __init__(self, talker, thinker_embed: torch.nn.Embedding, full_config, device, dtype):
         self.talker = talker
@@ -106,6 +107,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         self.device, self.dtype = device, dtype
         self.full_config = full_config
         cfg = self.config = full_config.talker_config
+        self.info = replace(TALKER, voices=tuple(sorted(cfg.speaker_id or {})))  # what `omni serve` checks a voice against
         tc = self.text_config = cfg.text_config
         self.codec_embed = talker.model.codec_embedding
         self.code_predictor = CodePredictor(talker.code_predictor)
@@ -129,12 +131,6 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
                                  full_config.tts_pad_token_id]], device=device)
             # One [1, 3] projection, as transformers computes these three rows.
             self.tts_bos, self.tts_eos, self.tts_pad = talker.text_projection(thinker_embed(ids))[0]
-
-    def stats(self) -> dict[str, Any]:
-        # voices: what `omni serve` checks a request's voice against; min_upstream_tokens: as transformers builds the
-        # talker's prompt, the row of the thinker's last token is never used, so a reply of one token has none to
-        # voice (preprocess refuses it; `omni serve` voices it by forcing its text and eos: Omni.min_spoken_tokens)
-        return {"voices": sorted(self.config.speaker_id or {}), "min_upstream_tokens": 2}
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,

@@ -48,6 +48,7 @@ from omni.messages import StageInput
 
 from stages.common.media import media_names
 from stages.qwen2_5_omni.inputs import MMItem, expand_placeholders, fill_mrope_positions
+from stages.qwen3_omni.info import THINKER
 from stages.qwen3_omni.inputs import chat_messages, image_config, media_item, render_chatml
 from stages.qwen3_omni.loading import load_qwen3_omni_part
 
@@ -63,7 +64,7 @@ class _ThinkerRequest:
 
 class Qwen3OmniThinkerStage(AutoregressiveStageModel):
     checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
-    renders_tools = True  # Qwen3's function-calling format (qwen3_omni_inputs.render_chatml)
+    info = THINKER  # renders Qwen3's function-calling format
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int,
                  system_prompt: str | None = None, encoder_cache_size: int = 128, max_pixels: int = 12845056):

@@ -10,6 +10,7 @@ import pytest
 from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 from omni.engine.stage_model import OneShotStageModel
 from omni.messages import StageInput
+from omni.stage_info import StageInfo
 
 
 @dataclass
@@ -23,7 +24,7 @@ class _Stream:
 class Echo(OneShotStageModel):
     """audio = the codes as floats; a code < 0 makes its request fail. Streams emit 2 codes a piece."""
 
-    streams_input = True
+    info = StageInfo(autoregressive=False, emits_hidden_states=False, streams_input=True)
     max_model_len = 1000
 
     def __init__(self):

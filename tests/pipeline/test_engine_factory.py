@@ -38,7 +38,8 @@ class EchoOneShot(OneShotStageModel):
         return {"echo": job}
 
 
-register_stage_model("echo_one_shot", "tests.pipeline.test_engine_factory:EchoOneShot", autoregressive=False)
+register_stage_model("echo_one_shot", "tests.pipeline.test_engine_factory:EchoOneShot",
+                     info="tests.pipeline.test_engine_factory:EchoOneShot.info")
 
 
 def test_engine_side_defaults_are_the_config_defaults():

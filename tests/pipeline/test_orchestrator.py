@@ -423,3 +423,34 @@ def test_backend_submit_failure_fails_only_that_request(chain, monkeypatch):
                                        "lost the stage", stage="talker", request_id="0")
     assert outs[0].outputs["thinker"].token_ids  # the thinker's part is kept
     assert outs[1].error is None
+
+
+
+def test_stage_facts_are_read_once_at_start_not_through_stats(monkeypatch):
+    """Omni.voices() / context_reserve() / min_spoken_tokens() / shows_tools() answer from each stage's StageInfo,
+    read once as the stages started: no stats() round trip to the stages (nor any other call to them)."""
+    from omni.pipeline.local import LocalBackend
+    from tests.fakes import FakeEngine
+
+    asked: list[str] = []
+    info = FakeEngine.info
+
+    def counted_info(self):
+        asked.append(self.name)
+        return info(self)
+
+    def no_stats(self):
+        raise AssertionError("stats() was called")
+
+    monkeypatch.setattr(FakeEngine, "info", counted_info)
+    data = chain_config()
+    data["stages"][1]["model_kwargs"] = {"voices": ["Ethan", "Chelsie"]}
+    with Omni(data, engine_factory=fake_factory) as o:
+        assert sorted(asked) == ["talker", "thinker"]  # once per stage, as the pipeline started
+        monkeypatch.setattr(LocalBackend, "stats", no_stats)
+        monkeypatch.setattr(FakeEngine, "stats", no_stats)
+        assert o.voices() == ("Chelsie", "Ethan")
+        # the talker (autoregressive) leaves room for its max_tokens and the markers; no max_model_len is known
+        assert o.context_reserve() == 2 + 8
+        assert o.min_spoken_tokens() == 1 and o.shows_tools() is None
+        assert sorted(asked) == ["talker", "thinker"]

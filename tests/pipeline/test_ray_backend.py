@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")  # GPU machines may run the suite without Ray
 from omni import Omni, SamplingParams
 from omni.errors import ConfigError, RequestAbortedError, RequestTimeoutError, StageError, StageStartError
 from omni.messages import StageOutput
+from omni.stage_info import StageInfo
 from tests.fakes import chain_config, diamond_config, embeds_ids, expected_tokens, fake_factory, text_ids
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.ray, pytest.mark.slow]
@@ -36,7 +37,9 @@ def summary(outs):
 
 @pytest.fixture(scope="module")
 def _chain():
-    with Omni(ray_chain(), engine_factory=fake_factory) as o:
+    data = ray_chain()
+    data["stages"][1]["model_kwargs"] = {"voices": ["Ethan", "Chelsie"]}  # the talker's StageInfo names them
+    with Omni(data, engine_factory=fake_factory) as o:
         yield o
 
 
@@ -117,6 +120,18 @@ def test_stream_and_stats_on_ray(chain):
     for name in ("thinker", "talker"):
         assert {"running", "waiting", "kv_usage", "prefix_cache_hit_rate", "pid", "orchestrator"} <= set(st["stages"][name])
     assert st["stages"]["thinker"]["pid"] != os.getpid()
+
+
+def test_stage_info_crosses_from_the_actors_once_at_start(chain, monkeypatch):
+    """Each stage's StageInfo came from its actor as the pipeline started: voices() and the other facts ask no
+    actor again (no stats() round trip)."""
+    def no_stats(self):
+        raise AssertionError("stats() was called")
+
+    monkeypatch.setattr(type(chain._backend), "stats", no_stats)
+    assert chain._backend.infos["talker"] == StageInfo(voices=("Ethan", "Chelsie"))
+    assert chain.voices() == ("Chelsie", "Ethan")
+    assert chain.context_reserve() == 2 + 8 and chain.min_spoken_tokens() == 1 and chain.shows_tools() is None
 
 
 def test_tokenize_runs_in_the_stage_actor_and_its_errors_keep_their_type(chain):

@@ -131,8 +131,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self._graphs_possible(device):
             self.graphs = DecodeGraphs(self.batch, capture_sizes or default_capture_sizes(max_num_seqs))
-            if hasattr(self.model, "prepare_cuda_graphs"):
-                self.model.prepare_cuda_graphs(max_num_seqs)
+            self.model.prepare_cuda_graphs(max_num_seqs)
             self.graphs.capture(lambda ids, pos: self.model.forward(ids, None, pos), self._graph_context)
             if not self.graphs.captured:
                 self.graphs = None
@@ -149,7 +148,7 @@ class ModelRunner:
     def _graphs_possible(self, device: torch.device) -> bool:
         from kernels.dispatch import resolve_backend
 
-        return (device.type == "cuda" and getattr(self.model, "supports_cuda_graphs", False)
+        return (device.type == "cuda" and self.model.supports_cuda_graphs
                 # The torch reference reads lengths back to the host: not capturable.
                 and resolve_backend(self.attention_backend, self.kv_caches[0][0]) == "triton")
 
@@ -221,7 +220,8 @@ class ModelRunner:
         prompt_lp: list[tuple[str, int, int, int, list[int]]] = []
         row_ranges = []
         is_decode = True
-        generated_only = getattr(self.model, "graphs_need_generated_tokens", False)
+        generated_only = self.model.graphs_need_generated_tokens
+        decodes_early = self.model.info.decodes_before_input_complete
         row = 0
         for i, s in enumerate(sched.scheduled):
             state = self.states[s.req_id]
@@ -237,7 +237,7 @@ class ModelRunner:
                 stop = min(end, req.num_prompt_tokens)
                 embed_rows.append((row, state.prompt_embeds[start:stop]))
             # All known tokens computed: sample the next one (not while more prompt may come).
-            if end == req.num_tokens and (req.input_complete or self.model.decodes_before_input_complete):
+            if end == req.num_tokens and (req.input_complete or decodes_early):
                 sample_rows.append(row + n - 1)
                 sample_states.append(state)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
@@ -260,8 +260,7 @@ class ModelRunner:
         if padded is not None:
             self.batch.fill_padding(n_tok, n_seq, padded)
             self.batch.upload(padded, padded)
-            if hasattr(self.model, "before_graph_replay"):
-                self.model.before_graph_replay([s.req_id for s in sched.scheduled], padded)
+            self.model.before_graph_replay([s.req_id for s in sched.scheduled], padded)
             self._before_forward()
             out = self.graphs.replay(padded)
             return {k: (v[:n_tok] if is_per_token(v, padded) else v) for k, v in out.items()}

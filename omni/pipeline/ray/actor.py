@@ -42,6 +42,7 @@ from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.stage_worker import StageWorker, TickResult
 from omni.pipeline.threads import set_torch_threads, stage_threads
+from omni.stage_info import StageInfo
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ class StageActor:
             raise self._start_error
         return {"stage": self.name, "replica": self.replica, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def info(self) -> StageInfo:
+        """The stage's StageInfo, read once when its engine was built; the driver asks once, after ready()."""
+        assert self.worker is not None  # ready() answered: the stage started
+        return self.worker.info
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():

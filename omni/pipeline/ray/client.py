@@ -43,6 +43,7 @@ from omni.pipeline.ray.actor import StageActor
 from omni.pipeline.ray.cluster import GET_TIMEOUT_S, HeldSignals, check_fits, init_ray, release, schedulable
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.replica_stats import merge_replica_stats
+from omni.stage_info import StageInfo
 
 # How long one wait for the actors to start lasts before it looks at a held Ctrl-C / SIGTERM (HeldSignals).
 _SIGNAL_SLICE_S = 0.2
@@ -71,6 +72,7 @@ class RayBackend:
                     f"stage {s.name!r}: device: 'cuda' needs resources.num_gpus > 0 on Ray "
                     "(Ray hides the GPUs from actors that reserve none); set resources.num_gpus, e.g. 1 or 0.5")
         self.replica_actors: dict[str, list[Any]] = {}
+        self.infos: dict[str, StageInfo] = {}  # each stage's, asked once when its actors are ready
         self._pending: dict[Any, Submission] = {}  # the submit() generator of each request in flight
         # (stage, replica, request id) -> the abort sent there: a later request with that id waits for it
         self._aborts: dict[tuple[str, int, str], Any] = {}
@@ -130,6 +132,9 @@ class RayBackend:
                     s, self.graph.emits_hidden_states(name), snap, engine_factory, peers,
                     config.runtime.stream_chunk_timeout_s, i))
         self._wait_ready(config.runtime.stage_start_timeout_s, held)
+        if not held:  # one call per stage, all at once: its first replica's facts
+            refs = {name: actors[0].info.remote() for name, actors in self.replica_actors.items()}
+            self.infos = {name: ray.get(ref, timeout=GET_TIMEOUT_S) for name, ref in refs.items()}
 
     @property
     def actors(self) -> dict[str, Any]:
