@@ -476,6 +476,7 @@ class StageEngine:
                 out.finished.append(StageOutput(req.request_id, self.name, prompt_token_ids=list(req.prompt_token_ids),
                                                 finished=True, finish_reason="error", error=error))
         else:
+            out.forward_rows, out.sampled_rows = result.num_tokens, len(result.sampled)
             if result.rows is not None or result.other_outputs:
                 self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
             finished = self.scheduler.update(result.sampled)
