@@ -38,7 +38,7 @@ def generate(model, reqs, device) -> tuple[float, int]:
 def _continuous_batching_limits(reqs) -> dict:
     """transformers' continuous batching with omni's engine limits here (64 sequences, 2,048 tokens a batch)
     and a KV cache the workload fits in: left to itself it sizes its cache from the device's free memory
-    (on a CPU, most of the machine's RAM, faulted in while the first request waits: 13 s for one request
+    (on a CPU, most of the machine's RAM, faulted in while the first request waits: seconds for one request
     of the tiny model). transformers without ContinuousBatchingConfig (before 5.2x) keeps its own sizing."""
     try:
         from transformers import ContinuousBatchingConfig
