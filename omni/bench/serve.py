@@ -86,14 +86,18 @@ async def _turn_in_process(omni: Any, stages: _Stages, messages: list, audio: bo
     # As the server runs a chat turn: a text-only reply runs only the stages the text needs.
     async for ev in omni.stream({"prompt": messages}, {stages.text: {"max_tokens": max_tokens}},
                                 request_id=f"bench-{next(_IDS)}", output_modalities=None if audio else ["text"]):
-        if ev.error:
+        if isinstance(ev, StageDelta):
+            if ev.stage == stages.text and ev.text and "ttft" not in rec:
+                rec["ttft"] = time.perf_counter() - t0
+            if ev.audio is not None and len(ev.audio) and "ttfp" not in rec:
+                rec["ttfp"] = time.perf_counter() - t0
+            continue
+        if ev.error:  # a final StageOutput
             raise RuntimeError(f"stage {ev.stage}: {ev.error}")
-        if ev.stage == stages.text and ev.text and "ttft" not in rec:
-            rec["ttft"] = time.perf_counter() - t0
-        if getattr(ev, "audio", None) is not None and len(ev.audio) and "ttfp" not in rec:
-            rec["ttfp"] = time.perf_counter() - t0
-        if ev.stage == stages.text and not isinstance(ev, StageDelta):
+        if ev.stage == stages.text:
             text = ev.text or ""
+        if ev.stage == stages.audio and "ttfp" not in rec:  # a one-shot waveform: the audio comes with the output
+            rec["ttfp"] = time.perf_counter() - t0
     rec["e2e"] = time.perf_counter() - t0
     return text, rec
 
