@@ -14,9 +14,9 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    (model_kwargs.vocoder_thread), whose work is outside the stage's steps.
 2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
 3. The same requests through transformers' Qwen2_5OmniForConditionalGeneration.generate (greedy, with audio),
-   one after another, in this process with this machine's cores (references/qwen2_5_omni.py): vs_hf_audio_s_per_s_c4 (omni
-   at concurrency 4 over transformers), vs_hf_ttfp_c1 (transformers' time to its waveform / omni's TTFP,
-   p50), and audio_identical: 1 when, for every request, omni's thinker tokens and codec tokens equal
+   one after another, in this process with this machine's cores (references/qwen2_5_omni.py):
+   vs_hf_audio_s_per_s_c4 (omni at concurrency 4 over transformers), vs_hf_ttfp_c1 (transformers' time to
+   its waveform / omni's TTFP, p50), and audio_identical: 1 when, for every request, omni's thinker tokens and codec tokens equal
    transformers' and the waveforms agree, on the local backend (audio_identical_ray: the same on Ray; and
    hf.{local,ray}.codes_first_difference, per request). Why both: the talker takes the thinker's rows as
    they stream in, so on Ray how its prompt is cut into forward passes follows the actors' timing; fp32
@@ -108,7 +108,8 @@ def _level(times: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
     audio = sum(t["audio_s"] for t in times)
     return {"requests": len(times), "wall_s": wall_s, "audio_s": audio, "audio_s_per_s": audio / wall_s,
             "ttfp_p50_ms": percentile(ttfp, 50), "ttfp_p99_ms": percentile(ttfp, 99), "rtf_p50": percentile(rtf, 50),
-            "rtf_p99": percentile(rtf, 99), "stall_p50_ms": percentile(stall, 50), "stall_p99_ms": percentile(stall, 99),
+            "rtf_p99": percentile(rtf, 99), "stall_p50_ms": percentile(stall, 50),
+            "stall_p99_ms": percentile(stall, 99),
             "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times]))}
 
 
@@ -219,7 +220,8 @@ def _hf(args, path, prompts: list[list[int]], device: str) -> tuple[dict[str, An
     audio = sum(r.audio_s for r in replies)
     return {"device": device, "threads": threads, "requests": len(replies), "audio_s": audio,
             "wall_s": total, "audio_s_per_s": audio / total,
-            "ttfp_p50_ms": percentile(times, 50), "ttfp_p99_ms": percentile(times, 99), **_cpu_keys(cpu, wall, audio)}, replies
+            "ttfp_p50_ms": percentile(times, 50), "ttfp_p99_ms": percentile(times, 99),
+            **_cpu_keys(cpu, wall, audio)}, replies
 
 
 def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 On a GPU a small decode step is bound by the host: hundreds of kernel launches from Python, each costing more
 than the kernel. A captured CUDA graph replays them with one launch (omni/engine/runner/cuda_graphs.py). This bench
 builds the stage twice through the engine factory (CUDA graphs on and off, each with its own copy of the model)
-and runs the same requests through both, `--batch` requests at a time: a `--prompt-tokens` prefill, then `--decode-steps` greedy steps
-(min_tokens = max_tokens: every run does the same work). Per batch size: the median decode step in ms of each,
+and runs the same requests through both, `--batch` requests at a time: a `--prompt-tokens` prefill, then
+`--decode-steps` greedy steps (min_tokens = max_tokens: every run does the same work). Per batch size: the median decode step in ms of each,
 `speedup` (eager / graphs) and `tokens_identical` (greedy tokens of the two equal). `graph_replays` says how many
 steps replayed a graph (0: the model does not opt in, or capture failed: see the log).
 
@@ -51,8 +51,9 @@ def _run(engine: Any, tag: str, args, batch: int) -> tuple[float, list[list[int]
     from omni.sampling_params import SamplingParams
 
     n = args.decode_steps
-    inputs = [StageInput(f"{tag}{i}", prompt_token_ids=[(37 * j + 11 * i) % 30000 + 100 for j in range(args.prompt_tokens)],
-                         sampling_params=SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n))
+    sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    inputs = [StageInput(f"{tag}{i}", sampling_params=sp,
+                         prompt_token_ids=[(37 * j + 11 * i) % 30000 + 100 for j in range(args.prompt_tokens)])
               for i in range(batch)]
     sync = torch.cuda.synchronize if args.device == "cuda" else None
     times, outs = [], {}

@@ -138,7 +138,8 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
     times = [r.seconds * 1000 for r in replies]
     return {"device": device, "threads": threads, "requests": len(replies), "wall_s": total,
             "requests_per_s": len(replies) / total,
-            "ttfp_p50_ms": percentile(times, 50), "ttfp_p99_ms": percentile(times, 99), "e2e_mean_s": total / len(replies),
+            "ttfp_p50_ms": percentile(times, 50), "ttfp_p99_ms": percentile(times, 99),
+            "e2e_mean_s": total / len(replies),
             "audio_s": sum(r.audio_s for r in replies), "thinker_tokens_identical": int(tokens_same),
             "first_codebook_identical": int(codes_same), "waveform_bitwise_equal": int(bitwise),
             "audio_snr_db_min": min(snrs),
