@@ -2,12 +2,15 @@
 from StageConfig fields, driven step by step; each step reports the rows its forward pass computed and sampled."""
 from __future__ import annotations
 
+import pytest
+
 from omni.bench import engine_loop
 from omni.bench.workloads import Conversation
 from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 
 
+@pytest.mark.slow  # builds a tiny engine
 def test_engine_loop_runs_requests_to_the_end_and_reports_each_forward(tiny_llama):
     engine = engine_loop.engine("bench", "causal_lm", tiny_llama, emit_hidden_states=False, cuda_graphs=False,
                                 scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64})
