@@ -14,17 +14,17 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    (model_kwargs.vocoder_thread), whose work is outside the stage's steps.
 2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
 3. The same requests through transformers' Qwen2_5OmniForConditionalGeneration.generate (greedy, with audio),
-   one after another, in this process with this machine's cores (hf_omni.py): vs_hf_audio_s_per_s_c4 (omni
-   at concurrency 4 over transformers), vs_hf_ttfp_c1 (transformers' time to its waveform / omni's TTFP,
-   p50), and audio_identical: 1 when, for every request, omni's thinker tokens and codec tokens equal
+   one after another, in this process with this machine's cores (references/qwen2_5_omni.py):
+   vs_hf_audio_s_per_s_c4 (omni at concurrency 4 over transformers), vs_hf_ttfp_c1 (transformers' time to
+   its waveform / omni's TTFP, p50), and audio_identical: 1 when, for every request, omni's thinker tokens and codec tokens equal
    transformers' and the waveforms agree, on the local backend (audio_identical_ray: the same on Ray; and
    hf.{local,ray}.codes_first_difference, per request). Why both: the talker takes the thinker's rows as
    they stream in, so on Ray how its prompt is cut into forward passes follows the actors' timing; fp32
    sums cut differently differ in the last bits, and where two codec logits nearly tie, a greedy code
-   late in a long reply can flip (measured: 1 request in 16 from code 227 of 250 on, with transformers'
-   own codes the same at 1 and 2 threads). The local backend steps the stages in a fixed order. The waveform omni streams is made in chunked DiT windows (one
-   block of context each side): the same math in other shapes, so equal to the one-shot waveform up to
-   the blocking of fp32 sums (the README's 122-139 dB); "agree" is an SNR >= 100 dB, and
+   late in a long reply can flip. The local backend steps the stages in a fixed order. The waveform omni
+   streams is made in chunked DiT windows (one block of context each side): the same math in other shapes,
+   so equal to the one-shot waveform up to the blocking of fp32 sums (README's table has the SNRs);
+   "agree" is an SNR >= 100 dB, and
    audio_bitwise_equal says whether they are bit for bit equal.
 
 `--stage-overrides` changes the pipeline on both backends (the JSON's `stage_overrides` echoes it): the
@@ -56,8 +56,9 @@ from typing import Any
 
 import numpy as np
 
+from omni.bench.measures import AGREE_SNR_DB, percentile, snr_db
+
 CODES_PER_SECOND = 50  # Qwen2.5-Omni's talker: 50 codec tokens per second of audio
-AGREE_SNR_DB = 100.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,18 +101,15 @@ def _prompts(tok, n: int, tag: str) -> list[list[int]]:
             for i in range(n)]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
-
-
 def _level(times: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
     ttfp = [t["ttfp_s"] * 1000 for t in times]
     rtf = [t["rtf"] for t in times]
     stall = [t["stall_s"] * 1000 for t in times]  # silence a listener hears after the first chunk
     audio = sum(t["audio_s"] for t in times)
     return {"requests": len(times), "wall_s": wall_s, "audio_s": audio, "audio_s_per_s": audio / wall_s,
-            "ttfp_p50_ms": _pct(ttfp, 50), "ttfp_p99_ms": _pct(ttfp, 99), "rtf_p50": _pct(rtf, 50),
-            "rtf_p99": _pct(rtf, 99), "stall_p50_ms": _pct(stall, 50), "stall_p99_ms": _pct(stall, 99),
+            "ttfp_p50_ms": percentile(ttfp, 50), "ttfp_p99_ms": percentile(ttfp, 99), "rtf_p50": percentile(rtf, 50),
+            "rtf_p99": percentile(rtf, 99), "stall_p50_ms": percentile(stall, 50),
+            "stall_p99_ms": percentile(stall, 99),
             "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times]))}
 
 
@@ -191,11 +189,6 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
     return out, c1, open_loop
 
 
-def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
-    noise = float(((ref.astype(np.float64) - got) ** 2).sum())
-    return float("inf") if noise == 0 else 10 * float(np.log10(float((ref.astype(np.float64) ** 2).sum()) / noise))
-
-
 def hf_device(cfg: Any, stage: str) -> str:
     """The device transformers' reference runs on: the one the pipeline's `stage` runs on (its `device`, "auto"
     resolved as the stage resolves it), so that a GPU pipeline is compared with transformers on that GPU."""
@@ -210,7 +203,7 @@ def _hf(args, path, prompts: list[list[int]], device: str) -> tuple[dict[str, An
 
     from omni.pipeline.threads import available_cores
 
-    from omni.bench import hf_omni
+    from omni.bench.references import qwen2_5_omni as hf_omni
     from omni.bench.machine_cpu import MachineCPU
 
     model = hf_omni.load(path, device)
@@ -227,7 +220,8 @@ def _hf(args, path, prompts: list[list[int]], device: str) -> tuple[dict[str, An
     audio = sum(r.audio_s for r in replies)
     return {"device": device, "threads": threads, "requests": len(replies), "audio_s": audio,
             "wall_s": total, "audio_s_per_s": audio / total,
-            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99), **_cpu_keys(cpu, wall, audio)}, replies
+            "ttfp_p50_ms": percentile(times, 50), "ttfp_p99_ms": percentile(times, 99),
+            **_cpu_keys(cpu, wall, audio)}, replies
 
 
 def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:
@@ -243,7 +237,7 @@ def _agreement(replies: list[Any], records: list[Any]) -> dict[str, Any]:
         got = np.asarray(wav.audio, dtype=np.float32)
         same_len = got.shape == r.audio.shape
         bitwise &= same_len and bool(np.array_equal(got, r.audio))
-        snrs.append(_snr_db(r.audio, got) if same_len else float("-inf"))
+        snrs.append(snr_db(r.audio, got) if same_len else float("-inf"))
     return {"thinker_tokens_identical": int(tokens_same), "codes_identical": int(codes_same),
             "codes_first_difference": first_diff, "audio_bitwise_equal": int(bitwise),
             "audio_snr_db_min": min(snrs), "audio_identical": int(tokens_same and codes_same and min(snrs) >= AGREE_SNR_DB)}

@@ -2,9 +2,9 @@
 
 On a GPU a small decode step is bound by the host: hundreds of kernel launches from Python, each costing more
 than the kernel. A captured CUDA graph replays them with one launch (omni/engine/runner/cuda_graphs.py). This bench
-loads one stage model once, builds two engines on it (CUDA graphs on and off), and runs the same requests
-through both, `--batch` requests at a time: a `--prompt-tokens` prefill, then `--decode-steps` greedy steps
-(min_tokens = max_tokens: every run does the same work). Per batch size: the median decode step in ms of each,
+builds the stage twice through the engine factory (CUDA graphs on and off, each with its own copy of the model)
+and runs the same requests through both, `--batch` requests at a time: a `--prompt-tokens` prefill, then
+`--decode-steps` greedy steps (min_tokens = max_tokens: every run does the same work). Per batch size: the median decode step in ms of each,
 `speedup` (eager / graphs) and `tokens_identical` (greedy tokens of the two equal). `graph_replays` says how many
 steps replayed a graph (0: the model does not opt in, or capture failed: see the log).
 
@@ -19,6 +19,8 @@ import statistics
 import time
 from typing import Any
 
+from omni.bench import engine_loop
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-model", default="qwen2_5_omni_thinker", help="registered stage model name")
@@ -31,25 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks of 16 tokens, per engine")
 
 
-def _engines(args) -> tuple[Any, Any]:
-    from omni import registry
-    from omni.engine.engine import StageEngine
-    from omni.engine.engine_config import StageEngineConfig
-    from omni.engine.core.scheduler import SchedulerSettings
-
-    cls = registry.resolve_stage_model(args.stage_model)
-    path = registry.resolve_model_path(args.model)
+def _engine(args, graphs: bool) -> Any:
+    """The stage with CUDA graphs (`graphs`) or without (eager), as engine_factory builds it."""
     seqs = max(args.batch)
-
-    def config(graphs: bool) -> Any:
-        return StageEngineConfig(
-            name=args.stage_model, model_cls=cls, model_path=path, enable_prefix_caching=False, block_size=16,
-            num_blocks=args.num_blocks, device=args.device, dtype=args.dtype, cuda_graphs=graphs,
-            emit_hidden_states=False,
-            scheduler=SchedulerSettings(max_num_seqs=seqs, max_num_batched_tokens=max(seqs * args.prompt_tokens, 512)))
-
-    graphed = StageEngine(config(True))
-    return graphed, StageEngine(config(False), model=graphed.model)
+    return engine_loop.engine(
+        args.stage_model, args.stage_model, args.model, enable_prefix_caching=False, device=args.device,
+        dtype=args.dtype, cuda_graphs=graphs, emit_hidden_states=False,
+        cache={"block_size": 16, "num_blocks": args.num_blocks},
+        scheduler={"max_num_seqs": seqs, "max_num_batched_tokens": max(seqs * args.prompt_tokens, 512)})
 
 
 def _run(engine: Any, tag: str, args, batch: int) -> tuple[float, list[list[int]]]:
@@ -60,21 +51,15 @@ def _run(engine: Any, tag: str, args, batch: int) -> tuple[float, list[list[int]
     from omni.sampling_params import SamplingParams
 
     n = args.decode_steps
-    for i in range(batch):
-        ids = [(37 * j + 11 * i) % 30000 + 100 for j in range(args.prompt_tokens)]
-        engine.add_request(StageInput(f"{tag}{i}", prompt_token_ids=ids, sampling_params=SamplingParams(
-            temperature=0.0, max_tokens=n, min_tokens=n)))
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    inputs = [StageInput(f"{tag}{i}", sampling_params=sp,
+                         prompt_token_ids=[(37 * j + 11 * i) % 30000 + 100 for j in range(args.prompt_tokens)])
+              for i in range(batch)]
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
     times, outs = [], {}
-    first = True
-    while engine.has_unfinished():
-        sync()
-        t = time.perf_counter()
-        step = engine.step()
-        sync()
-        if not first:  # the first step is the prefill
-            times.append(time.perf_counter() - t)
-        first = False
+    for k, (step, seconds) in enumerate(engine_loop.steps(engine, inputs, sync=sync)):
+        if k:  # the first step is the prefill
+            times.append(seconds)
         for o in step.finished:
             outs[o.request_id] = list(o.token_ids)
     return statistics.median(times) * 1000, [outs[f"{tag}{i}"] for i in range(batch)]
@@ -87,8 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"bench": "cuda-graphs", "gpu": None, "skipped": "no CUDA device: CUDA graphs need a GPU "
                 "(--device cpu: a smoke run, both sides eager)"}
     t0 = time.perf_counter()
-    graphed, eager = _engines(args)
-    load_s = time.perf_counter() - t0
+    graphed = _engine(args, True)
+    load_s = time.perf_counter() - t0  # the graphed engine's: its model loaded, its graphs captured
+    eager = _engine(args, False)
     for engine, tag in ((graphed, "warm-g"), (eager, "warm-e")):  # Triton compiles, first allocations
         _run(engine, tag, argparse.Namespace(**{**vars(args), "prompt_tokens": 16, "decode_steps": 4}), 1)
     levels = {}

@@ -37,12 +37,22 @@ class DecoderShape:
 
 
 def decoder_shape(model) -> DecoderShape:
-    """The matmul shapes of a causal_lm stage model (stages/causal_lm.py: `decoder`, `lm_head`, `config`)."""
-    layers = model.decoder.layers
+    """The matmul shapes of a transformers decoder LM (the model a causal_lm stage runs: stages/causal_lm.py
+    takes its decoder and head through the same accessors)."""
+    layers = model.get_decoder().layers
     weights = [m.weight for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return DecoderShape(weights, model.lm_head.weight, len(layers), cfg.num_attention_heads * head_dim)
+    return DecoderShape(weights, model.get_output_embeddings().weight, len(layers), cfg.num_attention_heads * head_dim)
+
+
+def meta_model(path) -> torch.nn.Module:
+    """The transformers model at `path` with its weights on the meta device: shapes for FLOP counts,
+    no memory and no loading."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
 
 
 def forward_flops(shape: DecoderShape, spans: list[tuple[int, int]], sampled_rows: int) -> tuple[float, float]:

@@ -110,16 +110,16 @@ def _media(args, chain: AudioChain, rng: Any) -> dict[str, Any]:
     return chain.media(rng, None if args.media == "auto" else args.media.split("+"))
 
 
-def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
+def _run_conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
+    """One conversation of --turns turns on a fresh pipeline: per turn its timings, hits and outputs."""
     from omni.registry import resolve_model_path
 
-    from omni.bench.workloads import Conversation
+    from omni.bench.workloads import Conversation, with_media
 
     omni = _pipeline(args, caching, chain)
     try:
         rng = np.random.default_rng(args.seed)
         mm = _media(args, chain, rng)
-        first = [{"type": modality} for modality in mm]
         doc = ""
         if args.doc_tokens:
             from transformers import AutoTokenizer
@@ -130,10 +130,10 @@ def _conversation(args, caching: bool, chain: AudioChain) -> dict[str, Any]:
             doc = long_document(AutoTokenizer.from_pretrained(str(path)), args.doc_tokens, args.seed) + "\n"
         conv = Conversation(messages=[])
         latency, first_audio, first_waveform, stage_s, hits, outputs = [], [], [], [], [], []
-        for turn in range(args.turns):
-            text = (doc if turn == 0 else "") + _USER_TURNS[turn % len(_USER_TURNS)]
-            content: Any = first + [{"type": "text", "text": text}] if turn == 0 and mm else text
-            res = _turn(omni, chain, f"turn{turn}", conv.ask(content), mm)
+        questions = (with_media(mm, doc + _USER_TURNS[0]) if turn == 0 else _USER_TURNS[turn % len(_USER_TURNS)]
+                     for turn in range(args.turns))
+        for turn, prompt in conv.turns(questions):
+            res = _turn(omni, chain, f"turn{turn}", prompt, mm)
             t_out, k_out, w_out = res["outputs"]
             latency.append(res["latency"])
             first_audio.append(res["first_audio"])
@@ -173,7 +173,7 @@ def _interleaved(args, chain: AudioChain) -> tuple[dict[str, Any], dict[str, Any
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for _ in range(max(1, args.repeats)):
         for caching in (False, True):
-            runs[caching].append(_conversation(args, caching, chain))
+            runs[caching].append(_run_conversation(args, caching, chain))
     return _best_of(runs[False]), _best_of(runs[True])
 
 
@@ -187,9 +187,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same = tokens_same and all(np.array_equal(a[2], b[2]) for a, b in pairs)
     # Where the waveforms are not bit for bit equal (a GPU's kernels need not sum in one order from run to run),
     # how close they are: the worst turn's SNR of caching on against caching off.
-    from omni.bench.capacity import _snr_db
+    from omni.bench.measures import snr_db
 
-    snr = min((_snr_db(np.asarray(b[2]), np.asarray(a[2])) if np.shape(a[2]) == np.shape(b[2]) else float("-inf")
+    snr = min((snr_db(np.asarray(b[2]), np.asarray(a[2])) if np.shape(a[2]) == np.shape(b[2]) else float("-inf")
                for a, b in pairs), default=float("inf"))
 
     def mean_after_first(xs: list[float]) -> float:

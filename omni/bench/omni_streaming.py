@@ -75,19 +75,18 @@ def audio_times(records: list[Any], audio_stage: str) -> list[dict[str, float]]:
     return out
 
 
-def _conversation(omni, chain: AudioChain, tokenizer, args) -> list[float]:
+def _conversation_ttfps(omni, chain: AudioChain, tokenizer, args) -> list[float]:
     """TTFP per turn of one conversation (turn 1 carries a long document, an image and audio: AudioChain.media)."""
-    from omni.bench.workloads import Conversation, long_document
+    from omni.bench.workloads import Conversation, long_document, with_media
 
     mm = chain.media(np.random.default_rng(args.seed))
     doc = long_document(tokenizer, args.omni_doc_tokens, args.seed)
     conv = Conversation(messages=[])
     ttfp = []
-    for turn in range(args.omni_turns):
-        text = f"{doc}\nPlease describe the picture and the sound, then the table." if turn == 0 else \
-            f"Thank you. Tell me more, part {turn}."
-        content: Any = [{"type": kind} for kind in mm] + [{"type": "text", "text": text}] if turn == 0 else text
-        [r] = _run(omni, chain, [{"prompt": conv.ask(content), "multi_modal_data": mm}])
+    questions = (with_media(mm, f"{doc}\nPlease describe the picture and the sound, then the table.") if turn == 0
+                 else f"Thank you. Tell me more, part {turn}." for turn in range(args.omni_turns))
+    for turn, prompt in conv.turns(questions):
+        [r] = _run(omni, chain, [{"prompt": prompt, "multi_modal_data": mm}])
         ttfp.append(r["ttfp_s"])
         conv.answer(f"Reply {turn}.")
     return ttfp
@@ -121,7 +120,7 @@ def run_omni(args) -> dict[str, Any]:
                             f"Tell me a story about {TOPICS[(i + c + k) % len(TOPICS)]}, number {c}-{i}-{k}."
                             for i in range(c)])]
                 key = f"{'streaming' if streaming else 'non_streaming'}_caching_{'on' if caching else 'off'}"
-                turns[key] = _conversation(o, chain, tok, args)
+                turns[key] = _conversation_ttfps(o, chain, tok, args)
                 print(f"omni {key}: TTFP per turn {[round(t, 2) for t in turns[key]]}", flush=True)
 
     def mean(streaming: bool, c: int, key: str) -> float:

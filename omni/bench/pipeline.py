@@ -190,12 +190,18 @@ def _stage_ttfts(omni: Any, out: Any, before: dict[str, Any], after: dict[str, A
     return res
 
 
-def _conversation(omni: Any, sampling: Any, rng: random.Random, args: argparse.Namespace,
+def _conversation_turns(omni: Any, sampling: Any, rng: random.Random, args: argparse.Namespace,
                   budget: int) -> list[dict[str, Any]]:
+    def questions():  # the first turn is the context alone; each next question drawn when its turn comes
+        yield []
+        for _ in range(args.turns - 1):
+            yield random_ids(rng, args.turn_tokens)
+
     conv = Conversation(ids=random_ids(rng, args.system_tokens))
     turns = []
-    for turn in range(args.turns):
-        prompt = conv.prompt
+    for turn, prompt in conv.turns(questions()):
+        if len(prompt) > budget:  # the next turn would not fit every stage's max_model_len
+            break
         before = omni.stats()["stages"]
         [out] = omni.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
         after = omni.stats()["stages"]
@@ -205,12 +211,7 @@ def _conversation(omni: Any, sampling: Any, rng: random.Random, args: argparse.N
         turns.append({"ttft": _stage_ttfts(omni, out, before, after),
                       "cached": {s: so.num_cached_tokens for s, so in out.outputs.items()},
                       "prompt_tokens": len(prompt), "tokens": _tokens([out])[0]})
-        reply = entry.token_ids if entry is not None else []
-        question = random_ids(rng, args.turn_tokens)
-        if len(prompt) + len(reply) + len(question) > budget:
-            break
-        conv.answer(reply)
-        conv.ask(question)
+        conv.answer(entry.token_ids if entry is not None else [])
     return turns
 
 
@@ -241,7 +242,7 @@ def bench_ttft(args: argparse.Namespace, cfg: Any, base_overrides: dict[str, Any
         for c in range(args.conversations):
             order = ("on", "off") if c % 2 == 0 else ("off", "on")
             for key in order:  # same conversation (same seed) with caching on and off
-                results[key].append(_conversation(omnis[key], sampling, random.Random(args.seed * 1000 + c),
+                results[key].append(_conversation_turns(omnis[key], sampling, random.Random(args.seed * 1000 + c),
                                                   args, budget))
         stats = {k: o.stats()["stages"] for k, o in omnis.items()}
     finally:

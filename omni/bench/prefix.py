@@ -8,9 +8,7 @@ can at best get down to, so `cached_over_question_alone` = cached TTFT / that is
 and the document's last partial block is recomputed). That attention is work the question alone does
 not do: `flops_cached_over_question_alone` is the ratio of the two forwards' FLOPs (flops.py: the
 layers' matmuls, the attention over every key, the sampled row's head), the bound that arithmetic puts
-on `cached_over_question_alone` for this document and these questions (on SmolLM2, 16 short questions
-after 2,237 document tokens: the attention over the document adds about 0.7x the question's own
-matmuls). Plus the miss case (no
+on `cached_over_question_alone` for this document and these questions. Plus the miss case (no
 shared prefixes): throughput with caching on vs off, to show caching costs
 nothing when it cannot help.
 """
@@ -20,6 +18,7 @@ import argparse
 import random
 import statistics
 
+from omni.bench import engine_loop
 from omni.bench.workloads import Timer, long_document, questions
 
 
@@ -31,29 +30,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def make_engine(path, caching: bool, emit_hidden_states: bool = False, dtype: str = "float32"):
-    from omni.engine.engine import StageEngine
-    from omni.engine.engine_config import StageEngineConfig
-    from omni.engine.core.scheduler import SchedulerSettings
-    from omni.registry import resolve_stage_model
-
-    return StageEngine(StageEngineConfig(
-        name="bench", model_cls=resolve_stage_model("causal_lm"), model_path=path, enable_prefix_caching=caching,
-        emit_hidden_states=emit_hidden_states, dtype=dtype,
-        scheduler=SchedulerSettings(max_num_seqs=32, max_num_batched_tokens=4096)))
+def make_engine(model: str, caching: bool, emit_hidden_states: bool = False, dtype: str = "float32"):
+    """The causal_lm stage of `model` as engine_factory builds it (32 sequences, 4,096 tokens a step)."""
+    return engine_loop.engine("bench", "causal_lm", model, enable_prefix_caching=caching, dtype=dtype,
+                              emit_hidden_states=emit_hidden_states,
+                              scheduler={"max_num_seqs": 32, "max_num_batched_tokens": 4096})
 
 
 def run_one(engine, rid: str, ids: list[int], max_tokens: int):
     """Submit one request and run it to completion; returns its StageOutput."""
-    from omni.sampling_params import SamplingParams
     from omni.messages import StageInput
+    from omni.sampling_params import SamplingParams
 
-    engine.add_request(StageInput(rid, prompt_token_ids=ids,
-                                  sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens)))
-    out = None
-    while engine.has_unfinished():
-        for o in engine.step().finished:
-            out = o
+    [out] = engine_loop.run(engine, [StageInput(rid, prompt_token_ids=ids, sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=max_tokens))])
     return out
 
 
@@ -63,12 +53,12 @@ def qa_ttfts(engine, doc_ids: list[int], question_ids: list[list[int]], max_toke
     return [o.metrics["ttft_s"] for o in outs], outs
 
 
-def _flops_ratio(engine, doc_ids: list[int], q_ids: list[list[int]], cached_outs) -> float:
+def _flops_ratio(path, doc_ids: list[int], q_ids: list[list[int]], cached_outs) -> float:
     """Mean FLOPs of the cached questions' forwards (from each one's cached tokens to its end) over the
     questions alone (from 0), one sampled row each."""
-    from omni.bench.flops import decoder_shape, forward_flops
+    from omni.bench.flops import decoder_shape, forward_flops, meta_model
 
-    shape = decoder_shape(engine.model)
+    shape = decoder_shape(meta_model(path))
     cached = sum(sum(forward_flops(shape, [(o.num_cached_tokens, len(doc_ids) + len(q))], 1))
                  for o, q in zip(cached_outs, q_ids))
     alone = sum(sum(forward_flops(shape, [(0, len(q))], 1)) for q in q_ids)
@@ -76,7 +66,6 @@ def _flops_ratio(engine, doc_ids: list[int], q_ids: list[list[int]], cached_outs
 
 
 def qa_workload(path, args):
-    from omni.engine.engine import StageEngine  # noqa: F401  (import cost outside timings)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -97,7 +86,7 @@ def run(args) -> dict:
     res = {}
     answers = {}
     for caching in (True, False):
-        engine = make_engine(path, caching)
+        engine = make_engine(args.model, caching)
         ttfts, outs = qa_ttfts(engine, doc_ids, q_ids)
         answers[caching] = [o.token_ids for o in outs]
         if caching:
@@ -106,7 +95,7 @@ def run(args) -> dict:
         print(f"caching={caching}: mean TTFT {res[caching] * 1000:.1f} ms, "
               f"hit rate {engine.stats().prefix_cache_hit_rate:.3f}")
     assert answers[True] == answers[False], "prefix caching changed outputs"
-    flops_ratio = _flops_ratio(engine, doc_ids, q_ids, cached_outs)
+    flops_ratio = _flops_ratio(path, doc_ids, q_ids, cached_outs)
     # The questions alone on the (warm) uncached engine: the TTFT a perfect cache would leave.
     alone = statistics.mean(run_one(engine, f"alone{i}", q, 4).metrics["ttft_s"] for i, q in enumerate(q_ids))
     print(f"question alone (no document, uncached): mean TTFT {alone * 1000:.1f} ms; "
@@ -119,15 +108,12 @@ def run(args) -> dict:
     tps = {}
     for rep in range(3):  # alternate on/off to spread machine noise over both; best of each
         for caching in (True, False):
-            engine = make_engine(path, caching)
+            engine = make_engine(args.model, caching)
             run_one(engine, "warm", [100] * 8, 1)
             with Timer() as t:
-                for i, p in enumerate(prompts):
-                    engine.add_request(StageInput(f"m{i}", prompt_token_ids=p, sampling_params=SamplingParams(
-                        temperature=0.0, max_tokens=32, ignore_eos=True)))
-                n = 0
-                while engine.has_unfinished():
-                    n += sum(len(o.token_ids) for o in engine.step().finished)
+                n = sum(len(o.token_ids) for o in engine_loop.run(engine, [StageInput(
+                    f"m{i}", prompt_token_ids=p, sampling_params=SamplingParams(
+                        temperature=0.0, max_tokens=32, ignore_eos=True)) for i, p in enumerate(prompts)]))
             tps.setdefault(caching, []).append(n / t.elapsed)
     on, off = max(tps[True]), max(tps[False])
     print(f"miss case: caching on {on:.1f} tok/s, off {off:.1f} tok/s")

@@ -10,7 +10,7 @@ work), the same text requests ("Tell me a story about ...", the thinker's chat t
    TTFP (submission -> the first audio samples) p50/p99 in ms, end to end mean, requests_per_s (requests / wall).
 2. transformers' Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True, talker_do_sample=False), greedy,
    on the concurrency-1 requests (the prompt ids omni's thinker built), one after another as a user runs it, in
-   this process with this machine's cores (hf_qwen3_omni.py). Its TTFP is its end to end (generate returns the
+   this process with this machine's cores (references/qwen3_omni.py). Its TTFP is its end to end (generate returns the
    waveform whole); its requests/s is what it serves at any concurrency (one at a time).
 
 Keys: ttfp_speedup_c1 (transformers' time to audio / omni's TTFP, p50), e2e_speedup_c1 (transformers' mean end to
@@ -66,13 +66,13 @@ def _prompts(n: int, tag: str) -> list[dict[str, Any]]:
 
 
 def _level(chain: AudioChain, recs: list[Any], wall_s: float) -> dict[str, Any]:
-    from omni.bench.capacity import _pct
+    from omni.bench.measures import percentile
     from omni.bench.omni_streaming import audio_times
 
     times = audio_times(recs, chain.audio)
     ttfp = [t["ttfp_s"] * 1000 for t in times]
     return {"requests": len(times), "wall_s": wall_s, "requests_per_s": len(times) / wall_s,
-            "ttfp_p50_ms": _pct(ttfp, 50), "ttfp_p99_ms": _pct(ttfp, 99),
+            "ttfp_p50_ms": percentile(ttfp, 50), "ttfp_p99_ms": percentile(ttfp, 99),
             "e2e_mean_s": float(np.mean([t["e2e_s"] for t in times])), "audio_s": sum(t["audio_s"] for t in times)}
 
 
@@ -115,8 +115,8 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
 
     from omni.pipeline.threads import available_cores
 
-    from omni.bench import hf_qwen3_omni
-    from omni.bench.capacity import AGREE_SNR_DB, _pct, _snr_db
+    from omni.bench.references import qwen3_omni as hf_qwen3_omni
+    from omni.bench.measures import AGREE_SNR_DB, percentile, snr_db
 
     model = hf_qwen3_omni.load(path, device)
     threads = available_cores()  # what a user's process gets: this machine's cores
@@ -134,11 +134,12 @@ def _hf(args, path, chain: AudioChain, windows: tuple[int, int, int, int], omni_
         ref = hf_qwen3_omni.windowed_decode(model, r.frames, *windows) if len(r.frames) else r.audio
         same_len = got.shape == ref.shape
         bitwise &= same_len and bool(np.array_equal(got, ref))
-        snrs.append(_snr_db(ref, got) if same_len else float("-inf"))
+        snrs.append(snr_db(ref, got) if same_len else float("-inf"))
     times = [r.seconds * 1000 for r in replies]
     return {"device": device, "threads": threads, "requests": len(replies), "wall_s": total,
             "requests_per_s": len(replies) / total,
-            "ttfp_p50_ms": _pct(times, 50), "ttfp_p99_ms": _pct(times, 99), "e2e_mean_s": total / len(replies),
+            "ttfp_p50_ms": percentile(times, 50), "ttfp_p99_ms": percentile(times, 99),
+            "e2e_mean_s": total / len(replies),
             "audio_s": sum(r.audio_s for r in replies), "thinker_tokens_identical": int(tokens_same),
             "first_codebook_identical": int(codes_same), "waveform_bitwise_equal": int(bitwise),
             "audio_snr_db_min": min(snrs),

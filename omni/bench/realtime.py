@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from omni.bench.measures import percentile
 from omni.bench.serve import NOTES
 from omni.bench.server_process import serve_process
 
@@ -62,15 +63,18 @@ def default_speech() -> Path:
 
 
 def load_speech(path: Path) -> np.ndarray:
-    """The clip as pcm16 bytes at 24 kHz (the protocol's rate)."""
-    from omni.serve.audio.resampling import resample
-
+    """The clip as a float32 waveform at 24 kHz (the protocol's rate). The client resamples as a client
+    would, on its own (linear interpolation: what the turns need is speech of the clip's length, not
+    studio fidelity); the server's resampler is the server's."""
     with wave.open(str(path)) as w:
         if w.getnchannels() != 1 or w.getsampwidth() != 2:
             raise ValueError(f"--speech-wav: {path} must be mono 16-bit PCM")
         rate = w.getframerate()
         x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32767.0
-    return resample(x, rate, RATE)
+    if rate == RATE or x.size == 0:
+        return x
+    n = max(1, round(x.size * RATE / rate))
+    return np.interp(np.arange(n) * (rate / RATE), np.arange(x.size), x).astype(np.float32)
 
 
 def instructions(index: int, words: int) -> str:
@@ -78,11 +82,6 @@ def instructions(index: int, words: int) -> str:
     `words` words of a travel brief."""
     brief = " ".join(itertools.islice(itertools.cycle(NOTES.split()), words))
     return f"You are voice assistant number {index}. Answer briefly. {brief}"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
 async def _session(client: Any, model: str, index: int, speech: np.ndarray, args: Any) -> list[dict[str, float]]:
@@ -130,12 +129,12 @@ async def _workload(url: str, model: str, sessions: int, offset: int, speech: np
 
 def _summary(results: list[list[dict[str, float]]], turns: int) -> dict[str, Any]:
     lat = {t: [s[t]["latency_s"] * 1000 for s in results] for t in range(turns)}
-    return {"turn_latency_p50_ms": {str(t + 1): _pct(v, 50) for t, v in lat.items()},
+    return {"turn_latency_p50_ms": {str(t + 1): percentile(v, 50) for t, v in lat.items()},
             "cached_tokens_mean": {str(t + 1): statistics.mean(s[t]["cached_tokens"] for s in results)
                                    for t in range(turns)},
             "input_tokens_mean": {str(t + 1): statistics.mean(s[t]["input_tokens"] for s in results)
                                   for t in range(turns)},
-            "turn2plus_p50_ms": _pct([x for t, v in lat.items() if t >= 1 for x in v], 50)}
+            "turn2plus_p50_ms": percentile([x for t, v in lat.items() if t >= 1 for x in v], 50)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -76,8 +76,7 @@ def _client(omni: Any, c: int, setup: str, prompt: list[int], questions: list[li
             entry: str, delay: float, out: list[dict[str, Any]]) -> None:
     time.sleep(delay)
     conv = Conversation(ids=prompt)
-    for turn in range(len(questions) + 1):
-        prompt = conv.prompt
+    for turn, prompt in conv.turns([[], *questions]):
         [r] = stream_timed(omni, [{"prompt_token_ids": prompt, "request_id": f"{setup}-c{c}-t{turn}"}], sampling)
         first, outputs, error = r.first_token_s.get(entry), r.outputs, r.error
         if error or entry not in outputs or first is None:
@@ -87,9 +86,7 @@ def _client(omni: Any, c: int, setup: str, prompt: list[int], questions: list[li
                     "cached": {s: o.num_cached_tokens for s, o in outputs.items()},
                     "engine_ttft_s": {s: o.metrics.get("ttft_s") for s, o in outputs.items()},
                     "tokens": {s: list(o.token_ids) for s, o in outputs.items()}})
-        if turn < len(questions):
-            conv.answer(outputs[entry].token_ids)
-            conv.ask(questions[turn])
+        conv.answer(outputs[entry].token_ids)
 
 
 def run_setup(args: argparse.Namespace, cfg: Any, setup: str) -> dict[str, Any]:

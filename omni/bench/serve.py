@@ -4,9 +4,10 @@ For each config (default: the SmolLM2 chain, and the small Qwen2.5-Omni with tex
 each concurrency C (default 1, 4, 16): C conversations of --turns turns run at once, each turn a
 streamed chat completion whose reply goes into the next turn (so turns 2+ hit the prefix cache).
 
-    in-process  the server's own request path without HTTP: omni.serve.translate.chat_job -> Run on an
-                AsyncOmni in this process
-    http        `omni serve CONFIG` in a subprocess, driven by openai.AsyncOpenAI (streaming)
+    in-process  the same conversations on AsyncOmni in this process (AsyncOmni.stream with the chat
+                messages): the pipeline the server serves, without the server
+    http        `omni serve CONFIG` in a subprocess, driven by openai.AsyncOpenAI (streaming): the server's
+                whole path (parsing, translation, SSE, HTTP, a process of its own) on the same pipeline
 
 Each mode has its own pipeline, both loaded for the whole run; the modes alternate per concurrency (a
 change of machine load hits both alike; concurrency 1, with few requests, runs --repeats rounds). Both
@@ -20,16 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
-import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from omni.bench.measures import percentile
 from omni.bench.server_process import serve_process
 from omni.bench.workloads import Conversation
+from omni.messages import StageDelta
 
 NOTES = ("I am planning a slow trip along the coast: three nights in the old harbour town, a day on the ferry "
          "to the islands, then a week walking between the hill villages, staying in small guest houses and "
@@ -49,48 +51,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=4, help="rounds at concurrency 1 (modes alternating)")
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
-
-
 def _summary(recs: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
     ms = lambda key: [r[key] * 1000 for r in recs if key in r]  # noqa: E731
     out: dict[str, Any] = {"requests": len(recs), "requests_per_s": len(recs) / wall_s}
     for key in ("ttft", "ttfp", "e2e"):
         vals = ms(key)
         if vals:
-            out[f"{key}_p50_ms"], out[f"{key}_p99_ms"] = _pct(vals, 50), _pct(vals, 99)
+            out[f"{key}_p50_ms"], out[f"{key}_p99_ms"] = percentile(vals, 50), percentile(vals, 99)
             out[f"{key}_mean_ms"] = statistics.mean(vals)
     return out
 
 
-def _conversation(i: int) -> list[dict[str, str]]:
+def _system(i: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": f"You are travel agent number {i}. {NOTES}"}]
 
 
-# ------------------------------------------------------------------ in-process
-async def _turn_in_process(omni: Any, info: Any, settings: Any, messages: list, audio: bool, max_tokens: int):
-    from omni.serve.protocol.chat import ChatCompletionRequest
-    from omni.serve.generation.run import AudioEvent, Run, TextEvent
-    from omni.serve.chat.jobs import chat_job
+@dataclass(frozen=True, slots=True)
+class _Stages:
+    """The config's text stage (its reply is the text; max_tokens applies to it) and audio stage."""
 
-    t0, rec = time.perf_counter(), {}
-    req = ChatCompletionRequest.model_validate_json(json.dumps({  # as the server parses it
-        "model": info.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-        **({"modalities": ["text", "audio"], "audio": {"format": "pcm16"}} if audio else {})}))
-    run = Run(omni, chat_job(req, info, settings, f"bench-{next(_IDS)}"), settings.default_audio_rate)
-    await run.start()
-    async with contextlib.aclosing(run.events()) as events:
-        async for ev in events:
-            if isinstance(ev, TextEvent) and ev.text and "ttft" not in rec:
+    text: str
+    audio: str | None
+
+    @classmethod
+    def of(cls, config: Any) -> "_Stages":
+        text = next(s.name for s in config.stages if s.final_output == "text")
+        return cls(text, next((s.name for s in config.stages if s.final_output == "audio"), None))
+
+
+# ------------------------------------------------------------------ in-process
+async def _turn_in_process(omni: Any, stages: _Stages, messages: list, audio: bool, max_tokens: int):
+    """One turn on AsyncOmni itself: the pipeline the server serves, without the server."""
+    t0, rec, text = time.perf_counter(), {}, ""
+    # As the server runs a chat turn: a text-only reply runs only the stages the text needs.
+    async for ev in omni.stream({"prompt": messages}, {stages.text: {"max_tokens": max_tokens}},
+                                request_id=f"bench-{next(_IDS)}", output_modalities=None if audio else ["text"]):
+        if isinstance(ev, StageDelta):
+            if ev.stage == stages.text and ev.text and "ttft" not in rec:
                 rec["ttft"] = time.perf_counter() - t0
-            if isinstance(ev, AudioEvent) and "ttfp" not in rec:
+            if ev.audio is not None and len(ev.audio) and "ttfp" not in rec:
                 rec["ttfp"] = time.perf_counter() - t0
+            continue
+        if ev.error:  # a final StageOutput
+            raise RuntimeError(f"stage {ev.stage}: {ev.error}")
+        if ev.stage == stages.text:
+            text = ev.text or ""
+        if ev.stage == stages.audio and "ttfp" not in rec:  # a one-shot waveform: the audio comes with the output
+            rec["ttfp"] = time.perf_counter() - t0
     rec["e2e"] = time.perf_counter() - t0
-    return run.text, rec
+    return text, rec
 
 
 # ------------------------------------------------------------------------ http
@@ -117,9 +126,9 @@ async def _workload(turn, concurrency: int, turns: int, offset: int) -> tuple[li
     recs: list[dict[str, float]] = []
 
     async def conversation(i: int) -> None:
-        conv = Conversation(messages=_conversation(offset + i))
-        for t in range(turns):
-            reply, rec = await turn(conv.ask(TURNS[t]))
+        conv = Conversation(messages=_system(offset + i))
+        for _, prompt in conv.turns(TURNS[:turns]):
+            reply, rec = await turn(prompt)
             recs.append(rec)
             conv.answer(reply)
 
@@ -133,16 +142,14 @@ async def _compare(config: Any, url: str, args: Any, audio: bool) -> tuple[dict[
     during the run hits both alike. Each has its own pipeline (the server's is in its process)."""
     import openai
 
-    from omni.async_api import AsyncOmni
-    from omni.serve.settings import ServeSettings
-    from omni.serve.state import PipelineInfo
+    from omni import AsyncOmni
 
     omni = await AsyncOmni.create(config, backend=args.backend)
     try:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600) as client:
-            info, settings = PipelineInfo.of(omni.config), ServeSettings()
+            stages = _Stages.of(config)
             modes = {
-                "in_process": lambda m: _turn_in_process(omni, info, settings, m, audio, args.max_tokens),
+                "in_process": lambda m: _turn_in_process(omni, stages, m, audio, args.max_tokens),
                 "http": lambda m: _turn_http(client, config.name, m, audio, args.max_tokens),
             }
             out: dict[str, dict[str, Any]] = {mode: {} for mode in modes}

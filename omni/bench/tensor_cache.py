@@ -22,6 +22,7 @@ import statistics
 
 import numpy as np
 
+from omni.bench import engine_loop
 from omni.bench.prefix import make_engine, qa_workload, run_one
 
 
@@ -39,10 +40,10 @@ def run(args) -> dict:
 
     path = resolve_model_path(args.model)
     _, doc_ids, q_ids = qa_workload(path, args)
-    _warm_up(path, args, doc_ids, q_ids)
+    _warm_up(args, doc_ids, q_ids)
     delivered, hidden, stats = {}, {}, {}
     for caching in (True, False):
-        engine = make_engine(path, caching, emit_hidden_states=True, dtype=args.dtype)
+        engine = make_engine(args.model, caching, emit_hidden_states=True, dtype=args.dtype)
         run_one(engine, "doc", doc_ids, 1)
         outs = [run_one(engine, f"q{i}", doc_ids + q, 1) for i, q in enumerate(q_ids)]
         for o in outs:
@@ -60,7 +61,7 @@ def run(args) -> dict:
           f"overhead {overhead * 100:.2f}% of step time, max |diff| on vs off {max_diff:.2e}")
     step_times = {}
     for rows in (True, False):
-        engine = make_engine(path, True, emit_hidden_states=rows, dtype=args.dtype)
+        engine = make_engine(args.model, True, emit_hidden_states=rows, dtype=args.dtype)
         run_one(engine, "doc", doc_ids, 1)
         batch_stats = _concurrent(engine, doc_ids, q_ids, args.decode_tokens)
         step_times[rows] = batch_stats["step_time_s"]
@@ -98,27 +99,25 @@ def run(args) -> dict:
 
 def _concurrent(engine, doc_ids, q_ids, max_tokens: int) -> dict:
     """All questions at once, each decoding `max_tokens`; the engine's stats afterwards."""
-    from omni.engine.runner.sampler import SamplingParams
     from omni.messages import StageInput
+    from omni.sampling_params import SamplingParams
 
     before = engine.stats().as_dict()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, q in enumerate(q_ids):
-        engine.add_request(StageInput(f"c{i}", prompt_token_ids=doc_ids + q, sampling_params=sp))
-    while engine.has_unfinished():
-        engine.step()
+    engine_loop.run(engine, [StageInput(f"c{i}", prompt_token_ids=doc_ids + q, sampling_params=sp)
+                             for i, q in enumerate(q_ids)])
     after = engine.stats().as_dict()
     keys = ("step_time_s", "tensor_cache_time_s", "tensor_cache_worker_time_s", "tensor_cache_write_time_s",
             "rows_deliver_time_s", "rows_delivered")
     return {k: after[k] - before[k] for k in keys}
 
 
-def _warm_up(path, args, doc_ids, q_ids) -> None:
+def _warm_up(args, doc_ids, q_ids) -> None:
     """Run every step shape once (document prefill, a cached question, batched decode)
     so that one-time costs (on a GPU: Triton compiling each kernel configuration,
     cuBLAS handles) stay out of every timed number."""
-    engine = make_engine(path, True, emit_hidden_states=True, dtype=args.dtype)
+    engine = make_engine(args.model, True, emit_hidden_states=True, dtype=args.dtype)
     run_one(engine, "doc", doc_ids, 1)
     run_one(engine, "q", doc_ids + q_ids[0], 1)
     _concurrent(engine, doc_ids, q_ids[:4], 4)
-    engine.rows.close()
+    engine.close()

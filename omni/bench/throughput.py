@@ -16,6 +16,8 @@ import resource
 
 import torch
 
+from omni.bench import engine_loop
+from omni.bench.references import causal_lm as hf
 from omni.bench.workloads import Timer, throughput_requests
 
 
@@ -29,70 +31,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where omni and transformers both run (auto: cuda when available)")
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _omni(path, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict, dict]:
-    """Time omni's engine on `reqs`: (seconds, tokens produced, engine counters, the work its forward
-    passes did: model, computed spans, sampled rows, steps, forward / sampling seconds)."""
-    from omni.engine.engine import StageEngine
-    from omni.engine.engine_config import StageEngineConfig
-    from omni.sampling_params import SamplingParams
-    from omni.engine.core.scheduler import SchedulerSettings
-    from omni.registry import resolve_stage_model
+def _omni(model, reqs, dtype, device, cuda_graphs: bool = True) -> tuple[float, int, dict, dict]:
+    """Time omni's engine (the causal_lm stage of `model`) on `reqs`: (seconds, tokens produced, engine
+    counters, the work its forward passes did: computed spans, sampled rows, steps, forward / sampling seconds)."""
     from omni.messages import StageInput
+    from omni.sampling_params import SamplingParams
 
-    engine = StageEngine(StageEngineConfig(
-        name="bench", model_cls=resolve_stage_model("causal_lm"), model_path=path, dtype=dtype, device=device,
-        enable_prefix_caching=True, emit_hidden_states=False, cuda_graphs=cuda_graphs,
-        scheduler=SchedulerSettings(max_num_seqs=64, max_num_batched_tokens=2048)))
+    engine = engine_loop.engine("bench", "causal_lm", model, dtype=dtype, device=device, enable_prefix_caching=True,
+                                emit_hidden_states=False, cuda_graphs=cuda_graphs,
+                                scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 2048})
     # Warm-up: every step shape once (a long prefill, a short mixed step, batched
     # decode) so that one-time costs (Triton compiling each kernel configuration
     # on a GPU) stay out of the timing.
-    for i, n in enumerate((300, 8, 8)):
-        engine.add_request(StageInput(f"warm{i}", prompt_token_ids=[100 + i] * n,
-                                      sampling_params=SamplingParams(max_tokens=3)))
-    while engine.has_unfinished():
-        engine.step()
+    engine_loop.run(engine, [StageInput(f"warm{i}", prompt_token_ids=[100 + i] * n,
+                                        sampling_params=SamplingParams(max_tokens=3))
+                             for i, n in enumerate((300, 8, 8))])
     produced = 0
     before = engine.stats().as_dict()
     spans = []
     steps = []  # (rows, sampled rows) of each forward pass: the GEMM reference is timed at these sizes
-    execute = engine.runner.execute
-
-    def recorded(sched):
-        res = execute(sched)
-        steps.append((res.num_tokens, len(res.sampled)))
-        return res
-
-    engine.runner.execute = recorded
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with Timer() as t:
-        for i, r in enumerate(reqs):
-            engine.add_request(StageInput(str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
-                temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)))
-        while engine.has_unfinished():
-            for out in engine.step().finished:
+        for step, _ in engine_loop.steps(engine, [StageInput(
+                str(i), prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
+                    temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)) for i, r in enumerate(reqs)]):
+            if step.forward_rows:
+                steps.append((step.forward_rows, step.sampled_rows))
+            for out in step.finished:
                 produced += len(out.token_ids)
                 # computed: past the prefix hit, up to the last token fed (the final sampled one is not)
                 spans.append((out.num_cached_tokens, len(out.prompt_token_ids) + len(out.token_ids) - 1))
     # Page faults while the steps ran: a step that touches fresh pages pays for each (host_allocator.py).
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     stats = engine.stats().as_dict()
-    engine.runner.execute = execute
-    work = {"model": engine.model, "spans": spans, "sampled_rows": produced, "step_sizes": steps,
-            "minor_page_faults": faults,
+    engine.close()
+    work = {"spans": spans, "sampled_rows": produced, "step_sizes": steps, "minor_page_faults": faults,
             **{k: stats[k] - before[k] for k in ("steps", "forward_time_s", "sampling_time_s")}}
     return t.elapsed, produced, {k: stats[k] for k in ("steps", "step_time_s", "cuda_graph_replays")}, work
 
 
-def _mfu(work: dict, device: str) -> dict:
-    """Achieved GFLOP/s of the forward passes vs this machine's GEMM rate on the model's shapes (flops.py)."""
+def _mfu(hf_model, work: dict, device: str) -> dict:
+    """Achieved GFLOP/s of the forward passes vs this machine's GEMM rate on the model's shapes (flops.py),
+    timed on `hf_model`'s weights (the same checkpoint, dtype and device as omni's stage)."""
     from omni.bench.flops import decoder_shape, forward_flops, gemm_gflops
 
-    shape = decoder_shape(work["model"])
+    shape = decoder_shape(hf_model)
     flops = forward_flops(shape, work["spans"], work["sampled_rows"])
     # On a GPU kernels run asynchronously: the step waits for them in the sampler's copy of the tokens.
     seconds = work["forward_time_s"] + (work["sampling_time_s"] if device == "cuda" else 0.0)
@@ -104,72 +87,6 @@ def _mfu(work: dict, device: str) -> dict:
             "rows_per_step_mean": sum(rows) / max(1, len(rows)),
             "threads": torch.get_num_threads(), "minor_page_faults": work["minor_page_faults"],
             "mfu_vs_sgemm": achieved / gemm["sgemm"], "mfu_vs_best_gemm": achieved / gemm["best"]}
-
-
-def _hf_generate(model, reqs, device) -> tuple[float, int]:
-    max_len = max(len(r.prompt_token_ids) for r in reqs)
-    pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
-    ids = torch.full((len(reqs), max_len), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(reqs):  # left padding, as decoder-only generation needs
-        ids[i, max_len - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-        mask[i, max_len - len(r.prompt_token_ids):] = 1
-    max_new = max(r.max_tokens for r in reqs)
-    ids, mask = ids.to(device), mask.to(device)
-    with torch.inference_mode():  # warm-up (kernel selection, cuBLAS handles) outside the timing
-        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=2, do_sample=False,
-                       pad_token_id=pad)
-    with torch.inference_mode(), Timer() as t:
-        model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                       do_sample=False, pad_token_id=pad)
-        _sync(device)
-    # Only the tokens each request asked for are useful output.
-    return t.elapsed, sum(r.max_tokens for r in reqs)
-
-
-def _cb_limits(reqs) -> dict:
-    """transformers' continuous batching with omni's engine limits here (64 sequences, 2,048 tokens a batch)
-    and a KV cache the workload fits in: left to itself it sizes its cache from the device's free memory
-    (on a CPU, most of the machine's RAM, faulted in while the first request waits: 13 s for one request
-    of the tiny model). transformers without ContinuousBatchingConfig (before 5.2x) keeps its own sizing."""
-    try:
-        from transformers import ContinuousBatchingConfig
-    except ImportError:
-        return {}
-    page = 256
-    blocks = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page) for r in reqs) + len(reqs) + 1
-    return {"continuous_batching_config": ContinuousBatchingConfig(
-        page_size=page, num_blocks=blocks, max_batch_tokens=2048, max_requests_per_batch=64)}
-
-
-def _hf_generate_batch(model, reqs) -> tuple[float, int]:
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs),
-                           eos_token_id=None, pad_token_id=model.config.eos_token_id)
-    manager = model.init_continuous_batching(generation_config=cfg, **_cb_limits(reqs))
-    manager.start()
-    try:
-        # Warm-up (as for `generate`): the manager's thread builds its cache and first batch outside the timing.
-        warm = manager.add_request(list(reqs[0].prompt_token_ids[:16]), max_new_tokens=2)
-        while (res := manager.get_result(timeout=600)) is not None and not (res.request_id == warm and res.is_finished()):
-            pass
-        if res is None:
-            raise RuntimeError("transformers continuous batching stopped without a result")
-        produced = 0
-        with Timer() as t:
-            ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens) for r in reqs]
-            pending = set(ids)
-            while pending:
-                res = manager.get_result(timeout=600)
-                if res is None:
-                    raise RuntimeError("transformers continuous batching stopped without a result")
-                if res.is_finished():
-                    pending.discard(res.request_id)
-                    produced += len(res.generated_tokens)
-    finally:
-        manager.stop(block=True, timeout=60)
-    return t.elapsed, produced
 
 
 def run(args) -> dict:
@@ -190,9 +107,9 @@ def run(args) -> dict:
     expected = sum(r.max_tokens for r in reqs)
     print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
           f"{expected} output tokens, threads={torch.get_num_threads()}")
-    t_omni, n_omni, omni_stats, work = _omni(path, reqs, args.dtype, device)
+    t_omni, n_omni, omni_stats, work = _omni(args.model, reqs, args.dtype, device)
     assert n_omni == expected, (n_omni, expected)
-    mfu = _mfu(work, device)
+    mfu = _mfu(model, work, device)
     print(f"omni forward passes: {mfu['forward_gflops_per_s']:.1f} GFLOP/s; this machine's GEMM on the model's "
           f"shapes ({mfu['steps']} steps, {mfu['rows_per_step_mean']:.0f} rows each on average, "
           f"{mfu['threads']} threads): {mfu['sgemm_gflops_per_s']:.1f} GFLOP/s (sgemm), "
@@ -208,16 +125,16 @@ def run(args) -> dict:
     print(f"omni: {t_omni:.2f}s, {n_omni / t_omni:.1f} tok/s ({omni_stats})")
     if device == "cuda":
         # The same engine without CUDA graphs: what graph replay buys on this machine.
-        t_eager, n_eager, eager_stats, _ = _omni(path, reqs, args.dtype, device, cuda_graphs=False)
+        t_eager, n_eager, eager_stats, _ = _omni(args.model, reqs, args.dtype, device, cuda_graphs=False)
         result.update(omni_eager_tokens_per_s=n_eager / t_eager, cuda_graph_speedup=t_eager / t_omni)
         print(f"omni without CUDA graphs: {t_eager:.2f}s, {n_eager / t_eager:.1f} tok/s ({eager_stats})")
     if not args.skip_hf:
-        t_gen, n_gen = _hf_generate(model, reqs, device)
+        t_gen, n_gen = hf.generate(model, reqs, device)
         print(f"hf generate (padded): {t_gen:.2f}s, {n_gen / t_gen:.1f} tok/s")
         try:
             model_cb = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
                                                             attn_implementation="sdpa").to(device).eval()
-            t_cb, n_cb = _hf_generate_batch(model_cb, reqs)
+            t_cb, n_cb = hf.generate_batch(model_cb, reqs)
             cb_tps = n_cb / t_cb
             print(f"hf generate_batch: {t_cb:.2f}s, {cb_tps:.1f} tok/s")
         except Exception as exc:  # report, do not hide: the key is then null

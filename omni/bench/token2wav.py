@@ -27,6 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from omni.bench import engine_loop
+
+# The chunks of stage_configs/qwen2_5_omni_small.yaml's token2wav: 8 codes, then 50 doubling to 100.
+CHUNKS = {"first_chunk_codes": 8, "chunk_codes": 50, "max_chunk_codes": 100}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small-qwen2_5-omni", help="Qwen2.5-Omni checkpoint")
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from omni.registry import resolve_model_path, resolve_stage_model
 
-    from omni.bench.capacity import AGREE_SNR_DB, _snr_db
+    from omni.bench.measures import AGREE_SNR_DB, snr_db
 
     for name in ("codes", "threads", "repeats"):
         values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The stage class through the registry (omni never imports the model code itself).
     stage = resolve_stage_model("qwen2_5_omni_token2wav").load(
         resolve_model_path(args.model), dtype=torch.float32, device=torch.device("cpu"),
-        model_kwargs={"first_chunk_codes": 8, "chunk_codes": 50, "max_chunk_codes": 100})
+        model_kwargs=CHUNKS)
     if max(args.codes) > stage.max_codes:
         raise ValueError(f"--codes: at most {stage.max_codes} codec tokens, got {max(args.codes)}")
     cond, ref = stage.speaker_inputs(None)
@@ -81,14 +85,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t_ours = min(t_ours, t)
         audio_s = len(ours) / stage.sampling_rate
         bitwise = hf.shape == ours.shape and bool(np.array_equal(hf, ours))
-        snr = None if bitwise else _snr_db(hf, ours)  # None: no difference at all (JSON has no Infinity)
+        snr = None if bitwise else snr_db(hf, ours)  # None: no difference at all (JSON has no Infinity)
         rows.append({"codes": n, "audio_s": audio_s, "transformers_s": t_hf, "ours_s": t_ours,
                      "speedup": t_hf / t_ours, "rtf": t_ours / audio_s, "bitwise_equal": bitwise,
                      "max_abs_diff": float(np.abs(hf - ours).max()) if hf.shape == ours.shape else None,
                      "snr_db": snr, "agrees": bitwise or snr >= AGREE_SNR_DB})
         print(f"token2wav {n} codes ({audio_s:.2f} s of audio): transformers {t_hf:.3f} s, ours {t_ours:.3f} s "
               f"= {t_hf / t_ours:.2f}x, " + ("bitwise equal" if bitwise else f"SNR {snr:.1f} dB"), flush=True)
-    newcomer = _newcomer(stage, args.seed, args.repeats)
+    newcomer = _newcomer(args.model, stage, args.seed, args.repeats)
     print(f"newcomer's first audio: alone {newcomer['alone_ms']:.0f} ms, behind a stream "
           f"{newcomer['behind_a_stream_ms']:.0f} ms (x{newcomer['newcomer_wait_ratio']:.2f})", flush=True)
     return {"benchmark": "token2wav", "model": args.model, "threads": args.threads, "lengths": rows,
@@ -98,15 +102,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "outputs_agree": all(r["agrees"] for r in rows)}
 
 
-def _newcomer(stage, seed: int, repeats: int, codes: int = 250) -> dict[str, Any]:
+def _newcomer(model: str, stage: Any, seed: int, repeats: int, codes: int = 250) -> dict[str, Any]:
     """A streamed request's time to first audio alone, and behind a stream whose second window is in
-    flight (engine steps, as the stage's actor runs them); best of `repeats`."""
-    from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
+    flight (engine steps, as the stage's actor runs them, on the stage as engine_factory builds it from
+    `model`; `stage`: the loaded model, for its codebook size); best of `repeats`."""
     from omni.messages import StageInput
 
     rng = np.random.default_rng(seed)
     old, new = (rng.integers(0, stage.num_codes, codes).tolist() for _ in range(2))
-    engine = OneShotStageEngine(OneShotEngineConfig("token2wav", type(stage), None, max_num_seqs=4), model=stage)
+    engine = engine_loop.engine("token2wav", "qwen2_5_omni_token2wav", model, device="cpu", dtype="float32",
+                                scheduler={"max_num_seqs": 4}, model_kwargs=CHUNKS)
 
     def add(rid: str, c: list[int]) -> None:
         engine.add_request(StageInput(rid, prompt_token_ids=c[:1], input_complete=False))
@@ -114,13 +119,13 @@ def _newcomer(stage, seed: int, repeats: int, codes: int = 250) -> dict[str, Any
 
     def first_audio(rid: str) -> float:
         t = time.perf_counter()
-        while not any(d.request_id == rid for d in engine.step().deltas):
-            pass
+        for step, _ in engine_loop.steps(engine):
+            if any(d.request_id == rid for d in step.deltas):
+                break
         return (time.perf_counter() - t) * 1000
 
     def drain() -> None:
-        while engine.has_unfinished():
-            engine.step()
+        engine_loop.run(engine)
 
     add("warm", new)  # allocator, kernels
     drain()
@@ -139,4 +144,5 @@ def _newcomer(stage, seed: int, repeats: int, codes: int = 250) -> dict[str, Any
         first_audio(f"new{k}")
         behind = min(behind, (time.perf_counter() - t) * 1000)
         drain()
+    engine.close()
     return {"alone_ms": alone, "behind_a_stream_ms": behind, "newcomer_wait_ratio": behind / alone}

@@ -3,7 +3,8 @@ pipeline benchmark runs the same way:
 
     random_ids()       token ids for prompts whose content does not matter (pipeline, routing)
     Conversation       a multi-turn conversation as a chat client holds it: every turn resends the
-                       conversation so far (pipeline, routing, serve, omni, streaming's omni part)
+                       conversation so far; `turns()` is the one conversation driver (pipeline, routing,
+                       serve, omni, streaming's omni part)
     stream_timed()     streams prompts through Omni and times what the client sees per request: each
                        stage's first token, the first audio, each final output (routing, streaming, omni)
     closed_loop_timed()  the same through AsyncOmni with N clients, each sending its next prompt when its
@@ -18,6 +19,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 NAMES = ["John Doe", "Jane Smith", "Alice Johnson", "Bob Brown", "Carol White", "Dave Green",
@@ -106,6 +108,20 @@ class Conversation:
             self.ids += list(reply)
         else:
             self.messages.append({"role": "assistant", "content": reply})
+
+    def turns(self, questions: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+        """The conversation, turn by turn: asks each question (drawn only when its turn comes) and yields
+        (turn index from 0, the prompt to send); the caller sends it, then answer()s the reply before the
+        next turn. A first question of no ids ([]) sends the conversation as it stands (a first turn that
+        is the context alone). Sync and async callers drive it alike; `break` ends the conversation."""
+        for i, question in enumerate(questions):
+            yield i, self.ask(question)
+
+
+def with_media(mm: dict[str, Any], text: str) -> Any:
+    """A user turn's message content: a placeholder part per medium in `mm` (multi_modal_data), then the
+    text; the text alone when the turn carries no media."""
+    return [{"type": kind} for kind in mm] + [{"type": "text", "text": text}] if mm else text
 
 
 @dataclass(slots=True)

@@ -251,6 +251,7 @@ class StageEngine:
             failed = self.scheduler.finish_requests([s.req_id for s in sched.scheduled], RequestStatus.FINISHED_ERROR)
             out.finished += [self.outputs.failed(req, error) for req in failed]
         else:
+            out.forward_rows, out.sampled_rows = result.num_tokens, len(result.sampled)
             if result.rows is not None or result.other_outputs:
                 self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
             finished = self.scheduler.update(result.sampled)

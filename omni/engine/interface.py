@@ -47,6 +47,10 @@ class EngineStepOutput:
     # Progress of streamed requests (StageInput.stream) in this step, in step order;
     # a request finishing in this step has its last delta here and its output in `finished`.
     deltas: list[StageDelta] = field(default_factory=list)
+    # The work of this step's forward pass: rows computed and rows sampled (0, 0 when there was none,
+    # or for an engine that does not count them). Benchmarks time their GEMM references at these sizes.
+    forward_rows: int = 0
+    sampled_rows: int = 0
 
     @property
     def finished_req_ids(self) -> list[str]:

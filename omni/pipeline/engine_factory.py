@@ -21,8 +21,13 @@ from omni.errors import ConfigError, StageStartError
 EngineFactory = Callable[[StageConfig], Engine]
 
 
-def build_engine(stage: StageConfig) -> Engine:
-    """The engine of `stage`: the class the registry entry calls for, configured from `stage`."""
+def build_engine(stage: StageConfig, *, emit_hidden_states: bool = True, cuda_graphs: bool = True) -> Engine:
+    """The engine of `stage`: the class the registry entry calls for, configured from `stage`.
+
+    Two engine settings no YAML field carries, left at their defaults by the pipeline (which asks for
+    rows per request) and set by the engine benchmarks (omni/bench/engine_loop.py):
+    `emit_hidden_states` (hand every request's per-token rows out unless it says otherwise) and
+    `cuda_graphs` (False: always eager); a one-shot engine has neither."""
     entry = registry.stage_model_entry(stage.model)
     model_cls = registry.resolve_stage_model(stage.model)
     model_path = registry.resolve_model_path(stage.model_path)
@@ -56,7 +61,7 @@ def build_engine(stage: StageConfig) -> Engine:
         max_model_len=stage.scheduler.max_model_len,
         default_sampling=stage.sampling, use_chat_template=stage.use_chat_template,
         dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs),
-        takes_caller_prompt=not stage.inputs))
+        emit_hidden_states=emit_hidden_states, cuda_graphs=cuda_graphs, takes_caller_prompt=not stage.inputs))
 
 
 def start_error(stage: str, e: BaseException) -> StageStartError:

@@ -181,7 +181,7 @@ GPU_MIN_SNR_DB = 50.0
 def assert_same_audio(pcm: bytes, ref: np.ndarray) -> None:
     """The pipeline's 16-bit PCM equals transformers' waveform `ref` as PCM (bit for bit on the CPU; on a GPU, the
     same length within GPU_MIN_SNR_DB)."""
-    from omni.bench.capacity import _snr_db  # the benches' SNR (capacity, qwen3-vs-hf, token2wav)
+    from omni.bench.measures import snr_db  # the benches' SNR (capacity, qwen3-vs-hf, token2wav)
     from omni.serve.audio.codecs import pcm16_to_float, to_pcm16
 
     want = to_pcm16(ref)
@@ -189,4 +189,4 @@ def assert_same_audio(pcm: bytes, ref: np.ndarray) -> None:
         assert pcm == want
         return
     assert len(pcm) == len(want)
-    assert _snr_db(pcm16_to_float(want), pcm16_to_float(pcm)) >= GPU_MIN_SNR_DB
+    assert snr_db(pcm16_to_float(want), pcm16_to_float(pcm)) >= GPU_MIN_SNR_DB

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from omni.bench.hf_omni import load_on, synced
+from omni.bench.references.qwen2_5_omni import load_on, synced
 
 SAMPLE_RATE = 24000  # Qwen3-Omni's code2wav
 
