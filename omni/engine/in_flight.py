@@ -117,6 +117,10 @@ class InFlight:
         joined = np.concatenate(audio) if audio else np.zeros(0, np.float32)
         return {**(work.pieces[-1] if work.pieces else {}), "audio": joined.astype(np.float32)}
 
+    def stats(self) -> dict[str, Any]:
+        # seconds the finish thread ran (outside the engine's steps)
+        return {"finish_thread_time_s": self.threads.finish_time_s} if self.finish_thread else {}
+
     def drop(self, work: StreamWork) -> None:
         """An aborted stream: its item in flight goes (the others keep their steps)."""
         if work.flight is not None:

@@ -234,7 +234,9 @@ class OneShotStageEngine:
             # In flight, first pieces go ahead between short units of work: every stream goes in, first
             # ones first, so that each piece is started the step its input is there.
             ready = sorted(ready, key=lambda r: r[1].first_output is not None)[:budget]  # stable: oldest first
-            pieces = self._step_in_flight([job.work for _, job in ready])
+            pieces = self.in_flight.step([job.work for _, job in ready], self.config.max_batch_tokens)
+            if len(ready) > 1:  # one batched call, as the batched hooks count
+                self._batch_calls, self._batched_items = self._batch_calls + 1, self._batched_items + len(ready)
         else:
             ready = (first or ready)[:budget]
             pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
@@ -266,13 +268,6 @@ class OneShotStageEngine:
                 self._num_finished += 1
         return len(ready)
 
-    def _step_in_flight(self, works: list[StreamWork]) -> list[Any]:
-        """One step of the pieces in flight, for the given streams (counted as one batched call)."""
-        if len(works) > 1:
-            self._batch_calls += 1
-            self._batched_items += len(works)
-        return self.in_flight.step(works, self.config.max_batch_tokens)
-
     def tokenize(self, inp: StageInput, add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
                  return_token_strs: bool = False) -> dict[str, Any]:
         raise RequestError(f"prompt: stage {self.name!r} takes codes, not text: it has nothing to tokenize",
@@ -299,11 +294,5 @@ class OneShotStageEngine:
             torch_threads=torch.get_num_threads(),
             # batched_items / batch_calls: the mean batch of the batched hooks.
             extra={**self.model.stats(), "batch_calls": self._batch_calls, "batched_items": self._batched_items,
-                   **self._thread_stats()},
+                   **(self.in_flight.stats() if self.in_flight is not None else {})},
         )
-
-    def _thread_stats(self) -> dict[str, Any]:
-        # seconds the finish thread ran (outside the engine's steps)
-        if self.in_flight is None or not self.config.finish_thread:
-            return {}
-        return {"finish_thread_time_s": self.in_flight.threads.finish_time_s}
