@@ -11,7 +11,7 @@ tokens, min_tokens = max_tokens: every mode does the same work), one run:
    as it arrives hears after the first, workloads.playback_stall_s), and each stage's time split (step_profile.py): stage_busy_fraction and forward /
    sampling / host / waiting fractions of the level's wall time (of a replicated stage: of its replicas x
    the wall time, the mean replica's); vocoder_busy_fraction: the same for token2wav's vocoder thread
-   (model_kwargs.vocoder_thread), whose work is outside the stage's steps.
+   (model_kwargs.vocoder_thread: the one-shot engine's finish thread), whose work is outside the stage's steps.
 2. The concurrency-1 requests again on the local backend: ray_over_local_e2e_c1 (mean end to end, Ray / local).
 3. The same requests through transformers' Qwen2_5OmniForConditionalGeneration.generate (greedy, with audio),
    one after another, in this process with this machine's cores (references/qwen2_5_omni.py):
@@ -154,11 +154,11 @@ async def _sweep(args, backend: str, levels: dict[int, list[list[int]]],
         lv["stage_busy_fraction"] = {s: w["stage_busy_fraction"] for s, w in split.items()}
         lv["stage_profile"] = {s: {p: w[p] for p in PHASES} for s, w in split.items()}
         lv["torch_threads"] = {s: after[s].get("torch_threads") for s in after}
-        # A stage's own threads beside its steps (token2wav's vocoder thread): their busy fraction apart.
+        # A one-shot engine's finish thread beside its steps (token2wav's vocoder): its busy fraction apart.
         lv["vocoder_busy_fraction"] = {
-            s: (after[s]["vocoder_time_s"] - (before[s].get("vocoder_time_s") or 0.0))
+            s: (after[s]["finish_thread_time_s"] - (before[s].get("finish_thread_time_s") or 0.0))
             / (wall * max(1, len(after[s].get("replicas") or ())))
-            for s in after if after[s].get("vocoder_time_s") is not None}
+            for s in after if after[s].get("finish_thread_time_s") is not None}
         print(f"{backend} {label}: {lv['audio_s_per_s']:.3f} audio-s/s, TTFP p50 {lv['ttfp_p50_ms']:.0f} ms "
               f"p99 {lv['ttfp_p99_ms']:.0f} ms, RTF p50 {lv['rtf_p50']:.2f}, stalls p50 "
               f"{lv['stall_p50_ms']:.0f} ms, machine CPU {_fmt(lv['machine_cpu_busy'])} busy, busy "

@@ -14,7 +14,7 @@ Streamed, a newcomer's first audio (`newcomer`): the stage's engine streams a 25
 chunks of stage_configs/qwen2_5_omni_small.yaml: 8, then 50 doubling to 100) and a second request
 arrives once the first one's second window is in flight; its time to first audio beside the time of
 the same request alone, `newcomer_wait_ratio` = behind / alone. Windows advance one Runge-Kutta step
-per engine step with the newcomer's first window ahead (stages/qwen2_5_omni/token2wav.py), so the ratio is
+per engine step with the newcomer's first window ahead (omni/engine/in_flight.py), so the ratio is
 about 1 plus one step of the window in flight, where a newcomer used to wait for that whole window.
 
     omni bench token2wav [--model builtin:small-qwen2_5-omni] [--codes 32 250] [--threads 1]

@@ -18,11 +18,10 @@ grows through extend_request, and each step the model emits whatever piece of
 output is ready (a StageDelta with `audio`); the finished output carries the
 pieces concatenated.
 
-A model with `pieces_span_steps` (token2wav) computes a piece over several steps (one Runge-Kutta step
-of every window in flight per engine step, continuously batched: stages/qwen2_5_omni/token2wav.py):
-its next_outputs gets every stream with work ready or in flight, first pieces first, and answers
-(None, False) for a stream whose piece is not done yet; a stream's time to first output is that of
-its first piece, not of the step that first took it.
+A model with `pieces_span_steps` (token2wav) computes a piece over several steps: this engine batches
+those pieces continuously across requests and steps, with its worker threads (omni/engine/in_flight.py);
+every stream with work ready or in flight goes into each step, first pieces first, and a stream's time to
+first output is that of its first piece, not of the step that first took it.
 """
 from __future__ import annotations
 
@@ -42,6 +41,7 @@ from omni.messages import StageDelta, StageInput, StageOutput
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 from omni.stage_info import StageInfo
 
+from omni.engine.in_flight import InFlight, StreamWork
 from omni.engine.interface import EngineStepOutput, StageStats
 from omni.engine.loading import load_stage_model
 from omni.engine.stage_model import OneShotStageModel
@@ -64,6 +64,10 @@ class OneShotEngineConfig:
     dtype: str = "float32"
     device: str = "auto"
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Worker threads for a model with `pieces_span_steps` (omni/engine/in_flight.py): finish a stream's
+    # later pieces on a thread of their own, and step the pieces in flight as two packs on two threads.
+    finish_thread: bool = False
+    compute_threads: int = 1
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class _Job:
     arrival: float
     tokens: list[int] = field(default_factory=list)  # streamed input: every token received
     first_output: float | None = None
+    work: StreamWork | None = None  # a stream of a model with `pieces_span_steps`: its pieces in flight
 
 
 class OneShotStageEngine:
@@ -86,6 +91,8 @@ class OneShotStageEngine:
             raise ValueError(f"stage {self.name}: {type(model).__name__} is autoregressive; use StageEngine")
         self.model = model
         self.tokenizer = model.tokenizer
+        self.in_flight = (InFlight(model, config.finish_thread, config.compute_threads)
+                          if model.pieces_span_steps else None)
         self._queue: OrderedDict[str, _Job] = OrderedDict()
         self._streams: OrderedDict[str, _Job] = OrderedDict()
         self._aborted: list[StageOutput] = []
@@ -106,8 +113,9 @@ class OneShotStageEngine:
         if not inp.input_complete:
             if not self.model.info.streams_input:
                 raise ValueError(f"stage {self.name!r}: {type(self.model).__name__} cannot take a streaming input")
-            self._streams[rid] = _Job(inp, self.model.prepare_stream(inp, seed), time.monotonic(),
-                                      list(inp.prompt_token_ids or []))
+            state = self.model.prepare_stream(inp, seed)
+            self._streams[rid] = _Job(inp, state, time.monotonic(), list(inp.prompt_token_ids or []),
+                                      work=None if self.in_flight is None else StreamWork(state))
             return
         job = self.model.prepare_generation(inp, seed)
         self._queue[rid] = _Job(inp, job, time.monotonic())
@@ -120,8 +128,8 @@ class OneShotStageEngine:
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
-        if stream is not None and hasattr(self.model, "drop_stream"):
-            self.model.drop_stream(stream.job)  # work in flight for it stops counting (pieces_span_steps)
+        if stream is not None and stream.work is not None:
+            self.in_flight.drop(stream.work)  # its piece in flight stops counting
         job = self._queue.pop(request_id, None) or stream
         if job is not None:
             self._aborted.append(StageOutput(request_id, self.name, finished=True, finish_reason="abort",
@@ -130,7 +138,10 @@ class OneShotStageEngine:
     def has_unfinished(self) -> bool:
         """Queued requests, streams with output ready, or aborts to report."""
         return (bool(self._queue) or bool(self._aborted)
-                or any(self.model.stream_ready(j.job) for j in self._streams.values()))
+                or any(self._stream_ready(j) for j in self._streams.values()))
+
+    def _stream_ready(self, job: _Job) -> bool:
+        return self.model.stream_ready(job.job) if job.work is None else self.in_flight.ready(job.work)
 
     def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
                        last: bool = False, extra: dict[str, Any] | None = None) -> None:
@@ -146,15 +157,11 @@ class OneShotStageEngine:
         raise ValueError(f"stage {self.name!r} is a one-shot stage: it has no per-token rows to read")
 
     def close(self) -> None:
-        if hasattr(self.model, "drop_stream"):  # a model that outlives this engine keeps no work of its streams
-            for job in self._streams.values():
-                self.model.drop_stream(job.job)
+        if self.in_flight is not None:
+            self.in_flight.close()
         self._queue.clear()
         self._streams.clear()
         self._aborted.clear()
-        close = getattr(self.model, "close", None)  # optional: a model's own threads (token2wav's vocoder)
-        if close is not None:
-            close()
 
     # ----------------------------------------------------------------- step
     def step(self) -> EngineStepOutput:
@@ -222,15 +229,18 @@ class OneShotStageEngine:
         First pieces go ahead: while some stream has its first piece ready, a step runs only first
         pieces (the others' later pieces run in the next step), so that a request's time to first
         output never includes other requests' longer windows computed with it."""
-        ready = [(rid, job) for rid, job in self._streams.items() if self.model.stream_ready(job.job)]
+        ready = [(rid, job) for rid, job in self._streams.items() if self._stream_ready(job)]
         first = [(rid, job) for rid, job in ready if job.first_output is None]
-        if getattr(self.model, "pieces_span_steps", False):
-            # The model puts first pieces ahead itself, between short units of work: every stream goes
-            # in, first ones first, so that each window is admitted the step its input is there.
+        if self.in_flight is not None:
+            # In flight, first pieces go ahead between short units of work: every stream goes in, first
+            # ones first, so that each piece is started the step its input is there.
             ready = sorted(ready, key=lambda r: r[1].first_output is not None)[:budget]  # stable: oldest first
+            pieces = self.in_flight.step([job.work for _, job in ready], self.config.max_batch_tokens)
+            if len(ready) > 1:  # one batched call, as the batched hooks count
+                self._batch_calls, self._batched_items = self._batch_calls + 1, self._batched_items + len(ready)
         else:
             ready = (first or ready)[:budget]
-        pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
+            pieces = self._run(self.model.next_output, self.model.next_outputs, [job.job for _, job in ready])
         now = time.monotonic()
         for (rid, job), result in zip(ready, pieces):
             if isinstance(result, Exception):
@@ -239,7 +249,7 @@ class OneShotStageEngine:
                 out.finished.append(StageOutput(rid, self.name, prompt_token_ids=job.tokens, finished=True,
                                                 finish_reason="error", error=self._error(rid, result)))
                 continue
-            piece, done = result
+            piece, done = (None, False) if result is None else result
             if job.first_output is None and piece is not None:
                 job.first_output = now
             if piece is not None:
@@ -247,7 +257,8 @@ class OneShotStageEngine:
                                              sampling_rate=piece.get("sampling_rate")))
             if done:
                 del self._streams[rid]
-                produced = self.model.stream_result(job.job)
+                produced = (self.model.stream_result(job.job) if job.work is None
+                            else self.in_flight.result(job.work))
                 audio = produced.pop("audio", None)
                 res = StageOutput(rid, self.name, prompt_token_ids=job.tokens, finished=True, finish_reason="stop",
                                   audio=None if audio is None else np.asarray(audio, dtype=np.float32),
@@ -287,5 +298,6 @@ class OneShotStageEngine:
             step_time_s=self._step_time,
             torch_threads=torch.get_num_threads(),
             # batched_items / batch_calls: the mean batch of the batched hooks.
-            extra={**self.model.stats(), "batch_calls": self._batch_calls, "batched_items": self._batched_items},
+            extra={**self.model.stats(), "batch_calls": self._batch_calls, "batched_items": self._batched_items,
+                   **(self.in_flight.stats() if self.in_flight is not None else {})},
         )

@@ -193,9 +193,8 @@ class OneShotStageModel(StageModel):
 
     # info.streams_input True: it implements the streaming-input hooks below
     info = StageInfo(autoregressive=False, emits_hidden_states=False, streams_input=False)
-    # True: next_outputs advances the pieces in flight by one unit of work per call and answers
-    # (None, False) for a stream whose piece is not done; it takes every stream with work (first pieces
-    # first) and orders the work itself (OneShotStageEngine); drop_stream(state) forgets an aborted one.
+    # True: a stream's piece takes several steps of work; the model implements the work-item hooks below
+    # and the engine batches the items continuously across streams and steps (omni/engine/in_flight.py).
     pieces_span_steps = False
     max_model_len: int
 
@@ -241,6 +240,40 @@ class OneShotStageModel(StageModel):
 
     def stream_result(self, state: Any) -> dict[str, Any]:
         """The whole output of a finished stream (what run_generation would return)."""
+        raise NotImplementedError
+
+    # -- pieces that take several steps (pieces_span_steps) ---------------------------------------
+    # The engine owns what is in flight, how items pack into a step, the threads, and the pieces; the
+    # model only computes. Its stream_ready(state) then says whether start_item has an item now; next_output
+    # and stream_result go unused. Every hook but step_items and finish_item runs in the stepping thread.
+    def start_item(self, state: Any) -> Any | None:
+        """The stream's next work item (the work of its next piece), started; None while its input does not
+        make one yet. Never called while the stream has an item in flight. Raising fails the stream."""
+        raise NotImplementedError
+
+    def item_size(self, item: Any) -> int:
+        """The item's input tokens: what a step's budget (max_batch_tokens) and the packs' balance count."""
+        raise NotImplementedError
+
+    def step_items(self, items: list[Any]) -> None:
+        """Advance the items (of any streams, each at its own point) one unit of work, in one packed call.
+        May run on a worker thread beside another call on other items: touch only these items, and change
+        none of them unless it succeeds (on a failure the engine steps each item alone)."""
+        raise NotImplementedError
+
+    def item_done(self, item: Any) -> bool:
+        """Whether the item's work is done (an item may need no step at all: an empty last piece)."""
+        raise NotImplementedError
+
+    def end_item(self, item: Any) -> bool:
+        """The item's work is done: its stream moves past it (its next item may start). True when it was
+        the stream's last."""
+        raise NotImplementedError
+
+    def finish_item(self, item: Any) -> dict[str, Any]:
+        """The item's piece of output, e.g. {"audio": samples, "sampling_rate": ...} (the post-processing
+        step, e.g. a vocoder; may run on the engine's finish thread). The stream's output is its pieces'
+        audio concatenated."""
         raise NotImplementedError
 
 

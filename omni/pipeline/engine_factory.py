@@ -12,6 +12,7 @@ Both backends build engines here (the Ray backend inside each stage actor). A cu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from omni import registry
 from omni.config.schema import StageConfig
@@ -34,11 +35,13 @@ def build_engine(stage: StageConfig, *, emit_hidden_states: bool = True, cuda_gr
     if not entry.info.autoregressive:
         from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 
+        model_kwargs = dict(stage.model_kwargs)
+        threads = one_shot_threads(model_kwargs)
         return OneShotStageEngine(OneShotEngineConfig(
             name=stage.name, model_cls=model_cls, model_path=model_path,
             max_num_seqs=stage.scheduler.max_num_seqs, max_batch_tokens=stage.scheduler.max_num_batched_tokens,
             default_sampling=stage.sampling,
-            dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs)))
+            dtype=stage.dtype, device=stage.device, model_kwargs=model_kwargs, **threads))
 
     from omni.engine.engine import StageEngine
     from omni.engine.engine_config import StageEngineConfig
@@ -62,6 +65,23 @@ def build_engine(stage: StageConfig, *, emit_hidden_states: bool = True, cuda_gr
         default_sampling=stage.sampling, use_chat_template=stage.use_chat_template,
         dtype=stage.dtype, device=stage.device, model_kwargs=dict(stage.model_kwargs),
         emit_hidden_states=emit_hidden_states, cuda_graphs=cuda_graphs, takes_caller_prompt=not stage.inputs))
+
+
+def one_shot_threads(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop a one-shot stage's worker thread options out of its model_kwargs (the keys users write for
+    token2wav): OneShotEngineConfig's finish_thread / compute_threads (ValueError naming the key)."""
+    options: dict[str, Any] = {}
+    if "vocoder_thread" in model_kwargs:
+        value = model_kwargs.pop("vocoder_thread")
+        if not isinstance(value, bool):
+            raise ValueError(f"model_kwargs.vocoder_thread: must be true or false, got {value!r}")
+        options["finish_thread"] = value
+    if "dit_threads" in model_kwargs:
+        value = model_kwargs.pop("dit_threads")
+        if isinstance(value, bool) or not isinstance(value, int) or value not in (1, 2):
+            raise ValueError(f"model_kwargs.dit_threads: must be 1 or 2, got {value!r}")
+        options["compute_threads"] = value
+    return options
 
 
 def start_error(stage: str, e: BaseException) -> StageStartError:

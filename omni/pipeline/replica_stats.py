@@ -14,7 +14,7 @@ from typing import Any
 _SUM = ("running", "waiting", "num_blocks", "prefix_cache_queries", "prefix_cache_hits", "preemptions",
         "finished", "errors", "steps", "step_time_s", "tensor_cache_time_s", "queued", "in_flight",
         "waiting_for_chunks", "batch_calls", "batched_items", "busy_time_s", "forward_time_s",
-        "sampling_time_s", "host_time_s", "vocoder_time_s")
+        "sampling_time_s", "host_time_s", "finish_thread_time_s")
 _MAX = ("max_batch",)
 
 

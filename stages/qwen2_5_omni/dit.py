@@ -36,8 +36,8 @@ it is computed with: with MKL on a CPU, every window measured but a 1-code reque
 guidance (2 rows: MKL's small-matrix kernel sums in another order, 6e-8 apart). The test holds it to
 the bound of a reordered fp32 chain (tests/stages/omni_utils.py mel_atol), whatever the BLAS picks.
 
-Requests at different steps of their ODEs (token2wav's streamed windows, admitted as their codes arrive:
-continuous batching) are packed the same way (`ode_step`): the time embedding and each layer's time
+Requests at different steps of their ODEs (token2wav's streamed windows, which the one-shot engine
+batches continuously as their codes arrive) are packed the same way (`ode_step`): the time embedding and each layer's time
 modulation are computed per request and spread over its frames, and the Runge-Kutta arithmetic takes
 each request's own times and step size; with every request at one step it is the lockstep path above.
 

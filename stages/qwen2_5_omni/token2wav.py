@@ -19,71 +19,37 @@ context each window lacks (measured in tests: max |diff| and SNR). The first chu
 (`first_chunk_codes`) for a short time to first audio; the later ones start at `chunk_codes` and
 double up to `max_chunk_codes` (default: `chunk_codes`, a fixed size). Each window computes its
 chunk plus its context again (one block each side), so longer later chunks spend less of the DiT on
-context: for a 250-code reply with first 8 / chunks 50 the windows sum to 382 codes of DiT work (1.53x
-the one-shot request), with 50 growing to 100 to 330 (1.32x), while the first audio comes as soon.
+context, while the first audio comes as soon.
 
     model_kwargs: chunk_codes (25), first_chunk_codes (10), max_chunk_codes (chunk_codes),
-                  left_context_codes (1 DiT block), lookahead_codes (1 DiT block), vocoder_thread (false),
-                  dit_threads (1)
+                  left_context_codes (1 DiT block), lookahead_codes (1 DiT block); the engine's worker
+                  threads go here too, under their YAML names: vocoder_thread (false: the engine's
+                  finish_thread, BigVGAN) and dit_threads (1: its compute_threads, DiT packs)
 
-Batched (the engine's optional hooks `run_generation_batch` / `next_outputs`): the requests of one
-engine step integrate the DiT's ODE in lockstep, packed along time (dit.py: each one's mel
-is its mel alone), in calls of at most `max_batch_tokens` codes (the stage's
-scheduler.max_num_batched_tokens; a longer one runs alone). BigVGAN then runs per window: batched over
-windows of one length it is neither bitwise (oneDNN's convolutions block a batch differently) nor
-faster on a CPU (measured on the small checkpoint: 4 mels of 148 frames, 1.2 s one by one, 2.3 s as one
-batch).
+Batched (the engine's optional hook `run_generation_batch`): the requests of one engine step integrate
+the DiT's ODE in lockstep, packed along time (dit.py: each one's mel is its mel alone), in calls of at
+most `max_batch_tokens` codes (the stage's scheduler.max_num_batched_tokens; a longer one runs alone).
+BigVGAN then runs per window: batched over windows of one length it is not bitwise (oneDNN's
+convolutions block a batch differently), and not faster on a CPU.
 
-Streamed windows run *continuously batched* (qwen2_5_omni_dit.ode_step): a window is admitted as soon
-as its codes are there and its ODE advances one Runge-Kutta step per engine step, packed along time
-with every other window in flight, each at its own step of its own ODE (their time modulations spread
-over their frames); a window leaves through BigVGAN in the step its ODE ends. So windows of different
-streams share the DiT's matrix products whenever they overlap, not only when they become ready in the
-same step, and a newcomer never waits for whole windows: a stream's first window (short: the first
-chunk and its look-ahead) runs to its end in one step of its own, ahead of the others (they resume
-where they stopped), so its first audio waits one Runge-Kutta step of the windows in flight; the
-windows held back then take their step before any further first window runs alone (newcomers slow
-the streams already playing, never stop them). A
-stream's windows still run one after another; the waveform is the windows' lockstep waveform up to
-the blocking of fp32 sums (tested against the bound).
+Streamed windows are the engine's work items (`pieces_span_steps`: omni/engine/in_flight.py batches them
+continuously across streams and steps, and runs its threads): a window starts as soon as its codes are
+there (start_item), its ODE advances one Runge-Kutta step per engine step packed along time with every
+other window in flight, each at its own step of its own ODE (step_items: dit.ode_step, their time
+modulations spread over their frames), and BigVGAN turns its mel into its chunk's samples once its ODE
+ends (finish_item). A stream's windows run one after another; the waveform is the windows' lockstep
+waveform up to the blocking of fp32 sums (tested against the bound). BigVGAN's ops are the same on the
+engine's finish thread, so with it the audio is bitwise the inline stage's while every stream with work is
+in each step, and within the DiT's packing bound otherwise (tested); the same holds for two DiT packs.
 
-The vocoder thread (`vocoder_thread: true`): once a window's ODE ends, its stream's next window may start,
-and BigVGAN turns the window's mel into samples on a thread of its own (one, FIFO: a stream's pieces leave
-in order; pieces back together leave joined), while the stepping thread goes on with the DiT. A stream's
-first window is still vocoded in the step its ODE ends (its time to first audio). BigVGAN was ~23% of the
-stage's time at 4 streams, and the DiT steps are what bounds the stage's rate there. BigVGAN's ops are the
-inline stage's on the same mel, and while every stream with work is in each step (no more than the
-stage's max_num_seqs) the audio is bitwise the inline stage's (tested); with more, a stream's next window
-may start before its piece is back and so step packed with other windows than inline, which is the DiT's
-packing bound (a black-box pass measured 1.7e-10 to 3.8e-10 apart, 148-155 dB; tested against the bound).
-The thread computes with the stepping thread's torch threads. A step with no window in flight waits for the thread at most VOCODER_POLL_S (no spinning,
-and new codes are admitted soon); a failure there fails its stream alone; an aborted stream's pieces are
-dropped when they come back.
-
-Two DiT threads (`dit_threads: 2`): each Runge-Kutta step of several windows runs as two packs of about equal
-frames (_halves), one of them on a second thread, joined before the step ends; ode_step touches only its
-windows' ODE states, so the packs need no lock, and a pack that fails is stepped window by window in the
-stepping thread (the one that fails alone fails its stream). A lone window is not split (a stream's first
-window alone, concurrency 1). A window's values are its one-pack values up to the blocking of fp32 sums
-(another packing: the bound of tests/stages). On the 2-core machine at 4 streams the DiT thread was the
-stage's (and the pipeline's) bound while the machine was ~25% idle; `omni bench capacity --concurrency 1 4`
-(one run each, README) at c4: 2.06 audio s/s inline (1.78x transformers in the same run), 2.21 and 1.89
-with the vocoder thread (1.75x, 1.68x), 2.18 with both (2.12x, the machine 96% busy).
-
-Measured on the random small checkpoint (150 codes): with >= 1 block of context on each side the
-chunked waveform equals the one-shot one to fp32 rounding (SNR 122 dB); without look-ahead 19 dB,
-without left context 24 dB. A trained DiT's attention reaches further through the ODE's steps:
-measure the bound on real weights before trusting it there.
+With >= 1 block of context on each side the chunked waveform equals the one-shot one to fp32 rounding;
+without look-ahead or without left context it is far off (tests/stages measure both). A trained DiT's
+attention reaches further through the ODE's steps: measure the bound on real weights before trusting it
+there.
 """
 from __future__ import annotations
 
-import logging
-import time
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +65,6 @@ from stages.qwen2_5_omni.info import TOKEN2WAV
 from stages.qwen2_5_omni.talker import load_speakers, speaker_params
 from stages.qwen2_5_omni.thinker import load_omni_part
 
-logger = logging.getLogger(__name__)
-
-VOCODER_POLL_S = 0.02  # longest a step with nothing else to do waits for the vocoder thread
-
 
 @dataclass(slots=True, eq=False)
 class _WavStream:
@@ -115,34 +77,19 @@ class _WavStream:
     windows: int = 0  # windows whose ODE has ended (the next chunk's size follows from it)
     last_cut: bool = False  # the window ending the request has been cut: no further window
     complete: bool = False
-    finished: bool = False  # its last piece has been emitted
-    pieces: list[np.ndarray] = field(default_factory=list)
-    flight: _Flight | None = None  # its next window, in flight
-    vocoding: int = 0  # its pieces at the vocoder thread, not yet back
-    dropped: bool = False
-    ready: tuple[dict[str, Any], bool] | Exception | None = None  # a finished piece (or failure) not yet taken
 
 
 @dataclass(slots=True, eq=False)
-class _Flight:
-    """A stream's next chunk [start, end) of codes, its ODE in flight on the window [lo, hi)."""
+class _Window:
+    """A stream's next chunk [start, end) of codes (the engine's work item), its ODE on the window [lo, hi)
+    (None: an empty last piece)."""
 
     stream: _WavStream
     start: int
     end: int
     lo: int
     hi: int
-    ode: ODEWindow
-    first: bool  # the stream's first window: ahead of every other
-
-
-@dataclass(slots=True, eq=False)
-class _Vocoding:
-    """A window's piece at the vocoder thread: its samples (or the exception) come back in `future`."""
-
-    stream: _WavStream
-    future: Future
-    last: bool
+    ode: ODEWindow | None
 
 
 class Qwen2_5OmniToken2WavStage(OneShotStageModel):
@@ -156,8 +103,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
     def __init__(self, token2wav, speakers: dict, device: torch.device, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_codes: int = 25,
                  first_chunk_codes: int = 10, left_context_codes: int | None = None,
-                 lookahead_codes: int | None = None, max_chunk_codes: int | None = None,
-                 vocoder_thread: bool = False, dit_threads: int = 1):
+                 lookahead_codes: int | None = None, max_chunk_codes: int | None = None):
         self.token2wav = token2wav
         self.speakers = speakers
         self.device = device
@@ -190,19 +136,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
                 raise ValueError(f"model_kwargs.{name}: must be >= 0, got {getattr(self, name)}")
         bigvgan = token2wav.config.bigvgan_config
         self.samples_per_frame = int(np.prod(bigvgan.upsample_rates))
-        self._flights: list[_Flight] = []  # windows in flight, in admission order
         self._times = time_grid(num_steps, sway_coefficient, self.dtype, device)  # every window's ODE times
-        self._held = 0  # 1: the last step ran first windows while others waited (they go next)
-        if not isinstance(vocoder_thread, bool):
-            raise ValueError(f"model_kwargs.vocoder_thread: must be true or false, got {vocoder_thread!r}")
-        self.vocoder_thread = vocoder_thread
-        self._vocoder: ThreadPoolExecutor | None = None  # made on first use, in the stepping thread
-        if isinstance(dit_threads, bool) or not isinstance(dit_threads, int) or dit_threads not in (1, 2):
-            raise ValueError(f"model_kwargs.dit_threads: must be 1 or 2, got {dit_threads!r}")
-        self.dit_threads = dit_threads
-        self._dit_pool: ThreadPoolExecutor | None = None
-        self._vocoding: deque[_Vocoding] = deque()  # pieces at the vocoder thread, in submission order
-        self._vocoder_s = 0.0  # written by the vocoder thread only (one writer), read by stats()
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -212,7 +146,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         kwargs = dict(model_kwargs or {})
         gen = {k: kwargs.pop(k) for k in ("num_steps", "guidance_scale", "sway_coefficient", "chunk_codes",
                                           "first_chunk_codes", "max_chunk_codes", "left_context_codes",
-                                          "lookahead_codes", "vocoder_thread", "dit_threads")
+                                          "lookahead_codes")
                if k in kwargs}
         model, _ = load_omni_part(Path(model_path), "token2wav", Qwen2_5OmniToken2WavModel, torch.float32,
                                   device, **kwargs)
@@ -327,220 +261,46 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         return min(self.max_chunk_codes, self.chunk_codes << min(index - 1, 30))
 
     def stream_ready(self, state: _WavStream) -> bool:
-        return (state.ready is not None or state.flight is not None or state.vocoding > 0
-                or self._next_end(state) is not None)
+        return self._next_end(state) is not None
 
-    def next_output(self, state: _WavStream) -> tuple[dict[str, Any] | None, bool]:
-        result = self.next_outputs([state])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def next_outputs(self, states: list[_WavStream], max_batch_tokens: int | None = None
-                     ) -> list[tuple[dict[str, Any] | None, bool] | Exception]:
-        """One engine step: the given streams' next windows are admitted (those ready and not in flight),
-        the windows in flight step (first windows to their end alone, else one Runge-Kutta step of all of
-        them together: _step; at most `max_batch_tokens` codes, oldest first), those whose ODE ends go
-        through BigVGAN, and each given stream gets its piece once its window is done: (None, False) while
-        it is in flight, the exception when its window failed."""
-        with torch.inference_mode():
-            self._collect()
-            for state in states:
-                if state.flight is None and not isinstance(state.ready, Exception):
-                    self._admit(state)
-            if self._flights:
-                self._step(max_batch_tokens)
-            elif self._vocoding and all(state.ready is None for state in states):
-                # Nothing to compute here but pieces at the vocoder: wait for the oldest a little (not
-                # spinning the stepping loop), and no longer than a poll, so new codes are admitted soon.
-                wait_futures([self._vocoding[0].future], timeout=VOCODER_POLL_S)
-            self._collect()
-        return [self._take(state) for state in states]
-
-    def _admit(self, state: _WavStream) -> None:
+    # -- the engine's work items (pieces_span_steps): a window each ----------------
+    def start_item(self, state: _WavStream) -> _Window | None:
         plan = self._plan(state)
         if plan is None:
-            return
+            return None
         start, end, lo, hi = plan
         if hi <= lo:  # everything was cut before the end was known: an empty last piece
-            self._cut(state, end, lambda: np.zeros(0, np.float32), inline=state.vocoding == 0)
-            return
-        try:
-            window = self._window(state.codes[lo:hi], state.speaker,
-                                  state.noise[:, lo * self.repeats : hi * self.repeats])
-            ode = ode_window(self.token2wav.code2wav_dit_model, window, self.kwargs["guidance_scale"])
-        except Exception as exc:  # noqa: BLE001 - this stream fails, not the others
-            self._fail(state, exc)
-            return
-        state.flight = _Flight(state, start, end, lo, hi, ode, first=state.windows == 0)
-        self._flights.append(state.flight)
+            return _Window(state, start, end, lo, hi, None)
+        window = self._window(state.codes[lo:hi], state.speaker, state.noise[:, lo * self.repeats : hi * self.repeats])
+        return _Window(state, start, end, lo, hi,
+                       ode_window(self.token2wav.code2wav_dit_model, window, self.kwargs["guidance_scale"]))
 
-    def _step(self, max_tokens: int | None) -> None:
-        first = [f for f in self._flights if f.first]
-        others_wait = len(first) < len(self._flights)
-        # First windows (short: first_chunk_codes + look-ahead) run to their end in one step of their own, so
-        # a newcomer's first audio waits for one Runge-Kutta step of the windows in flight and is then not
-        # cut into steps that other stages' steps interleave with (the local backend's one thread). The
-        # windows held back take their step in the next one, whatever arrived meanwhile: newcomers slow
-        # the streams already playing, never stop them.
-        to_end = bool(first) and not (others_wait and self._held)
-        self._held = int(to_end and others_wait)
-        group: list[_Flight] = []
-        size = 0
-        for f in first if to_end else self._flights:
-            if group and max_tokens is not None and size + (f.hi - f.lo) > max_tokens:
-                break
-            group.append(f)
-            size += f.hi - f.lo
-        while True:
-            live = [f for f in group if f.stream.flight is f and not f.ode.done(self._times)]
-            if not live:
-                break
-            self._ode_step(live)
-            if not to_end:
-                break
-        for f in [f for f in group if f.stream.flight is f and f.ode.done(self._times)]:
-            self._land(f, None)
-            # A stream's first piece is vocoded here, now (its time to first audio); with the vocoder
-            # thread, later ones go there and the DiT goes on with the windows in flight meanwhile.
-            self._cut(f.stream, f.end, lambda f=f: self._vocode(f), inline=f.first or not self.vocoder_thread)
+    def item_size(self, item: _Window) -> int:
+        return item.hi - item.lo
 
-    def _vocode(self, f: _Flight) -> np.ndarray:
+    def step_items(self, items: list[_Window]) -> None:
+        ode_step(self.token2wav.code2wav_dit_model, [w.ode for w in items], self._times, self.kwargs["guidance_scale"])
+
+    def item_done(self, item: _Window) -> bool:
+        return item.ode is None or item.ode.done(self._times)
+
+    def end_item(self, item: _Window) -> bool:
+        """The window's codes up to its end are cut: the stream's next window may start."""
+        state = item.stream
+        state.done = item.end
+        state.windows += 1
+        state.last_cut = state.complete and item.end >= len(state.codes)
+        return state.last_cut
+
+    def finish_item(self, item: _Window) -> dict[str, Any]:
         """BigVGAN on a window's mel: the samples of its chunk [start, end)."""
+        if item.ode is None:
+            return {"audio": np.zeros(0, np.float32), "sampling_rate": self.sampling_rate}
         spf = self.samples_per_frame * self.repeats  # samples per codec token
         with torch.inference_mode():
-            audio = self.token2wav.code2wav_bigvgan_model(f.ode.mel()).reshape(-1).float().cpu().numpy()
-        return audio[(f.start - f.lo) * spf : (f.end - f.lo) * spf]
-
-    def _ode_step(self, group: list[_Flight]) -> None:
-        """One Runge-Kutta step of the group's windows together (with `dit_threads: 2`, in two packs of about
-        equal frames, one on the DiT thread); a failure fails only the window that fails alone (each steps
-        again by itself: ode_step changes no window unless it succeeds)."""
-        packs = _halves(group) if self.dit_threads > 1 else [group]
-        if len(packs) == 1:
-            errors = [self._try_step(group)]
-        else:
-            other = self._pool("_dit_pool", "omni-dit").submit(self._try_step, packs[1])
-            errors = [self._try_step(packs[0]), other.result()]
-        for pack, exc in zip(packs, errors):
-            if exc is None:
-                continue
-            if len(pack) == 1:
-                self._land(pack[0], exc)
-                continue
-            logger.error("token2wav: a step of %d windows failed; stepping each alone", len(pack), exc_info=exc)
-            for f in pack:
-                alone = self._try_step([f])
-                if alone is not None:
-                    self._land(f, alone)
-
-    def _try_step(self, pack: list[_Flight]) -> Exception | None:
-        """ode_step on the pack's windows (in any thread: it touches only their ODE states), or its exception."""
-        try:
-            with torch.inference_mode():
-                ode_step(self.token2wav.code2wav_dit_model, [f.ode for f in pack], self._times,
-                         self.kwargs["guidance_scale"])
-        except Exception as exc:  # noqa: BLE001 - the caller fails the windows, in the stepping thread
-            return exc
-        return None
-
-    def _land(self, flight: _Flight, error: Exception | None) -> None:
-        """A window leaves the flights (done, or failed with `error`: its stream fails)."""
-        if flight in self._flights:
-            self._flights.remove(flight)
-        if flight.stream.flight is flight:
-            flight.stream.flight = None
-            if error is not None:
-                self._fail(flight.stream, error)
-
-    def _cut(self, state: _WavStream, end: int, piece: Callable[[], np.ndarray], inline: bool) -> None:
-        """A window's ODE has ended (or an empty last piece): its codes up to `end` are cut, so the stream's
-        next window can start, and its samples (`piece()`) are made here (`inline`) or queued for the
-        vocoder thread behind the stream's pieces already there (a stream's pieces leave in order)."""
-        state.done = end
-        state.windows += 1
-        last = state.complete and end >= len(state.codes)
-        state.last_cut = last
-        if inline and state.vocoding == 0:
-            try:
-                samples = piece()
-            except Exception as exc:  # noqa: BLE001 - this stream fails, not the others
-                self._fail(state, exc)
-                return
-            self._deliver(state, samples, last)
-            return
-        state.vocoding += 1
-        future = self._pool("_vocoder", "omni-vocoder").submit(self._timed, piece)
-        self._vocoding.append(_Vocoding(state, future, last))
-
-    def _timed(self, piece: Callable[[], np.ndarray]) -> np.ndarray:
-        t = time.perf_counter()
-        try:
-            return piece()
-        finally:
-            self._vocoder_s += time.perf_counter() - t
-
-    def _pool(self, attr: str, name: str) -> ThreadPoolExecutor:
-        """A one-thread pool of this stage's (made on first use, in the stepping thread)."""
-        if getattr(self, attr) is None:
-            # torch's thread count is per thread (omni/pipeline/threads.py): the pool computes with the
-            # stepping thread's count, the cores this stage was given.
-            setattr(self, attr, ThreadPoolExecutor(1, thread_name_prefix=name, initializer=torch.set_num_threads,
-                                                   initargs=(torch.get_num_threads(),)))
-        return getattr(self, attr)
-
-    def _collect(self) -> None:
-        """Pieces back from the vocoder thread go to their streams, in submission order."""
-        while self._vocoding and self._vocoding[0].future.done():
-            v = self._vocoding.popleft()
-            v.stream.vocoding -= 1
-            exc = v.future.exception()
-            if exc is not None:
-                self._fail(v.stream, exc)
-            else:
-                self._deliver(v.stream, v.future.result(), v.last)
-
-    def _deliver(self, state: _WavStream, piece: np.ndarray, last: bool) -> None:
-        """A piece for the engine to take; one it has not taken yet leaves with it, joined (in order)."""
-        if state.dropped or isinstance(state.ready, Exception):
-            return
-        state.pieces.append(piece)
-        state.finished = last
-        if state.ready is not None:
-            piece = np.concatenate([state.ready[0]["audio"], piece])
-        state.ready = ({"audio": piece, "sampling_rate": self.sampling_rate}, last)
-
-    def _fail(self, state: _WavStream, error: Exception) -> None:
-        """The stream fails with `error` (its window in flight stops; its pieces at the vocoder are ignored)."""
-        if state.flight is not None:
-            self._land(state.flight, None)
-        state.dropped = True
-        state.ready = error
-
-    @staticmethod
-    def _take(state: _WavStream) -> tuple[dict[str, Any] | None, bool] | Exception:
-        result, state.ready = state.ready, None
-        return (None, False) if result is None else result
-
-    def drop_stream(self, state: _WavStream) -> None:
-        """An aborted stream: its window in flight goes (the others keep their steps)."""
-        if state.flight is not None:
-            self._land(state.flight, None)
-        state.dropped = True
-        state.ready = None
-
-    def close(self) -> None:
-        """The stage's threads go (a later stream makes new ones)."""
-        for attr in ("_vocoder", "_dit_pool"):
-            pool = getattr(self, attr)
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-                setattr(self, attr, None)
-        self._vocoding.clear()
-
-    def stats(self) -> dict[str, Any]:
-        # seconds BigVGAN ran on the vocoder thread (outside the engine's steps)
-        return {"vocoder_time_s": self._vocoder_s} if self.vocoder_thread else {}
+            audio = self.token2wav.code2wav_bigvgan_model(item.ode.mel()).reshape(-1).float().cpu().numpy()
+        return {"audio": audio[(item.start - item.lo) * spf : (item.end - item.lo) * spf],
+                "sampling_rate": self.sampling_rate}
 
     def _plan(self, state: _WavStream) -> tuple[int, int, int, int] | None:
         """(start, end) of the stream's next chunk of codes and (lo, hi) of the window computed for it
@@ -557,11 +317,6 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         hi = min(total, end + self.lookahead_codes)
         return start, end, lo, hi
 
-    def stream_result(self, state: _WavStream) -> dict[str, Any]:
-        """The whole waveform of a finished stream: its pieces, concatenated."""
-        audio = np.concatenate(state.pieces) if state.pieces else np.zeros(0, np.float32)
-        return {"audio": audio.astype(np.float32), "sampling_rate": self.sampling_rate}
-
 
 def _batches(windows: list[DiTRequest], max_tokens: int | None) -> list[list[DiTRequest]]:
     """Consecutive windows in calls of at most `max_tokens` codes (None: one call); a window longer
@@ -577,17 +332,3 @@ def _batches(windows: list[DiTRequest], max_tokens: int | None) -> list[list[DiT
             batches.append([w])
             size = n
     return batches
-
-
-def _halves(group: list[_Flight]) -> list[list[_Flight]]:
-    """The group in two packs of about equal frames (largest window first into the lighter pack; each pack
-    in the group's order), or one pack of a lone window."""
-    if len(group) < 2:
-        return [group]
-    packs: list[list[int]] = [[], []]
-    load = [0, 0]
-    for i in sorted(range(len(group)), key=lambda i: -(group[i].hi - group[i].lo)):
-        k = 0 if load[0] <= load[1] else 1
-        packs[k].append(i)
-        load[k] += group[i].hi - group[i].lo
-    return [[group[i] for i in sorted(p)] for p in packs]

@@ -155,8 +155,8 @@ def test_a_newcomers_first_window_goes_ahead_of_a_window_in_flight(token2wav_sta
     while not first:
         first = engine.step().deltas  # the old stream's first piece
     engine.step()  # its second window: one Runge-Kutta step done
-    (flight,) = token2wav_stage._flights
-    assert flight.ode.steps_done == 1 and not flight.first
+    (flight,) = engine.in_flight.flights
+    assert flight.item.ode.steps_done == 1 and not flight.first
     _stream_requests(engine, {"new": new})
     order, outs = _stream_pieces(engine)
     rids = [rid for rid, _ in order]
@@ -166,7 +166,7 @@ def test_a_newcomers_first_window_goes_ahead_of_a_window_in_flight(token2wav_sta
     assert len(old_pieces) == len(want)
     assert all(a.shape == b.shape and np.abs(a - b).max() <= atol for a, (_, b) in zip(old_pieces, want))
     assert outs["new"].metrics["ttft_s"] < outs["old"].metrics["e2e_s"]
-    assert not token2wav_stage._flights
+    assert not engine.in_flight.flights
 
 
 @pytest.mark.slow
@@ -213,7 +213,7 @@ def test_windows_at_different_steps_step_together_and_give_the_pieces_of_each_al
         assert len(mine) == len(ref_pieces) >= 2
         assert all(a.shape == b.shape and np.abs(a - b).max() <= atol for a, (_, b) in zip(mine, ref_pieces))
         assert outs[rid].finish_reason == "stop"
-    assert not token2wav_stage._flights
+    assert not engine.in_flight.flights
 
 
 @pytest.mark.slow
@@ -222,10 +222,10 @@ def test_aborting_a_stream_mid_window_drops_its_work(token2wav_stage):
     _stream_requests(engine, {"a": np.random.default_rng(7).integers(0, 8000, 60).tolist()})
     assert engine.step().deltas  # its first window: to its end in one step
     engine.step()  # its second window: one Runge-Kutta step in
-    (flight,) = token2wav_stage._flights
-    assert flight.ode.steps_done == 1
+    (flight,) = engine.in_flight.flights
+    assert flight.item.ode.steps_done == 1
     engine.abort("a")
-    assert not token2wav_stage._flights
+    assert not engine.in_flight.flights
     assert [o.finish_reason for o in engine.step().aborted] == ["abort"]
     assert not engine.has_unfinished()
 
@@ -239,13 +239,13 @@ def test_a_failing_window_stepped_with_others_fails_alone(token2wav_stage):
     _stream_requests(engine, {"ok": rng.integers(0, 8000, 40).tolist(), "bad": rng.integers(0, 8000, 40).tolist()})
     assert len(engine.step().deltas) == 2  # both first windows, to their end together
     assert not engine.step().deltas  # both second windows admitted, one step taken together
-    assert len(token2wav_stage._flights) == 2
-    bad = engine._streams["bad"].job.flight.ode
+    assert len(engine.in_flight.flights) == 2
+    bad = engine._streams["bad"].work.flight.item.ode
     bad.state = bad.state[:, :3]
     _, outs = _stream_pieces(engine)
     assert outs["bad"].finish_reason == "error"
     assert outs["ok"].finish_reason == "stop" and outs["ok"].audio.size > 0
-    assert not token2wav_stage._flights
+    assert not engine.in_flight.flights
 
 
 @pytest.mark.slow
@@ -285,4 +285,4 @@ def test_newcomers_arriving_faster_than_a_first_window_slow_an_old_stream_but_ne
     for rid in list(engine._streams):
         engine.abort(rid)
     engine.step()
-    assert not token2wav_stage._flights
+    assert not engine.in_flight.flights

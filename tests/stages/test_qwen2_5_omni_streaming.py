@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from omni import Omni, StageDelta
+from omni.engine.in_flight import InFlight, StreamWork
 from omni.messages import StageInput
 from tests.tolerances import SUMS_PER_DECODER_LAYER, reorder_atol
 
@@ -156,20 +157,22 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
                                            model_kwargs={"first_chunk_codes": 4, "chunk_codes": 6})
     codes = [int(c) for c in np.random.default_rng(1).integers(0, 8000, 22)]
     ref = model.generate(codes, None, 0)
+    flight = InFlight(model)  # the one-shot engine's stepping of the windows
     for tail_alone in (False, True):
         st = model.prepare_stream(StageInput("r", prompt_token_ids=codes[:3], input_complete=False), 0)
+        work = StreamWork(st)
         pieces, dones = [], 0
         feed = [codes[3:10], codes[10:22]] + ([[]] if tail_alone else [])
         for i, part in enumerate(feed):
             model.extend_stream(st, StageInput("r", prompt_token_ids=part), last=i == len(feed) - 1)
-            while model.stream_ready(st):
-                piece, done = model.next_output(st)  # None while its window is in flight
-                if piece is not None:
-                    pieces.append(piece["audio"])
-                dones += done
-        assert dones == 1 and not model.stream_ready(st)
+            while flight.ready(work):
+                (result,) = flight.step([work], None)  # None while its window is in flight
+                if result is not None:
+                    pieces.append(result[0]["audio"])
+                    dones += result[1]
+        assert dones == 1 and not flight.ready(work)
         wav = np.concatenate(pieces)
-        np.testing.assert_array_equal(wav, model.stream_result(st)["audio"])
+        np.testing.assert_array_equal(wav, flight.result(work)["audio"])
         assert wav.shape == ref.shape and snr_db(ref, wav) >= MIN_SNR_DB
     with pytest.raises(ValueError, match="complete"):
         model.extend_stream(st, StageInput("r", prompt_token_ids=[1]), last=True)
@@ -194,14 +197,16 @@ def test_token2wav_chunks_grow_to_max_chunk_codes(length, sizes):
     codes = [int(c) for c in np.random.default_rng(2).integers(0, 8000, length)]
     st = model.prepare_stream(StageInput("r", prompt_token_ids=codes, input_complete=True), 0)
     model.extend_stream(st, StageInput("r", prompt_token_ids=[]), last=True)
-    got, pieces = [], []
-    while model.stream_ready(st):
+    flight, work = InFlight(model), StreamWork(st)  # the one-shot engine's stepping of the windows
+    got, pieces, finished = [], [], False
+    while flight.ready(work):
         before = st.done
-        piece, _ = model.next_output(st)
-        if piece is not None:  # a window takes several calls: one Runge-Kutta step each
+        (result,) = flight.step([work], None)
+        if result is not None:  # a window takes several calls: one Runge-Kutta step each
             got.append(st.done - before)
-            pieces.append(piece["audio"])
-    assert got == sizes and st.finished
+            pieces.append(result[0]["audio"])
+            finished = result[1]
+    assert got == sizes and finished
     wav = np.concatenate(pieces)
     ref = model.generate(codes, None, 0)
     assert wav.shape == ref.shape and snr_db(ref, wav) >= MIN_SNR_DB
