@@ -11,6 +11,7 @@ import pytest
 from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 from omni.engine.stage_model import OneShotStageModel
 from omni.messages import StageInput
+from omni.stage_info import StageInfo
 
 STEPS = 3  # steps of work per item
 
@@ -35,7 +36,7 @@ class Counter(OneShotStageModel):
     """A piece is 2 codes (the first piece 1); its audio, after STEPS steps, is its codes as floats. A code < 0
     makes every step it is in fail."""
 
-    streams_input = True
+    info = StageInfo(autoregressive=False, emits_hidden_states=False, streams_input=True)
     pieces_span_steps = True
     max_model_len = 1000
 
