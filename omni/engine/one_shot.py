@@ -6,11 +6,9 @@ when it runs). Requests run in arrival order, up to `max_num_seqs` per `step()`;
 a failing request fails alone. The queue is this engine's scheduler: a request
 lives in it from add_request until its step (or abort).
 
-Batched: a model with the optional hooks (`run_generation_batch`, `next_outputs`) gets
-the step's requests, and the streams with a piece ready, in one call each (it keeps each
-model call under `max_batch_tokens` input tokens); the results equal the one-at-a-time
-hooks'. A batch that raises is run again one request at a time, so that the request
-that fails fails alone and the others still get their outputs in this step.
+Batched: a model with the optional hooks (`run_generation_batch`, `next_outputs`) gets the step's requests,
+and the streams with a piece ready, in one call each (each under `max_batch_tokens` input tokens), equal to
+the one-at-a-time hooks'. A batch that raises runs again one request at a time: the failing request fails alone.
 
 A request whose input streams in (input_complete=False; a model with streaming
 input, e.g. token2wav fed codec chunks) lives in `_streams` instead: its input
@@ -108,11 +106,13 @@ class OneShotStageEngine:
     def add_request(self, inp: StageInput) -> None:
         rid = inp.request_id
         if rid in self._queue or rid in self._streams:
-            raise ValueError(f"request_id {rid!r} is already in use on stage {self.name}")
+            raise RequestError(f"request_id {rid!r} is already in use on this stage", stage=self.name,
+                               field="request_id", code="duplicate_request_id", request_id=rid)
         seed = int(resolve_sampling_params(inp.sampling_params, self.config.default_sampling).seed or 0)
         if not inp.input_complete:
             if not self.model.info.streams_input:
-                raise ValueError(f"stage {self.name!r}: {type(self.model).__name__} cannot take a streaming input")
+                raise RequestError(f"stage {self.name!r}: {type(self.model).__name__} cannot take a streaming input",
+                                   stage=self.name, field="input_complete")
             state = self.model.prepare_stream(inp, seed)
             self._streams[rid] = _Job(inp, state, time.monotonic(), list(inp.prompt_token_ids or []),
                                       work=None if self.in_flight is None else StreamWork(state))
