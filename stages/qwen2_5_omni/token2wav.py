@@ -94,7 +94,9 @@ from omni.errors import RequestError
 from omni.messages import StageInput
 
 from stages.common.audio_chunks import ChunkSchedule
+from stages.common.processors import expect_payload
 from stages.qwen2_5_omni.dit import DiTRequest, ODEWindow, dit_sample_batch, ode_step, ode_window, time_grid
+from stages.qwen2_5_omni.payloads import CodesToWave
 from stages.qwen2_5_omni.talker import load_speakers, speaker_params
 from stages.qwen2_5_omni.thinker import load_omni_part
 
@@ -256,7 +258,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
     # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> tuple[list[int], str | None, int]:
-        speaker = inp.extra.get("speaker")
+        speaker = _speaker(inp)
         speaker_params(self.speakers, speaker)  # unknown speaker: ValueError at add time
         return self.codes_of(inp), speaker, seed
 
@@ -275,7 +277,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
     # -- streaming --------------------------------------------------------------
     def prepare_stream(self, inp: StageInput, seed: int) -> _WavStream:
-        speaker = inp.extra.get("speaker")
+        speaker = _speaker(inp)
         speaker_params(self.speakers, speaker)
         codes = self._check_codes([int(t) for t in (inp.prompt_token_ids or [])], 0)
         # The one-shot path's draw for the longest possible request: each window slices its frames.
@@ -543,6 +545,11 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         """The whole waveform of a finished stream: its pieces, concatenated."""
         audio = np.concatenate(state.pieces) if state.pieces else np.zeros(0, np.float32)
         return {"audio": audio.astype(np.float32), "sampling_rate": self.sampling_rate}
+
+
+def _speaker(inp: StageInput) -> str | None:
+    """The speaker talker2wav hands on (no payload: the default speaker)."""
+    return None if inp.payload is None else expect_payload(inp, CodesToWave, "talker2wav").speaker
 
 
 def _batches(windows: list[DiTRequest], max_tokens: int | None) -> list[list[DiTRequest]]:

@@ -17,8 +17,8 @@ exactly that:
     model_kwargs: chunk_frames (300), first_chunk_frames (chunk_frames), max_chunk_frames (chunk_frames),
                   left_context_frames (25); the one-shot path decodes in windows of max_chunk_frames
 
-Frames arrive in `StageInput.extra["codes"]` ([N, G] ints; `prompt_token_ids` carries the first codebook
-for the engine's bookkeeping).
+Frames arrive in `StageInput.payload` (a FramesToWave: [N, G] ints; `prompt_token_ids` carries the first
+codebook for the engine's bookkeeping).
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ from omni.errors import RequestError
 from omni.messages import StageInput
 
 from stages.common.audio_chunks import ChunkSchedule
+from stages.common.processors import expect_payload
 from stages.qwen3_omni.loading import load_qwen3_omni_part
+from stages.qwen3_omni.payloads import FramesToWave
 
 
 @dataclass(slots=True)
@@ -51,6 +53,11 @@ class _CodeStream:
         if self._all is None or self._all.shape[0] != self.total:
             self._all = np.concatenate(self.frames) if self.frames else np.zeros((0, 0), np.int64)
         return self._all
+
+
+def _codes(inp: StageInput) -> np.ndarray | None:
+    """The frames qwen3_omni_talker2code2wav hands on (no payload: none)."""
+    return None if inp.payload is None else expect_payload(inp, FramesToWave, "qwen3_omni_talker2code2wav").codes
 
 
 class Qwen3OmniCode2WavStage(OneShotStageModel):
@@ -94,18 +101,18 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         if arr.size == 0:
             return np.zeros((0, self.num_groups), np.int64)
         if arr.ndim != 2 or arr.shape[1] != self.num_groups:
-            raise RequestError(f"extra.codes: expected [frames, {self.num_groups}] codec frames, got shape "
-                               f"{list(arr.shape)}", field="extra.codes")
+            raise RequestError(f"payload.codes: expected [frames, {self.num_groups}] codec frames, got shape "
+                               f"{list(arr.shape)}", field="payload.codes")
         if not np.issubdtype(arr.dtype, np.integer) and not np.array_equal(arr, np.round(arr)):
-            raise RequestError("extra.codes: codec frames must be integers", field="extra.codes")
+            raise RequestError("payload.codes: codec frames must be integers", field="payload.codes")
         arr = arr.astype(np.int64)
         bad = arr[(arr < 0) | (arr >= self.codebook_size)]
         if bad.size:
-            raise RequestError(f"extra.codes: code {int(bad[0])} is out of range (0..{self.codebook_size - 1})",
-                               field="extra.codes", limit=self.codebook_size, actual=int(bad[0]))
+            raise RequestError(f"payload.codes: code {int(bad[0])} is out of range (0..{self.codebook_size - 1})",
+                               field="payload.codes", limit=self.codebook_size, actual=int(bad[0]))
         if have + arr.shape[0] > self.max_model_len:
-            raise RequestError(f"extra.codes: {have + arr.shape[0]} frames, at most {self.max_model_len} allowed",
-                               field="extra.codes")
+            raise RequestError(f"payload.codes: {have + arr.shape[0]} frames, at most {self.max_model_len} allowed",
+                               field="payload.codes")
         return arr
 
     @torch.inference_mode()
@@ -132,12 +139,12 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         for i, n in enumerate(lengths):
             frames = np.zeros((max(1, min(n, self.max_model_len)), self.num_groups), np.int64)
             out.append(StageInput(f"__profile_code2wav_{i}", prompt_token_ids=frames[:, 0].tolist(),
-                                  extra={"codes": frames}))
+                                  payload=FramesToWave(frames)))
         return out
 
     # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> np.ndarray:
-        return self.check_frames(inp.extra.get("codes"))  # none: no audio (the talker's eos came first)
+        return self.check_frames(_codes(inp))  # none: no audio (the talker's eos came first)
 
     def run_generation(self, job: np.ndarray) -> dict[str, Any]:
         audio = self.generate(job) if len(job) else np.zeros(0, np.float32)
@@ -150,14 +157,14 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         return state
 
     def _add(self, state: _CodeStream, inp: StageInput) -> None:
-        frames = self.check_frames(inp.extra.get("codes"), state.total)
+        frames = self.check_frames(_codes(inp), state.total)
         if len(frames):
             state.frames.append(frames)
             state.total += len(frames)
 
     def extend_stream(self, state: _CodeStream, inp: StageInput, last: bool) -> None:
         if state.complete:
-            raise RequestError("extra.codes: this request's frames are complete", field="extra.codes")
+            raise RequestError("payload.codes: this request's frames are complete", field="payload.codes")
         self._add(state, inp)
         state.complete = last  # with no frames at all: one empty last piece (no audio)
 
