@@ -43,12 +43,13 @@ from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPr
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.messages import StageInput
 
-from stages.common.parts import random_weights_seed
+from stages.common.decoder import decoder_kv_spec
+from stages.common.mrope import fill_mrope_positions
+from stages.common.parts import load_thinker_embedding
 from stages.common.processors import expect_payload
 from stages.common.talker_feed import ReplyRows
-from stages.qwen2_5_omni.inputs import fill_mrope_positions
 from stages.qwen2_5_omni.payloads import ThinkerToTalker
-from stages.qwen2_5_omni.thinker import load_omni_part
+from stages.qwen2_5_omni.loading import load_omni_part
 
 DEFAULT_SPEAKER = "Chelsie"
 
@@ -68,27 +69,6 @@ def speaker_params(speakers: dict[str, dict[str, Any]], name: str | None) -> dic
     if found is None:
         raise RequestError(f"speaker: {name!r} is not available; choose one of {sorted(speakers)}", field="speaker")
     return found
-
-
-def load_thinker_embedding(model_path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Embedding:
-    """The thinker's token embedding table alone, read from the checkpoint's safetensors."""
-    from safetensors import safe_open
-
-    seed = random_weights_seed(model_path)
-    if seed is not None:  # a checkpoint without weights: a table of the thinker's shape, made on the device
-        from transformers import Qwen2_5OmniConfig
-
-        text = Qwen2_5OmniConfig.from_pretrained(str(model_path)).thinker_config.text_config
-        gen = torch.Generator(device=device).manual_seed(seed)
-        weight = torch.randn(text.vocab_size, text.hidden_size, generator=gen, device=device, dtype=dtype) * 0.02
-        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
-    key = "thinker.model.embed_tokens.weight"
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            if key in fh.keys():
-                weight = fh.get_tensor(key)
-                return torch.nn.Embedding.from_pretrained(weight.to(device, dtype), freeze=True)
-    raise ValueError(f"model_path: no {key} in {model_path}")
 
 
 @dataclass(slots=True)
@@ -145,7 +125,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
-        from transformers import Qwen2_5OmniTalkerForConditionalGeneration
+        from transformers import Qwen2_5OmniConfig, Qwen2_5OmniTalkerForConditionalGeneration
 
         kwargs = dict(model_kwargs or {})
         compat = bool(kwargs.pop("transformers_compat", True))
@@ -155,17 +135,15 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         prepare_cpu_head(talker.codec_head, device)  # decode logits at memory speed
         tc = full.thinker_config
         mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
-        return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),
-                   device, dtype, mm, compat)
+        embedding = load_thinker_embedding(Qwen2_5OmniConfig, Path(model_path), dtype, device)
+        return cls(talker, embedding, load_speakers(Path(model_path)), device, dtype, mm, compat)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
         return checkpoint_geometry(model_path, "talker_config")
 
     def kv_spec(self) -> KVSpec:
-        cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        return decoder_kv_spec(self.config)
 
     # ------------------------------------------------------------ per request
     def _embed_text(self, ids: list[int]) -> torch.Tensor:

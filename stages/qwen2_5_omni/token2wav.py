@@ -98,7 +98,7 @@ from stages.common.processors import expect_payload
 from stages.qwen2_5_omni.dit import DiTRequest, ODEWindow, dit_sample_batch, ode_step, ode_window, time_grid
 from stages.qwen2_5_omni.payloads import CodesToWave
 from stages.qwen2_5_omni.talker import load_speakers, speaker_params
-from stages.qwen2_5_omni.thinker import load_omni_part
+from stages.qwen2_5_omni.loading import load_omni_part
 
 logger = logging.getLogger(__name__)
 

@@ -62,10 +62,11 @@ from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 
+from stages.common.decoder import decoder_kv_spec
+from stages.common.mrope import fill_mrope_positions
+from stages.common.parts import load_thinker_embedding
 from stages.common.processors import expect_payload
 from stages.common.talker_feed import ReplyRows
-from stages.qwen2_5_omni.inputs import fill_mrope_positions
-from stages.qwen2_5_omni.talker import load_thinker_embedding
 from stages.qwen3_omni.code_predictor import CodePredictor
 from stages.qwen3_omni.payloads import ThinkerToTalker
 from stages.qwen3_omni.loading import load_qwen3_omni_part, register_talker_expert_conversion
@@ -142,7 +143,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
-        from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
+        from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeTalkerForConditionalGeneration
 
         register_talker_expert_conversion()
         talker, full = load_qwen3_omni_part(Path(model_path), "talker", Qwen3OmniMoeTalkerForConditionalGeneration,
@@ -150,16 +151,15 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         # Paged attention for the MoE decoder only; the code predictor keeps sdpa over its short frames.
         talker.model.config._attn_implementation = register_attention()
         prepare_cpu_head(talker.codec_head, device)
-        return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), full, device, dtype)
+        embedding = load_thinker_embedding(Qwen3OmniMoeConfig, Path(model_path), dtype, device)
+        return cls(talker, embedding, full, device, dtype)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
         return checkpoint_geometry(model_path, "talker_config", "text_config")
 
     def kv_spec(self) -> KVSpec:
-        tc = self.text_config
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        return KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim)
+        return decoder_kv_spec(self.text_config)
 
     # ------------------------------------------------------------ per request
     def _rows(self, value: np.ndarray, name: str) -> torch.Tensor:
