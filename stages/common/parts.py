@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-MARKER = "omni_checkpoint.json"  # stages/checkpoints/builtin.py writes it last into every builtin checkpoint
+from stages.checkpoints.cache import MARKER  # written last into every builtin checkpoint
 
 
 def load_part(config_cls: type, model_path: Path, part: str, cls: type, dtype: torch.dtype, device: torch.device,

