@@ -23,6 +23,17 @@ class MultiModalInput:
 
 
 @dataclass(slots=True)
+class EdgePayload:
+    """Base of the typed side input an edge's input processor hands a downstream stage model: what the model
+    needs besides token ids and prompt embeddings (a talker's thinker rows, a vocoder's codec frames).
+
+    Each edge kind is a subclass (stages/<family>/payloads.py), read by the stage model it feeds: in
+    `StageInput.payload` with a request, and again with each later chunk on a streaming edge (the engine's
+    `extend_request(payload=...)`). Plain data only (numpy arrays, lists, str): it pickles across Ray.
+    """
+
+
+@dataclass(slots=True)
 class StageInput:
     """What a stage receives for one request.
 
@@ -41,9 +52,11 @@ class StageInput:
     # A SamplingParams, or a dict validated into one by the stage; None -> stage defaults.
     sampling_params: Any = None
     cache_salt: str | None = None
-    # Free-form per-request data an input processor hands to the stage model
-    # (e.g. the thinker's token ids for a talker).
+    # The caller's per-request options for stages past the entry stage (the API's voice as "speaker",
+    # "<stage>_sampling_params"): input processors read them and hand what a model needs on in `payload`.
     extra: dict[str, Any] = field(default_factory=dict)
+    # What an input processor made of the upstream outputs for this stage's model, typed per edge kind.
+    payload: EdgePayload | None = None
     # Hand this request's per-token rows (hidden states, mm_outputs) out with its output.
     # None: the stage's default (StageEngineConfig.emit_hidden_states); the pipeline sets it.
     return_hidden_states: bool | None = None

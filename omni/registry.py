@@ -71,12 +71,15 @@ class InputProcessorEntry:
     # None: not known (a target given directly): they are handed over, nothing is checked.
     needs_hidden_states: bool | None = False
     # "package.module:function" of the chunk form, for streaming edges:
-    #   fn(chunk: StageDelta, request: StageInput, state: dict) -> StageInput
+    #   fn(chunk: StageDelta, request: StageInput, state) -> StageInput | None
     # `chunk` carries the upstream's new tokens (and, for processors that read rows, the
     # rows of the tokens computed since the last chunk); the StageInput returned holds
-    # the prompt part this chunk adds. `state` persists across one request's chunks.
+    # the prompt part this chunk adds (its typed side input in `payload`), None while the
+    # request cannot start yet. `state` persists across one request's chunks.
     # None: the processor cannot stream.
     incremental: str | None = None
+    # "package.module:Class" of that state (made with no arguments, once per request); None: a dict.
+    chunk_state: str | None = None
 
 
 _STAGE_MODELS: dict[str, _StageModelRegistration] = {}
@@ -136,19 +139,19 @@ def register_stage_model(name: str, target: str, *, info: str | None = None, che
 
 
 def register_input_processor(name: str, target: str, *, needs_hidden_states: bool = False,
-                             incremental: str | None = None) -> None:
+                             incremental: str | None = None, chunk_state: str | None = None) -> None:
     """Register an input processor by its "module:function" string (not imported here).
 
     The function: fn(upstream: dict[str, StageOutput], request: StageInput) -> StageInput, where
     `upstream` holds one entry per name in the downstream stage's `inputs`, in that order, and
     `request` is the user's original input. `incremental`: the chunk form (see InputProcessorEntry),
-    which lets the processor sit on a streaming edge.
+    which lets the processor sit on a streaming edge; `chunk_state`: the class of its per-request state.
     """
     _check_name("input processor", name, target)
-    if incremental is not None and not is_target(incremental):
-        raise ValueError(f"input processor {name!r}: incremental must be a 'package.module:function' string, "
-                         f"got {incremental!r}")
-    _INPUT_PROCESSORS[name] = InputProcessorEntry(target, needs_hidden_states, incremental)
+    for what, value in (("incremental", incremental), ("chunk_state", chunk_state)):
+        if value is not None and not is_target(value):
+            raise ValueError(f"input processor {name!r}: {what} must be a 'package.module:name' string, got {value!r}")
+    _INPUT_PROCESSORS[name] = InputProcessorEntry(target, needs_hidden_states, incremental, chunk_state)
 
 
 def register_model_path_scheme(scheme: str, target: str, *, check: str | None = None) -> None:
@@ -210,12 +213,16 @@ def resolve_input_processor(name: str) -> Callable[..., Any]:
     return _resolve_target(input_processor_entry(name).target, "callable", callable)
 
 
-def resolve_incremental_processor(name: str) -> Callable[..., Any]:
-    """Import the chunk form of an input processor (ValueError when it has none)."""
+def resolve_incremental_processor(name: str) -> tuple[Callable[..., Any], Callable[[], Any]]:
+    """Import the chunk form of an input processor and the factory of its per-request state (ValueError when
+    it has no chunk form)."""
     entry = input_processor_entry(name)
     if entry.incremental is None:
         raise ValueError(f"input processor {name!r} has no chunk form: it cannot sit on a streaming edge")
-    return _resolve_target(entry.incremental, "callable", callable)
+    fn = _resolve_target(entry.incremental, "callable", callable)
+    state = dict if entry.chunk_state is None else _resolve_target(entry.chunk_state, "a class",
+                                                                     lambda o: isinstance(o, type))
+    return fn, state
 
 
 def resolve_model_path(spec: str | os.PathLike[str], what: str = "model path") -> Path:

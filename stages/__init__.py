@@ -28,13 +28,17 @@ def register() -> None:
     register_input_processor("hidden_to_embeds", "stages.common.processors:hidden_to_embeds", needs_hidden_states=True,
                              incremental="stages.common.processors:hidden_to_embeds_chunk")
     register_input_processor("thinker2talker", "stages.qwen2_5_omni.edges:thinker2talker", needs_hidden_states=True,
-                             incremental="stages.qwen2_5_omni.edges:thinker2talker_chunk")
+                             incremental="stages.qwen2_5_omni.edges:thinker2talker_chunk",
+                             chunk_state="stages.common.talker_feed:TalkerFeed")
     register_input_processor("talker2wav", "stages.qwen2_5_omni.edges:talker2wav",
-                             incremental="stages.qwen2_5_omni.edges:talker2wav_chunk")
+                             incremental="stages.qwen2_5_omni.edges:talker2wav_chunk",
+                             chunk_state="stages.qwen2_5_omni.edges:CodesFeed")
     # Qwen3-Omni: the talker reads the thinker's embeds / accept_hidden rows, code2wav the talker's `codes` rows.
     register_input_processor("qwen3_omni_thinker2talker", "stages.qwen3_omni.edges:thinker2talker", needs_hidden_states=True,
-                             incremental="stages.qwen3_omni.edges:thinker2talker_chunk")
+                             incremental="stages.qwen3_omni.edges:thinker2talker_chunk",
+                             chunk_state="stages.common.talker_feed:TalkerFeed")
     register_input_processor("qwen3_omni_talker2code2wav", "stages.qwen3_omni.edges:talker2code2wav",
-                             needs_hidden_states=True, incremental="stages.qwen3_omni.edges:talker2code2wav_chunk")
+                             needs_hidden_states=True, incremental="stages.qwen3_omni.edges:talker2code2wav_chunk",
+                             chunk_state="stages.qwen3_omni.edges:FramesFeed")
 
     register_model_path_scheme("builtin", "stages.checkpoints.builtin:builtin_path", check="stages.checkpoints.builtin:check_builtin")

@@ -16,6 +16,8 @@ from omni.engine.runner.cpu_linear import pack_cpu_linears
 from omni.engine.runner.output_head import prepare_cpu_head
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec
 
+from stages.common.decoder import decoder_kv_spec
+
 
 def _split_gguf(model_path: Path) -> tuple[Path, str | None]:
     if model_path.is_file() and model_path.suffix == ".gguf":
@@ -80,14 +82,7 @@ class CausalLMStage(AutoregressiveStageModel):
         return checkpoint_geometry(model_path) or checkpoint_geometry(model_path, "text_config")
 
     def kv_spec(self) -> KVSpec:
-        cfg = self.config
-        num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        return KVSpec(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-        )
+        return decoder_kv_spec(self.config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -95,14 +95,14 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
 # ------------------------------------------------------------------ checkpoints
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from stages.checkpoints.builtin import tiny_checkpoint
+    from stages.checkpoints.tiny_lm import tiny_checkpoint
 
     return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    from stages.checkpoints.builtin import tiny_checkpoint
+    from stages.checkpoints.tiny_lm import tiny_checkpoint
 
     return tiny_checkpoint("qwen2")
 
@@ -116,7 +116,7 @@ def tiny_omni():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from stages.checkpoints.builtin import smollm2_path
+    from stages.checkpoints.smollm2 import smollm2_path
 
     return smollm2_path()
 

@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 
 from omni.registry import resolve_model_path
 from stages.checkpoints import builtin as checkpoints
-from stages.checkpoints.builtin import smollm2_gguf_path, tiny_checkpoint
+from stages.checkpoints import cache
+from stages.checkpoints.smollm2 import smollm2_gguf_path, smollm2_path
+from stages.checkpoints.tiny_lm import tiny_checkpoint
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -108,16 +110,16 @@ def test_tiny_checkpoint_is_reproducible_and_built_once(tmp_path, tiny_qwen2):
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert tiny_checkpoint("qwen2", cache_dir=tmp_path) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    info = json.loads((path / checkpoints._MARKER).read_text())
+    info = json.loads((path / cache.MARKER).read_text())
     assert info["arch"] == "qwen2"
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []  # no temp dirs left
 
 
 def test_cache_dir_from_env(tmp_path, monkeypatch):
-    monkeypatch.setenv(checkpoints.CACHE_ENV, str(tmp_path / "c"))
-    assert checkpoints.cache_root() == tmp_path / "c"
-    monkeypatch.delenv(checkpoints.CACHE_ENV)
-    assert checkpoints.cache_root() == Path.home() / ".cache" / "omni"
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "c"))
+    assert cache.cache_root() == tmp_path / "c"
+    monkeypatch.delenv(cache.CACHE_ENV)
+    assert cache.cache_root() == Path.home() / ".cache" / "omni"
 
 
 def test_build_once_is_concurrency_safe(tmp_path):
@@ -131,7 +133,7 @@ def test_build_once_is_concurrency_safe(tmp_path):
 
     final = tmp_path / "thing-v1"
     results = []
-    threads = [threading.Thread(target=lambda: results.append(checkpoints.build_once(final, build)))
+    threads = [threading.Thread(target=lambda: results.append(cache.build_once(final, build)))
                for _ in range(4)]
     for t in threads:
         t.start()
@@ -140,7 +142,7 @@ def test_build_once_is_concurrency_safe(tmp_path):
     assert results == [final] * 4
     assert len(calls) == 1
     assert (final / "weights").read_text() == "x"
-    assert sorted(p.name for p in final.iterdir()) == [checkpoints._MARKER, "weights"]
+    assert sorted(p.name for p in final.iterdir()) == [cache.MARKER, "weights"]
 
 
 def test_failed_build_leaves_nothing(tmp_path):
@@ -149,7 +151,7 @@ def test_failed_build_leaves_nothing(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        checkpoints.build_once(tmp_path / "broken-v1", build)
+        cache.build_once(tmp_path / "broken-v1", build)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
@@ -216,7 +218,7 @@ def test_smollm2_gguf_located_without_importing_package():
 def test_smollm2_conversion_matches_gguf(smollm2):
     from transformers import AutoModelForCausalLM
 
-    assert smollm2 == checkpoints.smollm2_path()
+    assert smollm2 == smollm2_path()
     config = json.loads((smollm2 / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
     model, tok = _load(smollm2)

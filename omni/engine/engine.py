@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from omni.errors import StageError
-from omni.messages import StageInput, StageOutput
+from omni.messages import EdgePayload, StageInput, StageOutput
 from omni.stage_info import StageInfo
 
 from omni.engine.core.kv_cache import KVCacheManager
@@ -163,18 +163,18 @@ class StageEngine:
         return self.text.detokenize(token_ids)
 
     def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
-                       last: bool = False, extra: dict[str, Any] | None = None) -> None:
+                       last: bool = False, payload: EdgePayload | None = None) -> None:
         """Append a chunk to the input of a request admitted with input_complete=False: prompt tokens (and their
-        embeddings), and/or model-specific side input (`extra`, for a model that decodes while its input streams
+        embeddings), and/or model-specific side input (`payload`, for a model that decodes while its input streams
         in). RequestError (naming the field) when the chunk is bad or cannot fit; the prompt stays as it was."""
         t0 = time.perf_counter()
         try:
-            self._extend_request(request_id, token_ids, prompt_embeds, last, extra)
+            self._extend_request(request_id, token_ids, prompt_embeds, last, payload)
         finally:
             self.profile.busy_s += time.perf_counter() - t0  # host work (the model's side input included)
 
     def _extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any, last: bool,
-                        extra: dict[str, Any] | None) -> None:
+                        payload: EdgePayload | None) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is None or req.input_complete or request_id not in self.streams:
             # the pipeline's bookkeeping, not the caller's: a chunk for a request this stage does not hold
@@ -189,8 +189,8 @@ class StageEngine:
             state.append_prompt_embeds(rows)
         if token_ids:
             req.extend_prompt(token_ids, digests)
-        if extra or last:
-            self.model.extend_request(request_id, extra or {}, last)
+        if payload is not None or last:
+            self.model.extend_request(request_id, payload, last)
         if last:
             req.input_complete = True
             if not token_ids and not self.model.info.decodes_before_input_complete:

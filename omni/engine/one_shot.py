@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from omni.errors import RequestError, StageError
-from omni.messages import StageDelta, StageInput, StageOutput
+from omni.messages import EdgePayload, StageDelta, StageInput, StageOutput
 from omni.sampling_params import SamplingParams, resolve_sampling_params
 from omni.stage_info import StageInfo
 
@@ -144,12 +144,12 @@ class OneShotStageEngine:
         return self.model.stream_ready(job.job) if job.work is None else self.in_flight.ready(job.work)
 
     def extend_request(self, request_id: str, token_ids: list[int], prompt_embeds: Any = None,
-                       last: bool = False, extra: dict[str, Any] | None = None) -> None:
+                       last: bool = False, payload: EdgePayload | None = None) -> None:
         """More input for a request admitted with input_complete=False (ValueError when refused)."""
         job = self._streams.get(request_id)
         if job is None:
             raise ValueError(f"request_id: {request_id!r} is not a request of stage {self.name!r} waiting for input")
-        self.model.extend_stream(job.job, StageInput(request_id, prompt_token_ids=list(token_ids), extra=extra or {}),
+        self.model.extend_stream(job.job, StageInput(request_id, prompt_token_ids=list(token_ids), payload=payload),
                                  last)
         job.tokens += [int(t) for t in token_ids]
 

@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from omni.stage_info import StageInfo
+from omni.errors import RequestError
 
 if TYPE_CHECKING:
     from omni.engine.memory import StageGeometry
     from omni.engine.core.request import MultiModalFeature
-    from omni.messages import StageInput
+    from omni.messages import EdgePayload, StageInput
 
 
 @dataclass(slots=True)
@@ -174,12 +175,13 @@ class AutoregressiveStageModel(StageModel):
     def remove_request(self, request_id: str) -> None:
         """Called by StageEngine once when a request leaves the stage (finished, aborted or failed)."""
 
-    def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
-        """A chunk of model-specific input for a request on a streaming edge (StageInput.extra of the
+    def extend_request(self, request_id: str, payload: "EdgePayload | None", last: bool) -> None:
+        """A chunk of model-specific input for a request on a streaming edge (StageInput.payload of the
         processor's chunk form); `last`: nothing more will come. Called by StageEngine.extend_request for
-        each chunk. Raise ValueError to refuse it."""
-        if extra:
-            raise ValueError(f"extra: {type(self).__name__} takes no side input on a streaming edge")
+        each chunk. Raise RequestError to refuse it."""
+        if payload is not None:
+            raise RequestError(f"payload: {type(self).__name__} takes no side input on a streaming edge",
+                               field="payload")
 
     def compute_limit(self, request_id: str) -> int | None:
         """How many of the request's tokens can be computed with the input received so far (a model

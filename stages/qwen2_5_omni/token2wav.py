@@ -15,11 +15,11 @@ window [a - left_context, b + lookahead), aligned to DiT blocks, and only its ow
 BigVGAN runs on the window's mel and the chunk's samples are cut out. The ODE starts from the same
 noise the one-shot path draws for those frames (one seeded draw per request, sliced), so a request
 that fits in one chunk gives exactly the one-shot waveform and longer ones differ only by the
-context each window lacks (measured in tests: max |diff| and SNR). The first chunk is smaller
-(`first_chunk_codes`) for a short time to first audio; the later ones start at `chunk_codes` and
-double up to `max_chunk_codes` (default: `chunk_codes`, a fixed size). Each window computes its
-chunk plus its context again (one block each side), so longer later chunks spend less of the DiT on
-context, while the first audio comes as soon.
+context each window lacks (measured in tests: max |diff| and SNR). Chunk sizes follow the common
+schedule (stages/common/audio_chunks.py): `first_chunk_codes`, then `chunk_codes` doubling up to
+`max_chunk_codes` (default: `chunk_codes`, a fixed size), a short last chunk on its own. Each window
+computes its chunk plus its context again (one block each side), so longer later chunks spend less of
+the DiT on context, while the first audio comes as soon.
 
     model_kwargs: chunk_codes (25), first_chunk_codes (10), max_chunk_codes (chunk_codes),
                   left_context_codes (1 DiT block), lookahead_codes (1 DiT block); the engine's worker
@@ -60,10 +60,13 @@ from omni.engine.stage_model import OneShotStageModel
 from omni.errors import RequestError
 from omni.messages import StageInput
 
+from stages.common.audio_chunks import ChunkSchedule
+from stages.common.processors import expect_payload
 from stages.qwen2_5_omni.dit import DiTRequest, ODEWindow, dit_sample_batch, ode_step, ode_window, time_grid
+from stages.qwen2_5_omni.payloads import CodesToWave
 from stages.qwen2_5_omni.info import TOKEN2WAV
 from stages.qwen2_5_omni.talker import load_speakers, speaker_params
-from stages.qwen2_5_omni.thinker import load_omni_part
+from stages.qwen2_5_omni.loading import load_omni_part
 
 
 @dataclass(slots=True, eq=False)
@@ -120,17 +123,9 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         self.mel_dim = dit.mel_dim
         block = max(1, dit.block_size // dit.repeats)  # codes per DiT attention block
         self.block_codes = block
-        self.chunk_codes = int(chunk_codes)
-        self.first_chunk_codes = int(first_chunk_codes)
-        self.max_chunk_codes = self.chunk_codes if max_chunk_codes is None else int(max_chunk_codes)
+        self.schedule = ChunkSchedule.from_kwargs("codes", chunk_codes, first_chunk_codes, max_chunk_codes)
         self.left_context_codes = block if left_context_codes is None else int(left_context_codes)
         self.lookahead_codes = block if lookahead_codes is None else int(lookahead_codes)
-        for name in ("chunk_codes", "first_chunk_codes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model_kwargs.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_chunk_codes < self.chunk_codes:
-            raise ValueError(f"model_kwargs.max_chunk_codes: must be >= chunk_codes ({self.chunk_codes}), "
-                             f"got {self.max_chunk_codes}")
         for name in ("left_context_codes", "lookahead_codes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model_kwargs.{name}: must be >= 0, got {getattr(self, name)}")
@@ -199,7 +194,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
     # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> tuple[list[int], str | None, int]:
-        speaker = inp.extra.get("speaker")
+        speaker = _speaker(inp)
         speaker_params(self.speakers, speaker)  # unknown speaker: ValueError at add time
         return self.codes_of(inp), speaker, seed
 
@@ -218,7 +213,7 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
 
     # -- streaming --------------------------------------------------------------
     def prepare_stream(self, inp: StageInput, seed: int) -> _WavStream:
-        speaker = inp.extra.get("speaker")
+        speaker = _speaker(inp)
         speaker_params(self.speakers, speaker)
         codes = self._check_codes([int(t) for t in (inp.prompt_token_ids or [])], 0)
         # The one-shot path's draw for the longest possible request: each window slices its frames.
@@ -244,21 +239,12 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         """End (exclusive) of the next chunk of codes, or None while it cannot be made yet."""
         if state.last_cut:
             return None
-        total, start = len(state.codes), state.done
-        end = start + self.chunk_size(state.windows)
-        if state.complete:
-            if start >= total:
-                return total  # everything was cut before the end was known: an empty last piece
-            # Never leave a sliver for a last chunk: fold it into this one.
-            return total if total - end < self.chunk_size(state.windows + 1) // 2 else end
-        return end if total >= end + self.lookahead_codes else None
+        return self.schedule.next_end(state.windows, state.done, len(state.codes), state.complete,
+                                      self.lookahead_codes)
 
     def chunk_size(self, index: int) -> int:
-        """Codes in a stream's chunk number `index`: the first chunk, then chunk_codes doubling up to
-        max_chunk_codes."""
-        if index == 0:
-            return self.first_chunk_codes
-        return min(self.max_chunk_codes, self.chunk_codes << min(index - 1, 30))
+        """Codes in a stream's chunk number `index` (stages/common/audio_chunks.py)."""
+        return self.schedule.size(index)
 
     def stream_ready(self, state: _WavStream) -> bool:
         return self._next_end(state) is not None
@@ -316,6 +302,11 @@ class Qwen2_5OmniToken2WavStage(OneShotStageModel):
         lo = max(0, start - self.left_context_codes) // self.block_codes * self.block_codes
         hi = min(total, end + self.lookahead_codes)
         return start, end, lo, hi
+
+
+def _speaker(inp: StageInput) -> str | None:
+    """The speaker talker2wav hands on (no payload: the default speaker)."""
+    return None if inp.payload is None else expect_payload(inp, CodesToWave, "talker2wav").speaker
 
 
 def _batches(windows: list[DiTRequest], max_tokens: int | None) -> list[list[DiTRequest]]:

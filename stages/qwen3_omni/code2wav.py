@@ -8,23 +8,17 @@ exactly that:
     one shot   chunked_decode(frames, chunk_frames, left_context_frames) (transformers' generate uses
                300 / 25: the default here), bitwise transformers' waveform
     streaming  (a `stream: true` edge from the talker) windows decoded as soon as their frames have
-               arrived: the first chunk may be smaller (`first_chunk_frames`) for a short time to first
-               audio, the later ones start at `chunk_frames` and double up to `max_chunk_frames`. With
+               arrived, sized by the common schedule (stages/common/audio_chunks.py): `first_chunk_frames`,
+               then `chunk_frames` doubling up to `max_chunk_frames`, a short last chunk on its own. With
                first_chunk_frames == chunk_frames == max_chunk_frames the concatenated pieces are
                chunked_decode's waveform, bitwise; any chunking differs from the one-shot `forward` only
                where a window's left context is shorter than the model's receptive field.
 
-Why chunks grow: a listener plays the first chunk while the talker makes the next one. A small first
-chunk followed at once by the steady size leaves a silence: with 4 frames then 25 on the 2-core CPU a
-listener heard 0.59 s of it per reply (`omni bench streaming`'s stall_s_streaming; 0.06 s with 2, 4, 8,
-16, 25). Doubling keeps each chunk's making shorter than the audio already queued, while few windows
-(each re-decodes its left context) are added.
-
     model_kwargs: chunk_frames (300), first_chunk_frames (chunk_frames), max_chunk_frames (chunk_frames),
                   left_context_frames (25); the one-shot path decodes in windows of max_chunk_frames
 
-Frames arrive in `StageInput.extra["codes"]` ([N, G] ints; `prompt_token_ids` carries the first codebook
-for the engine's bookkeeping).
+Frames arrive in `StageInput.payload` (a FramesToWave: [N, G] ints; `prompt_token_ids` carries the first
+codebook for the engine's bookkeeping).
 """
 from __future__ import annotations
 
@@ -39,8 +33,11 @@ from omni.engine.stage_model import OneShotStageModel
 from omni.errors import RequestError
 from omni.messages import StageInput
 
+from stages.common.audio_chunks import ChunkSchedule
+from stages.common.processors import expect_payload
 from stages.qwen3_omni.info import CODE2WAV
 from stages.qwen3_omni.loading import load_qwen3_omni_part
+from stages.qwen3_omni.payloads import FramesToWave
 
 
 @dataclass(slots=True)
@@ -57,6 +54,11 @@ class _CodeStream:
         if self._all is None or self._all.shape[0] != self.total:
             self._all = np.concatenate(self.frames) if self.frames else np.zeros((0, 0), np.int64)
         return self._all
+
+
+def _codes(inp: StageInput) -> np.ndarray | None:
+    """The frames qwen3_omni_talker2code2wav hands on (no payload: none)."""
+    return None if inp.payload is None else expect_payload(inp, FramesToWave, "qwen3_omni_talker2code2wav").codes
 
 
 class Qwen3OmniCode2WavStage(OneShotStageModel):
@@ -78,16 +80,8 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         self.hidden_size = cfg.hidden_size
         self.max_model_len = int(cfg.max_position_embeddings)
         self.samples_per_frame = int(code2wav.total_upsample)
-        self.chunk_frames = int(chunk_frames)
-        self.first_chunk_frames = self.chunk_frames if first_chunk_frames is None else int(first_chunk_frames)
-        self.max_chunk_frames = self.chunk_frames if max_chunk_frames is None else int(max_chunk_frames)
+        self.schedule = ChunkSchedule.from_kwargs("frames", chunk_frames, first_chunk_frames, max_chunk_frames)
         self.left_context_frames = int(left_context_frames)
-        for name in ("chunk_frames", "first_chunk_frames"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model_kwargs.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_chunk_frames < self.chunk_frames:
-            raise ValueError(f"model_kwargs.max_chunk_frames: must be >= chunk_frames ({self.chunk_frames}), "
-                             f"got {self.max_chunk_frames}")
         if self.left_context_frames < 0:
             raise ValueError(f"model_kwargs.left_context_frames: must be >= 0, got {self.left_context_frames}")
 
@@ -108,18 +102,18 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         if arr.size == 0:
             return np.zeros((0, self.num_groups), np.int64)
         if arr.ndim != 2 or arr.shape[1] != self.num_groups:
-            raise RequestError(f"extra.codes: expected [frames, {self.num_groups}] codec frames, got shape "
-                               f"{list(arr.shape)}", field="extra.codes")
+            raise RequestError(f"payload.codes: expected [frames, {self.num_groups}] codec frames, got shape "
+                               f"{list(arr.shape)}", field="payload.codes")
         if not np.issubdtype(arr.dtype, np.integer) and not np.array_equal(arr, np.round(arr)):
-            raise RequestError("extra.codes: codec frames must be integers", field="extra.codes")
+            raise RequestError("payload.codes: codec frames must be integers", field="payload.codes")
         arr = arr.astype(np.int64)
         bad = arr[(arr < 0) | (arr >= self.codebook_size)]
         if bad.size:
-            raise RequestError(f"extra.codes: code {int(bad[0])} is out of range (0..{self.codebook_size - 1})",
-                               field="extra.codes", limit=self.codebook_size, actual=int(bad[0]))
+            raise RequestError(f"payload.codes: code {int(bad[0])} is out of range (0..{self.codebook_size - 1})",
+                               field="payload.codes", limit=self.codebook_size, actual=int(bad[0]))
         if have + arr.shape[0] > self.max_model_len:
-            raise RequestError(f"extra.codes: {have + arr.shape[0]} frames, at most {self.max_model_len} allowed",
-                               field="extra.codes")
+            raise RequestError(f"payload.codes: {have + arr.shape[0]} frames, at most {self.max_model_len} allowed",
+                               field="payload.codes")
         return arr
 
     @torch.inference_mode()
@@ -135,7 +129,7 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         """Frames [N, G] -> float32 waveform: transformers' chunked_decode in windows of max_chunk_frames (the
         steady streamed size; nobody listens to a one-shot waveform before it ends, so no window is small)."""
         x = torch.from_numpy(np.ascontiguousarray(codes.T))[None].to(self.device)
-        wav = self.code2wav.chunked_decode(x, chunk_size=self.max_chunk_frames,
+        wav = self.code2wav.chunked_decode(x, chunk_size=self.schedule.cap,
                                            left_context_size=self.left_context_frames)
         return wav.reshape(-1).float().cpu().numpy()
 
@@ -146,12 +140,12 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         for i, n in enumerate(lengths):
             frames = np.zeros((max(1, min(n, self.max_model_len)), self.num_groups), np.int64)
             out.append(StageInput(f"__profile_code2wav_{i}", prompt_token_ids=frames[:, 0].tolist(),
-                                  extra={"codes": frames}))
+                                  payload=FramesToWave(frames)))
         return out
 
     # -- OneShotStageEngine hooks ---------------------------------------------
     def prepare_generation(self, inp: StageInput, seed: int) -> np.ndarray:
-        return self.check_frames(inp.extra.get("codes"))  # none: no audio (the talker's eos came first)
+        return self.check_frames(_codes(inp))  # none: no audio (the talker's eos came first)
 
     def run_generation(self, job: np.ndarray) -> dict[str, Any]:
         audio = self.generate(job) if len(job) else np.zeros(0, np.float32)
@@ -164,33 +158,27 @@ class Qwen3OmniCode2WavStage(OneShotStageModel):
         return state
 
     def _add(self, state: _CodeStream, inp: StageInput) -> None:
-        frames = self.check_frames(inp.extra.get("codes"), state.total)
+        frames = self.check_frames(_codes(inp), state.total)
         if len(frames):
             state.frames.append(frames)
             state.total += len(frames)
 
     def extend_stream(self, state: _CodeStream, inp: StageInput, last: bool) -> None:
         if state.complete:
-            raise RequestError("extra.codes: this request's frames are complete", field="extra.codes")
+            raise RequestError("payload.codes: this request's frames are complete", field="payload.codes")
         self._add(state, inp)
         state.complete = last  # with no frames at all: one empty last piece (no audio)
 
     def _next_end(self, state: _CodeStream) -> int | None:
-        """End (exclusive) of the next chunk of frames, or None while it cannot be made yet."""
+        """End (exclusive) of the next chunk of frames, or None while it cannot be made yet (causal: a chunk
+        needs no look-ahead)."""
         if state.finished:
             return None
-        start = state.done
-        end = start + self.chunk_size(len(state.pieces))
-        if state.complete:
-            return min(end, state.total)
-        return end if state.total >= end else None  # causal: a chunk needs no look-ahead
+        return self.schedule.next_end(len(state.pieces), state.done, state.total, state.complete)
 
     def chunk_size(self, index: int) -> int:
-        """Frames in a stream's chunk number `index`: the first chunk, then chunk_frames doubling up to
-        max_chunk_frames."""
-        if index == 0:
-            return self.first_chunk_frames
-        return min(self.max_chunk_frames, self.chunk_frames << min(index - 1, 30))
+        """Frames in a stream's chunk number `index` (stages/common/audio_chunks.py)."""
+        return self.schedule.size(index)
 
     def stream_ready(self, state: _CodeStream) -> bool:
         return self._next_end(state) is not None

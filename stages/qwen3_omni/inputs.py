@@ -21,7 +21,9 @@ import torch
 from omni.errors import RequestError
 from omni.messages import MultiModalInput
 
-from stages.qwen2_5_omni.inputs import MMItem, audio_item, content_text, mm_hash, preprocess_image
+from stages.common.audio_features import audio_item
+from stages.common.images import preprocess_image
+from stages.common.mm_items import MMItem, content_text, mm_hash
 
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -62,9 +62,13 @@ from omni.errors import REPLY_TOO_SHORT_TO_VOICE, RequestError
 from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 
-from stages.qwen2_5_omni.inputs import fill_mrope_positions
-from stages.qwen2_5_omni.talker import load_thinker_embedding
+from stages.common.decoder import decoder_kv_spec
+from stages.common.mrope import fill_mrope_positions
+from stages.common.parts import load_thinker_embedding
+from stages.common.processors import expect_payload
+from stages.common.talker_feed import ReplyRows
 from stages.qwen3_omni.code_predictor import CodePredictor
+from stages.qwen3_omni.payloads import ThinkerToTalker
 from stages.qwen3_omni.info import TALKER
 from stages.qwen3_omni.loading import load_qwen3_omni_part, register_talker_expert_conversion
 
@@ -135,7 +139,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
-        from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
+        from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeTalkerForConditionalGeneration
 
         register_talker_expert_conversion()
         talker, full = load_qwen3_omni_part(Path(model_path), "talker", Qwen3OmniMoeTalkerForConditionalGeneration,
@@ -143,24 +147,22 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         # Paged attention for the MoE decoder only; the code predictor keeps sdpa over its short frames.
         talker.model.config._attn_implementation = register_attention()
         prepare_cpu_head(talker.codec_head, device)
-        return cls(talker, load_thinker_embedding(Path(model_path), dtype, device), full, device, dtype)
+        embedding = load_thinker_embedding(Qwen3OmniMoeConfig, Path(model_path), dtype, device)
+        return cls(talker, embedding, full, device, dtype)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
         return checkpoint_geometry(model_path, "talker_config", "text_config")
 
     def kv_spec(self) -> KVSpec:
-        tc = self.text_config
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        return KVSpec(tc.num_hidden_layers, tc.num_key_value_heads, head_dim)
+        return decoder_kv_spec(self.text_config)
 
     # ------------------------------------------------------------ per request
-    def _rows(self, extra: dict, name: str) -> torch.Tensor:
-        value = extra.get(name)
+    def _rows(self, value: np.ndarray, name: str) -> torch.Tensor:
         arr = np.asarray(value, dtype=np.float32)
         if arr.ndim != 2 or arr.shape[1] != self.thinker_hidden_size:
-            raise RequestError(f"extra.{name}: expected [tokens, {self.thinker_hidden_size}] thinker rows, "
-                               f"got shape {list(arr.shape)}", field=f"extra.{name}")
+            raise RequestError(f"payload.{name}: expected [tokens, {self.thinker_hidden_size}] thinker rows, "
+                               f"got shape {list(arr.shape)}", field=f"payload.{name}")
         return torch.from_numpy(arr).to(self.device, self.dtype)
 
     def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
@@ -175,34 +177,29 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
             prompt = user + [full.im_start_token_id, full.assistant_token_id, 0]
             gen = [0, 0]
             rows = np.zeros((len(prompt) + len(gen) - 1, self.thinker_hidden_size), np.float32)
+            payload = ThinkerToTalker(prompt_ids=prompt, output_ids=gen, embeds=rows, accept_hidden=rows[: len(prompt)])
             out.append(StageInput(f"__profile_talker_{i}", sampling_params={"max_tokens": 1, "ignore_eos": True},
-                                  extra={"thinker_prompt_ids": prompt, "thinker_output_ids": gen,
-                                         "thinker_embeds": rows, "thinker_accept_hidden": rows[: len(prompt)]}))
+                                  payload=payload))
         return out
 
     @torch.inference_mode()
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
-        ex = inp.extra
-        missing = [k for k in ("thinker_prompt_ids", "thinker_output_ids", "thinker_embeds", "thinker_accept_hidden")
-                   if ex.get(k) is None]
-        if missing:
-            raise RequestError(f"extra: the talker needs the thinker's outputs ({', '.join(missing)} missing); "
-                               "use the qwen3_omni_thinker2talker input processor", field="extra")
+        ex = expect_payload(inp, ThinkerToTalker, "qwen3_omni_thinker2talker")
         cfg, full = self.config, self.full_config
-        prompt = [int(t) for t in ex["thinker_prompt_ids"]]
-        gen = [int(t) for t in ex["thinker_output_ids"]]
-        embeds, hidden = self._rows(ex, "thinker_embeds"), self._rows(ex, "thinker_accept_hidden")
+        prompt = [int(t) for t in ex.prompt_ids]
+        gen = [int(t) for t in ex.output_ids]
+        embeds, hidden = self._rows(ex.embeds, "embeds"), self._rows(ex.accept_hidden, "accept_hidden")
         L, n = len(prompt), len(gen)
-        streaming = bool(ex.get("streaming"))
+        streaming = ex.streaming
         # Streaming: the prompt needs g0's row (L); later rows come with later chunks.
         if n < 2:
-            raise RequestError(f"extra.thinker_output_ids: the talker needs >= 2 thinker tokens (got {n})",
-                               field="extra.thinker_output_ids", code=REPLY_TOO_SHORT_TO_VOICE, actual=n, limit=2)
+            raise RequestError(f"payload.output_ids: the talker needs >= 2 thinker tokens (got {n})",
+                               field="payload.output_ids", code=REPLY_TOO_SHORT_TO_VOICE, actual=n, limit=2)
         if embeds.shape[0] < (L + 1 if streaming else L + n - 1) or hidden.shape[0] < L:
-            raise RequestError(f"extra.thinker_output_ids: the talker needs >= 2 thinker tokens and the rows of all "
+            raise RequestError(f"payload.output_ids: the talker needs >= 2 thinker tokens and the rows of all "
                                f"but the last (got {n} tokens, {embeds.shape[0]} rows for a {L}-token prompt)",
-                               field="extra.thinker_output_ids")
-        speaker = str(ex.get("speaker") or DEFAULT_SPEAKER)
+                               field="payload.output_ids")
+        speaker = str(ex.speaker or DEFAULT_SPEAKER)
         speaker_id = (cfg.speaker_id or {}).get(speaker.lower())
         if speaker_id is None:
             raise RequestError(f"speaker: {speaker!r} is not available; choose one of {sorted(cfg.speaker_id or {})}",
@@ -212,8 +209,8 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         im_start = [i for i, t in enumerate(prompt) if t == full.im_start_token_id]
         asst = [i for i in im_start if i + 1 < L and prompt[i + 1] == full.assistant_token_id]
         if not asst or asst[-1] + 3 != L:
-            raise RequestError("extra.thinker_prompt_ids: the thinker prompt must end with the assistant's generation "
-                               "prompt '<|im_start|>assistant\\n'", field="extra.thinker_prompt_ids")
+            raise RequestError("payload.prompt_ids: the thinker prompt must end with the assistant's generation "
+                               "prompt '<|im_start|>assistant\\n'", field="payload.prompt_ids")
         a = asst[-1]
         # The role of each position: the token after the latest <|im_start|> (transformers' user mask).
         starts = torch.where(ids == full.im_start_token_id, torch.arange(L), torch.full((L,), -1))
@@ -234,21 +231,21 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         codec = torch.cat([torch.zeros((3, self.hidden_size), dtype=self.dtype, device=self.device),
                            self.codec_embed(codec_ids)])
         rows = torch.cat([user_rows, text + codec])
-        state = _TalkerRequest(rows.shape[0], list(ah[4:]), n, complete=not ex.get("streaming"))
+        state = _TalkerRequest(rows.shape[0], list(ah[4:]), n, complete=not streaming)
         if any(t == self.mm_token_ids[1] for t in prompt):  # images: 3-D positions over the talker's own sequence
             talker_ids = [prompt[i] for i in user.tolist()] + [full.tts_pad_token_id] * (rows.shape[0] - len(user))
-            state.positions, state.delta = self._rope_index(talker_ids, [int(i) for i in user.tolist()], ex)
+            state.positions, state.delta = self._rope_index(talker_ids, [int(i) for i in user.tolist()], ex.mm_meta)
         self._set_trailing(state)
         return PreparedPrompt([self.prompt_token_id] * rows.shape[0], [], rows.float().cpu().numpy(),
                               {"talker": state})
 
-    def _rope_index(self, talker_ids: list[int], user: list[int], ex: dict) -> tuple[torch.Tensor, int]:
+    def _rope_index(self, talker_ids: list[int], user: list[int], meta: np.ndarray | None
+                    ) -> tuple[torch.Tensor, int]:
         """transformers' talker positions: its get_rope_index over the talker's ids (user turns + tts_pad), with
         the grids of the images in them, read from the thinker's mm_meta rows at each placeholder run."""
-        meta = ex.get("thinker_mm_meta")
         if meta is None:
-            raise RequestError("extra.thinker_mm_meta: an image prompt needs the thinker's mm_meta rows "
-                               "(use the qwen3_omni_thinker2talker input processor)", field="extra.thinker_mm_meta")
+            raise RequestError("payload.mm_meta: an image prompt needs the thinker's mm_meta rows "
+                               "(use the qwen3_omni_thinker2talker input processor)", field="payload.mm_meta")
         meta = np.asarray(meta)
         image_id, audio_id = self.mm_token_ids[1], self.mm_token_ids[0]
         grids, clips = [], []
@@ -275,15 +272,15 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
         st.trailing = known + [self.tts_eos] if st.complete else known
 
     @torch.inference_mode()
-    def extend_request(self, request_id: str, extra: dict[str, Any], last: bool) -> None:
+    def extend_request(self, request_id: str, payload: ReplyRows | None, last: bool) -> None:
         """More of the thinker's output on a streaming edge: its new tokens and their embeds rows."""
         st = self._requests.get(request_id)
         if st is None or st.complete:
             raise ValueError(f"request_id: {request_id!r} takes no more thinker output")
-        st.num_gen += len(extra.get("thinker_output_ids", ()))
-        rows = extra.get("thinker_embeds")
+        st.num_gen += len(payload.output_ids) if payload is not None else 0
+        rows = payload.rows if payload is not None else None
         if rows is not None and len(rows):
-            st.text_rows.extend(self.talker.text_projection(self._rows(extra, "thinker_embeds")))
+            st.text_rows.extend(self.talker.text_projection(self._rows(rows, "rows")))
         st.complete = last
         self._set_trailing(st)
 

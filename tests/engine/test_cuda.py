@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.store_kv import interpreting
-from stages.checkpoints.builtin import TINY_ARCHS
+from stages.checkpoints.tiny_lm import TINY_ARCHS
 from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.checkpoints.builtin import TINY_ARCHS
+from stages.checkpoints.tiny_lm import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, generate, make_engine
 from tests.tolerances import assert_rows_close, decoder_atol
 

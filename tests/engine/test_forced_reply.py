@@ -9,7 +9,7 @@ import pytest
 from omni.errors import ContextLengthError, RequestError
 from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
-from stages.checkpoints.builtin import TINY_ARCHS
+from stages.checkpoints.tiny_lm import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, generate, make_engine, run_to_completion
 from tests.tolerances import assert_rows_close, decoder_atol
 

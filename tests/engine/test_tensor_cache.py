@@ -13,7 +13,7 @@ from omni.sampling_params import SamplingParams
 from omni.engine.tensor_cache import StageTensorCache
 from omni.messages import StageInput
 from stages.causal_lm import CausalLMStage
-from stages.checkpoints.builtin import TINY_ARCHS
+from stages.checkpoints.tiny_lm import TINY_ARCHS
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
 from tests.tolerances import assert_rows_close, decoder_atol, reorder_atol
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from omni import Omni
-from stages.checkpoints.builtin import TINY_ARCHS
+from stages.checkpoints.tiny_lm import TINY_ARCHS
 from tests.tolerances import assert_rows_close, decoder_atol
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "stage_configs" / "tiny_chain.yaml")

@@ -54,7 +54,7 @@ def test_wav_voices_the_input_through_the_forced_thinker(server, client, referen
     real = talker.add_request
 
     def spy(rid, prepared, inp):
-        seen.append(inp.extra)
+        seen.append(inp.payload)
         return real(rid, prepared, inp)
 
     talker.add_request = spy
@@ -62,11 +62,11 @@ def test_wav_voices_the_input_through_the_forced_thinker(server, client, referen
         again = client.audio.speech.create(model=MODEL, input=TEXT, voice="Chelsie", response_format="wav")
     finally:
         del talker.add_request
-    (extra,) = seen
+    (payload,) = seen
     forced = thinker.tokenizer.encode(TEXT, add_special_tokens=False) + [thinker.model.eos_token_id]
-    assert extra["thinker_output_ids"] == forced
-    assert extra["thinker_hidden"].shape[0] == len(extra["thinker_prompt_ids"]) + len(forced) - 1
-    assert extra["speaker"] == "Chelsie"
+    assert payload.output_ids == forced
+    assert payload.hidden.shape[0] == len(payload.prompt_ids) + len(forced) - 1
+    assert payload.speaker == "Chelsie"
     np.testing.assert_array_equal(_wav(again.content)[0], samples)  # greedy: the same speech again
     wait_idle(server)
 
@@ -229,7 +229,7 @@ def test_streaming_edges_voice_the_forced_reply():
         talker = s.omni._omni._backend.workers["talker"].engine.model
         thinker = s.omni._omni._backend.workers["thinker"].engine
         seen, real = [], talker.add_request
-        talker.add_request = lambda rid, prepared, inp: (seen.append(inp.extra), real(rid, prepared, inp))[1]
+        talker.add_request = lambda rid, prepared, inp: (seen.append(inp.payload), real(rid, prepared, inp))[1]
         try:
             wav, rate = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice="Ethan",
                                                         response_format="wav").content)
@@ -237,9 +237,9 @@ def test_streaming_edges_voice_the_forced_reply():
             del talker.add_request
         assert rate == 24000 and wav.size > 0
         forced = thinker.tokenizer.encode(TEXT, add_special_tokens=False) + [thinker.model.eos_token_id]
-        (extra,) = seen
-        assert extra["thinker_output_ids"] == forced and not extra["streaming"]  # whole, in the first chunk
-        assert extra["thinker_hidden"].shape[0] == len(extra["thinker_prompt_ids"]) + len(forced) - 1
+        (payload,) = seen
+        assert payload.output_ids == forced and not payload.streaming  # whole, in the first chunk
+        assert payload.hidden.shape[0] == len(payload.prompt_ids) + len(forced) - 1
         with client.audio.speech.with_streaming_response.create(
                 model=MODEL, input=TEXT, voice="Ethan", response_format="pcm") as resp:
             pcm = np.frombuffer(b"".join(resp.iter_bytes()), "<i2")

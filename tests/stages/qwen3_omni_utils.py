@@ -168,7 +168,7 @@ def run_chain(chain, inputs: list[StageInput]):
 def frames_of(talker_out, request: StageInput) -> np.ndarray:
     from stages.qwen3_omni.edges import talker2code2wav
 
-    return talker2code2wav({"talker": talker_out}, request).extra["codes"]
+    return talker2code2wav({"talker": talker_out}, request).payload.codes
 
 
 # `device: auto` puts the pipeline's stages on a GPU where there is one, while transformers' reference runs here on

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from omni.messages import MultiModalInput, StageInput
+from stages.common.audio_features import preprocess_audio
 from stages.qwen2_5_omni.inputs import (PREPROCESS_DEFAULTS, audio_num_tokens, load_preprocess_config, mm_num_tokens,
-                                        preprocess_audio, preprocess_mm)
+                                        preprocess_mm)
 
 RATE = 16000
 

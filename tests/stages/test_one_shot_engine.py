@@ -6,6 +6,7 @@ import pytest
 
 from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine
 from omni.messages import StageInput
+from stages.qwen2_5_omni.payloads import CodesToWave
 from tests.stages.omni_utils import wave_atol
 
 
@@ -28,7 +29,7 @@ def test_token2wav_engine_deterministic_and_isolated(token2wav_stage):
     codes = [11, 500, 2048, 7, 7, 900]
     engine.add_request(StageInput("a", prompt_token_ids=codes))
     engine.add_request(StageInput("b", prompt_token_ids=codes, sampling_params={"seed": 3}))
-    engine.add_request(StageInput("c", prompt_token_ids=codes, extra={"speaker": "Ethan"}))
+    engine.add_request(StageInput("c", prompt_token_ids=codes, payload=CodesToWave("Ethan")))
     engine.add_request(StageInput("d", prompt_token_ids=codes))
     engine.abort("d")
     outs = _drain(engine)
@@ -48,7 +49,7 @@ def test_token2wav_bad_requests_are_clear_errors(token2wav_stage):
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request(StageInput("x", prompt_token_ids=[10**6]))
     with pytest.raises(ValueError, match="speaker"):
-        engine.add_request(StageInput("z", prompt_token_ids=[1, 2], extra={"speaker": "Nobody"}))
+        engine.add_request(StageInput("z", prompt_token_ids=[1, 2], payload=CodesToWave("Nobody")))
     assert not engine.has_unfinished()
     # no codes (a talker whose eos came first): no audio, no error
     engine.add_request(StageInput("y", prompt_token_ids=[]))
@@ -62,8 +63,8 @@ def test_autoregressive_model_is_rejected(thinker_stage):
 
 
 def _run(engine, requests):
-    for rid, codes, extra, sp in requests:
-        engine.add_request(StageInput(rid, prompt_token_ids=codes, extra=extra, sampling_params=sp))
+    for rid, codes, payload, sp in requests:
+        engine.add_request(StageInput(rid, prompt_token_ids=codes, payload=payload, sampling_params=sp))
     return _drain(engine)
 
 
@@ -74,10 +75,10 @@ def test_batched_step_equals_one_request_at_a_time(token2wav_stage):
     rows independently of their number (see test_qwen2_5_omni_dit), within wave_atol in any case."""
     rng = np.random.default_rng(1)
     speaker = next(iter(token2wav_stage.speakers))
-    requests = [("a", rng.integers(0, 8000, 30).tolist(), {}, None),
-                ("b", rng.integers(0, 8000, 7).tolist(), {"speaker": speaker}, None),
-                ("c", rng.integers(0, 8000, 30).tolist(), {}, {"seed": 4}),
-                ("d", [5], {}, None)]
+    requests = [("a", rng.integers(0, 8000, 30).tolist(), None, None),
+                ("b", rng.integers(0, 8000, 7).tolist(), CodesToWave(speaker), None),
+                ("c", rng.integers(0, 8000, 30).tolist(), None, {"seed": 4}),
+                ("d", [5], None, None)]
     alone = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=1), model=token2wav_stage)
     batched = OneShotStageEngine(_config(token2wav_stage, max_num_seqs=4), model=token2wav_stage)
     want, got = _run(alone, requests), _run(batched, requests)

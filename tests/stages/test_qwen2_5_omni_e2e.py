@@ -39,7 +39,7 @@ def test_thinker2talker_and_talker2wav_contracts(thinker_stage, talker_stage):
         thinker2talker({"thinker": StageOutput("r", "thinker", error="boom")}, StageInput("r"))
     inp = talker2wav({"talker": StageOutput("r", "talker", token_ids=[5, 6, 8294, 7])},
                      StageInput("r", extra={"speaker": "Ethan"}))
-    assert inp.prompt_token_ids == [5, 6] and inp.extra["speaker"] == "Ethan"
+    assert inp.prompt_token_ids == [5, 6] and inp.payload.speaker == "Ethan"
     # a talker whose eos came first said nothing: token2wav gets no codes (and makes no audio)
     assert talker2wav({"talker": StageOutput("r", "talker", token_ids=[8292])}, StageInput("r")).prompt_token_ids == []
     with pytest.raises(ValueError, match="thinker"):

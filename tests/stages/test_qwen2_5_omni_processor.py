@@ -21,7 +21,7 @@ def _reference_processor(thinker_stage):
     turns text, images and audio into model inputs is transformers' own."""
     from transformers import Qwen2_5OmniProcessor, WhisperFeatureExtractor
 
-    from stages.qwen2_5_omni.inputs import hf_image_processor
+    from stages.common.images import hf_image_processor
 
     class NoVideoProcessor(Qwen2_5OmniProcessor):
         def check_argument_for_proper_class(self, argument_name, argument):
@@ -102,12 +102,12 @@ def test_audio_features_are_made_only_when_the_encoder_reads_them(thinker_stage)
     mm = [MultiModalInput("audio", wave, 16000)]
     _, (first,) = _ours(thinker_stage, chat, mm)
     assert first._data is None and first.frames == -(-wave.shape[0] // 160)  # known from the length
-    rows = thinker_stage.encode(first)  # a miss: the features are made now
+    rows, _ = thinker_stage.encode(first)  # a miss: the features are made now
     ref = _reference_processor(thinker_stage)(text=[_rendered(thinker_stage, chat, mm)], audio=[wave],
                                               return_tensors="pt")
     valid = int(ref["feature_attention_mask"][0].sum())
     assert first.frames == valid
     np.testing.assert_array_equal(first.data.numpy(), ref["input_features"][0, :, :valid].numpy())
     _, (again,) = _ours(thinker_stage, chat, mm)
-    assert torch.equal(thinker_stage.encode(again), rows)  # the encoder cache's rows
+    assert torch.equal(thinker_stage.encode(again)[0], rows)  # the encoder cache's rows
     assert again._data is None  # never computed

@@ -178,12 +178,13 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
         model.extend_stream(st, StageInput("r", prompt_token_ids=[1]), last=True)
 
 
-# 62 codes: 3 + 4 + 8 + 16 + 16, then the 15 left (at least half a chunk) go on their own; 52: after
-# 3 + 4 + 8 + 16, a 16-code chunk would leave 5 (under half a chunk): they fold into it.
-@pytest.mark.parametrize("length,sizes", [(62, [3, 4, 8, 16, 16, 15]), (52, [3, 4, 8, 16, 21])])
+# 62 codes: 3 + 4 + 8 + 16 + 16, then the 15 left go on their own; 52: after 3 + 4 + 8 + 16 + 16, the 5 left
+# go on their own too (the common schedule, stages/common/audio_chunks.py: code2wav cuts as transformers'
+# chunked_decode does, and so does token2wav).
+@pytest.mark.parametrize("length,sizes", [(62, [3, 4, 8, 16, 16, 15]), (52, [3, 4, 8, 16, 16, 5])])
 def test_token2wav_chunks_grow_to_max_chunk_codes(length, sizes):
     """After the first chunk, chunks start at chunk_codes and double up to max_chunk_codes; a short tail
-    folds into the chunk before it; the pieces still make the one-shot waveform."""
+    is a chunk of its own; the pieces still make the one-shot waveform."""
     import torch
 
     from stages.checkpoints.builtin import builtin_path

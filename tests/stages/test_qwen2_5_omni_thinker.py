@@ -21,7 +21,7 @@ def _run(engine, inputs: list[StageInput]):
 
 def _fresh(stage):
     stage.encoder_cache.clear()
-    stage.encoder_runs = stage.encoder_cache_hits = 0
+    stage.encoder_cache.runs = stage.encoder_cache.hits = 0
     return stage
 
 
@@ -44,7 +44,7 @@ def test_thinker_matches_transformers(thinker_stage, hf_omni, chunk):
         pos, _ = stage.rope_index(ids, stage.preprocess(inp).extra["thinker"].items)
         np.testing.assert_array_equal(out.mm_outputs["mrope_positions"][: len(ids)], pos.t().numpy())
     assert len({tuple(o.token_ids) for o in outs.values()}) == 3
-    assert stage.encoder_runs == 2  # one image + one audio, each encoded once even when chunked
+    assert stage.encoder_cache.runs == 2  # one image + one audio, each encoded once even when chunked
     assert_no_leak(engine)
 
 
@@ -86,12 +86,12 @@ def test_encoder_cache_hit_when_image_straddles_cached_and_fresh_block(thinker_s
     bs = next(b for b in range(3, 16) if feat.offset < (diff // b) * b < end)
     engine = make_engine(None, model=stage, block_size=bs)
     _run(engine, [first])
-    assert stage.encoder_runs == 1
-    hits_before = stage.encoder_cache_hits
+    assert stage.encoder_cache.runs == 1
+    hits_before = stage.encoder_cache.hits
     out = _run(engine, [second])["second"]
     assert feat.offset < out.num_cached_tokens < end  # the hit ends inside the image
-    assert stage.encoder_runs == 1  # the image tail came from the encoder cache
-    assert stage.encoder_cache_hits > hits_before
+    assert stage.encoder_cache.runs == 1  # the image tail came from the encoder cache
+    assert stage.encoder_cache.hits > hits_before
     ref_engine = make_engine(None, model=_fresh(stage), block_size=bs, caching=False)
     ref = _run(ref_engine, [StageInput("second", prompt="Is it red?", mm_inputs=img, sampling_params=GREEDY)])
     assert out.token_ids == ref["second"].token_ids
@@ -139,7 +139,7 @@ def test_preempted_multimodal_requests_still_match_transformers(thinker_stage, h
         ids, kw = hf_inputs(stage, inp)
         ref, _, _ = hf_generate(hf_omni, ids, kw, audio_out=False)
         assert outs[inp.request_id].token_ids == ref, inp.request_id
-    assert stage.encoder_runs == 2
+    assert stage.encoder_cache.runs == 2
     assert_no_leak(engine)
 
 

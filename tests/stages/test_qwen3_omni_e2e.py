@@ -11,6 +11,7 @@ import pytest
 
 from omni.errors import RequestError
 from omni.messages import StageInput
+from stages.qwen3_omni.payloads import FramesToWave
 from tests.stages.qwen3_omni_utils import (THINKER_LAYERS, VARIANTS, audio, cases, frames_of, hf_reference, image,
                                            make_chain, run_chain, stages)
 from tests.tolerances import assert_rows_close, decoder_atol
@@ -93,7 +94,7 @@ def test_streamed_code2wav_equals_chunked_decode():
         c2w = type(code2wav)(model, code2wav.device, chunk_frames=chunk, first_chunk_frames=first,
                              left_context_frames=left, max_chunk_frames=max_chunk)
         parts = np.array_split(codes, pieces)
-        state = c2w.prepare_stream(StageInput("s", extra={"codes": parts[0]}), 0)
+        state = c2w.prepare_stream(StageInput("s", payload=FramesToWave(parts[0])), 0)
         out, n = [], 0
         for i, part in enumerate(parts[1:] + [None]):
             while c2w.stream_ready(state):
@@ -101,7 +102,7 @@ def test_streamed_code2wav_equals_chunked_decode():
                 out.append(piece["audio"])
                 n += 1
             if part is not None:
-                c2w.extend_stream(state, StageInput("s", extra={"codes": part}), last=i == len(parts) - 2)
+                c2w.extend_stream(state, StageInput("s", payload=FramesToWave(part)), last=i == len(parts) - 2)
         while c2w.stream_ready(state):
             out.append(c2w.next_output(state)[0]["audio"])
             n += 1
@@ -163,7 +164,7 @@ def test_refusals_name_the_field():
     assert e.value.field == "prompt[0].content[0].type"
     with pytest.raises(RequestError) as e:
         talker.preprocess(StageInput("r"))
-    assert e.value.field == "extra"
+    assert e.value.field == "payload"
     t, k, w = make_chain("tiny")
     inp = StageInput("r", prompt="Hello")
     out = run_chain((t, k, w), [inp])["r"][0]
@@ -174,11 +175,11 @@ def test_refusals_name_the_field():
         talker.preprocess(bad)
     assert e.value.field == "speaker"
     with pytest.raises(RequestError) as e:
-        code2wav.prepare_generation(StageInput("r", extra={"codes": np.full((3, code2wav.num_groups), 10_000)}), 0)
-    assert e.value.field == "extra.codes"
+        code2wav.prepare_generation(StageInput("r", payload=FramesToWave(np.full((3, code2wav.num_groups), 10_000))), 0)
+    assert e.value.field == "payload.codes"
     with pytest.raises(RequestError) as e:
-        code2wav.prepare_generation(StageInput("r", extra={"codes": np.zeros((3, 1), np.int64)}), 0)
-    assert e.value.field == "extra.codes"
+        code2wav.prepare_generation(StageInput("r", payload=FramesToWave(np.zeros((3, 1), np.int64))), 0)
+    assert e.value.field == "payload.codes"
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 is reproducible, and its prefix cache hits only on identical thinker rows."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from omni.messages import StageInput
@@ -46,7 +48,7 @@ def test_seeded_sampling_is_reproducible():
     runs = []
     for seed in (7, 7, 8):
         sampling = SamplingParams(temperature=0.9, top_k=50, max_tokens=20, repetition_penalty=1.05, seed=seed)
-        _, outs = _run_talker([StageInput(inp.request_id, sampling_params=sampling, extra=inp.extra)], caching=False)
+        _, outs = _run_talker([StageInput(inp.request_id, sampling_params=sampling, payload=inp.payload)], caching=False)
         runs.append(frames_of(outs[inp.request_id], inp))
     np.testing.assert_array_equal(runs[0], runs[1])
     assert runs[0].shape != runs[2].shape or not np.array_equal(runs[0], runs[2])
@@ -55,15 +57,14 @@ def test_seeded_sampling_is_reproducible():
 def test_prefix_cache_hits_only_on_identical_thinker_rows():
     inp, _ = _talker_inputs()["long"]
     sampling = SamplingParams(**TALKER_SAMPLING)
-    changed = dict(inp.extra)
-    embeds = np.array(changed["thinker_embeds"], copy=True)
+    embeds = np.array(inp.payload.embeds, copy=True)
     embeds[3] += 1e-3  # one thinker row in the first user tokens differs: no talker block may be shared
-    changed["thinker_embeds"] = embeds
+    changed = dataclasses.replace(inp.payload, embeds=embeds)
     _, talker, _ = stages("tiny")
     engine = make_engine(None, model=talker, name="talker", default_sampling=sampling)
     outs = {}
-    for rid, extra in (("a", inp.extra), ("same", inp.extra), ("changed", changed)):
-        engine.add_request(StageInput(rid, extra=extra))
+    for rid, payload in (("a", inp.payload), ("same", inp.payload), ("changed", changed)):
+        engine.add_request(StageInput(rid, payload=payload))
         outs.update(run_to_completion(engine))
     assert outs["same"].num_cached_tokens > 0
     assert outs["changed"].num_cached_tokens == 0
@@ -78,7 +79,7 @@ def test_sampling_talker_samples_residual_codes_too():
 
     def frames(**params):
         sampling = SamplingParams(max_tokens=12, repetition_penalty=1.05, **params)
-        _, outs = _run_talker([StageInput(inp.request_id, sampling_params=sampling, extra=inp.extra)], caching=False)
+        _, outs = _run_talker([StageInput(inp.request_id, sampling_params=sampling, payload=inp.payload)], caching=False)
         return frames_of(outs[inp.request_id], inp)
 
     greedy = frames(temperature=0.0)

@@ -15,7 +15,7 @@ import torch
 from omni import Omni
 from stages.common.parts import MARKER, random_weights_seed
 from stages.qwen2_5_omni.checkpoint import omni_7b_shapes_config
-from stages.qwen2_5_omni.thinker import load_omni_part
+from stages.qwen2_5_omni.loading import load_omni_part
 
 REPO = Path(__file__).resolve().parents[2]
 
