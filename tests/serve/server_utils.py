@@ -125,7 +125,7 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
     import uvicorn
 
     from omni.async_api import AsyncOmni
-    from omni.cli import build_parser
+    from omni.cli.entry import build_parser
     from omni.config.loader import load_config
     from omni.serve.app import create_app
     from omni.serve.launch import UVICORN_SHUTDOWN_S, settings_from_args
