@@ -9,26 +9,10 @@ import pytest
 import yaml
 
 from omni import cli
+from tests.test_cli_errors import no_engines, one_line_error  # noqa: F401 (a fixture and a helper, shared)
 
 REPO = Path(__file__).resolve().parents[1]
 SEVEN_B = REPO / "stage_configs" / "qwen2_5_omni_7b.yaml"
-
-
-@pytest.fixture
-def no_engines(monkeypatch):
-    import omni.pipeline.engine_factory as engine_factory
-
-    def refuse(stage):
-        raise AssertionError(f"stage {stage.name} was started")
-
-    monkeypatch.setattr(engine_factory, "build_engine", refuse)
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("error: ")
-    return err
 
 
 def test_missing_weights_name_the_variable_and_the_path_once(capsys, monkeypatch):

@@ -21,6 +21,7 @@ from omni.engine.memory import StageGeometry
 from omni.engine.runner.attention import register_attention
 from omni.engine.runner.forward_context import get_forward_context
 from omni.engine.runner.output_head import prepare_cpu_head
+from omni.errors import ContextLengthError
 from omni.messages import StageInput
 
 from stages.common.encoder_cache import DEFAULT_ENTRIES, EncoderCache
@@ -71,8 +72,9 @@ class Qwen2_5OmniThinkerStage(OmniThinkerStage):
         for m, where in zip(inp.mm_inputs, names):  # before any pixel value is made: they are the big part
             media_tokens += mm_num_tokens(m, self.preprocess_cfg)
             if media_tokens > self.max_model_len:
-                raise ValueError(f"{where}: the prompt's media take {media_tokens} placeholder tokens up to this "
-                                 f"one, more than the model's {self.max_model_len} positions")
+                raise ContextLengthError(f"{where}: the prompt's media take {media_tokens} placeholder tokens up to "
+                                         f"this one, more than the model's {self.max_model_len} positions",
+                                         field=where, limit=self.max_model_len, actual=media_tokens)
         return [preprocess_mm(m, self.preprocess_cfg, where) for m, where in zip(inp.mm_inputs, names)]
 
     def render_prompt(self, inp: StageInput, items: list[MMItem]) -> str:

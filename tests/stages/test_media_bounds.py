@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from omni.errors import ContextLengthError
 from omni.messages import MultiModalInput, StageInput
 from stages.common.audio_features import preprocess_audio
 from stages.qwen2_5_omni.inputs import (PREPROCESS_DEFAULTS, audio_num_tokens, load_preprocess_config, mm_num_tokens,
@@ -45,9 +46,10 @@ def test_media_past_the_model_positions_are_refused_before_preprocessing(thinker
     n = thinker_stage.max_model_len // per_image + 1  # one image more than the model's positions hold
     inp = StageInput("r", prompt="Describe them.", mm_inputs=[MultiModalInput("image", big)] * n)
     t0 = time.monotonic()
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ContextLengthError) as e:  # the caller's fault (a 400), not the stage's
         thinker_stage.preprocess(inp)
     assert time.monotonic() - t0 < 1.0  # no image was preprocessed
+    assert e.value.field == f"multi_modal_data.image[{n - 1}]" and e.value.actual == per_image * n
     msg = str(e.value)
     assert msg.startswith(f"multi_modal_data.image[{n - 1}]: ") and f"{per_image * n} placeholder tokens" in msg
     assert f"{thinker_stage.max_model_len} positions" in msg, msg
