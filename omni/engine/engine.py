@@ -5,15 +5,13 @@ The loop that ties the stage's pieces together, as vLLM's EngineCore between its
     add_request()  admission (io/admission.py), then the Request joins the scheduler, the runner and the model
     step()         schedule -> forward -> rows -> scheduler update -> stop strings, logprobs, deltas and
                    outputs (io/outputs.py) -> release what finished -> EngineStepOutput
-    abort()        the scheduler finishes the request and it is released at once, so its id can be reused
-                   right away; the next step() reports the abort
+    abort()        the request is finished and released at once (its id reusable); the next step() reports it
     tokenize(), detokenize()   io/text_ops.py
 
-The scheduler is the source of truth of a request's life; `_release_finished` is the one place where
-everything else the stage holds for a request (runner state, the model's per-request state, collected rows,
-its text) is dropped, for the ids the scheduler hands back. max_model_len is resolved once, at start-up
-(engine_config.cache_size): at most what the KV cache holds, so that any admitted request can always run to
-completion, alone if need be.
+The scheduler is the source of truth of a request's life; `_release_finished` is the one place where all else
+the stage holds for a request (runner state, the model's per-request state, collected rows, its text) is
+dropped, for the ids the scheduler hands back. max_model_len is resolved once, at start-up (engine_config.cache_size):
+at most what the KV cache holds, so that any admitted request can always run to completion, alone if need be.
 """
 from __future__ import annotations
 
@@ -97,8 +95,7 @@ class StageEngine:
         self.streams = RequestStreams(self.name, self.tokenizer, config.block_size)
         self.counters = StepCounters()
         self.outputs = OutputProcessor(self.name, self.tokenizer, self.scheduler, self.streams, self.counters)
-        # Busy time (steps, admissions) split into forward / sampling / host (step_profile.py); the
-        # runner adds its forward and sampler intervals to the same counters.
+        # Busy time split into forward / sampling / host (step_profile.py); the runner adds to the same counters.
         self.profile = StepProfile()
         self.runner.profile = self.profile
 
@@ -108,8 +105,8 @@ class StageEngine:
 
     def info(self) -> StageInfo:
         """The model's facts with the stage's own: the max_model_len in force, whether it renders its prompt."""
-        return replace(self.model.info, max_model_len=self.max_model_len,
-                       renders_own_prompt=renders_own_prompt(self.model))
+        own = renders_own_prompt(self.model)
+        return replace(self.model.info, max_model_len=self.max_model_len, renders_own_prompt=own)
 
     # ------------------------------------------------------------- requests
     def add_request(self, inp: StageInput) -> None:

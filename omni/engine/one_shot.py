@@ -1,20 +1,17 @@
 """OneShotStageEngine: a one-shot stage (e.g. token2wav), same contract as StageEngine.
 
-No KV cache, no prefix caching: a request is one call of the stage model (a
-OneShotStageModel: `prepare_generation` when the request arrives, `run_generation`
-when it runs). Requests run in arrival order, up to `max_num_seqs` per `step()`;
-a failing request fails alone. The queue is this engine's scheduler: a request
-lives in it from add_request until its step (or abort).
+No KV cache, no prefix caching: a request is one call of the stage model (a OneShotStageModel: `prepare_generation`
+when the request arrives, `run_generation` when it runs). Requests run in arrival order, up to `max_num_seqs` per
+`step()`; a failing request fails alone. The queue is this engine's scheduler: a request lives in it from
+add_request until its step (or abort).
 
 Batched: a model with the optional hooks (`run_generation_batch`, `next_outputs`) gets the step's requests,
 and the streams with a piece ready, in one call each (each under `max_batch_tokens` input tokens), equal to
 the one-at-a-time hooks'. A batch that raises runs again one request at a time: the failing request fails alone.
 
-A request whose input streams in (input_complete=False; a model with streaming
-input, e.g. token2wav fed codec chunks) lives in `_streams` instead: its input
-grows through extend_request, and each step the model emits whatever piece of
-output is ready (a StageDelta with `audio`); the finished output carries the
-pieces concatenated.
+A request whose input streams in (input_complete=False; a model with streaming input, e.g. token2wav fed codec
+chunks) lives in `_streams` instead: its input grows through extend_request, and each step the model emits
+whatever piece of output is ready (a StageDelta with `audio`); the finished output carries the pieces joined.
 
 A model with `pieces_span_steps` (token2wav) computes a piece over several steps: this engine batches
 those pieces continuously across requests and steps, with its worker threads (omni/engine/in_flight.py);
