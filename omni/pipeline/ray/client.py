@@ -186,7 +186,9 @@ class RayBackend:
     # marks the replica dead: its requests then fail at once with a clear error.
     # A submission that streams into a gated replica waits behind that gate too: its chunks go actor
     # to actor, fire and forget, and Ray fails a call made to an actor while it restarts, so chunks
-    # sent then would be lost and the consumer would wait for them until its chunk timeout.
+    # sent then would be lost and the consumer would wait for them until its chunk timeout. And a consumer
+    # whose producer waits behind a gate waits with it: sent at once, its first-chunk clock would run out
+    # while the producer restarts.
     def submit(self, sub: Submission) -> None:
         with self._lock:
             self._route(sub)
@@ -197,15 +199,25 @@ class RayBackend:
         if key in self._dead or peer is not None:
             dead = key if key in self._dead else peer
             self._events.append(StageEvent(stage, sub.request_id, error_output(
-                stage, sub.request_id, self._blame(key, dead) + self._dead[dead]),
+                stage, sub.request_id, self._blame(sub, dead) + self._dead[dead]),
                 replica=replica, replica_lost=key in self._dead))
         elif key in self._gates:
             self._deferred[key].append(sub)
         elif (gated := next(((t.stage, t.replica) for t in sub.stream_to if (t.stage, t.replica) in self._gates),
                             None)) is not None:
             self._deferred[gated].append(sub)
+        elif (held := self._producer_held(sub)) is not None:
+            self._deferred[held].append(sub)  # routed after its producer, which then feeds it
         else:
             self._send(sub)
+
+    def _producer_held(self, sub: Submission) -> tuple[str, int] | None:
+        """The gate its stream producer's submission waits behind, if it does: a consumer sent now would start
+        its first-chunk clock while the producer restarts, and fail after stream_chunk_timeout_s."""
+        if sub.stream_from is None:
+            return None
+        return next((key for key, subs in self._deferred.items()
+                     if any(a.stage == sub.stream_from and a.request_id == sub.request_id for a in subs)), None)
 
     def replica_states(self, stage: str) -> list[str]:
         with self._lock:
@@ -359,18 +371,19 @@ class RayBackend:
         return []
 
     def _fail_deferred(self, key: tuple[str, int], error: str) -> list[StageEvent]:
-        """Fail what waited behind the gate of `key` (the message names it): its own submissions, and
-        those of the stages streaming into it (each reported as its own stage's event)."""
+        """Fail what waited behind the gate of `key` (the message names it): its own submissions, those of
+        the stages streaming into it and those of its consumers (each reported as its own stage's event)."""
         return [StageEvent(a.stage, a.request_id,
-                           error_output(a.stage, a.request_id, self._blame((a.stage, a.replica), key) + error),
+                           error_output(a.stage, a.request_id, self._blame(a, key) + error),
                            replica=a.replica, replica_lost=(a.stage, a.replica) == key)
                 for a in self._deferred.pop(key, [])]
 
-    def _blame(self, own: tuple[str, int], failed: tuple[str, int]) -> str:
+    def _blame(self, sub: Submission, failed: tuple[str, int]) -> str:
         """The start of an error's message: the failed replica, named when it is not the submission's own."""
-        if own == failed:
+        if (sub.stage, sub.replica) == failed:
             return self._where(*failed)
-        return f"the stage it streams into, {failed[0]!r}, failed: {self._where(*failed)}"
+        relation = "streaming into it" if failed[0] == sub.stream_from else "it streams into"
+        return f"the stage {relation}, {failed[0]!r}, failed: {self._where(*failed)}"
 
     def text(self, stage: str, op: str, *args: Any, **kwargs: Any) -> Any:
         actors = self.replica_actors.get(stage)
