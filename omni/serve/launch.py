@@ -29,7 +29,8 @@ UVICORN_SHUTDOWN_S = 5
 # Size options are given in MiB, ServeSettings holds bytes: settings field -> (option, its argparse dest). Their
 # errors speak in the option's unit: the bound converted back to MiB and the value as it was typed, not bytes.
 _SIZE_FLAGS = {"max_body_bytes": ("--max-body-mb", "max_body_mb"),
-               "max_media_bytes": ("--max-media-mb", "max_media_mb")}
+               "max_media_bytes": ("--max-media-mb", "max_media_mb"),
+               "max_conversation_bytes": ("--max-conversation-mb", "max_conversation_mb")}
 _MIB = 2**20
 _BOUNDS = {"ge": "greater than or equal to", "gt": "greater than", "le": "less than or equal to", "lt": "less than"}
 
@@ -51,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, help="concurrent /v1/realtime sessions (default 16)")
     p.add_argument("--session-idle-timeout-s", type=float, help="close a /v1/realtime session idle this long "
                    "(default 600)")
+    p.add_argument("--max-session-responses", type=int, help="responses one /v1/realtime session runs at once "
+                   "(default 4)")
+    p.add_argument("--max-conversation-items", type=int, help="items a /v1/realtime conversation holds "
+                   "(default 1024)")
+    p.add_argument("--max-conversation-mb", type=float, help="MiB a /v1/realtime conversation holds: text, audio, "
+                   "images (default 64)")
     p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help='chat tool_choice "auto" (the default with tools): calls read from the reply (needs '
                         "--tool-call-parser), as vLLM's flag")
@@ -87,7 +94,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_body_bytes=_mib_bytes("--max-body-mb", args.max_body_mb), max_media_items=args.max_media_items,
         max_media_bytes=_mib_bytes("--max-media-mb", args.max_media_mb), audio_chunk_ms=args.audio_chunk_ms,
         shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level, max_sessions=args.max_sessions,
-        session_idle_timeout_s=args.session_idle_timeout_s, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        session_idle_timeout_s=args.session_idle_timeout_s, max_session_responses=args.max_session_responses,
+        max_conversation_items=args.max_conversation_items,
+        max_conversation_bytes=_mib_bytes("--max-conversation-mb", args.max_conversation_mb),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser)
 
 

@@ -40,6 +40,13 @@ class ServeSettings(BaseModel):
                               "with an error event and closed with code 1013 (try again later).")
     session_idle_timeout_s: float = Field(600.0, gt=0, description="A /v1/realtime session that receives no "
                                           "client event for this long is closed with a reason (code 1000).")
+    max_session_responses: int = Field(4, ge=1, description="Responses one /v1/realtime session runs at once "
+                                       "(its conversation's and the out-of-band ones); one more is an error event.")
+    max_conversation_items: int = Field(1024, ge=1, description="Items a /v1/realtime session's conversation holds; "
+                                        "one more is an error event (delete items to go on).")
+    max_conversation_bytes: int = Field(64 * _MB, ge=1024, description="Bytes a /v1/realtime session's conversation "
+                                        "holds (text, audio at the model's rate, images); an item past it is an "
+                                        "error event.")
 
     enable_auto_tool_choice: bool = Field(False, description='Chat\'s tool_choice "auto" (the default when a '
                                           'request has tools): the reply is read for tool calls in the model\'s own '

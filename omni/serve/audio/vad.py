@@ -11,7 +11,8 @@ earlier, what the committed turn keeps before it); it stops once the probability
 
 The weights are loaded from the installed package's data folder without importing `silero_vad` (whose
 import sets torch's global thread count, which would change every stage in this process). Each session
-has its own model instance: the network carries state from frame to frame.
+has its own model instance (the network carries state from frame to frame), reused by a later session
+(VadModels).
 """
 from __future__ import annotations
 
@@ -79,6 +80,33 @@ def speech_probabilities(samples: np.ndarray, rate: int, model: Any = None) -> n
         for i in range(frames):  # one call a frame: the network carries state from one frame to the next
             probs[i] = float(model(torch.from_numpy(x[i * FRAME:(i + 1) * FRAME]), VAD_RATE).item())
     return probs
+
+
+class VadModels:
+    """Silero models kept for reuse across a server's sessions: a session takes one (loaded only when none is
+    free) and gives it back, its state reset, when it ends; at most `keep` are kept (--max-sessions: one a
+    session). A session that connects after another ended starts its VAD at once."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Any:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return load_model()
+
+    def give(self, model: Any) -> None:
+        model.reset_states()
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(model)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
 
 
 @dataclass(slots=True)

@@ -21,12 +21,12 @@ from omni.serve.protocol.base import RequestModel, unsupported
 
 
 class RealtimeEventError(Exception):
-    """A client event refused: becomes an `error` event (type invalid_request_error) naming `param`."""
+    """A client event refused: becomes an `error` event (of type `kind`) naming `param`."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_value",
-                 event_id: str | None = None):
+                 event_id: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
-        self.message, self.param, self.code, self.event_id = message, param, code, event_id
+        self.message, self.param, self.code, self.event_id, self.kind = message, param, code, event_id, kind
 
 
 class RealtimeModel(RequestModel):

@@ -49,6 +49,12 @@ class Part:
     audio_rate: int = 16000
     transcript: str | None = None  # input audio: its transcription, once done (realtime/transcription.py)
 
+    @property
+    def nbytes(self) -> int:
+        """What it holds in memory, about (a character a byte): what the session's conversation bound counts."""
+        audio = self.audio.nbytes if self.audio is not None else 0
+        return len(self.text) + len(self.transcript or "") + audio
+
 
 @dataclass
 class ConvItem:
@@ -86,6 +92,10 @@ class ConvItem:
     def text(self) -> str:
         return "".join(p.text for p in self.parts if p.kind != "input_audio")
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts) + len(self.arguments) + len(self.output)
+
     def truncate_at(self, audio_end_ms: float) -> None:
         """Keep the transcript sent with the first `audio_end_ms` of the reply's audio."""
         chars = 0
@@ -111,11 +121,12 @@ class Conversation:
         # so that the prompts keep one prefix for the caches.
         self.dropped: set[str] = set()
 
-    def drop_oldest(self, count: int) -> int:
+    def drop_oldest(self, count: int, writing: ConvItem | None = None) -> int:
         """Leave the `count` oldest items in the context out of it, then any that would start the context with
         something but a user message (a reply or a call's output without its question); the newest item always
-        stays. Returns how many were dropped (0: nothing left to drop)."""
-        kept = [i for i in self.items if i.id not in self.dropped]
+        stays. `writing`: the item the response in progress writes (not in its own prompt: never counted as the
+        newest). Returns how many were dropped (0: nothing left to drop)."""
+        kept = [i for i in self.items if i.id not in self.dropped and i is not writing]
         if len(kept) <= 1:
             return 0
         n = min(count, len(kept) - 1)
@@ -123,6 +134,10 @@ class Conversation:
             n += 1
         self.dropped.update(i.id for i in kept[:n])
         return n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
 
     def find(self, item_id: str) -> ConvItem | None:
         return next((i for i in self.items if i.id == item_id), None)

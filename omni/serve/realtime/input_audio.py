@@ -22,7 +22,7 @@ from omni.serve.realtime.conversation import new_item_id
 from omni.serve.realtime.response import RATE
 
 if TYPE_CHECKING:
-    from omni.serve.audio.vad import TurnDetector, VadEvent
+    from omni.serve.audio.vad import TurnDetector, VadEvent, VadModels
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit needs at least this much audio
 
@@ -35,7 +35,7 @@ def b64_bytes(data: str, param: str, event_id: str | None) -> bytes:
 
 
 class InputAudio:
-    def __init__(self, max_samples: int):
+    def __init__(self, max_samples: int, vad_models: VadModels):
         self.format = "audio/pcm"  # session.audio.input.format.type: pcm16 at 24 kHz, or G.711 at 8 kHz
         self.upsampler: Resampler8k24k | None = None  # G.711 brought to 24 kHz as it comes
         self.chunks: list[np.ndarray] = []  # float32 at 24 kHz since the last commit / clear
@@ -46,6 +46,7 @@ class InputAudio:
         self.vad: TurnDetector | None = None
         self.vad_offset_ms = 0.0  # the session audio clock when the detector started
         self.max_samples = max_samples
+        self.vad_models = vad_models  # the server's: a detector's model is taken from it and given back
 
     @property
     def clock_ms(self) -> float:
@@ -80,11 +81,17 @@ class InputAudio:
         from omni.serve.audio.vad import TurnDetector, VadUnavailable
 
         try:
-            self.vad = await asyncio.to_thread(TurnDetector)
-            self.vad_offset_ms = clock_ms
+            model = await asyncio.to_thread(self.vad_models.take)
+            self.vad, self.vad_offset_ms = TurnDetector(model=model), clock_ms
         except VadUnavailable as e:
             raise RealtimeEventError(str(e), "session.audio.input.turn_detection", "vad_unavailable",
                                      event_id) from None
+
+    def drop_vad(self) -> None:
+        """Turn detection off, or the session over: the detector's model goes back to the server's."""
+        if self.vad is not None:
+            vad, self.vad = self.vad, None
+            self.vad_models.give(vad.model)
 
     async def detect(self, samples: np.ndarray) -> list[tuple[VadEvent, int]]:
         """The detector's events on `samples` (just appended), each with its time on the session clock."""

@@ -40,6 +40,8 @@ from omni.serve.generation.run import AudioEvent, Run, TextEvent
 from omni.serve.generation.tool_parser import ToolCallStream
 from omni.serve.generation.tools import force_call, reply_tool_calls
 from omni.serve.http.errors import ApiError
+from omni.serve.realtime import limits
+from omni.serve.realtime.hub import ClientGone
 from omni.serve.realtime.conversation import ConvItem, Part, new_item_id
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class RealtimeResponse:
         self.started = False  # its task ran (a task cancelled before its first step runs no code at all)
         self.cancel_reason: str | None = None
         self.t_turn: float | None = None  # commit / speech stop of the turn it answers
-        self.in_flight = False  # counted in the server's drain (http/shutdown.py) until it ends
+        self.in_flight = False  # counted in the server's drain (http/shutdown.py) and admission until it ends
         self.ids = {"response_id": rid, "item_id": item.id, "output_index": 0, "content_index": 0}
         # out of band (response.conversation "none"): its item stays out of the conversation, which it may
         # still read (`context`: the conversation, or the response's own `input` items)
@@ -214,6 +216,8 @@ class RealtimeResponse:
         except asyncio.CancelledError:
             status = "cancelled"
             details = {"type": "cancelled", "reason": self.cancel_reason or "client_cancelled"}
+        except ClientGone:  # the socket closed before the session's close cancelled this response
+            status, details = "cancelled", {"type": "cancelled", "reason": "session_closed"}
         except ApiError as e:
             status = "failed"
             details = {"type": "failed", "error": {"type": e.type, "code": e.code, "message": e.message}}
@@ -245,8 +249,10 @@ class RealtimeResponse:
                     e.message += ("; the conversation no longer fits the model's context: delete items "
                                   "(conversation.item.delete) or set session.truncation \"auto\"")
                     raise
-                if not self.context.drop_oldest(drop):
+                if not self.context.drop_oldest(drop, writing=self.item):
                     self.context.dropped = before
+                    e.message += ("; the newest item alone does not fit the model's context (truncation leaves it "
+                                  "in): send a shorter one, or delete it (conversation.item.delete)")
                     raise
                 drop *= 2
                 run = Run(server.omni, self.job(self.instructions), server.settings.default_audio_rate,
@@ -285,6 +291,7 @@ class RealtimeResponse:
         if self.in_flight:
             self.in_flight = False
             self.session.server.drain.leave()
+            limits.release(self.session)
         self.session.server.realtime_metrics.turns.labels(status=status).inc()
         with contextlib.suppress(Exception):  # the socket may be gone (a disconnect cancels the response)
             if not self.started:  # it never began: announce it, so that its done has a created

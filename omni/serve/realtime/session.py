@@ -20,9 +20,10 @@ A response (realtime/response.py) runs the whole conversation as one request (re
 every turn's prompt starts with the previous one, so the stages' prefix caches hold all but the new turn).
 One conversation response at a time: `response.cancel`, a barge-in (speech starting while it runs, with
 server VAD's `interrupt_response`) and a closed socket cancel it. Out-of-band responses (`conversation:
-"none"`) run beside it, any number: their items stay out of the conversation, their context is the
+"none"`) run beside it (up to the session's bound): their items stay out of the conversation, their context is the
 conversation or their own `input`; only their own `response.cancel` (by id) or the socket's close cancels
-them. Any refused client event is an `error` event naming the event and field; the session goes on.
+them. What a session may hold (responses at once, the conversation's size) is bounded: realtime/limits.py.
+Any refused client event is an `error` event naming the event and field; the session goes on.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from omni.serve.audio.resampling import resample
 from omni.serve.protocol import realtime as E
 from omni.serve.protocol.realtime import RealtimeEventError
 from omni.serve.realtime.conversation import ConvItem, Conversation, Part, new_item_id
+from omni.serve.realtime import checks, limits
 from omni.serve.realtime.hub import RealtimeHub
 from omni.serve.realtime.input_audio import InputAudio
 from omni.serve.realtime.items import client_item, response_context
@@ -77,7 +79,7 @@ class Session:
         # transcribed by the pipeline's text stage beside the response (realtime/transcription.py)
         self.transcription: dict[str, Any] | None = None
         self.transcriptions = Transcriptions(self)
-        self.input_audio = InputAudio(s.max_media_bytes // 4)
+        self.input_audio = InputAudio(s.max_media_bytes // 4, server.vad_models)
         self.response: RealtimeResponse | None = None  # the conversation's response in progress
         self.out_of_band: dict[str, RealtimeResponse] = {}  # response.conversation "none", by id
         self.turn_t0: float | None = None
@@ -114,7 +116,7 @@ class Session:
             ev = E.parse_client_event(text)
             await getattr(self, "_on_" + ev.type.replace(".", "_"))(ev)
         except RealtimeEventError as e:
-            await self.error(e.message, e.param, e.code, e.event_id)
+            await self.error(e.message, e.param, e.code, e.event_id, e.kind)
 
     async def _on_session_update(self, ev: E.SessionUpdate) -> None:
         """Every field is checked (and the VAD, when turned on, loaded) before any is applied: a refused update
@@ -124,19 +126,20 @@ class Session:
             raise RealtimeEventError(f"session.model: this server serves `{self.model}`, not `{cfg.model}`",
                                      "session.model", "model_not_found", ev.event_id)
         if cfg.output_modalities is not None:
-            self._check_modality(cfg.output_modalities[0], "session.output_modalities", ev.event_id)
+            checks.modality(self.server, self.model, cfg.output_modalities[0], "session.output_modalities",
+                            ev.event_id)
         audio = cfg.audio
         inp = audio.input if audio is not None else None
         out = audio.output if audio is not None else None
         voice = None
         if out is not None and out.voice is not None:
             voice = out.voice if isinstance(out.voice, str) else out.voice.id
-            self._check_voice(voice, "session.audio.output.voice", ev.event_id)
+            checks.voice(self.server, voice, "session.audio.output.voice", ev.event_id)
         tools, choice = self.tools, self.tool_choice
         if cfg.tools is not None or cfg.tool_choice is not None:
             tools = self.tools if cfg.tools is None else cfg.tools
             choice = cfg.tool_choice or self.tool_choice
-            self._check_tools(tools, choice, "session", ev.event_id)
+            checks.tools(self.server, self.model, tools, choice, "session", ev.event_id)
         td_set = inp is not None and "turn_detection" in inp.model_fields_set
         if td_set and inp.turn_detection is not None and self.input_audio.vad is None:  # the last step that may fail
             await self.input_audio.load_vad(ev.event_id, self.input_audio.clock_ms)
@@ -146,7 +149,8 @@ class Session:
         if td_set:
             td = inp.turn_detection
             if td is None:
-                self.turn, self.input_audio.vad = None, None
+                self.turn = None
+                self.input_audio.drop_vad()
             else:
                 base = self.turn or DEFAULT_TURN
                 self.turn = {**base, **td.model_dump(exclude_none=True, exclude={"idle_timeout_ms"})}
@@ -172,42 +176,6 @@ class Session:
             self.truncation = cfg.truncation
         self.tools, self.tool_choice = tools, choice
         await self.send({"type": "session.updated", "session": self.shape()})
-
-    def _check_voice(self, voice: str, param: str, event_id: str | None) -> None:
-        """A voice the pipeline's talker would refuse, refused now (not at every response)."""
-        unknown = self.server.info.unknown_voice(voice, param)
-        if unknown is not None:
-            raise RealtimeEventError(unknown, param, "invalid_value", event_id)
-
-    def _check_tools(self, tools: list[E.RealtimeTool], choice: str | E.FunctionChoice, at: str,
-                     event_id: str | None) -> None:
-        """Calls are read from the reply as chat completions' "auto" reads them: with the server's parser; a
-        forced choice constrains the reply to a call of the tools (or of the one named)."""
-        names = [t.name for t in tools]
-        if tools and self.server.info.shows_tools is False:  # refused now, not by every response
-            raise RealtimeEventError(f"{at}.tools: pipeline {self.model!r} shows its model no tools (its thinker's "
-                                     "own prompt format has none); send no tools", f"{at}.tools",
-                                     "unsupported_value", event_id)
-        if len(set(names)) != len(names):
-            raise RealtimeEventError(f"{at}.tools: function names must be unique, got {names}", f"{at}.tools",
-                                     "invalid_value", event_id)
-        forced = E.forced_tool(choice)
-        if forced is not None and not tools:
-            raise RealtimeEventError(f"{at}.tool_choice: a forced call ({forced!r}) needs tools; send them with it",
-                                     f"{at}.tool_choice", "invalid_value", event_id)
-        if forced not in (None, "required") and forced not in names:
-            raise RealtimeEventError(f"{at}.tool_choice.name: {forced!r} is none of the tools {names}",
-                                     f"{at}.tool_choice.name", "invalid_value", event_id)
-        if tools and choice == "auto" and not self.server.settings.enable_auto_tool_choice:
-            raise RealtimeEventError(f"{at}.tools: reading calls from the reply needs a server started with "
-                                     "--enable-auto-tool-choice --tool-call-parser hermes (as vLLM's); or send "
-                                     'tool_choice "none"', f"{at}.tools", "unsupported_value", event_id)
-
-    def _check_modality(self, want: str, param: str, event_id: str | None) -> None:
-        stage = self.server.info.audio_stage if want == "audio" else self.server.info.text_stage
-        if stage is None:
-            raise RealtimeEventError(f"{param}: pipeline {self.model!r} has no {want} output stage", param,
-                                     "invalid_value", event_id)
 
     async def _on_input_audio_buffer_append(self, ev: E.AudioAppend) -> None:
         buf = self.input_audio
@@ -242,6 +210,9 @@ class Session:
         wave = await asyncio.to_thread(resample, audio, RATE, model_rate)
         item = ConvItem(self.input_audio.pending_item_id, "user",
                         [Part("input_audio", audio=wave, audio_rate=model_rate)])
+        if event_id is None:  # a server VAD turn: one the conversation cannot hold is dropped, not kept for later
+            self.input_audio.clear()
+        limits.check_room(self, item, event_id)
         self.input_audio.clear()
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
@@ -270,6 +241,7 @@ class Session:
         else:
             item = ConvItem(it.id or new_item_id(), "user", [], type="function_call_output", call_id=it.call_id,
                             output=it.output)
+        limits.check_room(self, item, eid)
         try:
             previous = self.conversation.add(item, ev.previous_item_id)
         except KeyError:
@@ -384,13 +356,13 @@ class Session:
         if params is not None:
             if params.output_modalities is not None:
                 modality = params.output_modalities[0]
-                self._check_modality(modality, "response.output_modalities", event_id)
+                checks.modality(self.server, self.model, modality, "response.output_modalities", event_id)
             if params.instructions is not None:
                 instructions = params.instructions
             if params.audio and params.audio.output and params.audio.output.voice is not None:
                 v = params.audio.output.voice
                 voice = v if isinstance(v, str) else v.id
-                self._check_voice(voice, "response.audio.output.voice", event_id)
+                checks.voice(self.server, voice, "response.audio.output.voice", event_id)
             if params.audio and params.audio.output and params.audio.output.speed is not None:
                 speed = float(params.audio.output.speed)
             if params.audio and params.audio.output and params.audio.output.format is not None:
@@ -400,7 +372,7 @@ class Session:
             if params.tools is not None or params.tool_choice is not None:
                 tools = tools if params.tools is None else params.tools
                 tool_choice = params.tool_choice or tool_choice
-                self._check_tools(tools, tool_choice, "response", event_id)
+                checks.tools(self.server, self.model, tools, tool_choice, "response", event_id)
         resp = new_response(self, _id("resp"), modality, voice, max_tokens)
         resp.event_id = event_id  # a failure's error event names the response.create that asked for it
         resp.limit_field = ("response.max_output_tokens" if params is not None and params.max_output_tokens
@@ -417,12 +389,13 @@ class Session:
         if not job.prompt.prompt:  # an out-of-band `input: []` without instructions: nothing to answer
             raise RealtimeEventError("response.input: an empty input needs instructions (the model would be asked "
                                      "nothing)", "response.input", "invalid_value", event_id)
+        limits.admit_response(self, event_id)
         if out_of_band:
             self.out_of_band[resp.id] = resp
         else:
             self.response = resp
-        # In flight for the server's drain until it ends (RealtimeResponse.end): a shutdown waits for it
-        # up to the grace period, as for an HTTP request.
+        # In flight for the server's drain and admission until it ends (RealtimeResponse.end): a shutdown waits
+        # for it up to the grace period, as for an HTTP request.
         drain.enter()
         resp.in_flight = True
         resp.task = asyncio.create_task(resp.run(job))
@@ -432,6 +405,7 @@ class Session:
         aborted everywhere)."""
         await self.cancel_all("session_closed")
         await self.transcriptions.close()
+        self.input_audio.drop_vad()
 
     async def cancel_all(self, reason: str) -> None:
         """Cancel every response in progress, the conversation's and the out-of-band ones."""

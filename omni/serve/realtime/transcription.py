@@ -11,7 +11,9 @@ writes text, so the pipeline's text stage transcribes each committed audio item,
 The item's input_audio part keeps the transcript (`conversation.item.retrieve` shows it). The conversation's
 prompt never uses it: the model hears the audio itself. Whatever `model` the client names (OpenAI's clients
 send "whisper-1", "gpt-4o-transcribe", ...), the pipeline's own text stage transcribes; the session shows the
-name it was given. `language` (ISO-639-1) and `prompt` become part of the instruction.
+name it was given. `language` (ISO-639-1) and `prompt` become part of the instruction. A session transcribes at
+most --max-session-responses items at once, each counted in the server's admission (realtime/limits.py): past
+either bound, that item's transcription fails (code session_response_limit, overloaded).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from omni.serve.generation.asr_job import asr_job, asr_usage
 from omni.serve.generation.run import Run, TextEvent
 from omni.serve.http.errors import ApiError
+from omni.serve.realtime import limits
+from omni.serve.realtime.hub import ClientGone
 from omni.serve.realtime.conversation import ConvItem, Part
 
 if TYPE_CHECKING:
@@ -58,8 +62,15 @@ class Transcriptions:
                       prompt=config.get("prompt"), fields={"prompt": "session.audio.input.transcription",
                                                            "max_tokens": "session.audio.input.transcription"})
         run = Run(server.omni, job, server.settings.default_audio_rate)
-        text = ""
+        text, admitted = "", False
         try:
+            limit = server.settings.max_session_responses  # a session's transcriptions at once: its responses' bound
+            if len(self.tasks) > limit:
+                raise ApiError(429, f"this session transcribes {len(self.tasks) - 1} items, its limit "
+                               f"(--max-session-responses {limit}); commit again once one is done",
+                               code="session_response_limit")
+            server.state.admit()  # a pipeline request, counted as a response is (realtime/limits.py); 503: failed
+            admitted = True
             await run.start()
             async for ev in run.events():
                 if isinstance(ev, TextEvent) and ev.text:
@@ -68,6 +79,8 @@ class Transcriptions:
                                         "delta": ev.text})
         except asyncio.CancelledError:
             raise  # the session closed: its socket is gone, nothing to say
+        except ClientGone:  # ... or the socket closed first
+            return
         except Exception as e:  # noqa: BLE001 - a failed transcription fails alone; the session goes on
             error = ({"type": e.type, "code": e.code, "message": e.message, "param": e.param}
                      if isinstance(e, ApiError) else
@@ -82,6 +95,8 @@ class Transcriptions:
             return
         finally:
             await run.aclose()
+            if admitted:
+                limits.release(session)
         part.transcript = text
         with contextlib.suppress(Exception):  # the socket may be gone
             await session.send({"type": "conversation.item.input_audio_transcription.completed", **ids,

@@ -5,11 +5,12 @@
                 the key as the subprotocol `openai-insecure-api-key.KEY` next to `realtime`, as OpenAI's
                 endpoint takes it): refused with 401 (403 where the server cannot send a body with a
                 refused upgrade); while the server drains, 503 the same way
-    accepted    a wrong `model` is an `error` event naming it, then close 1008; past --max-sessions an
+    accepted    a missing or wrong `model` is an `error` event naming it, then close 1008; past --max-sessions an
                 `error` event, then close 1013 (try again later); else `session.created`
-    serving     every client message -> Session.handle (a refused event is an `error` event: the session
-                goes on); server events are sent one at a time (one lock: a response's deltas and the
-                answers to client events never interleave inside a frame)
+    serving     every client message -> Session.handle, in order (a refused event is an `error` event: the
+                session goes on; a reader task reads ahead, at most INBOX messages); server events are sent
+                one at a time (one lock: a response's deltas and the answers to client events never
+                interleave inside a frame)
     idle        no client event for --session-idle-timeout-s and no response running: an `error` event
                 saying so, close 1000
     draining    (http/shutdown.py) a response in progress counts as in flight: it may finish within the
@@ -17,8 +18,9 @@
     shut down   once the drain is over (grace period out, or nothing left in flight): the response still
                 running is cancelled (response.done, reason shutting_down), an `error` event (code
                 shutting_down), close 1001 (going away)
-    end         the client closes or disconnects, or the server shuts down: the response in progress is
-                cancelled, its request aborted on every stage (their blocks freed); the session is gone
+    end         the client closes or disconnects, or the server shuts down: the session's slot is free at
+                once; the response in progress is cancelled (status cancelled, never failed: a send to a
+                gone client raises ClientGone), its request aborted on every stage (their blocks freed)
 """
 from __future__ import annotations
 
@@ -29,19 +31,21 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omni.serve.http.errors import ApiError
-from omni.serve.realtime.hub import RealtimeHub
+from omni.serve.realtime.hub import ClientGone, RealtimeHub
 from omni.serve.realtime.session import Session
 
 logger = logging.getLogger(__name__)
 CLOSE_POLICY = 1008  # a wrong model: retrying the same request cannot help
 CLOSE_TRY_AGAIN = 1013
 CLOSE_GOING_AWAY = 1001
+INBOX = 64  # client messages read ahead of the session
 
 
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: the key as a subprotocol
@@ -84,6 +88,23 @@ async def _close_when_stopped(hub: RealtimeHub, session: Session, ws: WebSocket)
         await ws.close(code=CLOSE_GOING_AWAY, reason="the server is shutting down")
 
 
+async def _read(ws: WebSocket, inbox: asyncio.Queue[dict[str, Any] | None], gone: Callable[[], None]) -> None:
+    """The socket's messages into `inbox` (bounded: a client that sends faster than its session handles waits on
+    its own socket), then None once it closes. A disconnect frees the session's slot at once (`gone`), even while
+    the session still handles an event (a VAD that loads): a client reconnecting at once is not refused."""
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            await inbox.put(message)
+    except Exception:  # noqa: BLE001 - a transport error ends the socket as a disconnect does
+        pass
+    finally:
+        gone()
+    await inbox.put(None)
+
+
 async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     settings = hub.settings
     if not _authorized(ws, settings.api_key):
@@ -96,6 +117,11 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     # A browser asks for the `realtime` subprotocol (with its key as another): the handshake must name one
     await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", []) else None)
     model = ws.query_params.get("model")
+    if model is None:
+        hub.realtime_metrics.sessions.labels(outcome="refused").inc()
+        await _close_with_error(ws, CLOSE_POLICY, f"the `model` query parameter is missing: connect to "
+                                f"/v1/realtime?model={hub.info.model}", "model", "missing_required_parameter")
+        return
     if model != hub.info.model:
         hub.realtime_metrics.sessions.labels(outcome="refused").inc()
         await _close_with_error(ws, CLOSE_POLICY, f"The model `{model}` does not exist (this server serves "
@@ -109,14 +135,20 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     lock = asyncio.Lock()
 
     async def send(event: dict[str, Any]) -> None:
+        text = json.dumps(event, separators=(",", ":"))
         async with lock:
-            await ws.send_text(json.dumps(event, separators=(",", ":")))
+            try:
+                await ws.send_text(text)
+            except Exception as e:  # noqa: BLE001 - disconnected, closed, or a transport error: the client is gone
+                raise ClientGone(f"the client is gone: {type(e).__name__}") from e
 
     session = Session(hub, send, hub.info.model)
     hub.sessions.add(session)
     hub.realtime_metrics.open.inc()
     outcome = "closed"
     closer = asyncio.create_task(_close_when_stopped(hub, session, ws))
+    inbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(INBOX)
+    reader = asyncio.create_task(_read(ws, inbox, lambda: hub.sessions.discard(session)))
     try:
         await session.start()
         idle_s = settings.session_idle_timeout_s
@@ -126,7 +158,7 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
             quiet = max(last_event, session.quiet_since)
             timeout = idle_s if session.busy else idle_s - (time.monotonic() - quiet)
             try:
-                message = await asyncio.wait_for(ws.receive(), max(timeout, 0.01))
+                message = await asyncio.wait_for(inbox.get(), max(timeout, 0.01))
             except asyncio.TimeoutError:
                 quiet = max(last_event, session.quiet_since)
                 if session.busy or time.monotonic() - quiet < idle_s:  # listening to a response, or not yet
@@ -139,13 +171,13 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
                     await ws.close(code=1000, reason=reason[:120])
                 break
             last_event = time.monotonic()
-            if message["type"] == "websocket.disconnect":
+            if message is None:  # the socket is gone (the reader freed the session's slot already)
                 break
             data = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
             await session.handle(data)
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, ClientGone):
         pass
     except Exception:  # noqa: BLE001 - a bug ends this session, not the server
         outcome = "error"
@@ -154,9 +186,10 @@ async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
             if ws.application_state == WebSocketState.CONNECTED:
                 await ws.close(code=1011, reason="internal error")
     finally:
-        closer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await closer
+        for task in (closer, reader):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await session.close()
         hub.sessions.discard(session)
         hub.realtime_metrics.open.dec()
