@@ -376,6 +376,34 @@ def test_input_audio_transcription_completes_or_fails_alone(server):
     wait_idle(server)
 
 
+def test_a_session_transcribes_at_most_its_response_bound_at_once(server):
+    """Transcriptions are pipeline requests of the session: past --max-session-responses (4) running at once, the
+    next commit's transcription fails naming the bound; the others complete once the stage goes on."""
+    async def go():
+        async with server.async_client().realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "whisper-1"}}}})
+            await until(conn, "session.updated")
+            audio = base64.b64encode(pcm16(speech_24k(0.2))).decode()
+            seen: list = []
+            with held(server, "thinker") as release:
+                for _ in range(5):
+                    await conn.input_audio_buffer.append(audio=audio)
+                    await conn.input_audio_buffer.commit()
+                    await until(conn, "input_audio_buffer.committed", seen)
+                failed = await until(conn, "conversation.item.input_audio_transcription.failed", seen)
+                assert failed.error.code == "session_response_limit", failed.error
+                assert "--max-session-responses 4" in failed.error.message
+                release.set()
+                for _ in range(4):
+                    await until(conn, "conversation.item.input_audio_transcription.completed", seen)
+            committed = [e.item_id for e in seen if e.type == "input_audio_buffer.committed"]
+            assert failed.item_id == committed[-1]
+    run(go())
+    wait_idle(server)
+
+
 def test_out_of_band_responses(server):
     """response.conversation "none": a response kept out of the conversation (no conversation.item events, its
     item not retrievable), its metadata echoed, its context the conversation or its own `input` (items and
