@@ -40,7 +40,7 @@ from omni.serve.http.errors import ApiError
 from omni.serve.http.metrics import CONTENT_TYPE
 from omni.serve.http.middleware import ServerMiddleware
 from omni.serve.http.shutdown import shutting_down
-from omni.serve.realtime.websocket import RealtimeHub, realtime_endpoint
+from omni.serve.realtime.websocket import RealtimeHub, deny, realtime_endpoint
 from omni.serve.settings import ServeSettings
 from omni.serve.speech.serving import create_speech
 from omni.serve.state import PipelineInfo, ServerState, check_model
@@ -103,6 +103,11 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     @app.websocket("/v1/realtime")
     async def _realtime(ws: WebSocket) -> None:
         await realtime_endpoint(hub, ws)
+
+    @app.websocket("/{path:path}")  # an unknown WebSocket route: a missing route (404), not a bare 403
+    async def _no_socket(ws: WebSocket, path: str) -> None:
+        await deny(ws, ApiError(404, f"no WebSocket route /{path}: this server's WebSocket is /v1/realtime",
+                                code="not_found"))
 
     @app.get("/v1/models")
     async def _models() -> JSONResponse:

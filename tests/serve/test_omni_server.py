@@ -570,6 +570,8 @@ def test_timestamped_transcripts_are_the_segments_transcribed_one_by_one(server,
     ({"model": MODEL, "chunking_strategy": "{not json"}, True, 400, "chunking_strategy"),
     ({"model": MODEL, "known_speaker_names[]": "ann"}, True, 400, "known_speaker_names"),
     ({"model": MODEL, "language": "English"}, True, 400, "language"),
+    ({"model": MODEL, "language": "hh"}, True, 400, "language"),  # two letters, but no ISO-639-1 code
+    ({"model": MODEL, "language": "zz"}, True, 400, "language"),
     ({"model": MODEL, "temperature": "2"}, True, 400, "temperature"),
     ({"model": MODEL, "frobnicate": "1"}, True, 400, "frobnicate"),
     ({"model": "whisper-1"}, True, 404, "model"),

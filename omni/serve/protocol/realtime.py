@@ -18,6 +18,7 @@ from pydantic import (AfterValidator, ConfigDict, Discriminator, Field, Tag, Typ
 
 from omni.config.pydantic_errors import loc_to_param
 from omni.serve.protocol.base import RequestModel, unsupported
+from omni.serve.protocol.languages import check_language
 
 
 class RealtimeEventError(Exception):
@@ -77,7 +78,8 @@ class TurnDetection(RealtimeModel):
 class Transcription(RealtimeModel):
     model: str | None = Field(None, min_length=1, description="Any name (OpenAI's clients send whisper-1, "
                               "gpt-4o-transcribe, ...): the pipeline's own text stage transcribes.")
-    language: str | None = Field(None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code of the speech.")
+    language: Annotated[str | None, AfterValidator(check_language)] = Field(
+        None, description="ISO-639-1 code of the speech.")
     prompt: str | None = Field(None, max_length=4000, description="Text that guides the transcription.")
 
 

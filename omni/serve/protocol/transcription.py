@@ -2,11 +2,12 @@
 OpenAI's openai/types/audio/transcription_create_params.py and translation_create_params.py)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from omni.serve.protocol.base import RequestModel, check_unsupported
+from omni.serve.protocol.languages import check_language
 
 
 class ServerVad(RequestModel):
@@ -30,7 +31,8 @@ class TranscriptionFormBase(RequestModel):
 
 
 class TranscriptionForm(TranscriptionFormBase):
-    language: str | None = Field(None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code of the speech.")
+    language: Annotated[str | None, AfterValidator(check_language)] = Field(
+        None, description="ISO-639-1 code of the speech.")
     stream: bool = False
     include: list[Literal["logprobs"]] | None = Field(None, description="logprobs: each reply token's (json only).")
     timestamp_granularities: list[Literal["segment", "word"]] | None = Field(

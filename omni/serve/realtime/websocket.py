@@ -5,7 +5,8 @@
                 the key as the subprotocol `openai-insecure-api-key.KEY` next to `realtime`, as OpenAI's
                 endpoint takes it): refused with 401 (403 where the server cannot send a body with a
                 refused upgrade); while the server drains, 503 the same way
-    accepted    a missing or wrong `model` is an `error` event naming it, then close 1008; past --max-sessions an
+    accepted    a wrong `model` is an `error` event naming it, then close 1008 (none: the server's one model, which
+                session.update may name); past --max-sessions an
                 `error` event, then close 1013 (try again later); else `session.created`
     serving     every client message -> Session.handle, in order (a refused event is an `error` event: the
                 session goes on; a reader task reads ahead, at most INBOX messages); server events are sent
@@ -62,7 +63,7 @@ def _authorized(ws: WebSocket, key: str | None) -> bool:
     return any(hmac.compare_digest(t.encode(), key.encode()) for t in tokens)
 
 
-async def _deny(ws: WebSocket, err: ApiError) -> None:
+async def deny(ws: WebSocket, err: ApiError) -> None:
     """Refuse the upgrade with an HTTP answer (its body where the server can send one)."""
     if "websocket.http.response" in ws.scope.get("extensions", {}):
         await ws.send_denial_response(JSONResponse(err.body(), status_code=err.status))
@@ -108,20 +109,16 @@ async def _read(ws: WebSocket, inbox: asyncio.Queue[dict[str, Any] | None], gone
 async def realtime_endpoint(hub: RealtimeHub, ws: WebSocket) -> None:
     settings = hub.settings
     if not _authorized(ws, settings.api_key):
-        await _deny(ws, ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+        await deny(ws, ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                  code="invalid_api_key"))
         return
     if hub.drain.draining or hub.omni.closed:
-        await _deny(ws, ApiError(503, "the server is shutting down", type="server_error", code="shutting_down"))
+        await deny(ws, ApiError(503, "the server is shutting down", type="server_error", code="shutting_down"))
         return
     # A browser asks for the `realtime` subprotocol (with its key as another): the handshake must name one
     await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", []) else None)
-    model = ws.query_params.get("model")
-    if model is None:
-        hub.realtime_metrics.sessions.labels(outcome="refused").inc()
-        await _close_with_error(ws, CLOSE_POLICY, f"the `model` query parameter is missing: connect to "
-                                f"/v1/realtime?model={hub.info.model}", "model", "missing_required_parameter")
-        return
+    # The server serves one model: a client that names it in session.update only (vLLM-Omni's) gets it
+    model = ws.query_params.get("model") or hub.info.model
     if model != hub.info.model:
         hub.realtime_metrics.sessions.labels(outcome="refused").inc()
         await _close_with_error(ws, CLOSE_POLICY, f"The model `{model}` does not exist (this server serves "

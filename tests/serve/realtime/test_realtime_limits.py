@@ -3,10 +3,11 @@ the `openai` client: a turn longer than the context fails naming the context (no
 most --max-session-responses responses, and every realtime response counts against runtime.max_pending_requests as an
 HTTP request does (one session cannot starve another client); a conversation holds at most --max-conversation-items
 items and --max-conversation-mb; a client gone mid-response ends it `cancelled`, never `failed`; a disconnect frees
-the session's slot at once; a missing `model` is named."""
+the session's slot at once; no `model` in the URL is the server's one model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 
@@ -189,7 +190,7 @@ def test_a_client_gone_mid_response_ends_it_cancelled_not_failed(server, monkeyp
     assert not [r for r in caplog.records if "realtime response" in r.getMessage()]
 
 
-def test_a_disconnect_frees_the_slot_at_once_and_a_missing_model_is_named(server, monkeypatch):
+def test_a_disconnect_frees_the_slot_at_once_and_no_model_is_the_servers(server, monkeypatch):
     """A session whose handler is still busy (a VAD that loads) when its client leaves frees its slot at once:
     a client reconnecting then is not refused with 1013."""
     busy = threading.Event()
@@ -216,8 +217,22 @@ def test_a_disconnect_frees_the_slot_at_once_and_a_missing_model_is_named(server
         busy.set()
         for conn in (again, *conns[1:]):
             await conn.close()
+        # no ?model= (vLLM-Omni's clients name it in session.update): the server's one model
         async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime") as ws:
-            err = yaml.safe_load(await ws.recv())["error"]
-            assert (err["param"], err["code"]) == ("model", "missing_required_parameter")
-            assert "?model=tiny_chain" in err["message"] and "None" not in err["message"]
+            created = json.loads(await ws.recv())
+            assert created["type"] == "session.created" and created["session"]["model"] == MODEL
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "model": MODEL}}))
+            assert json.loads(await ws.recv())["type"] == "session.updated"
+    run(go())
+
+
+def test_an_unknown_websocket_route_is_a_missing_route(server):
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(server.url.replace("http", "ws") + "/v1/audio/speech/stream"):
+                pass
+        response = refused.value.response
+        assert response.status_code == 404
+        err = json.loads(response.body)["error"]
+        assert err["code"] == "not_found" and "/v1/audio/speech/stream" in err["message"], err
     run(go())

@@ -125,6 +125,9 @@ BAD_EVENTS = [
     ({"type": "session.update", "event_id": "e7d", "session": {"audio": {"input": {"transcription": {
         "model": "whisper-1", "language": "English"}}}}}, "session.audio.input.transcription.language",
      "invalid_value"),
+    ({"type": "session.update", "event_id": "e7d2", "session": {"audio": {"input": {"transcription": {
+        "model": "whisper-1", "language": "zz"}}}}}, "session.audio.input.transcription.language",
+     "invalid_value"),  # two letters, but no language
     ({"type": "session.update", "event_id": "e7e", "session": {"audio": {"input": {"noise_reduction": {
         "type": "near_field"}}}}}, "session.audio.input.noise_reduction", "invalid_value"),
     ({"type": "session.update", "event_id": "e7f", "session": {"truncation": {"type": "retention_ratio",
