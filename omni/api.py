@@ -256,6 +256,12 @@ class Omni:
         self._check_open()
         return self._infos[self.graph.entry_stages[0]].shows_tools
 
+    def input_media(self) -> tuple[str, ...] | None:
+        """The multimodal inputs ("image", "audio") a request's prompt may hold: the entry stage's
+        (StageInfo.input_media: () for a model that renders no prompt of its own); None when it does not say."""
+        self._check_open()
+        return self._infos[self.graph.entry_stages[0]].input_media
+
     def close(self) -> None:
         """Stop the stages (and the embedded Ray, if this started one). Idempotent. Requests still running
         (a `generate` in another thread, an unfinished `stream`) end at once with a BackendClosedError: the

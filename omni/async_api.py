@@ -152,6 +152,10 @@ class AsyncOmni:
         """Omni.shows_tools() (as voices())."""
         return self._omni.shows_tools()
 
+    def input_media(self) -> tuple[str, ...] | None:
+        """Omni.input_media() (as voices())."""
+        return self._omni.input_media()
+
     def context_reserve(self) -> int:
         """Omni.context_reserve() (as voices())."""
         return self._omni.context_reserve()

@@ -9,7 +9,7 @@ relative to the prompts file's folder. It is read into what the Python API takes
 user of vLLM's `LLM.generate` would pass it: an image as an HxWx3 uint8 RGB array (PNG, JPEG, WEBP, GIF,
 BMP), an audio file as `(mono float32 waveform, the file's own sampling rate)` (WAV, FLAC, OGG, MP3; the
 stage checks the rate against its encoder's, as it does for the API). The decoders are the server's
-(omni/serve/chat/media.py, omni/serve/audio/codecs.py): one reading of user media for every entry point.
+(omni/serve/media.py, omni/serve/audio/codecs.py): one reading of user media for every entry point.
 
 A missing or unreadable file is a RequestError (a ValueError) naming the line, the field and the file.
 """
@@ -31,7 +31,7 @@ _MAX_DECODED_BYTES = 1 << 30
 def _read(modality: str, file: Path, where: str) -> Any:
     """One file -> an image array, or (waveform, rate). ApiError (the decoders' own) when unreadable."""
     from omni.serve.audio.codecs import decode_audio
-    from omni.serve.chat.media import decode_image
+    from omni.serve.media import decode_image
 
     data = file.read_bytes()
     if modality == "image":

@@ -8,7 +8,7 @@ stage's config decides (the max_model_len in force, whether the model renders it
 
 The pipeline reads each stage's StageInfo once, when it starts (Backend.infos: in-process, or one
 call per stage actor on Ray), and `Omni.voices()` / `context_reserve()` / `min_spoken_tokens()` /
-`shows_tools()` and the server's PipelineInfo answer from it; `stats()` holds counters only.
+`shows_tools()` / `input_media()` and the server's PipelineInfo answer from it; `stats()` holds counters only.
 
 Torch-free: omni/config and omni/registry import it.
 """
@@ -34,6 +34,9 @@ class StageInfo:
     # A model whose `preprocess` renders its own prompt from chat messages: True when that rendering shows
     # the model the request's `tools`; else a request with tools is refused, naming the field.
     renders_tools: bool = False
+    # The multimodal inputs its own prompt takes ("image", "audio"; its `preprocess` renders them); None: not
+    # declared (its preprocess decides). A model that renders no prompt of its own takes none (`input_media`).
+    media: tuple[str, ...] | None = None
     # The fewest upstream tokens it needs to produce anything as the upstream generates (a talker's 2: it
     # voices each reply token from the row of the next one); `omni serve` voices a shorter reply once whole.
     min_upstream_tokens: int = 1
@@ -52,6 +55,12 @@ class StageInfo:
         """Whether a request's `tools` reach the model: `renders_tools` for a model that renders its own
         prompt; None when the stage's chat template renders it (the template decides)."""
         return self.renders_tools if self.renders_own_prompt else None
+
+    @property
+    def input_media(self) -> tuple[str, ...] | None:
+        """The multimodal inputs a request may hold for it: `media` for a model that renders its own prompt; ()
+        for one that does not (its prompt is text or token ids: admission refuses media); None: not declared."""
+        return self.media if self.renders_own_prompt else ()
 
 
 __all__ = ["StageInfo"]

@@ -13,7 +13,8 @@ def register() -> None:
     # `info`: the StageInfo object the class declares as its `info` (torch-free, one module a family); none: the
     # defaults (an autoregressive model that emits hidden states).
     register_stage_model("causal_lm", "stages.causal_lm:CausalLMStage")
-    register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni.edges:Qwen2_5OmniThinkerStage")
+    register_stage_model("qwen2_5_omni_thinker", "stages.qwen2_5_omni.edges:Qwen2_5OmniThinkerStage",
+                         info="stages.qwen2_5_omni.info:THINKER")
     register_stage_model("qwen2_5_omni_talker", "stages.qwen2_5_omni.edges:Qwen2_5OmniTalkerStage",
                          info="stages.qwen2_5_omni.info:TALKER")
     register_stage_model("qwen2_5_omni_token2wav", "stages.qwen2_5_omni.edges:Qwen2_5OmniToken2WavStage",

@@ -52,6 +52,20 @@ def test_registered_stage_models_resolve_and_their_facts_hold(name):
     assert cls.info == entry.info  # one declaration: the class's object is the registration's
 
 
+@pytest.mark.parametrize("name,media", [("causal_lm", None), ("qwen2_5_omni_thinker", ("image", "audio")),
+                                        ("qwen3_omni_thinker", ("image", "audio")), ("qwen2_5_omni_talker", None)])
+def test_the_media_a_model_takes_are_declared_with_its_facts(name, media):
+    """StageInfo.media: what the thinkers' own prompts take (the server refuses other media at the edge); a request
+    may hold them only for a model that renders its own prompt (input_media: () for one that does not, a plain
+    decoder LM, whose admission refuses any media)."""
+    from dataclasses import replace
+
+    info = registry.stage_model_entry(name).info
+    assert info.media == media and registry.resolve_stage_model(name).info.media == media
+    assert replace(info, renders_own_prompt=True).input_media == media
+    assert replace(info, renders_own_prompt=False).input_media == ()
+
+
 @pytest.mark.parametrize("name,needs", [("passthrough_tokens", False), ("hidden_to_embeds", True),
                                         ("thinker2talker", True), ("talker2wav", False)])
 def test_registered_input_processors_resolve(name, needs):

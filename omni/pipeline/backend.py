@@ -70,7 +70,7 @@ class Backend(Protocol):
     """Runs the stages (omni.pipeline.local: in this process; omni.pipeline.ray: one actor per replica)."""
 
     # Each stage's StageInfo (its first replica's), read once when the stages started: what Omni.voices(),
-    # context_reserve(), min_spoken_tokens() and shows_tools() answer from, without a round trip.
+    # context_reserve(), min_spoken_tokens(), shows_tools() and input_media() answer from, without a round trip.
     infos: dict[str, StageInfo]
 
     def submit(self, sub: Submission) -> None: ...

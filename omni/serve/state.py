@@ -48,15 +48,23 @@ class PipelineInfo:
     # The fewest tokens of a text-stage reply the stages after it can voice as it is generated
     # (Omni.min_spoken_tokens: 2 for a talker, which voices every reply token but the last)
     min_spoken_tokens: int = 1
+    # The multimodal inputs ("image", "audio") a prompt may hold (Omni.input_media): media of another kind is
+    # refused at the edge; None: not known (the stage decides)
+    media: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),
-           shows_tools: bool | None = None, context_reserve: int = 0, min_spoken_tokens: int = 1) -> "PipelineInfo":
+           shows_tools: bool | None = None, context_reserve: int = 0, min_spoken_tokens: int = 1,
+           media: tuple[str, ...] | None = None) -> "PipelineInfo":
         finals = {s.name: s.final_output for s in config.stages}
         first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
         entry = next(s.name for s in config.stages if not s.inputs)
         return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"),
-                   tuple(voices), shows_tools, context_reserve, min_spoken_tokens)
+                   tuple(voices), shows_tools, context_reserve, min_spoken_tokens, media)
+
+    def takes(self, kind: str) -> bool:
+        """Whether a prompt may hold media of `kind` ("image", "audio"); True when the pipeline does not say."""
+        return self.media is None or kind in self.media
 
     def unknown_voice(self, voice: str | None, field: str) -> str | None:
         """Why `voice` cannot be spoken (the message, naming `field`), or None: checked before any stage runs,

@@ -28,12 +28,14 @@ from stages.common.encoder_cache import DEFAULT_ENTRIES, EncoderCache
 from stages.common.mm_items import MMItem
 from stages.common.mrope import fill_mrope_positions
 from stages.common.thinker import OmniThinkerStage, text_model
+from stages.qwen2_5_omni.info import THINKER
 from stages.qwen2_5_omni.inputs import load_preprocess_config, messages_for, mm_num_tokens, preprocess_mm, render_chat
 from stages.qwen2_5_omni.loading import load_omni_part
 
 
 class Qwen2_5OmniThinkerStage(OmniThinkerStage):
     checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
+    info = THINKER  # text, images and audio in; no tools
     # Decode steps replay CUDA graphs: a generated token's three rotary positions are all its index plus its
     # request's `delta`, which `before_graph_replay` puts into a device buffer that the captured forward adds.
     # Prompt tokens (their own 3-D positions, encoder rows) always run eager.

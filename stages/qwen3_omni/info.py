@@ -5,8 +5,8 @@ from __future__ import annotations
 from omni.stage_info import StageInfo
 
 # Renders its own prompt in Qwen3's function-calling format (stages/qwen3_omni/inputs.py render_chatml): a
-# request's tools reach the model.
-THINKER = StageInfo(renders_tools=True)
+# request's tools reach the model. Text, images and audio in (no video yet).
+THINKER = StageInfo(renders_tools=True, media=("image", "audio"))
 # Consumes one trailing thinker row per step (compute_limit says how far); as transformers builds the talker's
 # prompt, the row of the thinker's last token is never used, so a reply of one token has none to voice
 # (preprocess refuses it; `omni serve` voices it by forcing its text and eos: Omni.min_spoken_tokens). Its voices

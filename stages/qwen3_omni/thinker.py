@@ -52,7 +52,7 @@ from stages.qwen3_omni.loading import load_qwen3_omni_part
 
 class Qwen3OmniThinkerStage(OmniThinkerStage):
     checkpoint_prefix = "thinker."  # its tensors in the full checkpoint (the planner reads their headers)
-    info = THINKER  # renders Qwen3's function-calling format
+    info = THINKER  # text, images and audio in; renders Qwen3's function-calling format
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int,
                  system_prompt: str | None = None, encoder_cache_size: int = DEFAULT_ENTRIES,

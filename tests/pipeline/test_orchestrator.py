@@ -427,8 +427,9 @@ def test_backend_submit_failure_fails_only_that_request(chain, monkeypatch):
 
 
 def test_stage_facts_are_read_once_at_start_not_through_stats(monkeypatch):
-    """Omni.voices() / context_reserve() / min_spoken_tokens() / shows_tools() answer from each stage's StageInfo,
-    read once as the stages started: no stats() round trip to the stages (nor any other call to them)."""
+    """Omni.voices() / context_reserve() / min_spoken_tokens() / shows_tools() / input_media() answer from each
+    stage's StageInfo, read once as the stages started: no stats() round trip to the stages (nor any other call to
+    them)."""
     from omni.pipeline.local import LocalBackend
     from tests.fakes import FakeEngine
 
@@ -453,4 +454,5 @@ def test_stage_facts_are_read_once_at_start_not_through_stats(monkeypatch):
         # the talker (autoregressive) leaves room for its max_tokens and the markers; no max_model_len is known
         assert o.context_reserve() == 2 + 8
         assert o.min_spoken_tokens() == 1 and o.shows_tools() is None
+        assert o.input_media() == ()  # the fakes render no prompt of their own: they take no media
         assert sorted(asked) == ["talker", "thinker"]

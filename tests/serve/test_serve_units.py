@@ -17,7 +17,7 @@ from omni.serve.audio.codecs import decode_audio, encode_wav, pcm16_chunks, pcm1
 from omni.serve.audio.resampling import resample
 from omni.serve.protocol.parse import parse_request
 from omni.serve.http.errors import ApiError, from_omni_error
-from omni.serve.chat.media import decode_image, parse_data_url
+from omni.serve.media import decode_image, parse_data_url
 from omni.serve.protocol.chat import ChatCompletionRequest
 from omni.serve.generation.run import StopMatcher
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from omni.messages import MultiModalInput, StageInput
 from omni.serve.audio.codecs import decode_audio
-from omni.serve.chat.media import b64decode, decode_image, parse_data_url
+from omni.serve.media import b64decode, decode_image, parse_data_url
 from omni.serve.generation.job import TOP_LEVEL_SAMPLING, Job, voice_short_replies
 from omni.serve.generation.tools import force_tool_call, template_tool_calls
 from omni.serve.http.errors import bad_request, too_large

@@ -187,10 +187,14 @@ class SessionConfig(RealtimeModel):
 
 # ------------------------------------------------------------------- items
 class ContentPart(RealtimeModel):
-    type: Literal["input_text", "input_audio", "text", "output_text", "output_audio"]
+    type: Literal["input_text", "input_audio", "input_image", "text", "output_text", "output_audio"]
     text: str | None = None
     audio: str | None = Field(None, description="base64 pcm16 at 24 kHz (input_audio).")
     transcript: str | None = None
+    image_url: str | None = Field(None, description="input_image: a data: URL, data:image/png;base64,... (PNG, "
+                                  "JPEG, WEBP, GIF, BMP; the server fetches nothing).")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="input_image: accepted; the model's "
+                                                          "own resolution rules apply.")
 
 
 class Item(RealtimeModel):

@@ -5,7 +5,8 @@ the system turn, each item in order, input audio as the very same 16 kHz arrays)
 with turn N-1's, token for token and audio for audio, so the thinker's prefix cache (and the talker's,
 fed with the thinker's cached rows) holds everything but the new turn.
 
-    user items       text parts and input audio (pcm16 at 24 kHz, resampled once to the model's rate)
+    user items       text parts, input audio (pcm16 at 24 kHz, resampled once to the model's rate) and
+                     input images (decoded once: the same RGB arrays every turn, so the encoder cache hits too)
     assistant items  the reply's text (its transcript when the reply was audio): what the model said,
                      as the chat template expects a previous assistant turn
     system items     system turns where they stand
@@ -43,17 +44,19 @@ def new_item_id() -> str:
 
 @dataclass
 class Part:
-    kind: str  # input_text | input_audio | output_text | output_audio | text
+    kind: str  # input_text | input_audio | input_image | output_text | output_audio | text
     text: str = ""  # text, or the transcript of output audio
     audio: np.ndarray | None = None  # input audio at the model's rate
+    image: np.ndarray | None = None  # an input image: HxWx3 uint8 RGB
+    detail: str = "auto"  # an input image's `detail` (accepted; the model's own resolution rules apply)
     audio_rate: int = 16000
     transcript: str | None = None  # input audio: its transcription, once done (realtime/transcription.py)
 
     @property
     def nbytes(self) -> int:
         """What it holds in memory, about (a character a byte): what the session's conversation bound counts."""
-        audio = self.audio.nbytes if self.audio is not None else 0
-        return len(self.text) + len(self.transcript or "") + audio
+        media = sum(a.nbytes for a in (self.audio, self.image) if a is not None)
+        return len(self.text) + len(self.transcript or "") + media
 
 
 @dataclass
@@ -71,7 +74,8 @@ class ConvItem:
     output: str = ""
 
     def shape(self) -> dict[str, Any]:
-        """The item as events carry it (input audio is not echoed back: the client has it)."""
+        """The item as events carry it (input audio and images are not echoed back: the client has them; an
+        image part shows its type and detail only)."""
         base = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
         if self.type == "function_call":
             return {**base, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
@@ -81,6 +85,8 @@ class ConvItem:
         for p in self.parts:
             if p.kind == "input_audio":
                 content.append({"type": "input_audio", "transcript": p.transcript})
+            elif p.kind == "input_image":
+                content.append({"type": "input_image", "detail": p.detail})
             elif p.kind == "output_audio":
                 content.append({"type": "output_audio", "transcript": p.text})
             else:
@@ -95,6 +101,10 @@ class ConvItem:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts) + len(self.arguments) + len(self.output)
+
+    @property
+    def images(self) -> int:
+        return sum(p.kind == "input_image" for p in self.parts)
 
     def truncate_at(self, audio_end_ms: float) -> None:
         """Keep the transcript sent with the first `audio_end_ms` of the reply's audio."""
@@ -165,7 +175,8 @@ class Conversation:
         return True
 
     def prompt(self, instructions: str | None) -> tuple[list[dict[str, Any]], list[MultiModalInput]]:
-        """Chat messages (media as {"type": "audio"} parts) and their audio, in order."""
+        """Chat messages (media as {"type": "audio" | "image"} parts, as chat completions' prompts) and their
+        audio and images, in order."""
         messages: list[dict[str, Any]] = []
         media: list[MultiModalInput] = []
         if instructions:
@@ -197,6 +208,9 @@ class Conversation:
                     for clip in clips(p.audio, p.audio_rate):
                         parts.append({"type": "audio"})
                         media.append(MultiModalInput("audio", clip, sampling_rate=p.audio_rate))
+                elif p.kind == "input_image" and p.image is not None:
+                    parts.append({"type": "image"})
+                    media.append(MultiModalInput("image", p.image))
                 elif p.text:
                     parts.append({"type": "text", "text": p.text})
             if parts:

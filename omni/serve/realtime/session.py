@@ -10,7 +10,8 @@ the responses it runs (realtime/websocket.py owns the socket and hands every cli
     input_audio_buffer.commit        the buffer becomes a user audio item      committed, conversation.item.*
                                      (transcribed, when the session asks)      ...input_audio_transcription.*
     input_audio_buffer.clear                                                   cleared
-    conversation.item.create         a user / assistant / system item, a       conversation.item.added / done
+    conversation.item.create         a user / assistant / system item (text,   conversation.item.added / done
+                                     audio, images: realtime/items.py), a
                                      function call or its output
     conversation.item.delete / truncate / retrieve                             .deleted / .truncated / .retrieved
     response.create                  the conversation -> the pipeline          response.created ... .done
@@ -233,8 +234,7 @@ class Session:
         if it.id is not None and self.conversation.find(it.id) is not None:
             raise RealtimeEventError(f"item.id: an item {it.id!r} exists already", "item.id", "duplicate_item_id", eid)
         if isinstance(it, E.Item):
-            item = await client_item(it, "item", eid, self.input_audio,
-                                    self.server.settings.audio_input_rate)
+            item = await client_item(it, "item", eid, self, self.conversation)
         elif isinstance(it, E.FunctionCallItem):
             item = ConvItem(it.id or new_item_id(), "assistant", [], type="function_call", call_id=it.call_id,
                             name=it.name, arguments=it.arguments)
@@ -349,8 +349,7 @@ class Session:
         out_of_band = params is not None and params.conversation == "none"
         context = self.conversation
         if params is not None and params.input is not None:
-            context = await response_context(params.input, event_id, self.conversation, self.input_audio,
-                                             self.server.settings.audio_input_rate)
+            context = await response_context(params.input, event_id, self)
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         tools, tool_choice = self.tools, self.tool_choice
         if params is not None:

@@ -1,4 +1,5 @@
-"""Media as users send it: `data:` URLs and base64, images decoded with Pillow.
+"""Media as users send it: `data:` URLs and base64, images decoded with Pillow (chat completions' media
+parts, realtime's `input_image` parts: one reading for every endpoint).
 
 The server fetches nothing: an `image_url` must be a `data:` URL (an http(s) URL is refused, so a
 request cannot make the server reach into its network). Sizes are checked before decoding: an
