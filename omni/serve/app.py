@@ -43,7 +43,7 @@ from omni.serve.http.shutdown import shutting_down
 from omni.serve.realtime.websocket import RealtimeHub, deny, realtime_endpoint
 from omni.serve.settings import ServeSettings
 from omni.serve.speech.serving import create_speech
-from omni.serve.state import PipelineInfo, ServerState, check_model
+from omni.serve.state import PipelineInfo, ServerState, check_model, checked_voice_map
 from omni.serve.transcription.serving import create_transcription, create_translation
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     settings = settings or ServeSettings()
     info = PipelineInfo.of(omni.config, settings.served_model_name, omni.voices(), omni.shows_tools(),
                            omni.context_reserve(), omni.min_spoken_tokens(), omni.input_media())
+    info.voice_map = checked_voice_map(settings.voice_map, info)
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state
@@ -108,6 +109,10 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     async def _no_socket(ws: WebSocket, path: str) -> None:
         await deny(ws, ApiError(404, f"no WebSocket route /{path}: this server's WebSocket is /v1/realtime",
                                 code="not_found"))
+
+    @app.get("/v1/audio/voices")  # vLLM-Omni's: the voices a request may name (and --voice-map's names)
+    async def _voices() -> JSONResponse:
+        return JSONResponse({"voices": list(state.info.voices), "voice_map": state.info.voice_map})
 
     @app.get("/v1/models")
     async def _models() -> JSONResponse:

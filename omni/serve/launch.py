@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 1024)")
     p.add_argument("--max-conversation-mb", type=float, help="MiB a /v1/realtime conversation holds: text, audio, "
                    "images (default 64)")
+    p.add_argument("--default-modalities", help="a chat request's output modalities when it names none: text "
+                   "(default, OpenAI's) or text,audio (vLLM-Omni's)")
+    p.add_argument("--voice-map", help="OpenAI voice names -> the pipeline's voices, e.g. alloy=Chelsie,echo=Ethan "
+                   "(default: none, OpenAI's names are refused)")
     p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help='chat tool_choice "auto" (the default with tools): calls read from the reply (needs '
                         "--tool-call-parser), as vLLM's flag")
@@ -86,6 +90,25 @@ def _size_error(err: Any, flag: str, given: float) -> str:
     return f"{flag}: {msg} (got {given:g})"
 
 
+def _listed(value: str | None) -> list[str] | None:
+    """A comma-separated option as its items (validated by ServeSettings, which names the option)."""
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _voice_map(value: str | None) -> dict[str, str] | None:
+    """--voice-map alloy=Chelsie,echo=Ethan -> {"alloy": "Chelsie", "echo": "Ethan"} (names lower-cased)."""
+    if value is None:
+        return None
+    pairs = [item.partition("=") for item in _listed(value) or []]
+    bad = [f"{name}{eq}{voice}" for name, eq, voice in pairs if not (name.strip() and eq and voice.strip())]
+    if bad:
+        from omni.errors import ConfigError
+
+        raise ConfigError(f"--voice-map: expected NAME=VOICE pairs separated by commas, got {bad[0]!r}",
+                          field="--voice-map")
+    return {name.strip().lower(): voice.strip() for name, _, voice in pairs}
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     from omni.serve.settings import ServeSettings
 
@@ -97,6 +120,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         session_idle_timeout_s=args.session_idle_timeout_s, max_session_responses=args.max_session_responses,
         max_conversation_items=args.max_conversation_items,
         max_conversation_bytes=_mib_bytes("--max-conversation-mb", args.max_conversation_mb),
+        default_modalities=_listed(args.default_modalities), voice_map=_voice_map(args.voice_map),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser)
 
@@ -229,6 +253,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         try:
             return serve_uvicorn(config, settings, args.backend)
+        except ConfigError as e:  # an option the started pipeline refuses (--voice-map naming no voice of it)
+            return error(str(e))
         except OSError as e:  # the address is taken, or not ours to bind
             return error(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", 1)
     return 0

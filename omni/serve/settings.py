@@ -48,6 +48,12 @@ class ServeSettings(BaseModel):
                                         "holds (text, audio at the model's rate, images); an item past it is an "
                                         "error event.")
 
+    default_modalities: tuple[Literal["text", "audio"], ...] = Field(
+        ("text",), min_length=1, description="A chat request's output modalities when it names none: text (OpenAI's "
+        "default), or text and audio (vLLM-Omni's; audio only where the pipeline speaks).")
+    voice_map: dict[str, str] = Field(default_factory=dict, description="OpenAI voice names -> the pipeline's voices "
+                                      "(alloy=Chelsie, ...); empty: OpenAI's names are refused, naming this option.")
+
     enable_auto_tool_choice: bool = Field(False, description='Chat\'s tool_choice "auto" (the default when a '
                                           'request has tools): the reply is read for tool calls in the model\'s own '
                                           'format (tool_call_parser); off, "auto" is refused (vLLM\'s flag).')

@@ -25,6 +25,9 @@ from omni.serve.http.metrics import ServerMetrics
 from omni.serve.http.shutdown import Drain
 from omni.serve.settings import ServeSettings
 
+# OpenAI's voice names (chat audio.voice, /v1/audio/speech, realtime): --voice-map may map them to the pipeline's
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
+                           "sage", "shimmer", "verse"})
 AUDIO_TTL_S = 3600  # `expires_at` of a reply's audio (OpenAI's field): its transcript is kept as long
 
 
@@ -51,6 +54,8 @@ class PipelineInfo:
     # The multimodal inputs ("image", "audio") a prompt may hold (Omni.input_media): media of another kind is
     # refused at the edge; None: not known (the stage decides)
     media: tuple[str, ...] | None = None
+    # --voice-map: OpenAI's voice names (lower case) -> the pipeline's voices; empty: off (such a name is refused)
+    voice_map: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),
@@ -66,14 +71,36 @@ class PipelineInfo:
         """Whether a prompt may hold media of `kind` ("image", "audio"); True when the pipeline does not say."""
         return self.media is None or kind in self.media
 
+    def speaker(self, voice: str | None) -> str | None:
+        """The pipeline's voice a request's `voice` names: itself, or what --voice-map maps it to."""
+        return None if voice is None else self.voice_map.get(voice.lower(), voice)
+
     def unknown_voice(self, voice: str | None, field: str) -> str | None:
         """Why `voice` cannot be spoken (the message, naming `field`), or None: checked before any stage runs,
         so that a stream never starts for a voice its talker would refuse (matched case-insensitively, as the
-        talkers match it)."""
-        if voice is None or not self.voices or voice.lower() in (v.lower() for v in self.voices):
+        talkers match it, after --voice-map)."""
+        spoken = self.speaker(voice)
+        if spoken is None or not self.voices or spoken.lower() in (v.lower() for v in self.voices):
             return None
-        return f"{field}: {voice!r} is not a voice of this pipeline; choose one of {list(self.voices)}"
+        hint = ""
+        if voice.lower() in OPENAI_VOICES and not self.voice_map:
+            hint = (f"; OpenAI's voice names map to this pipeline's with `omni serve --voice-map "
+                    f"{voice.lower()}={self.voices[0]},...`")
+        return f"{field}: {voice!r} is not a voice of this pipeline; choose one of {list(self.voices)}{hint}"
 
+
+
+def checked_voice_map(voice_map: dict[str, str], info: PipelineInfo) -> dict[str, str]:
+    """--voice-map, each voice it maps to one of the pipeline's (ConfigError naming the option otherwise)."""
+    lower = {v.lower() for v in info.voices}
+    for name, voice in voice_map.items():
+        if voice.lower() not in lower:
+            from omni.errors import ConfigError
+
+            raise ConfigError(f"--voice-map: {name}={voice}: {voice!r} is not a voice of pipeline {info.model!r}"
+                              + (f"; one of {list(info.voices)}" if info.voices else " (it names none)"),
+                              field="--voice-map")
+    return dict(voice_map)
 
 
 def check_model(name: str, info: PipelineInfo) -> None:

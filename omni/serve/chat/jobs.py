@@ -140,9 +140,10 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
             media.append(item)
             parts.append({"type": item.modality})
         messages.append(stage_message(msg, parts))
-    extra = {"speaker": req.audio.speaker} if req.audio is not None and req.audio.speaker else {}
-    voice_field = req.audio.voice_field if req.audio is not None else "audio.voice"
-    if "audio" in want and (unknown := info.unknown_voice(extra.get("speaker"), voice_field)):
+    voice, voice_field = req.voice
+    fields["speaker"] = voice_field
+    extra = {"speaker": info.speaker(voice)} if voice else {}
+    if "audio" in want and (unknown := info.unknown_voice(voice, voice_field)):
         raise bad_request(unknown, voice_field)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools,

@@ -41,7 +41,8 @@ def earlier_audio_replies(req: ChatCompletionRequest, transcripts: AudioTranscri
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
-    req = parse_request(ChatCompletionRequest, await request.body())
+    default = [m for m in state.settings.default_modalities if m != "audio" or state.info.audio_stage is not None]
+    req = parse_request(ChatCompletionRequest, await request.body(), {"default_modalities": default})
     check_model(req.model, state.info)
     rid, created, model = R.new_id("chatcmpl", req.request_id), int(time.time()), state.info.model
     earlier_audio_replies(req, state.audio_transcripts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from omni.config.pydantic_errors import accepts
 from omni.serve.protocol.base import RequestModel, check_unsupported, check_voice, field_error, voice_name, whole_number
@@ -206,7 +206,9 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
     modalities: list[Literal["text", "audio"]] | None = Field(
-        None, min_length=1, description='What to reply with: ["text"] (default) or ["text", "audio"].')
+        None, min_length=1, description='What to reply with: ["text"] or ["text", "audio"]; absent: the server\'s '
+        "--default-modalities (text, as OpenAI's).")
+    speaker: str | None = Field(None, min_length=1, description="vLLM-Omni's: an alias of audio.voice.")
     audio: AudioOutput | None = Field(None, description="Audio reply options (with modalities audio).")
     # OpenAI's fields this server does not implement (see CHAT_UNSUPPORTED for what each accepts) and
     # ones it takes as hints with no effect here (metadata, prompt_cache_key, safety_identifier).
@@ -250,6 +252,29 @@ class ChatCompletionRequest(GenerationRequest):
     omni_stream_format: Literal["openai", "vllm-omni"] = Field(
         "openai", description="Streaming audio: openai sends it in delta.audio.data; vllm-omni sends each "
         "chunk with a top-level modality ('text' or 'audio') and the audio's base64 in delta.content.")
+
+    @model_validator(mode="after")
+    def _server_default_modalities(self, info: ValidationInfo) -> "ChatCompletionRequest":
+        """No `modalities`: the server's default (parse_request's context), text when none is given. (First of the
+        after-validators: those below read output_modalities.)"""
+        default = (info.context or {}).get("default_modalities")
+        if self.modalities is None and default:
+            self.modalities = list(default)
+        return self
+
+    @model_validator(mode="after")
+    def _speaker_is_audio_voice(self) -> "ChatCompletionRequest":
+        voice = self.audio.speaker if self.audio is not None else None
+        if self.speaker is not None and voice is not None and voice != self.speaker:
+            raise field_error("speaker", f"an alias of audio.voice, which names another voice ({voice!r}); send one")
+        return self
+
+    @property
+    def voice(self) -> tuple[str | None, str]:
+        """The reply's voice and the field that named it (audio.voice, or vLLM-Omni's speaker)."""
+        if self.audio is not None and self.audio.speaker:
+            return self.audio.speaker, self.audio.voice_field
+        return self.speaker, "speaker"
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":

@@ -94,7 +94,7 @@ class RealtimeResponse:
         self.instructions = instructions
         info = self.session.server.info
         messages, media = self.context.prompt(instructions)
-        extra = {"speaker": self.voice} if self.voice else {}
+        extra = {"speaker": info.speaker(self.voice)} if self.voice else {}
         prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra, tools=self.tools or None)
         text_stage = info.text_stage or info.entry_stage
         mx = self.max_output_tokens

@@ -65,7 +65,7 @@ def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     messages.append({"role": "user", "content": req.input})
-    prompt = StageInput("", prompt=messages, extra={"speaker": req.speaker})
+    prompt = StageInput("", prompt=messages, extra={"speaker": info.speaker(req.speaker)})
     # omni's names -> the request's: the prompt and the forced reply are both `input` (too long a reply
     # is refused as max_tokens would be: it is the input that asks for it)
     fields = {"prompt": "input", "speaker": req.voice_field, "forced_text": "input", "max_tokens": "input"}
