@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, help="largest request body in MiB (default 32)")
     p.add_argument("--max-media-items", type=int, help="images + audio clips per request (default 8)")
     p.add_argument("--max-media-mb", type=float, help="largest decoded image or audio clip in MiB (default 64)")
-    p.add_argument("--audio-chunk-ms", type=float, help="streamed pcm16 chunk length (default 100 ms)")
+    p.add_argument("--audio-chunk-ms", type=float, help="streamed audio chunk length (default 100 ms)")
     p.add_argument("--shutdown-grace-s", type=float, help="on SIGTERM / Ctrl-C, how long requests in flight may "
                    "finish before they are ended with an error (default 10)")
     p.add_argument("--max-sessions", type=int, help="concurrent /v1/realtime sessions (default 16)")

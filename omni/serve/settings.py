@@ -28,7 +28,7 @@ class ServeSettings(BaseModel):
                                  "clip (float32 bytes), checked from its header before decoding (413 past it).")
     audio_input_rate: int = Field(16000, ge=1, description="Sampling rate the model's audio encoder expects; "
                                   "input audio is resampled to it (Qwen2.5-Omni's Whisper encoder: 16000).")
-    audio_chunk_ms: float = Field(100.0, gt=0, description="Length of each streamed pcm16 audio chunk cut "
+    audio_chunk_ms: float = Field(100.0, gt=0, description="Length of each streamed audio chunk cut "
                                   "from a waveform the pipeline hands over whole.")
     default_audio_rate: int = Field(24000, ge=1, description="Rate of pipeline audio that does not say its own "
                                     "(its passthrough sampling_rate).")

@@ -298,23 +298,6 @@ def test_tools_on_the_omni_thinker_are_refused_by_name(server):
     assert got == 400 and err["error"]["param"] == "tools" and "thinker" in err["error"]["message"], err
 
 
-def test_vllm_omni_stream_format(client):
-    stream = client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
-                                            extra_body={"omni_stream_format": "vllm-omni"}, **PCM_OUT)
-    text, pcm = "", b""
-    for chunk in stream:
-        modality = chunk.model_extra["modality"]
-        content = chunk.choices[0].delta.content or ""
-        if modality == "audio":
-            pcm += base64.b64decode(content)
-        else:
-            assert modality == "text"
-            text += content
-    assert text and len(pcm) > 0
-    ref = client.chat.completions.create(model=MODEL, messages=HELLO, **PCM_OUT).choices[0].message
-    assert text == ref.content and pcm == base64.b64decode(ref.audio.data)
-
-
 def png_url(seed: int = 0) -> str:
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(buf, "PNG")

@@ -3,7 +3,8 @@
     decode_audio(bytes, rate_out)  WAV / FLAC / OGG / MP3 (libsndfile via soundfile) -> mono float32 at rate_out
     to_pcm16(x) / pcm16_to_float   OpenAI's pcm16: 16-bit little-endian mono
     encode_wav(x, rate)            a 16-bit PCM WAV file (the standard library's `wave`)
-    pcm16_chunks(x, n)             a waveform as pcm16 pieces of n samples (the SSE audio chunks)
+    sample_chunks(x, n)            a waveform as pieces of n samples (the streamed audio chunks)
+    pcm16_chunks(x, n)             the same pieces as pcm16 (the SSE audio chunks)
 
 The float -> pcm16 conversion is the same everywhere (WAV body, pcm16 reply, each streamed chunk), so
 the streamed chunks concatenate to exactly the samples of the non-streamed WAV.
@@ -103,9 +104,15 @@ def encode_wav(x: np.ndarray, rate: int) -> bytes:
     return buf.getvalue()
 
 
-def pcm16_chunks(x: np.ndarray, samples_per_chunk: int) -> Iterator[bytes]:
-    """The waveform as pcm16 pieces of `samples_per_chunk` samples (the last may be shorter)."""
+def sample_chunks(x: np.ndarray, samples_per_chunk: int) -> Iterator[np.ndarray]:
+    """The waveform (mono float32) as pieces of `samples_per_chunk` samples (the last may be shorter)."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     step = max(1, int(samples_per_chunk))
     for i in range(0, x.size, step):
-        yield to_pcm16(x[i : i + step])
+        yield x[i : i + step]
+
+
+def pcm16_chunks(x: np.ndarray, samples_per_chunk: int) -> Iterator[bytes]:
+    """The waveform as pcm16 pieces of `samples_per_chunk` samples (the last may be shorter)."""
+    for piece in sample_chunks(x, samples_per_chunk):
+        yield to_pcm16(piece)

@@ -11,7 +11,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from omni.serve.audio.codecs import pcm16_chunks
+from omni.serve.audio.codecs import sample_chunks, to_pcm16
 from omni.serve.audio.formats import encodable
 from omni.serve.chat import shapes as R
 from omni.serve.chat.choices import Choices
@@ -102,9 +102,9 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                                     logprobs=R.chat_logprobs(ev.logprobs), index=index)
                     continue
                 per_chunk = max(1, round(ev.rate * state.settings.audio_chunk_ms / 1000))
-                for pcm in pcm16_chunks(ev.samples, per_chunk):
-                    delta, modality = R.audio_delta(audio_ids[index], pcm, vllm)
-                    yield chunk(delta, modality=modality, index=index)
+                for piece in sample_chunks(ev.samples, per_chunk):  # vLLM-Omni's: each a file of audio.format
+                    yield (chunk(R.vllm_audio_delta(piece, ev.rate, fmt), modality="audio", index=index) if vllm
+                           else chunk(R.audio_delta(audio_ids[index], to_pcm16(piece)), index=index))
         for index, r in enumerate(run.runs):
             finish_reason = r.finish_reason
             if forced is not None:

@@ -2,11 +2,15 @@
 
 Non-streaming: a `chat.completion` whose message has `content` (the text) and `audio` (`id`, base64
 `data` as WAV or pcm16, `transcript`, `expires_at`), or a `text_completion`. Streaming: one
-`chat.completion.chunk` / `text_completion` per piece; audio as base64 pcm16 in `delta.audio.data`
-(or, for vLLM-Omni clients, in `delta.content` with a top-level `modality: "audio"`), then a chunk
-with the finish reason, then (stream_options.include_usage) one with the usage. A text piece of a
-reply that also speaks is in `delta.content` and, as OpenAI streams an audio reply's text, in
-`delta.audio.transcript` (the non-streamed message has both too), with an empty `data`.
+`chat.completion.chunk` / `text_completion` per piece; audio as base64 pcm16 in `delta.audio.data`,
+then a chunk with the finish reason, then (stream_options.include_usage) one with the usage. A text
+piece of a reply that also speaks is in `delta.content` and, as OpenAI streams an audio reply's text,
+in `delta.audio.transcript` (the non-streamed message has both too), with an empty `data`.
+
+vLLM-Omni's streamed chat (`omni_stream_format: "vllm-omni"`): every chunk has a top-level `modality`
+("text" or "audio"); an audio chunk's `delta` is `{"role": "assistant", "content": <base64>}`, the
+piece as a file of its own in the request's `audio.format` (wav by default; flac, mp3, opus), which
+its client decodes chunk by chunk as an audio file; pcm16 is raw samples, as vLLM-Omni sends it.
 """
 from __future__ import annotations
 
@@ -22,9 +26,6 @@ from omni.serve.generation.openai_shapes import floor_logprob, new_id, token_ent
 from omni.serve.generation.tool_parser import parse_tool_calls
 from omni.serve.generation.tools import reply_tool_calls
 from omni.serve.state import AUDIO_TTL_S
-
-
-
 
 
 def speaks(run: Any) -> bool:
@@ -51,8 +52,6 @@ def audio_message(samples: list[np.ndarray], rate: int, fmt: str, transcript: st
     data = encode(wave, rate, "pcm" if fmt == "pcm16" else fmt)  # chat's pcm16 is the speech endpoint's pcm
     return {"id": new_id("audio"), "data": base64.b64encode(data).decode("ascii"),
             "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": transcript}
-
-
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -155,12 +154,18 @@ def text_delta(text: str, audio_id: str | None) -> dict[str, Any]:
     return {"content": text, "audio": {"id": audio_id, "transcript": text, "data": ""}}
 
 
-def audio_delta(audio_id: str, pcm: bytes, vllm_omni: bool) -> tuple[dict[str, Any], str | None]:
-    """(delta, modality) of one pcm16 chunk."""
-    data = base64.b64encode(pcm).decode("ascii")
-    if vllm_omni:
-        return {"role": "assistant", "content": data}, "audio"
-    return {"audio": {"id": audio_id, "data": data, "expires_at": int(time.time()) + AUDIO_TTL_S}}, None
+def audio_delta(audio_id: str, pcm: bytes) -> dict[str, Any]:
+    """OpenAI's delta of one pcm16 chunk of a spoken reply."""
+    return {"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode("ascii"),
+                      "expires_at": int(time.time()) + AUDIO_TTL_S}}
+
+
+def vllm_audio_delta(samples: np.ndarray, rate: int, fmt: str) -> dict[str, Any]:
+    """vLLM-Omni's delta of one audio chunk (its chunk's `modality` is "audio"): the samples as a
+    self-contained file of the request's `audio.format` (`fmt`; pcm16: raw samples, no header), base64,
+    in `content`."""
+    data = encode(samples, rate, "pcm" if fmt == "pcm16" else fmt)
+    return {"role": "assistant", "content": base64.b64encode(data).decode("ascii")}
 
 
 def echo_logprobs(run: Any) -> dict[str, Any]:

@@ -198,7 +198,8 @@ class AudioOutput(RequestModel):
     # request time (speech_formats.encodable), aac never: a 400 naming audio.format.
     format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"] = Field(
         "wav", description="wav, mp3, flac, opus (where the installed libsndfile encodes them) or pcm16 (16-bit "
-        "little-endian mono at the pipeline's rate; required when streaming).")
+        "little-endian mono at the pipeline's rate; required when streaming, unless omni_stream_format is "
+        "vllm-omni).")
 
 
 
@@ -250,8 +251,9 @@ class ChatCompletionRequest(GenerationRequest):
     documents: Any = Field(None, description="vLLM's: not implemented (null).")
     media_io_kwargs: Any = Field(None, description="vLLM's: not implemented (null or {}).")
     omni_stream_format: Literal["openai", "vllm-omni"] = Field(
-        "openai", description="Streaming audio: openai sends it in delta.audio.data; vllm-omni sends each "
-        "chunk with a top-level modality ('text' or 'audio') and the audio's base64 in delta.content.")
+        "openai", description="Streaming audio: openai sends it as pcm16 in delta.audio.data; vllm-omni (what "
+        "vLLM-Omni sends) gives each chunk a top-level modality ('text' or 'audio') and each audio chunk's base64 "
+        "in delta.content, as a file of its own in audio.format (wav by default; pcm16: raw samples).")
 
     @model_validator(mode="after")
     def _server_default_modalities(self, info: ValidationInfo) -> "ChatCompletionRequest":
@@ -339,8 +341,10 @@ class ChatCompletionRequest(GenerationRequest):
     def _audio_needs_audio_modality(self) -> "ChatCompletionRequest":
         if self.audio is not None and "audio" not in self.output_modalities:
             raise field_error("audio", 'set modalities to ["text", "audio"] to get audio')
-        if self.stream and self.audio is not None and self.audio.format != "pcm16":
-            raise field_error("audio.format", "streamed audio is pcm16 (set audio.format to pcm16)")
+        if (self.stream and self.audio is not None and self.audio.format != "pcm16"
+                and self.omni_stream_format == "openai"):  # vLLM-Omni's streams a file of audio.format per chunk
+            raise field_error("audio.format", "streamed audio is pcm16 (set audio.format to pcm16, or "
+                              "omni_stream_format to vllm-omni for each chunk as a file of audio.format)")
         return self
 
     @property
