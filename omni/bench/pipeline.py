@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from omni.bench.workloads import Conversation, random_ids
+from omni.pipeline.step_timers import overhead_ms
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET_RATIO = 1.15
@@ -107,6 +108,11 @@ def _backend_overrides(args: argparse.Namespace, cfg: Any, base: dict[str, Any],
     return _merge(base, {s: {"resources": {"num_cpus": n}} for s, n in _ray_cpus(args, cfg).items()})
 
 
+def _step_timers(omni: Any) -> dict[str, dict[str, float]]:
+    """Each stage's step timers (its first replica's stats: omni/pipeline/step_timers.py)."""
+    return {stage: s["step_timers"] for stage, s in omni.stats()["stages"].items()}
+
+
 def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -141,6 +147,7 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
         times: dict[str, list[float]] = {"local": [], "ray": []}
         tokens: dict[str, list[Any]] = {"local": [], "ray": []}
         num_tokens = 0
+        timers_before = {name: _step_timers(o) for name, o in omnis.items()}
         for rep, prompts in enumerate(workloads):
             order = ("local", "ray") if rep % 2 == 0 else ("ray", "local")
             for name in order:
@@ -152,6 +159,8 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
                 if name == "local":
                     num_tokens += sum(len(t) for o in _tokens(outs) for t in o.values())
             print(f"  repeat {rep}: local {times['local'][-1] * 1000:7.1f} ms, ray {times['ray'][-1] * 1000:7.1f} ms")
+        steps = {name: {stage: overhead_ms(timers_before[name][stage], after)
+                        for stage, after in _step_timers(o).items()} for name, o in omnis.items()}
     finally:
         local.close()
         if ray_omni is not None:
@@ -161,6 +170,10 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
     same = tokens["local"] == tokens["ray"]
     print(f"  median end-to-end: local {med['local'] * 1000:.1f} ms, ray {med['ray'] * 1000:.1f} ms -> "
           f"ray/local {ratio:.3f} (target <= {TARGET_RATIO}); outputs identical: {same}")
+    for stage, s in steps["ray"].items():
+        print(f"  {stage}: {s['steps']} steps, tick {s['tick_ms']:.2f} ms on Ray ({steps['local'][stage]['tick_ms']:.2f} "
+              f"in-process) + {s['overhead_ms']:.3f} ms the actor adds (hop {s['hop_ms']:.3f}, dispatch "
+              f"{s['dispatch_ms']:.3f}, gap {s['gap_ms']:.3f})")
     return {
         "num_requests": args.num_requests, "repeats": args.repeats, "prompt_tokens": [lo, hi],
         "generated_tokens_per_repeat": num_tokens // max(1, args.repeats),
@@ -168,6 +181,11 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
         "local_times_s": times["local"], "ray_times_s": times["ray"],
         "ray_over_local_time_ratio": ratio, "target_ratio": TARGET_RATIO, "within_target": ratio <= TARGET_RATIO,
         "outputs_identical": same,
+        # per stage, per step (step_timers.py): what the Ray actor adds to a tick, split; each tick on both backends
+        "ray_step_overhead_ms": {stage: s["overhead_ms"] for stage, s in steps["ray"].items()},
+        "ray_step_split_ms": {stage: {k: s[k] for k in ("hop_ms", "dispatch_ms", "gap_ms")}
+                              for stage, s in steps["ray"].items()},
+        "tick_ms": {name: {stage: s["tick_ms"] for stage, s in by_stage.items()} for name, by_stage in steps.items()},
         "threads": {"cpu_count": cores, "local_torch_threads": torch.get_num_threads(),
                     "threads_per_stage_setting": k or None,
                     "ray_num_cpus_per_stage": ray_cpus, "ray_torch_threads_per_stage": ray_threads},
@@ -304,6 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_backends:
         backends = bench_backends(args, cfg, base)
         result["ray_over_local_time_ratio"] = backends.pop("ray_over_local_time_ratio")
+        result["ray_step_overhead_ms"] = backends.pop("ray_step_overhead_ms")
         result["threads"] = backends.pop("threads")
         result["backends"] = backends
     if not args.skip_ttft:

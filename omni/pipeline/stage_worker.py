@@ -34,6 +34,7 @@ from omni.engine.interface import Engine
 from omni.errors import OmniError, StageError
 from omni.messages import CacheReport, StageDelta, StageInput, StageOutput, error_output
 from omni.pipeline.backend import StreamTarget, Submission
+from omni.pipeline.step_timers import StepTimers
 from omni.pipeline.streaming import Incoming, Outgoing
 
 TEXT_OPS = ("tokenize", "detokenize")  # what StageWorker.text runs on the engine
@@ -138,6 +139,7 @@ class StageWorker:
         # Chunks whose request's submission has not reached this worker yet -> (expiry, chunks in arrival order).
         self._early: dict[str, tuple[float, list[_Chunk]]] = {}
         self._outgoing: dict[str, Outgoing] = {}  # feeding streaming consumers
+        self.timers = StepTimers()  # tick_s here; a Ray actor adds its own hand-off costs (step_timers.py)
         self._stream_out: set[str] = set()  # the caller wants deltas
         self._rows_sent: dict[str, int] = {}  # rows already attached to a caller's deltas
 
@@ -294,6 +296,14 @@ class StageWorker:
 
     def tick(self) -> TickResult:
         """Apply queued adds/aborts/chunks, run one engine step; return what came of it."""
+        t0 = time.perf_counter()
+        try:
+            return self._tick()
+        finally:
+            self.timers.ticks += 1
+            self.timers.tick_s += time.perf_counter() - t0
+
+    def _tick(self) -> TickResult:
         self.drain()
         result = TickResult()
         now = time.monotonic()
@@ -387,6 +397,7 @@ class StageWorker:
         s["queued"] = len(self._inbox)
         s["in_flight"] = len(self._in_flight)
         s["waiting_for_chunks"] = len(self._incoming)
+        s["step_timers"] = self.timers.as_dict()
         return s
 
     def close(self) -> None:

@@ -123,14 +123,23 @@ class StageActor:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            timers, last = self.worker.timers, None  # (step_timers.py: what the actor adds to each tick)
             while self.worker.has_work():
+                t0 = time.perf_counter()
+                if last is not None:
+                    timers.gap_s += t0 - last
+                inside = timers.tick_s
                 try:
                     result = await loop.run_in_executor(self._executor, self.worker.tick)
                 except Exception as e:  # noqa: BLE001 - tick handles engine errors; this is a bug
                     logger.exception("stage %s: step loop error", self.name)
                     result = TickResult([(o, o) for o in (error_output(self.name, rid, f"step loop error: {e}")
                                                           for rid in list(self._futures))])
+                t1 = time.perf_counter()
+                timers.hop_s += (t1 - t0) - (timers.tick_s - inside)
                 self._dispatch(result)
+                last = time.perf_counter()
+                timers.dispatch_s += last - t1
 
     def _dispatch(self, result: TickResult) -> None:
         for to, rid, seq, chunk in result.chunks:
