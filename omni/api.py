@@ -11,7 +11,8 @@ list of those (checked by omni/prompts.py before anything is queued). Sampling
 parameters: one SamplingParams for every stage, a list with one per stage (config
 order, vLLM-Omni's sampling_params_list), a dict
 {stage: SamplingParams | dict of fields} (fields merged over that stage's defaults),
-or a dict of fields merged over every stage's defaults.
+or a dict of fields merged over every stage's defaults. Fields: SamplingParams', and
+vLLM's that it knows (omni/vllm_sampling.py: accepted at their defaults, refused by name otherwise).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from omni.config.schema import PipelineConfig
 from omni.config.loader import load_config
-from omni.sampling_params import SamplingParams, resolve_sampling_params
+from omni.sampling_params import SamplingParams, is_sampling_field, resolve_sampling_params
 from omni.errors import BackendClosedError, ConfigError, OmniError, RequestError
 from omni.messages import RequestOutput, StageDelta, StageInput, StageOutput
 from omni.pipeline.graph import StageGraph
@@ -326,9 +327,9 @@ class Omni:
         if isinstance(sp, Mapping):
             if sp and all(k in self.graph.stages for k in sp):
                 return {n: self._stage_params(n, v) for n, v in sp.items() if v is not None}
-            if all(k in SamplingParams.model_fields for k in sp):
+            if all(is_sampling_field(k) for k in sp):
                 return {n: self._stage_params(n, dict(sp)) for n in stages}
-            bad = [k for k in sp if k not in self.graph.stages and k not in SamplingParams.model_fields]
+            bad = [k for k in sp if k not in self.graph.stages and not is_sampling_field(k)]
             if bad:
                 raise RequestError(f"sampling_params: {bad[0]!r} is neither a stage ({', '.join(names)}) nor a "
                                    f"sampling field ({', '.join(SamplingParams.model_fields)})",

@@ -1,6 +1,7 @@
 """Pure request data shared by the config and the engine (no torch, nothing of engine/ or pipeline/).
 
-SamplingParams: how one request picks its next tokens (user-facing, validated).
+SamplingParams: how one request picks its next tokens (user-facing, validated); it takes every field of vLLM's
+(those omni does not implement at their defaults only: omni/vllm_sampling.py).
 `resolve_sampling_params` is the one place where a request's parameters are merged over a stage's
 defaults (the API validates with it at submission, the engines when a request arrives).
 `check_prefill_fits`: the batching arithmetic the config checks up front and the scheduler again
@@ -20,6 +21,7 @@ from omni.errors import FIELD_ERROR, RequestError
 
 from omni.config.strict import StrictFlag, no_bool_for_number
 from omni.structured_spec import check_spec
+from omni.vllm_sampling import VLLM_FIELDS, take_vllm_fields
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf and turns
 # the softmax into NaNs, while the limit of temperature -> 0 is exactly argmax.
@@ -36,26 +38,16 @@ def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int, enable_c
                          f"({max_model_len}) when enable_chunked_prefill is false")
 
 
-# vLLM SamplingParams fields this one does not take, with what to do instead (an "extra input" error would leave a
-# vLLM user guessing).
-_VLLM_ONLY = {
-    "n": "one request is one sample here: submit the prompt n times (with seed + i for n different seeded "
-         "samples), as the server's n does",
-    "best_of": "one request is one sample here: submit the prompt several times and keep the best",
-    "guided_decoding": "use structured_outputs ({'json': schema} | {'regex': ...} | {'choice': [...]})",
-    "logits_processors": "use logit_bias, the penalties or structured_outputs",
-    "allowed_token_ids": "use structured_outputs ({'choice': [...]}) or logit_bias",
-    "bad_words": "use logit_bias with -100 for their token ids",
-}
-
-
 def _check_min_le_max(min_tokens: int, max_tokens: int | None) -> None:
     if max_tokens is not None and min_tokens > max_tokens:
         raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
 
 
 class SamplingParams(BaseModel):
-    """How to pick the next tokens of one request (vLLM / HF `generate` semantics)."""
+    """How to pick the next tokens of one request (vLLM / HF `generate` semantics).
+
+    Takes every field of vLLM's SamplingParams: those below, and the ones omni does not implement at the values
+    that ask for nothing (omni/vllm_sampling.py: any other value is refused by name, saying what to do)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -175,6 +167,19 @@ class SamplingParams(BaseModel):
         "appends its end-of-sequence token, as a reply the model wrote itself ends. Not with forced_token_ids.",
     )
 
+    detokenize: StrictFlag = Field(
+        True, description="vLLM's: false leaves the reply's text empty (StageOutput.text and the deltas' text are "
+        "\"\", the token ids are the reply): a stage whose tokens are not text (a talker's codec codes) skips "
+        "decoding them. Log-probabilities and echo's prompt text, when asked for, still carry their texts. Not "
+        "with stop strings (they are looked for in the text).")
+    skip_reading_prefix_cache: StrictFlag = Field(
+        False, description="vLLM's: true computes the whole prompt, reading nothing from the prefix cache (what it "
+        "computes is still cached for others). False (or null): cached blocks are used, except with prompt_logprobs, "
+        "which always computes the whole prompt.")
+    extra_args: dict[str, Any] | None = Field(
+        None, description="vLLM's: arbitrary arguments for custom sampling code; carried to the stage's model with "
+        "the request's parameters. No stage of omni's reads any (vLLM's own sampling reads none either).")
+
     structured_outputs: dict[str, Any] | None = Field(
         None,
         description="Constrain the reply (vLLM's structured outputs, compiled by llguidance against the stage's "
@@ -187,13 +192,16 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _vllm_only_fields(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            for name in data:
-                if name in _VLLM_ONLY:
-                    raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {
-                        "field": name, "text": f"vLLM's {name} is not supported: {_VLLM_ONLY[name]}"})
-        return data
+    def _vllm_fields(cls, data: Any) -> Any:
+        return take_vllm_fields(data)
+
+    @model_validator(mode="after")
+    def _stop_needs_text(self) -> SamplingParams:
+        if self.stop and not self.detokenize:
+            raise PydanticCustomError(FIELD_ERROR, "{field}: {text}", {
+                "field": "stop", "text": "stop strings are looked for in the reply's text: not with detokenize false "
+                "(as vLLM); send stop_token_ids, or detokenize true"})
+        return self
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -363,6 +371,11 @@ class SamplingParams(BaseModel):
         return self.top_p < 1.0
 
 
+def is_sampling_field(name: str) -> bool:
+    """A name SamplingParams takes: one of its fields, or a vLLM field it knows (omni/vllm_sampling.py)."""
+    return name in SamplingParams.model_fields or name in VLLM_FIELDS
+
+
 def resolve_sampling_params(value: Any, defaults: SamplingParams, stage: str | None = None) -> SamplingParams:
     """A request's parameters: None -> the stage defaults; a SamplingParams as is; a mapping of fields
     merged over the defaults. Raises RequestError naming the field (of `stage`): bad fields are the
@@ -385,5 +398,6 @@ def resolve_sampling_params(value: Any, defaults: SamplingParams, stage: str | N
         # The first field at fault (a model validator has no loc: its message names the field).
         first = errors[0]
         name = ".".join(map(str, first["loc"])) or first.get("ctx", {}).get("field", "")
-        code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
+        code = ("unknown_parameter" if first["type"] == "extra_forbidden"
+                else first.get("ctx", {}).get("code", "invalid_value"))
         raise RequestError(f"{where}: {msgs}", stage=stage, field=f"sampling_params.{name}", code=code) from None

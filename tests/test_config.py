@@ -261,11 +261,12 @@ BOOL_FIELDS = [
     lambda v: cfg_with(stage("a", final_output="text", sampling={"ignore_eos": v})),
     lambda v: cfg_with(stage("a", final_output="text", sampling={"echo_prompt": v})),
     lambda v: cfg_with(stage("a", final_output="text", sampling={"max_tokens_fit": v})),
+    lambda v: cfg_with(stage("a", final_output="text", sampling={"detokenize": v})),
 ]
 BOOL_NAMES = ["stage 'a': enable_prefix_caching", "stage 'a': use_chat_template",
               "stage 'a': scheduler.enable_chunked_prefill", "stage 'a': inputs[0].stream", "runtime.log_to_driver",
               "runtime.wait_for_nodes", "stage 'a': sampling.ignore_eos", "stage 'a': sampling.echo_prompt",
-              "stage 'a': sampling.max_tokens_fit"]
+              "stage 'a': sampling.max_tokens_fit", "stage 'a': sampling.detokenize"]
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "true", "false", "on", None])
@@ -292,7 +293,8 @@ def test_every_boolean_field_of_the_config_is_strict():
                         found.add(name)
     assert found == {"enable_prefix_caching", "use_chat_template", "enable_chunked_prefill", "stream", "log_to_driver",
                      "wait_for_nodes", "ignore_eos", "echo_prompt", "max_tokens_fit", "include_stop_str_in_output",
-                     "skip_special_tokens", "spaces_between_special_tokens"}
+                     "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+                     "skip_reading_prefix_cache"}  # (vLLM's null for skip_reading_prefix_cache is false)
 
 
 @pytest.mark.parametrize("value", ["false", 1])

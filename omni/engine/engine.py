@@ -136,10 +136,11 @@ class StageEngine:
             if inp.stream or not inp.input_complete:
                 req.input_complete = inp.input_complete
                 self.streams.add(rid, deltas=inp.stream, prompt_rows=a.prompt_rows if not inp.input_complete else None,
-                                 text=stops, skip_special_tokens=params.skip_special_tokens)
+                                 text=stops, skip_special_tokens=params.skip_special_tokens,
+                                 detokenize=params.detokenize)
             req.compute_limit = self.model.compute_limit(rid)
-            if params.prompt_logprobs is not None:
-                req.skip_prefix_hits = True  # every prompt position's logits: none may come from the cache
+            if params.prompt_logprobs is not None or params.skip_reading_prefix_cache:
+                req.skip_prefix_hits = True  # every prompt position computed (prompt_logprobs: their logits)
             wants_rows = inp.return_hidden_states
             if self.config.emit_hidden_states if wants_rows is None else wants_rows:
                 if not self.runner.emits_rows:

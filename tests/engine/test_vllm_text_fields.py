@@ -5,7 +5,9 @@
 - a reply cut (max_tokens) inside a multi-byte character ends before it, not with a U+FFFD (vLLM never emits
   incomplete bytes); a U+FFFD that a token spells stays;
 - truncate_prompt_tokens keeps the prompt's last k tokens (-1: max_model_len), where the prompt is the caller's;
-- spaces_between_special_tokens is accepted (as vLLM's fast detokenizer, it changes nothing here).
+- spaces_between_special_tokens is accepted (as vLLM's fast detokenizer, it changes nothing here);
+- detokenize false: the same tokens, no text (final or streamed); logprobs still carry their tokens' texts;
+- skip_reading_prefix_cache: the whole prompt computed, nothing read from the cache; the same reply.
 """
 from __future__ import annotations
 
@@ -160,3 +162,22 @@ def test_spaces_between_special_tokens_is_accepted(engine, free):
         assert got.token_ids == free.token_ids and got.text == free.text
     with pytest.raises(ValueError):
         SamplingParams(spaces_between_special_tokens="yes")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_detokenize_false_leaves_the_text_empty(engine, free, stream):
+    got, deltas = run_one(engine, f"dt{stream}", PROMPT, stream, temperature=0.0, max_tokens=16, ignore_eos=True,
+                          detokenize=False, logprobs=0)
+    assert got.token_ids == free.token_ids and got.text == "" and free.text
+    assert all(d.text == "" for d in deltas) and (not stream or [t for d in deltas for t in d.token_ids]
+                                                  == free.token_ids)
+    assert [lp.token for lp in got.logprobs] == [engine.tokenizer.decode([t]) for t in free.token_ids]
+    assert_no_leak(engine)
+
+
+def test_skip_reading_prefix_cache_computes_the_whole_prompt(engine, free):
+    skipped, _ = _run(engine, "skip", ignore_eos=True, skip_reading_prefix_cache=True)
+    assert skipped.num_cached_tokens == 0 and skipped.token_ids == free.token_ids
+    read, _ = _run(engine, "read", ignore_eos=True, skip_reading_prefix_cache=None)
+    assert read.num_cached_tokens > 0 and read.token_ids == free.token_ids
+    assert_no_leak(engine)

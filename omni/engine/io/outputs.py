@@ -142,7 +142,9 @@ class OutputProcessor:
         report = prompt_report(req, self.tokenizer)
         out.prompt_text, out.prompt_token_texts, out.prompt_logprobs = report.text, report.token_texts, report.logprobs
         out.prompt_mm_tokens, out.cached_mm_tokens = req.mm_token_counts()
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not req.sampling_params.detokenize:
+            out.text = ""  # vLLM's detokenize false: the tokens are the reply
+        elif self.tokenizer is not None:
             out.text = final_decode(self.tokenizer, req.text_token_ids(), req.sampling_params.skip_special_tokens)
             streamed = self.streams.final_text(rid)
             if streamed is not None and streamed != out.text and rid not in self.stops:

@@ -63,11 +63,11 @@ class RequestStreams:
         return len(self._streams)
 
     def add(self, rid: str, *, deltas: bool, prompt_rows: np.ndarray | None, text: StopText | None = None,
-            skip_special_tokens: bool = True) -> None:
+            skip_special_tokens: bool = True, detokenize: bool = True) -> None:
         """`text`: the request's stop-string watcher, whose text its deltas carry (held back where a stop string
-        may begin, cut where one ended it)."""
+        may begin, cut where one ended it). `detokenize` false: the deltas carry no text."""
         detok = (text if text is not None else IncrementalDetokenizer(self.tokenizer, skip_special_tokens)) if (
-            deltas and self.tokenizer is not None) else None
+            deltas and detokenize and self.tokenizer is not None) else None
         tail = None
         if prompt_rows is not None:
             tail = prompt_rows[prompt_rows.shape[0] // self.block_size * self.block_size:].copy()

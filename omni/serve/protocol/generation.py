@@ -153,8 +153,9 @@ class GenerationRequest(RequestModel):
     prompt_embeds: Any = Field(None, description="vLLM's: not implemented over HTTP (null); the Python API takes "
                                "prompt_embeds.")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
-        None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields merged over "
-        "that stage's defaults, or null. The top-level fields above then apply to the text stage.")
+        None, description="One entry per stage in config order (vLLM-Omni): SamplingParams fields (any of vLLM's: "
+        "one omni does not implement only at its default) merged over that stage's defaults, or null. The "
+        "top-level fields above then apply to the text stage.")
     prompt_logprobs: int | None = Field(
         None, ge=0, le=20, description="vLLM's prompt_logprobs (the text stage, not streamed): each choice's "
         "`prompt_logprobs`, per prompt token (null for the first) {token id: {logprob, rank, decoded_token}} of the "
