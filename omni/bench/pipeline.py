@@ -171,9 +171,10 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
     print(f"  median end-to-end: local {med['local'] * 1000:.1f} ms, ray {med['ray'] * 1000:.1f} ms -> "
           f"ray/local {ratio:.3f} (target <= {TARGET_RATIO}); outputs identical: {same}")
     for stage, s in steps["ray"].items():
-        print(f"  {stage}: {s['steps']} steps, tick {s['tick_ms']:.2f} ms on Ray ({steps['local'][stage]['tick_ms']:.2f} "
-              f"in-process) + {s['overhead_ms']:.3f} ms the actor adds (hop {s['hop_ms']:.3f}, dispatch "
-              f"{s['dispatch_ms']:.3f}, gap {s['gap_ms']:.3f})")
+        here = steps["local"][stage]
+        print(f"  {stage}: {s['steps']} steps, tick {s['tick_ms']:.2f} ms on Ray, {s['tick_cpu_ms']:.2f} of it on a "
+              f"core ({here['tick_ms']:.2f}, {here['tick_cpu_ms']:.2f} in-process) + {s['overhead_ms']:.3f} ms the "
+              f"actor adds (hop {s['hop_ms']:.3f}, dispatch {s['dispatch_ms']:.3f}, gap {s['gap_ms']:.3f})")
     return {
         "num_requests": args.num_requests, "repeats": args.repeats, "prompt_tokens": [lo, hi],
         "generated_tokens_per_repeat": num_tokens // max(1, args.repeats),
@@ -186,6 +187,8 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
         "ray_step_split_ms": {stage: {k: s[k] for k in ("hop_ms", "dispatch_ms", "gap_ms")}
                               for stage, s in steps["ray"].items()},
         "tick_ms": {name: {stage: s["tick_ms"] for stage, s in by_stage.items()} for name, by_stage in steps.items()},
+        "tick_cpu_ms": {name: {stage: s["tick_cpu_ms"] for stage, s in by_stage.items()}
+                        for name, by_stage in steps.items()},
         "threads": {"cpu_count": cores, "local_torch_threads": torch.get_num_threads(),
                     "threads_per_stage_setting": k or None,
                     "ray_num_cpus_per_stage": ray_cpus, "ray_torch_threads_per_stage": ray_threads},

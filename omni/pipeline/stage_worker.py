@@ -296,12 +296,13 @@ class StageWorker:
 
     def tick(self) -> TickResult:
         """Apply queued adds/aborts/chunks, run one engine step; return what came of it."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return self._tick()
         finally:
             self.timers.ticks += 1
             self.timers.tick_s += time.perf_counter() - t0
+            self.timers.tick_cpu_s += time.thread_time() - c0
 
     def _tick(self) -> TickResult:
         self.drain()

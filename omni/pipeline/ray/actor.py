@@ -1,7 +1,7 @@
 """The body of a stage actor: one replica of one stage, an async Ray actor.
 
     submit(Submission) ──> await the upstream output refs (actor to actor) ──> StageWorker queue
-    step loop: while there is work, worker.tick() in a one-thread executor ──> replies, chunks, deltas
+    step loop: while there is work, worker.tick()s in a one-thread executor ──> replies, chunks, deltas
     push_chunk() <── an upstream actor's chunk on a streaming edge;  abort(), stats(), ready()
 
 Each `submit` is a Ray streaming generator: it yields the request's deltas (tokens,
@@ -14,10 +14,13 @@ it streams into (every replica of them) and pushes each chunk (numpy rows in Ray
 object store) to the replica the router chose for the request, in order, tagged with a
 sequence number; the driver never sees a chunk.
 
-A background asyncio task steps the engine while there is work; each step runs in a
-one-thread executor so the event loop keeps accepting requests, aborts and stats calls,
-and all concurrent requests are batched by the engine. That executor's thread runs torch
-with the stage's `resources.num_cpus` threads (threads.py; torch's count is per thread).
+A background asyncio task steps the engine while there is work: the steps run back to back in a
+one-thread executor (a *stretch*, `_stretch`: no thread hand-off per step, each step's replies and
+chunks handed to the event loop as it ends), so the event loop keeps accepting requests, aborts and
+chunks, and all concurrent requests are batched by the engine; a stats or text call ends the stretch
+after its current step and runs between two steps. That thread runs torch with the stage's
+`resources.num_cpus` threads (threads.py; torch's count is per thread). What the actor adds to the
+steps is timed (pipeline/step_timers.py; `omni bench pipeline` reports it).
 """
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ class StageActor:
         self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}
         self._deltas: dict[str, asyncio.Queue[StageDelta]] = {}  # requests whose caller streams
         self._wake: asyncio.Event | None = None
+        self._waiting_calls = 0  # stats / text calls waiting for the step thread (a stretch of ticks yields to them)
         self._loop_task: asyncio.Task[None] | None = None
 
     async def ready(self) -> dict[str, Any]:
@@ -123,25 +127,39 @@ class StageActor:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            timers, last = self.worker.timers, None  # (step_timers.py: what the actor adds to each tick)
+            timers = self.worker.timers  # (step_timers.py: what the actor adds to the ticks)
             while self.worker.has_work():
                 t0 = time.perf_counter()
-                if last is not None:
-                    timers.gap_s += t0 - last
-                inside = timers.tick_s
                 try:
-                    result = await loop.run_in_executor(self._executor, self.worker.tick)
+                    inside = await loop.run_in_executor(self._executor, self._stretch, loop)
                 except Exception as e:  # noqa: BLE001 - tick handles engine errors; this is a bug
                     logger.exception("stage %s: step loop error", self.name)
-                    result = TickResult([(o, o) for o in (error_output(self.name, rid, f"step loop error: {e}")
-                                                          for rid in list(self._futures))])
-                t1 = time.perf_counter()
-                timers.hop_s += (t1 - t0) - (timers.tick_s - inside)
-                self._dispatch(result)
-                last = time.perf_counter()
-                timers.dispatch_s += last - t1
+                    inside = 0.0
+                    self._dispatch(TickResult([(o, o) for o in (
+                        error_output(self.name, rid, f"step loop error: {e}") for rid in list(self._futures))]))
+                timers.hop_s += time.perf_counter() - t0 - inside
+
+    def _stretch(self, loop: asyncio.AbstractEventLoop) -> float:
+        """In the step thread: ticks back to back while there is work and no stats / text call waits for the
+        thread, each tick's result handed to the event loop in order (call_soon_threadsafe) without waiting for
+        it: no thread hand-off per step. Returns its own wall time (the rest of the executor call is the hop)."""
+        timers, start = self.worker.timers, time.perf_counter()
+        ticks = timers.tick_s
+        while self.worker.has_work() and not self._waiting_calls:
+            loop.call_soon_threadsafe(self._dispatch, self.worker.tick())
+        inside = time.perf_counter() - start
+        timers.gap_s += inside - (timers.tick_s - ticks)
+        return inside
 
     def _dispatch(self, result: TickResult) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._send(result)
+        finally:
+            assert self.worker is not None
+            self.worker.timers.dispatch_s += time.perf_counter() - t0
+
+    def _send(self, result: TickResult) -> None:
         for to, rid, seq, chunk in result.chunks:
             # Actor to actor, in order (one caller, one handle); fire and forget: a lost
             # downstream fails its request through its own chunk timeout or the driver.
@@ -231,15 +249,24 @@ class StageActor:
             return "error", StageError(f"stage {self.name!r} did not start: {self._start_error}", stage=self.name)
         call = functools.partial(self.worker.text, op, *args, **kwargs)
         try:
-            return "ok", await asyncio.get_running_loop().run_in_executor(self._executor, call)
+            return "ok", await self._between_ticks(call)
         except OmniError as e:
             return "error", e
+
+    async def _between_ticks(self, call: Any) -> Any:
+        """`call` in the step thread between two ticks (never while a step mutates the engine): a stretch of ticks
+        running now ends after its current tick."""
+        self._waiting_calls += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        finally:
+            self._waiting_calls -= 1
 
     async def stats(self) -> dict[str, Any]:
         if self.worker is None:
             return {"error": str(self._start_error)}
         # Through the executor: never read engine state while a step mutates it.
-        s = await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.stats)
+        s = await self._between_ticks(self.worker.stats)
         s["pid"] = os.getpid()
         s["node_id"] = ray.get_runtime_context().get_node_id()
         return s
