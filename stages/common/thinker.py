@@ -177,7 +177,8 @@ class OmniThinkerStage(AutoregressiveStageModel):
             if getattr(out, "deepstack_features", None) is not None:
                 deep = [f[0].to(self.dtype) for f in out.deepstack_features]
             if item.audio is not None:
-                visual = torch.tensor([t == self.video_token_id for t in item.ids[item.lead : item.lead + item.num_tokens]])
+                run = item.ids[item.lead : item.lead + item.num_tokens]
+                visual = torch.tensor([t == self.video_token_id for t in run])
                 audio = self._audio_rows(item.audio)
                 mixed = rows.new_empty((item.num_tokens, rows.shape[1]))
                 if int(visual.sum()) != rows.shape[0] or int((~visual).sum()) != audio.shape[0]:

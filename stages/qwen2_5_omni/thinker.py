@@ -96,7 +96,8 @@ class Qwen2_5OmniThinkerStage(OmniThinkerStage):
         return preprocess_mm(inp, self.preprocess_cfg, where)
 
     def render_prompt(self, inp: StageInput, items: list[MMItem]) -> str:
-        return render_chat(messages_for(inp.prompt, [it.modality for it in items]), self.preprocess_cfg["system_prompt"])
+        messages = messages_for(inp.prompt, [it.modality for it in items])
+        return render_chat(messages, self.preprocess_cfg["system_prompt"])
 
     # ---------------------------------------------------------------- forward
     def prepare_cuda_graphs(self, max_num_seqs: int) -> None:

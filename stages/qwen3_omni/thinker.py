@@ -8,7 +8,8 @@ Per token the forward emits, besides the last hidden states:
 
     embeds         the decoder's input rows (hidden_states[0] of transformers' generate)
     accept_hidden  the output of layer `talker_config.accept_hidden_layer` (hidden_states[k])
-    mm_meta        [grid t, h, w, audio frames] of the image / clip a placeholder row belongs to (the
+    mm_meta        [grid t, h, w, audio frames] of the image / clip a placeholder row belongs to; a video's
+                   rows (its track's too) [grid t, h, w, seconds per temporal patch] (the
                    talker's 3-D positions need them)
 
 which are what transformers' `Qwen3OmniMoeForConditionalGeneration.generate` hands the talker. They
@@ -170,7 +171,7 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
                 for item in st.items if st is not None else ():
                     lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
                     if lo < hi:
-                        value = (item.grid_thw.tolist() + [0] if item.modality != "audio"
+                        value = (item.grid_thw.tolist() + [item.second_per_grid] if item.modality != "audio"
                                  else [0, 0, 0, item.frames])
                         meta[a + lo - start : a + hi - start] = torch.tensor(value, dtype=torch.float32)
         return meta.to(self.device)
