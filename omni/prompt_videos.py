@@ -48,6 +48,22 @@ def read_video_file(path: str | os.PathLike, where: str, field: str) -> np.ndarr
         raise _bad(where, field, f"cannot read {file}: {e.strerror or e}") from None
 
 
+def check_video_stream(data: np.ndarray, where: str) -> np.ndarray:
+    """`data` (a file's bytes) when PyAV finds a video stream in it; a RequestError naming `where` otherwise. The
+    stage probes it again at admission, with its limits: this is the CLI's check before the models load."""
+    import io
+
+    import av
+
+    try:
+        with av.open(io.BytesIO(data.tobytes()), mode="r") as c:
+            if c.streams.video:
+                return data
+    except (av.FFmpegError, ValueError) as e:
+        raise RequestError(f"{where}: not a readable video file: {e}") from None
+    raise RequestError(f"{where}: the file holds no video stream")
+
+
 def video_input(item: Any, where: str, field: str) -> MultiModalInput:
     """One `multi_modal_data.video[k]` item -> MultiModalInput("video", ...)."""
     fps = None

@@ -160,3 +160,22 @@ def test_bad_video_requests_are_named(thinker_stage):
     frames = np.zeros((768 * 5, 28, 28, 3), np.uint8)
     with pytest.raises(ContextLengthError, match=r"768 sampled frames of 28x28 take 55296 placeholder tokens"):
         stage.preprocess(StageInput("r", prompt=QUESTION, mm_inputs=[MultiModalInput("video", frames, fps=10.0)]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,with_audio", [("plain", False), ("talk", True)])
+def test_pipeline_with_a_video_matches_transformers_generate(thinker_stage, talker_stage, token2wav_stage, hf_omni,
+                                                             name, with_audio):
+    """thinker -> talker -> token2wav with a video (the talker takes the thinker's 3-D positions, its video and
+    track rows zeroed as transformers' talker input): the same text, codes and waveform, bit for bit."""
+    from stages.qwen2_5_omni.edges import talker2wav
+    from tests.stages.omni_utils import make_chain, run_chain
+
+    inp = video_request(name, name, with_audio)
+    thinker_out, talker_out, wav_out = run_chain(make_chain(thinker_stage, talker_stage, token2wav_stage), [inp])[name]
+    ids, kw = hf_inputs(thinker_stage, inp)
+    kw["talker_pixel_values_videos"] = None  # transformers forwards them to the talker, which rejects them
+    ref_tokens, ref_codes, ref_wav = hf_generate(hf_omni, ids, kw, audio_out=True)
+    assert thinker_out.token_ids == ref_tokens
+    assert talker2wav({"talker": talker_out}, inp).prompt_token_ids == ref_codes
+    np.testing.assert_array_equal(wav_out.audio, ref_wav)
