@@ -179,3 +179,20 @@ def test_pipeline_with_a_video_matches_transformers_generate(thinker_stage, talk
     assert thinker_out.token_ids == ref_tokens
     assert talker2wav({"talker": talker_out}, inp).prompt_token_ids == ref_codes
     np.testing.assert_array_equal(wav_out.audio, ref_wav)
+
+
+def test_model_kwargs_set_the_frame_rate_and_the_limits(tiny_omni):
+    """`video_fps` (the rate frames are sampled at; seconds per temporal patch follow it) and `video_limits`."""
+    import torch
+
+    from stages.qwen2_5_omni.thinker import Qwen2_5OmniThinkerStage
+
+    stage = Qwen2_5OmniThinkerStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
+                                         model_kwargs={"video_fps": 4.0, "video_limits": {"max_seconds": 4}})
+    (item,) = stage.preprocess(video_request("r", "talk", False)).extra["thinker"].items
+    assert item.grid_thw.tolist()[0] == 5 and item.second_per_grid == 0.5  # 2.8 s at 4 fps: 10 frames
+    with pytest.raises(RequestError, match=r"4.16667 s of video \(25 frames at 6 fps\), longer than the limit of 4 s"):
+        stage.preprocess(video_request("r", "long", False))
+    with pytest.raises(ValueError, match="model_kwargs.video_limits: unknown key 'max_minutes'"):
+        Qwen2_5OmniThinkerStage.load(tiny_omni, dtype=torch.float32, device=torch.device("cpu"),
+                                     model_kwargs={"video_limits": {"max_minutes": 4}})
