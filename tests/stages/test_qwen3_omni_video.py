@@ -9,42 +9,10 @@ import torch
 from omni.messages import MultiModalInput, StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
-from tests.stages.qwen3_omni_utils import THINKER_MAX, hf_model, image, stages
+from tests.stages.qwen3_omni_utils import THINKER_MAX, hf_model, hf_thinker_tokens, image, stages
 from tests.stages.video_utils import clip_bytes, video_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=THINKER_MAX)
-
-
-def _hf_thinker_tokens(stage, inp: StageInput) -> list[int]:
-    """transformers' Qwen3OmniMoeForConditionalGeneration.generate (text out) on the ids and tensors our thinker
-    builds: pixel values and grids of the images and videos, the tracks' features, use_audio_in_video."""
-    prepared = stage.preprocess(inp)
-    items = sorted(prepared.extra["thinker"].items, key=lambda i: i.offset)
-    images = [i for i in items if i.modality == "image"]
-    videos = [i for i in items if i.modality == "video"]
-    clips = [a for i in items for a in ([i] if i.modality == "audio" else [i.audio]) if a is not None]
-    kw: dict = {}
-    if images:
-        kw.update(pixel_values=torch.cat([i.data for i in images]),
-                  image_grid_thw=torch.stack([i.grid_thw for i in images]))
-    if videos:
-        kw.update(pixel_values_videos=torch.cat([v.data for v in videos]),
-                  video_grid_thw=torch.stack([v.grid_thw for v in videos]),
-                  video_second_per_grid=torch.tensor([v.second_per_grid for v in videos]),
-                  use_audio_in_video=any(v.audio is not None for v in videos))
-    if clips:
-        frames = max(c.data.shape[1] for c in clips)
-        feats = torch.zeros(len(clips), clips[0].data.shape[0], frames)
-        mask = torch.zeros(len(clips), frames, dtype=torch.long)
-        for j, c in enumerate(clips):
-            feats[j, :, : c.data.shape[1]], mask[j, : c.data.shape[1]] = c.data, 1
-        kw.update(input_features=feats, feature_attention_mask=mask)
-    x = torch.tensor([prepared.token_ids])
-    with torch.inference_mode():
-        seq = hf_model("tiny").generate(input_ids=x, attention_mask=torch.ones_like(x), return_audio=False,
-                                        thinker_max_new_tokens=THINKER_MAX, thinker_do_sample=False, **kw)
-    seq = seq[0] if isinstance(seq, tuple) else seq
-    return seq[0, x.shape[1]:].tolist()
 
 
 def _fresh(stage):
@@ -62,7 +30,7 @@ def test_thinker_with_a_video_matches_transformers_generate(name, with_audio, ca
     engine = make_engine(None, model=stage, block_size=4, max_num_batched_tokens=48, caching=caching)
     inp = video_request(name, name, with_audio, sampling_params=GREEDY)
     out = run_to_completion(_add(engine, inp))[name]
-    assert out.token_ids == _hf_thinker_tokens(stage, inp)
+    assert out.token_ids == hf_thinker_tokens(inp)
     assert stage.encoder_cache.runs == 1
     assert_no_leak(engine)
 
@@ -83,7 +51,7 @@ def test_a_video_with_its_track_next_to_an_image_matches_transformers_generate()
                        mm_inputs=[MultiModalInput("video", clip_bytes("talk")), MultiModalInput("image", image(4))])
     engine = make_engine(None, model=stage, block_size=4, max_num_batched_tokens=64)
     outs = run_to_completion(_add(engine, mixed, video_request("alone", "talk", True, sampling_params=GREEDY)))
-    assert outs["mixed"].token_ids == _hf_thinker_tokens(stage, mixed)
+    assert outs["mixed"].token_ids == hf_thinker_tokens(mixed)
     meta = outs["mixed"].mm_outputs["mm_meta"]
     item = next(i for i in stage.preprocess(mixed).extra["thinker"].items if i.modality == "video")
     np.testing.assert_array_equal(meta[item.offset], item.grid_thw.tolist() + [item.second_per_grid])
@@ -134,3 +102,14 @@ def test_the_talker_refuses_a_video_with_its_track_naming_the_setting():
     with pytest.raises(RequestError, match="talker cannot place a video's audio track") as e:
         talker.preprocess(thinker2talker({"thinker": out}, inp))
     assert e.value.field == "mm_processor_kwargs.use_audio_in_video"
+    # ...where transformers' own generate fails (there is no reference to equal)
+    prepared = thinker.preprocess(inp)
+    (item,) = prepared.extra["thinker"].items
+    x = torch.tensor([prepared.token_ids])
+    with pytest.raises(AttributeError, match="audio_config"), torch.inference_mode():
+        hf_model("tiny").generate(input_ids=x, pixel_values_videos=item.data, video_grid_thw=item.grid_thw[None],
+                                  video_second_per_grid=torch.tensor([item.second_per_grid]), use_audio_in_video=True,
+                                  input_features=item.audio.data[None],
+                                  feature_attention_mask=torch.ones(1, item.audio.frames, dtype=torch.long),
+                                  thinker_max_new_tokens=2, thinker_do_sample=False, talker_max_new_tokens=2,
+                                  talker_do_sample=False, return_audio=True, speaker="Ethan")
