@@ -15,11 +15,14 @@ from omni.errors import OmniError, RequestAbortedError, as_omni_error
 
 @dataclass(slots=True)
 class MultiModalInput:
-    """One multimodal input of a prompt (image as HxWxC array, audio as waveform)."""
+    """One multimodal input of a prompt: an image as an HxWxC array, audio as a waveform, a video as its encoded
+    file (1-D uint8: the bytes of an mp4, webm, ...) or as decoded frames (TxHxWxC uint8, with their `fps`;
+    without one, every frame is taken as sampled at the model's rate)."""
 
-    modality: str  # "image" | "audio"
+    modality: str  # "image" | "audio" | "video"
     data: np.ndarray
     sampling_rate: int | None = None  # audio only
+    fps: float | None = None  # video frames only
 
 
 @dataclass(slots=True)
@@ -74,6 +77,9 @@ class StageInput:
     # Extra variables for the chat template (vLLM's chat_template_kwargs: enable_thinking, ...); a template that
     # does not use one ignores it. Stages that render their own prompt take none.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's mm_processor_kwargs: how the stage's processor treats the media (`use_audio_in_video`: a video's
+    # audio track interleaved with its frames by time); a stage refuses keys it does not take, naming them.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -3,13 +3,18 @@
     {"prompt": "What does she say?", "multi_modal_data": {"audio": "clip.wav"}}
     {"prompt": "Describe them.", "multi_modal_data": {"image": ["cat.png", "/data/dog.jpg"]}}
 
+    {"prompt": "What happens?", "multi_modal_data": {"video": "clip.mp4"},
+     "mm_processor_kwargs": {"use_audio_in_video": true}}
+
 JSON has no arrays of samples worth writing by hand, so in a prompts file a string under
-`multi_modal_data.image` or `multi_modal_data.audio` (alone or as an item of a list) is a file path,
+`multi_modal_data.image`, `.audio` or `.video` (alone or as an item of a list) is a file path,
 relative to the prompts file's folder. It is read into what the Python API takes (omni/prompts.py), as a
 user of vLLM's `LLM.generate` would pass it: an image as an HxWx3 uint8 RGB array (PNG, JPEG, WEBP, GIF,
 BMP), an audio file as `(mono float32 waveform, the file's own sampling rate)` (WAV, FLAC, OGG, MP3; the
-stage checks the rate against its encoder's, as it does for the API). The decoders are the server's
-(omni/serve/media.py, omni/serve/audio/codecs.py): one reading of user media for every entry point.
+stage checks the rate against its encoder's, as it does for the API), a video as its file's bytes (mp4, webm,
+mkv, mov, ...: the stage decodes the frames it samples, and the audio track; here the file is only checked to
+hold a video stream). The decoders are the server's (omni/serve/media.py, omni/serve/audio/codecs.py): one
+reading of user media for every entry point.
 
 A missing or unreadable file is a RequestError (a ValueError) naming the line, the field and the file.
 """
@@ -33,6 +38,10 @@ def _read(modality: str, file: Path, where: str) -> Any:
     from omni.serve.audio.codecs import decode_audio
     from omni.serve.media import decode_image
 
+    if modality == "video":
+        from omni.prompt_videos import check_video_stream, read_video_file
+
+        return check_video_stream(read_video_file(file, "", where), where)
     data = file.read_bytes()
     if modality == "image":
         return decode_image(data, where, _MAX_DECODED_BYTES)
@@ -45,7 +54,7 @@ def read_media_paths(prompt: Any, folder: Path, where: str) -> Any:
     if not isinstance(prompt, Mapping) or not isinstance(prompt.get("multi_modal_data"), Mapping):
         return prompt
     data = dict(prompt["multi_modal_data"])
-    for modality in ("image", "audio"):
+    for modality in ("image", "audio", "video"):
         items = data.get(modality)
         if isinstance(items, str):
             data[modality] = _read_path(modality, items, folder, where, f"multi_modal_data.{modality}[0]")
@@ -68,6 +77,8 @@ def _read_path(modality: str, name: str, folder: Path, where: str, field: str) -
         return _read(modality, file, f"{at}: {file}")
     except OSError as e:
         raise RequestError(f"{at}: cannot read {file}: {e.strerror or e}", field=field) from None
+    except RequestError as e:  # a video's check: its words name the line, the field and the file
+        raise RequestError(str(e), field=field) from None
     except ApiError as e:  # the decoder's words, already naming the line, the field and the file
         raise RequestError(e.message, field=field) from None
 
@@ -84,6 +95,9 @@ def check_inline_media(inp: StageInput, where: str) -> None:
         if m.modality == "image" and (len(shape) not in (2, 3) or (len(shape) == 3 and shape[-1] not in (1, 3, 4))):
             raise RequestError(f"{where}: {field}: expected a file path, or an HxW or HxWxC array with C in "
                                f"(1, 3, 4), got shape {shape}", field=field)
+        if m.modality == "video" and not (len(shape) == 1 or (len(shape) == 4 and shape[-1] in (1, 3, 4))):
+            raise RequestError(f"{where}: {field}: expected a file path, or frames TxHxWxC with C in (1, 3, 4), got "
+                               f"shape {shape}", field=field)
         if m.modality == "audio" and len(shape) != 1:
             raise RequestError(f"{where}: {field}: expected a file path, or a mono 1-D waveform, got shape {shape}",
                                field=field)

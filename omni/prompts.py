@@ -5,7 +5,9 @@
      "prompt_token_ids": [int, ...],                parts: {"type": "text", "text": str} | {"type": "image"}
      "prompt_embeds": [[float, ...], ...],                 | {"type": "audio"}
      "multi_modal_data": {"image": array | [array],
-                          "audio": wave | (wave, rate) | [...]},
+                          "audio": wave | (wave, rate) | [...],
+                          "video": path | bytes | frames | (frames, fps) | [...]},
+     "mm_processor_kwargs": {"use_audio_in_video": bool},
      "cache_salt": str, "request_id": str}
     StageInput(...)                                 taken as is (its chat messages are checked)
 
@@ -24,10 +26,11 @@ import numpy as np
 
 from omni.errors import RequestError
 from omni.messages import MultiModalInput, StageInput
+from omni.prompt_videos import video_input
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id",
-               "tools", "chat_template_kwargs")
-MODALITIES = ("image", "audio")
+               "tools", "chat_template_kwargs", "mm_processor_kwargs")
+MODALITIES = ("image", "audio", "video")
 PART_TYPES = ("text", *MODALITIES)
 
 
@@ -87,10 +90,14 @@ def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
     kwargs = p.get("chat_template_kwargs")
     if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):
         raise _bad(where, "chat_template_kwargs", "expected a dict of the chat template's variables")
+    mm_kwargs = p.get("mm_processor_kwargs")
+    if mm_kwargs is not None and not (isinstance(mm_kwargs, Mapping) and all(isinstance(k, str) for k in mm_kwargs)):
+        raise _bad(where, "mm_processor_kwargs", "expected a dict like {'use_audio_in_video': True}")
     return StageInput(p.get("request_id") or new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
                       mm_inputs=mm_inputs(p.get("multi_modal_data"), where),
                       cache_salt=p.get("cache_salt"), tools=[dict(t) for t in tools] if tools else None,
-                      chat_template_kwargs=dict(kwargs) if kwargs else None)
+                      chat_template_kwargs=dict(kwargs) if kwargs else None,
+                      mm_processor_kwargs=dict(mm_kwargs) if mm_kwargs else None)
 
 
 def check_messages(messages: Any, where: str = "") -> None:
@@ -179,9 +186,10 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], use_chat
 
 
 def mm_inputs(data: Any, where: str) -> list[MultiModalInput]:
-    """{"image": array | [arrays], "audio": wave | (wave, rate) | [...]} -> MultiModalInputs.
+    """{"image": array | [arrays], "audio": wave | (wave, rate) | [...], "video": ...} -> MultiModalInputs.
 
-    Structure only (modality, array of numbers, rate); the stage checks the content."""
+    Structure only (modality, array of numbers, rate); the stage checks the content. A video is a file (its path, or
+    its bytes) or its frames (an array TxHxWxC, with their frame rate as `(frames, fps)`): omni/prompt_videos.py."""
     if data is None:
         return []
     field = "multi_modal_data"
@@ -193,6 +201,9 @@ def mm_inputs(data: Any, where: str) -> list[MultiModalInput]:
             raise _bad(where, field, f"unknown modality {modality!r} (allowed: {', '.join(MODALITIES)})")
         for k, item in enumerate(items if isinstance(items, list) else [items]):
             at, rate = f"{field}.{modality}[{k}]", None
+            if modality == "video":
+                out.append(video_input(item, where, at))
+                continue
             if isinstance(item, tuple):
                 if modality != "audio" or len(item) != 2:
                     what = "(waveform, sampling_rate)" if modality == "audio" else "an array"

@@ -81,6 +81,9 @@ def test_bad_prompts_file_line_exits_2_naming_the_line(tmp_path, capsys, no_engi
     ({"image": "clip.wav"}, "multi_modal_data.image[0]: {dir}/clip.wav: not a readable image (PNG, JPEG"),
     ({"image": ["sub"]}, "multi_modal_data.image[0]: not a file: {dir}/sub"),
     ({"image": ""}, "multi_modal_data.image[0]: expected a file path, got an empty string"),
+    ({"video": "nope.mp4"}, "multi_modal_data.video[0]: no such file: {dir}/nope.mp4"),
+    ({"video": ["clip.wav"]}, "multi_modal_data.video[0]: {dir}/clip.wav: the file holds no video stream"),
+    ({"video": "text.wav"}, "multi_modal_data.video[0]: {dir}/text.wav: not a readable video file"),
 ])
 def test_a_bad_media_file_exits_2_naming_the_line_field_and_file(tmp_path, capsys, no_engines, media, expected):
     from tests.serve.realtime_utils import speech_wav

@@ -78,3 +78,29 @@ def test_prompts_file_audio_and_images_by_path_on_the_tiny_omni(tmp_path, capsys
     assert tokens[2] > tokens[0] and tokens[3] > tokens[2]
     assert all(r["outputs"]["token2wav"]["audio_samples"] > 0 for r in results)
     assert results[1]["prompt"] == "What does she say?"  # the prompt's text, not its waveform
+
+
+@pytest.mark.slow
+def test_prompts_file_video_by_path_with_its_track_on_the_tiny_omni(tmp_path, capsys, monkeypatch):
+    """A video named by path reaches the API as the file's bytes (the stage samples and decodes it), with and
+    without its audio track interleaved (mm_processor_kwargs.use_audio_in_video), through the whole chain."""
+    spy = Prompts(monkeypatch)
+    clip = REPO / "tests" / "data" / "video" / "talk.mp4"
+    shutil.copy(clip, tmp_path / "talk.mp4")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in [
+        {"prompt": "What happens?", "multi_modal_data": {"video": "talk.mp4"}},
+        {"prompt": "What happens?", "multi_modal_data": {"video": "talk.mp4"},
+         "mm_processor_kwargs": {"use_audio_in_video": True}},
+    ]) + "\n")
+    rc = cli.main(["run", str(TINY), "--prompts-file", str(prompts), "--backend", "local", "--max-tokens", "2",
+                   "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-2000:]
+    video = spy.seen[0]["multi_modal_data"]["video"]
+    assert video.dtype == np.uint8 and video.tobytes() == clip.read_bytes()
+    results = json.loads(captured.out.strip().splitlines()[-1])["results"]
+    assert [r["error"] for r in results] == [None, None]
+    plain, with_track = (r["outputs"]["thinker"]["num_prompt_tokens"] for r in results)
+    assert with_track == plain + 72  # 2.8 s of audio: 70 audio tokens, between the audio bos and eos
+    assert all(r["outputs"]["token2wav"]["audio_samples"] > 0 for r in results)

@@ -31,7 +31,7 @@ def b64decode(data: str, where: str) -> bytes:
 
 
 def parse_data_url(url: str, where: str, kind: str) -> tuple[str, bytes]:
-    """'data:image/png;base64,....' -> ('image/png', bytes). `kind`: 'image' or 'audio'."""
+    """'data:image/png;base64,....' -> ('image/png', bytes). `kind`: 'image', 'audio' or 'video'."""
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else "a plain string"
         raise bad_request(f"{where}: only data: URLs are accepted (data:{kind}/...;base64,...); this server "
@@ -75,3 +75,14 @@ def decode_image(data: bytes, where: str, max_decoded_bytes: int) -> np.ndarray:
         raise
     except Exception as e:  # noqa: BLE001 - as above: any decoder failure is the bytes' fault
         raise bad_request(f"{where}: the image could not be decoded: {type(e).__name__}: {e}", where) from None
+
+
+def video_bytes(url: str, where: str, max_bytes: int) -> np.ndarray:
+    """A video_url's data: URL -> the file's bytes (1-D uint8), 413 past `max_bytes`. The stage decodes it (the
+    frames its model samples, the audio track) and checks its own limits (frames, seconds, pixels), naming the
+    field."""
+    _, data = parse_data_url(url, where, "video")
+    if len(data) > max_bytes:
+        raise too_large(f"{where}: {len(data)} bytes of video, more than the server's limit of {max_bytes} "
+                        "(--max-media-mb)", where)
+    return np.frombuffer(data, dtype=np.uint8)

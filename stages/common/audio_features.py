@@ -1,5 +1,6 @@
-"""Audio preprocessing as transformers' WhisperFeatureExtractor does it (log-mel features, padded to 30 s, the
-valid frames kept), for every omni family's audio encoder.
+"""Audio preprocessing as transformers' WhisperFeatureExtractor does it for every omni family's audio encoder: log-mel
+features of a clip padded to 30 s, the valid frames kept (one per hop started: Qwen2.5-Omni's processor), or of the
+clip alone (`audio_padding: "longest"`, one frame per whole hop: Qwen3-Omni's processor).
 """
 from __future__ import annotations
 
@@ -48,16 +49,20 @@ def checked_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str, An
     return wave.astype(np.float32)
 
 
-def audio_frames(wave: np.ndarray) -> int:
-    """Valid log-mel frames of a checked clip (the extractor's attention mask: one per hop started)."""
+def audio_frames(wave: np.ndarray, cfg: dict[str, Any] | None = None) -> int:
+    """Valid log-mel frames of a checked clip (the extractor's attention mask: one per hop started when padded to
+    30 s, one per whole hop for the clip alone)."""
+    if (cfg or {}).get("audio_padding", "max_length") == "longest":
+        return wave.shape[0] // WHISPER_HOP
     return -(-wave.shape[0] // WHISPER_HOP)
 
 
 def audio_features(wave: np.ndarray, cfg: dict[str, Any]) -> torch.Tensor:
     """A checked clip -> log-mel features [mel, valid frames], as transformers' processor makes them."""
     fe = _feature_extractor(cfg)
-    out = fe(wave, sampling_rate=cfg["audio_sampling_rate"], padding="max_length", return_attention_mask=True,
-             return_tensors="np")
+    padding = cfg.get("audio_padding", "max_length")
+    out = fe(wave, sampling_rate=cfg["audio_sampling_rate"], padding=padding, truncation=padding == "max_length",
+             return_attention_mask=True, return_tensors="np")
     n = int(out["attention_mask"][0].sum())
     return torch.from_numpy(out["input_features"][0, :, :n].copy())
 
@@ -71,6 +76,6 @@ def preprocess_audio(wave: np.ndarray, sampling_rate: int | None, cfg: dict[str,
 def audio_item(inp: MultiModalInput, cfg: dict[str, Any], num_tokens: Callable[[int], int], where: str) -> MMItem:
     """An audio input checked now, its features made when the encoder reads them (MMItem)."""
     wave = checked_audio(inp.data, inp.sampling_rate, cfg, where)
-    frames = audio_frames(wave)
+    frames = audio_frames(wave, cfg)
     return MMItem("audio", mm_hash(inp), num_tokens(frames), None, frames=frames,
                   _make=functools.partial(audio_features, wave, cfg))

@@ -6,6 +6,8 @@
 - `preprocess_mm`: an image through Qwen2-VL's image processor (stages/common/images.py) at Qwen2.5-Omni's
   settings (CLIP normalisation, 28-pixel merge patches), an audio clip through Whisper's feature extractor
   (stages/common/audio_features.py, 128 mel bins); `mm_num_tokens` counts their tokens from shapes alone.
+- `video_settings_of`: Qwen2.5-Omni's processor's video path (stages/common/video.py): the image processor's
+  patching and normalisation, frames between 128 and 768 merge patches of pixels, sampled at 2 fps.
 """
 from __future__ import annotations
 
@@ -22,10 +24,15 @@ from omni.prompts import check_messages
 from stages.common.audio_features import WHISPER_HOP, audio_item
 from stages.common.images import preprocess_image, smart_resize
 from stages.common.mm_items import MMItem, content_text, mm_hash
+from stages.common.video import video_settings
 
-IMAGE_TOKEN, AUDIO_TOKEN = "<|IMAGE|>", "<|AUDIO|>"
+IMAGE_TOKEN, AUDIO_TOKEN, VIDEO_TOKEN = "<|IMAGE|>", "<|AUDIO|>", "<|VIDEO|>"
 IMAGE_PLACEHOLDER = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+VIDEO_PLACEHOLDER = "<|vision_bos|><|VIDEO|><|vision_eos|>"
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "audio": AUDIO_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}
+# Qwen2_5OmniProcessor's videos_kwargs (its frames' pixel bounds) and the fps its video_second_per_grid assumes
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, VIDEO_FPS = 128 * 28 * 28, 768 * 28 * 28, 2.0
 DEFAULT_SYSTEM = (
     "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
     "auditory and visual inputs, as well as generating text and speech."
@@ -45,6 +52,11 @@ def load_preprocess_config(model_path: Path) -> dict[str, Any]:
     if f.is_file():
         cfg.update(json.loads(f.read_text()))
     return cfg
+
+
+def video_settings_of(cfg: dict[str, Any], fps: float = VIDEO_FPS) -> dict[str, Any]:
+    """Qwen2.5-Omni's video processor settings (stages/common/video.py) next to its image settings `cfg`."""
+    return video_settings(cfg, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, fps)
 
 
 def audio_num_tokens(num_frames: int) -> int:
@@ -79,34 +91,34 @@ def preprocess_mm(inp: MultiModalInput, cfg: dict[str, Any], where: str = "multi
 
 
 def render_chat(messages: list[dict[str, Any]], system_prompt: str) -> str:
-    """Qwen2.5-Omni's chat format; image/audio parts become one placeholder each."""
+    """Qwen2.5-Omni's chat format; image/audio/video parts become one placeholder each."""
     parts = []
     if not messages or messages[0].get("role") != "system":
         parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
     for i, msg in enumerate(messages):
-        content = content_text(msg.get("content"), f"prompt[{i}]", "Qwen2.5-Omni", IMAGE_PLACEHOLDER,
-                               AUDIO_PLACEHOLDER)
+        content = content_text(msg.get("content"), f"prompt[{i}]", "Qwen2.5-Omni", PLACEHOLDERS)
         parts.append(f"<|im_start|>{msg['role']}\n{content}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)
 
 
-def messages_for(prompt: str | list[dict[str, Any]], mm_inputs: list[MultiModalInput]) -> list[dict[str, Any]]:
-    """A text prompt becomes one user message; media without a placeholder go first in the last user turn."""
+def messages_for(prompt: str | list[dict[str, Any]], modalities: list[str]) -> list[dict[str, Any]]:
+    """A text prompt becomes one user message; media (`modalities`: the prompt's media items, in order) without a
+    placeholder go first in the last user turn."""
     if not isinstance(prompt, str):
         check_messages(prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     text = json.dumps([m.get("content") for m in messages], default=str)
-    have = text.count(IMAGE_TOKEN) + text.count(AUDIO_TOKEN) + text.count('"type": "image"') \
-        + text.count('"type": "audio"')
-    if mm_inputs and have == 0:
+    have = sum(text.count(token) for token in (IMAGE_TOKEN, AUDIO_TOKEN, VIDEO_TOKEN)) \
+        + sum(text.count(f'"type": "{kind}"') for kind in PLACEHOLDERS)
+    if modalities and have == 0:
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         if not users:
             raise RequestError("multi_modal_data: the messages have no user turn to attach the media to",
                                field="multi_modal_data")
         user = users[-1]
         c = messages[user].get("content", "")
-        media = [{"type": m.modality} for m in mm_inputs]
+        media = [{"type": m} for m in modalities]
         c = c if isinstance(c, list) else [{"type": "text", "text": c}]
         messages[user]["content"] = media + c
     return messages

@@ -1,4 +1,8 @@
-"""Qwen2.5-Omni thinker as a stage: text + image + audio in, text tokens and hidden states out.
+"""Qwen2.5-Omni thinker as a stage: text + image + audio + video in, text tokens and hidden states out.
+
+A video's frames are sampled and preprocessed as Qwen2_5OmniProcessor's video path does (2 fps; the model_kwargs
+`video_fps` and `video_limits` change the rate and the bounds); with `mm_processor_kwargs.use_audio_in_video` its
+audio track's rows are interleaved with its frames' in 2 s chunks (TMRoPE), as the processor lays them out.
 
 Per request (kept from `preprocess` to `remove_request`): the preprocessed image/audio inputs and
 the 3-D multimodal rotary positions of the prompt (transformers' `get_rope_index`); generated
@@ -22,14 +26,17 @@ from omni.engine.runner.attention import register_attention
 from omni.engine.runner.forward_context import get_forward_context
 from omni.engine.runner.output_head import prepare_cpu_head
 from omni.errors import ContextLengthError
-from omni.messages import StageInput
+from omni.messages import MultiModalInput, StageInput
 
 from stages.common.encoder_cache import DEFAULT_ENTRIES, EncoderCache
 from stages.common.mm_items import MMItem
 from stages.common.mrope import fill_mrope_positions
 from stages.common.thinker import OmniThinkerStage, text_model
+from stages.common.video_decode import VideoLimits
+from stages.common.video_items import VideoSpec, chunked_layout
 from stages.qwen2_5_omni.info import THINKER
-from stages.qwen2_5_omni.inputs import load_preprocess_config, messages_for, mm_num_tokens, preprocess_mm, render_chat
+from stages.qwen2_5_omni.inputs import (VIDEO_FPS, load_preprocess_config, messages_for, mm_num_tokens, preprocess_mm,
+                                        render_chat, video_settings_of)
 from stages.qwen2_5_omni.loading import load_omni_part
 
 
@@ -43,9 +50,15 @@ class Qwen2_5OmniThinkerStage(OmniThinkerStage):
     graphs_need_generated_tokens = True
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, preprocess_cfg: dict,
-                 encoder_cache_size: int = DEFAULT_ENTRIES):
+                 encoder_cache_size: int = DEFAULT_ENTRIES, video_fps: float = VIDEO_FPS,
+                 video_limits: dict | None = None):
         super().__init__(thinker, thinker, tokenizer, device, dtype, encoder_cache_size)
         self.preprocess_cfg = preprocess_cfg
+        cfg = thinker.config
+        self.video_spec = VideoSpec(video_settings_of(preprocess_cfg, video_fps), VideoLimits.of(video_limits),
+                                    self.video_token_id, self.audio_token_id, cfg.audio_start_token_id,
+                                    cfg.audio_end_token_id, cfg.position_id_per_seconds, cfg.seconds_per_chunk,
+                                    chunked_layout, preprocess_cfg["audio_sampling_rate"])
         self._graph_delta: torch.Tensor | None = None  # [max_num_seqs] int64: each replayed row's delta
 
     @classmethod
@@ -55,13 +68,15 @@ class Qwen2_5OmniThinkerStage(OmniThinkerStage):
 
         kwargs = dict(model_kwargs or {})
         cache_size = int(kwargs.pop("encoder_cache_size", DEFAULT_ENTRIES))
+        video_fps, video_limits = float(kwargs.pop("video_fps", VIDEO_FPS)), kwargs.pop("video_limits", None)
         thinker, _ = load_omni_part(Path(model_path), "thinker", Qwen2_5OmniThinkerForConditionalGeneration,
                                     dtype, device, **kwargs)
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
         text_model(thinker).config._attn_implementation = register_attention()
         prepare_cpu_head(thinker.lm_head, device)  # decode logits at memory speed
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
-        return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size)
+        return cls(thinker, tokenizer, device, dtype, load_preprocess_config(Path(model_path)), cache_size, video_fps,
+                   video_limits)
 
     @classmethod
     def encoder_cache_bytes(cls, model_kwargs: dict[str, Any], geometry: StageGeometry, dtype_bytes: int,
@@ -77,10 +92,14 @@ class Qwen2_5OmniThinkerStage(OmniThinkerStage):
                 raise ContextLengthError(f"{where}: the prompt's media take {media_tokens} placeholder tokens up to "
                                          f"this one, more than the model's {self.max_model_len} positions",
                                          field=where, limit=self.max_model_len, actual=media_tokens)
-        return [preprocess_mm(m, self.preprocess_cfg, where) for m, where in zip(inp.mm_inputs, names)]
+        return super().media_items(inp, names)
+
+    def mm_item(self, inp: MultiModalInput, where: str) -> MMItem:
+        return preprocess_mm(inp, self.preprocess_cfg, where)
 
     def render_prompt(self, inp: StageInput, items: list[MMItem]) -> str:
-        return render_chat(messages_for(inp.prompt, inp.mm_inputs), self.preprocess_cfg["system_prompt"])
+        messages = messages_for(inp.prompt, [it.modality for it in items])
+        return render_chat(messages, self.preprocess_cfg["system_prompt"])
 
     # ---------------------------------------------------------------- forward
     def prepare_cuda_graphs(self, max_num_seqs: int) -> None:

@@ -8,8 +8,12 @@
     chat_messages   a text prompt or messages, with media that have no placeholder part put first in the
                     last user turn (as Qwen2.5-Omni's stage does)
     media_item      an image: Qwen2-VL's Pillow image processor at the vision tower's patching, mean/std 0.5
-                    (Qwen3-Omni's preprocessor settings); a clip: Whisper log-mel features and transformers'
+                    (Qwen3-Omni's preprocessor settings); a clip: Whisper log-mel features of the clip alone (as
+                    Qwen3OmniMoeProcessor pads: to the longest clip) and transformers'
                     `_get_feat_extract_output_lengths` for its number of rows
+    video_settings_of  Qwen3OmniMoeProcessor's video path (stages/common/video.py): the image settings, frames
+                    between 128 and 768 merge patches of pixels, sampled at 1 fps (the rate its
+                    video_second_per_grid assumes)
 """
 from __future__ import annotations
 
@@ -24,16 +28,22 @@ from omni.messages import MultiModalInput
 from stages.common.audio_features import audio_item
 from stages.common.images import preprocess_image
 from stages.common.mm_items import MMItem, content_text, mm_hash
+from stages.common.video import video_settings
 
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "audio": AUDIO_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}
+# Qwen3OmniMoeProcessor's videos_kwargs (its frames' pixel bounds) and the fps its video_second_per_grid assumes
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, VIDEO_FPS = 128 * 32 * 32, 768 * 32 * 32, 1.0
 # Qwen3's chat template (and Qwen2.5's) around the tools' JSON, one tool a line, in the system turn
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
                 "with function signatures within <tools></tools> XML tags:\n<tools>")
 TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
                 "<args-json-object>}\n</tool_call><|im_end|>\n")
-AUDIO_CONFIG = {"audio_sampling_rate": 16000, "num_mel_bins": 128}  # Qwen3-Omni's Whisper feature extractor
+# Qwen3-Omni's Whisper feature extractor, as its processor calls it (padding=True: a clip alone is not padded)
+AUDIO_CONFIG = {"audio_sampling_rate": 16000, "num_mel_bins": 128, "audio_padding": "longest"}
 
 
 def image_config(vision_config: Any, max_pixels: int) -> dict[str, Any]:
@@ -43,8 +53,13 @@ def image_config(vision_config: Any, max_pixels: int) -> dict[str, Any]:
             "min_pixels": 56 * 56, "max_pixels": max_pixels}
 
 
+def video_settings_of(image_cfg: dict[str, Any], fps: float = VIDEO_FPS) -> dict[str, Any]:
+    """Qwen3-Omni's video processor settings (stages/common/video.py) next to its image settings."""
+    return video_settings(image_cfg, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, fps)
+
+
 def _text_of(content: Any, where: str) -> str:
-    return content_text(content, where, "Qwen3-Omni", IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER)
+    return content_text(content, where, "Qwen3-Omni", PLACEHOLDERS)
 
 
 def _tojson(value: Any) -> str:
@@ -102,7 +117,7 @@ def chat_messages(prompt: Any, modalities: list[str]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise RequestError("prompt: give a string or a list of chat messages ({'role', 'content'})", field="prompt")
     placed = sum(1 for m in messages if isinstance(m.get("content"), list)
-                 for part in m["content"] if isinstance(part, dict) and part.get("type") in ("audio", "image"))
+                 for part in m["content"] if isinstance(part, dict) and part.get("type") in PLACEHOLDERS)
     if modalities and not placed:
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         if not users:

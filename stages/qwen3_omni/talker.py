@@ -11,8 +11,9 @@ placeholders take the accept-layer rows through hidden_projection):
     decode step j input = sum of the codec embeddings of frame j (talker codec_embed(c0) + the code
                   predictor's embedding of each residual code) + trailing[j]
                   trailing = text_projection(embeds of g1 .. g_{n-2}), then tts_eos, then tts_pad
-    positions     with images: transformers' talker get_rope_index over the talker's own ids (user tokens,
-                  then tts_pad), the grids read from the thinker's mm_meta rows; generated p + delta.
+    positions     with images or videos: transformers' talker get_rope_index over the talker's own ids (user
+                  tokens, then tts_pad), the grids (and a video's seconds per temporal patch) read from the
+                  thinker's mm_meta rows; generated p + delta.
                   Without: 0, 1, 2, ... on all three rotary axes
     logits        the top 1024 ids but codec eos are suppressed
 
@@ -37,7 +38,9 @@ and tts_pad follow). The rows and positions are the one-shot path's, so the fram
 Residual codes follow the request: greedy for a greedy request (transformers' mirror of do_sample),
 sampled with transformers' code-predictor settings otherwise (stages/qwen3_omni/code_predictor.py).
 
-Not yet: video, and an image and a clip in one conversation (transformers' talker cannot place them).
+Not yet: an image or a video next to a clip in one conversation, and a video with its audio track
+(use_audio_in_video): transformers' talker cannot place them (it reads an audio config it does not have, and is
+not told use_audio_in_video).
 Block hashes cover each generated position's c0 token, not its residual codes: greedy residual codes
 are functions of the hashed prefix and c0, so equal hashes mean equal frames; for sampled residual
 codes, a generated block is only ever looked up by a request recomputed after preemption (a prompt's
@@ -232,7 +235,7 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
                            self.codec_embed(codec_ids)])
         rows = torch.cat([user_rows, text + codec])
         state = _TalkerRequest(rows.shape[0], list(ah[4:]), n, complete=not streaming)
-        if any(t == self.mm_token_ids[1] for t in prompt):  # images: 3-D positions over the talker's own sequence
+        if any(t in self.mm_token_ids[1:] for t in prompt):  # images, videos: 3-D positions over the talker's ids
             talker_ids = [prompt[i] for i in user.tolist()] + [full.tts_pad_token_id] * (rows.shape[0] - len(user))
             state.positions, state.delta = self._rope_index(talker_ids, [int(i) for i in user.tolist()], ex.mm_meta)
         self._set_trailing(state)
@@ -242,28 +245,40 @@ class Qwen3OmniTalkerStage(AutoregressiveStageModel):
     def _rope_index(self, talker_ids: list[int], user: list[int], meta: np.ndarray | None
                     ) -> tuple[torch.Tensor, int]:
         """transformers' talker positions: its get_rope_index over the talker's ids (user turns + tts_pad), with
-        the grids of the images in them, read from the thinker's mm_meta rows at each placeholder run."""
+        the grids of the images and videos in them (and each video's seconds per temporal patch), read from the
+        thinker's mm_meta rows at each placeholder run."""
         if meta is None:
-            raise RequestError("payload.mm_meta: an image prompt needs the thinker's mm_meta rows "
+            raise RequestError("payload.mm_meta: an image or video prompt needs the thinker's mm_meta rows "
                                "(use the qwen3_omni_thinker2talker input processor)", field="payload.mm_meta")
         meta = np.asarray(meta)
-        image_id, audio_id = self.mm_token_ids[1], self.mm_token_ids[0]
-        grids, clips = [], []
+        audio_id, image_id, video_id = self.mm_token_ids
+        grids, videos, seconds, clips = [], [], [], 0
         for k, i in enumerate(user):
             t = talker_ids[k]
-            if t in (image_id, audio_id) and (k == 0 or talker_ids[k - 1] != t):  # the first row of a run
-                if t == image_id:
-                    grids.append([int(v) for v in meta[i, :3]])
-                else:
-                    clips.append(int(meta[i, 3]))
+            if t == audio_id and meta[i, :3].any():  # a clip row with a video's grid: the video's track
+                raise RequestError("mm_processor_kwargs.use_audio_in_video: the Qwen3-Omni talker cannot place a "
+                                   "video's audio track (transformers' talker is not told use_audio_in_video and has "
+                                   "no audio config); ask for text only, or send the video without its track",
+                                   field="mm_processor_kwargs.use_audio_in_video")
+            if k and talker_ids[k - 1] == t:
+                continue  # not the first row of a run
+            if t == image_id:
+                grids.append([int(v) for v in meta[i, :3]])
+            elif t == video_id:
+                videos.append([int(v) for v in meta[i, :3]])
+                seconds.append(float(meta[i, 3]))
+            elif t == audio_id:
+                clips += 1
         if clips:
             # transformers' talker reads `config.audio_config` for clips next to images, which it does not have.
-            raise RequestError("multi_modal_data: the Qwen3-Omni talker cannot place an audio clip and an image "
-                               "in one conversation (transformers' talker has no audio config)",
+            raise RequestError("multi_modal_data: the Qwen3-Omni talker cannot place an audio clip next to an image "
+                               "or a video in one conversation (transformers' talker has no audio config)",
                                field="multi_modal_data")
         x = torch.tensor([talker_ids], dtype=torch.long)
-        pos, delta = self.talker.get_rope_index(x, torch.tensor(grids, dtype=torch.long), None, torch.ones_like(x),
-                                                False, None, None)
+        pos, delta = self.talker.get_rope_index(
+            x, torch.tensor(grids, dtype=torch.long) if grids else None,
+            torch.tensor(videos, dtype=torch.long) if videos else None, torch.ones_like(x), False, None,
+            torch.tensor(seconds) if videos else None)
         return pos[:, 0].long().cpu(), int(delta.reshape(-1)[0])
 
     def _set_trailing(self, st: _TalkerRequest) -> None:

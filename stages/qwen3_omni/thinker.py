@@ -8,7 +8,8 @@ Per token the forward emits, besides the last hidden states:
 
     embeds         the decoder's input rows (hidden_states[0] of transformers' generate)
     accept_hidden  the output of layer `talker_config.accept_hidden_layer` (hidden_states[k])
-    mm_meta        [grid t, h, w, audio frames] of the image / clip a placeholder row belongs to (the
+    mm_meta        [grid t, h, w, audio frames] of the image / clip a placeholder row belongs to; a video's
+                   rows (its track's too) [grid t, h, w, seconds per temporal patch] (the
                    talker's 3-D positions need them)
 
 which are what transformers' `Qwen3OmniMoeForConditionalGeneration.generate` hands the talker. They
@@ -25,8 +26,10 @@ the block hashes; their encoder rows (the encoder cache, stages/common/encoder_c
 inside whatever span a step computes, and an image's deepstack rows are added after the first decoder
 layers at its rows of the step (transformers' `visual_pos_masks` / `deepstack_visual_embeds`). With
 images, positions are transformers' `get_rope_index` per request (generated tokens at p + delta);
-without, they are plain on all three rotary axes. Video is refused (RequestError naming
-`multi_modal_data`).
+without, they are plain on all three rotary axes. A video's frames are sampled and preprocessed as
+Qwen3OmniMoeProcessor's video path does (1 fps; model_kwargs `video_fps` and `video_limits` change the rate and the
+bounds), its rows deepstacked like an image's; with `mm_processor_kwargs.use_audio_in_video` its audio track's rows
+are merged with its frames' by time, as the processor lays them out (only the video rows take deepstack rows).
 """
 from __future__ import annotations
 
@@ -38,7 +41,6 @@ import torch
 from omni.engine.runner.attention import register_attention
 from omni.engine.runner.forward_context import get_forward_context
 from omni.engine.runner.output_head import prepare_cpu_head
-from omni.errors import RequestError
 from omni.messages import StageInput
 
 from stages.common.encoder_cache import DEFAULT_ENTRIES
@@ -46,7 +48,10 @@ from stages.common.mm_items import MMItem
 from stages.common.mrope import fill_mrope_positions
 from stages.common.thinker import OmniThinkerStage, text_model
 from stages.qwen3_omni.info import THINKER
-from stages.qwen3_omni.inputs import chat_messages, image_config, media_item, render_chatml
+from stages.common.video_decode import VideoLimits
+from stages.common.video_items import VideoSpec, merged_layout
+from stages.qwen3_omni.inputs import (AUDIO_CONFIG, VIDEO_FPS, chat_messages, image_config, media_item,
+                                      render_chatml, video_settings_of)
 from stages.qwen3_omni.loading import load_qwen3_omni_part
 
 
@@ -56,7 +61,7 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
 
     def __init__(self, thinker, tokenizer, device: torch.device, dtype: torch.dtype, accept_hidden_layer: int,
                  system_prompt: str | None = None, encoder_cache_size: int = DEFAULT_ENTRIES,
-                 max_pixels: int = 12845056):
+                 max_pixels: int = 12845056, video_fps: float = VIDEO_FPS, video_limits: dict | None = None):
         super().__init__(thinker, thinker.model, tokenizer, device, dtype, encoder_cache_size)
         tc = self.text_config
         if not 0 <= accept_hidden_layer <= tc.num_hidden_layers:
@@ -64,8 +69,13 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
                              f"{tc.num_hidden_layers}-layer thinker (0..{tc.num_hidden_layers})")
         self.accept_hidden_layer = accept_hidden_layer
         self.system_prompt = system_prompt
-        self.image_cfg = image_config(thinker.config.vision_config, max_pixels)
-        self.audio_n_window = int(thinker.config.audio_config.n_window)
+        cfg = thinker.config
+        self.image_cfg = image_config(cfg.vision_config, max_pixels)
+        self.audio_n_window = int(cfg.audio_config.n_window)
+        self.video_spec = VideoSpec(video_settings_of(self.image_cfg, video_fps), VideoLimits.of(video_limits),
+                                    self.video_token_id, self.audio_token_id, cfg.audio_start_token_id,
+                                    cfg.audio_end_token_id, cfg.position_id_per_seconds, cfg.seconds_per_chunk,
+                                    merged_layout, AUDIO_CONFIG["audio_sampling_rate"])
 
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
@@ -76,6 +86,7 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
         system_prompt = kwargs.pop("system_prompt", None)
         cache_size = int(kwargs.pop("encoder_cache_size", DEFAULT_ENTRIES))
         max_pixels = int(kwargs.pop("max_pixels", 12845056))  # the 30B model's preprocessor_config
+        video_fps, video_limits = float(kwargs.pop("video_fps", VIDEO_FPS)), kwargs.pop("video_limits", None)
         thinker, full = load_qwen3_omni_part(Path(model_path), "thinker", Qwen3OmniMoeThinkerForConditionalGeneration,
                                              dtype, device, **kwargs)
         # Paged attention for the decoder only; the vision/audio encoders keep sdpa over their own inputs.
@@ -83,25 +94,16 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
         prepare_cpu_head(thinker.lm_head, device)  # decode logits at memory speed
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         return cls(thinker, tokenizer, device, dtype, int(full.talker_config.accept_hidden_layer), system_prompt,
-                   cache_size, max_pixels)
+                   cache_size, max_pixels, video_fps, video_limits)
 
     # ------------------------------------------------------------ per request
-    def media_items(self, inp: StageInput, names: list[str]) -> list[MMItem]:
-        refused = [(m.modality, where) for m, where in zip(inp.mm_inputs, names)
-                   if m.modality not in ("audio", "image")]
-        if refused:
-            raise RequestError(f"multi_modal_data: the Qwen3-Omni thinker stage takes text, image and audio; "
-                               f"{refused[0][0]} inputs ({refused[0][1]}) are not supported yet",
-                               field="multi_modal_data")
-        return [self.mm_item(m, where) for m, where in zip(inp.mm_inputs, names)]
-
     def render_prompt(self, inp: StageInput, items: list[MMItem]) -> str:
         return render_chatml(chat_messages(inp.prompt, [it.modality for it in items]), self.system_prompt, inp.tools)
 
     def prompt_positions(self, ids: list[int], items: list[MMItem]) -> tuple[torch.Tensor | None, int]:
-        """transformers' 3-D positions with images; without, plain positions (Qwen3-Omni's audio rows count as
-        text positions)."""
-        return self.rope_index(ids, items) if any(it.modality == "image" for it in items) else (None, 0)
+        """transformers' 3-D positions with images or videos; without, plain positions (Qwen3-Omni's audio rows
+        count as text positions)."""
+        return self.rope_index(ids, items) if any(it.modality in ("image", "video") for it in items) else (None, 0)
 
     def mm_item(self, inp, where: str) -> MMItem:
         return media_item(inp, where, self.image_cfg, self.audio_n_window, self.max_model_len)
@@ -131,13 +133,18 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
                         continue
                     if embeds is inputs_embeds:  # never write into the caller's tensor
                         embeds = embeds.clone()
-                    rows, deep = self.encode(item)
+                    rows, deep, visual = self.encode(item)
                     embeds[a + lo - start : a + hi - start] = rows[lo - item.offset : hi - item.offset]
                     if deep is not None:
-                        vis_rows.append(torch.arange(a + lo - start, a + hi - start))
+                        at = torch.arange(a + lo - start, a + hi - start)
+                        first, last = lo - item.offset, hi - item.offset  # the item's rows in this span...
+                        if visual is not None:  # ...of which the visual ones take deepstack rows
+                            at = at[visual[first:last]]
+                            first, last = int(visual[:first].sum()), int(visual[:last].sum())
+                        vis_rows.append(at)
                         deep_parts = deep_parts or [[] for _ in deep]
                         for k, d in enumerate(deep):
-                            deep_parts[k].append(d[lo - item.offset : hi - item.offset])
+                            deep_parts[k].append(d[first:last])
             if cpu_pos is not None:
                 pos3 = cpu_pos[:, None].to(embeds.device)
             if vis_rows:
@@ -164,7 +171,7 @@ class Qwen3OmniThinkerStage(OmniThinkerStage):
                 for item in st.items if st is not None else ():
                     lo, hi = max(start, item.offset), min(end, item.offset + item.num_tokens)
                     if lo < hi:
-                        value = (item.grid_thw.tolist() + [0] if item.modality == "image"
+                        value = (item.grid_thw.tolist() + [item.second_per_grid] if item.modality != "audio"
                                  else [0, 0, 0, item.frames])
                         meta[a + lo - start : a + hi - start] = torch.tensor(value, dtype=torch.float32)
         return meta.to(self.device)

@@ -284,7 +284,8 @@ def test_prompt_forms(chain):
     ({"prompt_token_ids": ["a"]}, "prompt_token_ids: expected a list of ints"),
     ({"prompt": 3}, "expected text or a list of chat messages"),
     ({"prompt_embeds": np.ones(3)}, "prompt_embeds: expected shape [num_tokens, hidden]"),
-    ({"prompt": "x", "multi_modal_data": {"video": 1}}, "unknown modality 'video'"),
+    ({"prompt": "x", "multi_modal_data": {"smell": 1}}, "unknown modality 'smell'"),
+    ({"prompt": "x", "multi_modal_data": {"video": 1}}, "multi_modal_data.video[0]: expected frames as a TxHxWxC"),
     ([1, 2, 3], "a list of ints is ambiguous"),
     (3.5, "expected a str, a dict"),
 ])

@@ -456,3 +456,47 @@ def test_realtime_function_calls_on_qwen3_omni(server):
          "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]}
     assert turn2[-1] == {"role": "tool", "tool_call_id": turn2[-2]["tool_calls"][0]["id"], "content": "Sunny, 21 C"}
     wait_idle(server)
+
+
+def _video_url(name: str) -> str:
+    data = (REPO / "tests" / "data" / "video" / f"{name}.mp4").read_bytes()
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def test_video_url_with_and_without_its_audio_track(client):
+    """vLLM-Omni's Qwen3 query: a video_url part and mm_processor_kwargs.use_audio_in_video at the request's top
+    level. The prompt holds the video's placeholders (2 temporal patches of 20x28 patches: 280 rows) and, with its
+    track, the track's too (2.8 s: 36 rows) between the audio start/end tokens; the talker voices a video, and refuses
+    one with its track naming the setting (transformers' talker cannot place it)."""
+    question = {"type": "text", "text": "What happens here?"}
+    text_only = client.chat.completions.create(model=MODEL, max_tokens=2,
+                                               messages=[{"role": "user", "content": [question]}])
+    part = {"type": "video_url", "video_url": {"url": _video_url("talk")}}
+    messages = [{"role": "user", "content": [part, question]}]
+    plain = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+    heard = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages,
+                                           extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}})
+    assert plain.usage.prompt_tokens == text_only.usage.prompt_tokens + 280 + 2
+    assert heard.usage.prompt_tokens == text_only.usage.prompt_tokens + 280 + 36 + 4
+    voiced = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages, **AUDIO_OUT)
+    assert voiced.choices[0].message.audio.data
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages, **AUDIO_OUT,
+                                       extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}})
+    assert e.value.body["param"] == "mm_processor_kwargs.use_audio_in_video", e.value.body
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}]}]},
+     "messages[0].content[0].video_url.url", "only data: URLs"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {
+        "url": "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()}}]}]},
+     "messages[0].content[0].video_url", "not a readable video file"),
+    ({"messages": HELLO, "mm_processor_kwargs": {"num_frames": 8}}, "mm_processor_kwargs.num_frames",
+     "not a setting"),
+    ({"messages": HELLO, "mm_processor_kwargs": {"use_audio_in_video": "yes"}},
+     "mm_processor_kwargs.use_audio_in_video", "expected true or false"),
+])
+def test_bad_video_requests_name_the_field(server, body, param, words):
+    got, _, err = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, **body})
+    assert got == 400 and err["error"]["param"] == param and words in err["error"]["message"], err

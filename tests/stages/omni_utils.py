@@ -88,13 +88,20 @@ CASES = {
 def hf_inputs(stage, inp: StageInput) -> tuple[list[int], dict]:
     """The prompt ids our thinker builds + the tensors transformers' generate takes for them."""
     prepared = stage.preprocess(inp)
-    items = prepared.extra["thinker"].items
+    items = sorted(prepared.extra["thinker"].items, key=lambda i: i.offset)  # prompt order
     kw: dict = {}
     images = [i for i in items if i.modality == "image"]
-    audios = [i for i in items if i.modality == "audio"]
+    videos = [i for i in items if i.modality == "video"]
+    # a video's audio track is an audio input of transformers' where the video is (the processor's order)
+    audios = [a for i in items for a in ([i] if i.modality == "audio" else [i.audio]) if a is not None]
     if images:
         kw["pixel_values"] = torch.cat([i.data for i in images])
         kw["image_grid_thw"] = torch.stack([i.grid_thw for i in images])
+    if videos:
+        kw["pixel_values_videos"] = torch.cat([i.data for i in videos])
+        kw["video_grid_thw"] = torch.stack([i.grid_thw for i in videos])
+        kw["video_second_per_grid"] = torch.tensor([i.second_per_grid for i in videos])
+        kw["use_audio_in_video"] = any(i.audio is not None for i in videos)
     if audios:
         frames = max(i.data.shape[1] for i in audios)
         feats = torch.zeros(len(audios), audios[0].data.shape[0], frames)

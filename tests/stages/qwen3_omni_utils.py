@@ -142,6 +142,38 @@ def hf_reference(variant: str, inp: StageInput, **kw) -> tuple[list[int], np.nda
                        pixels=images[0].data if images else None, grid=images[0].grid_thw if images else None, **kw)
 
 
+def hf_thinker_tokens(inp: StageInput, variant: str = "tiny") -> list[int]:
+    """transformers' Qwen3OmniMoeForConditionalGeneration.generate (text out) on the ids and tensors our thinker
+    builds: pixel values and grids of the images and videos, the tracks' features, use_audio_in_video."""
+    prepared = stages(variant)[0].preprocess(inp)
+    items = sorted(prepared.extra["thinker"].items, key=lambda i: i.offset)
+    images = [i for i in items if i.modality == "image"]
+    videos = [i for i in items if i.modality == "video"]
+    clips = [a for i in items for a in ([i] if i.modality == "audio" else [i.audio]) if a is not None]
+    kw: dict = {}
+    if images:
+        kw.update(pixel_values=torch.cat([i.data for i in images]),
+                  image_grid_thw=torch.stack([i.grid_thw for i in images]))
+    if videos:
+        kw.update(pixel_values_videos=torch.cat([v.data for v in videos]),
+                  video_grid_thw=torch.stack([v.grid_thw for v in videos]),
+                  video_second_per_grid=torch.tensor([v.second_per_grid for v in videos]),
+                  use_audio_in_video=any(v.audio is not None for v in videos))
+    if clips:
+        frames = max(c.data.shape[1] for c in clips)
+        feats = torch.zeros(len(clips), clips[0].data.shape[0], frames)
+        mask = torch.zeros(len(clips), frames, dtype=torch.long)
+        for j, c in enumerate(clips):
+            feats[j, :, : c.data.shape[1]], mask[j, : c.data.shape[1]] = c.data, 1
+        kw.update(input_features=feats, feature_attention_mask=mask)
+    x = torch.tensor([prepared.token_ids])
+    with torch.inference_mode():
+        seq = hf_model(variant).generate(input_ids=x, attention_mask=torch.ones_like(x), return_audio=False,
+                                        thinker_max_new_tokens=THINKER_MAX, thinker_do_sample=False, **kw)
+    seq = seq[0] if isinstance(seq, tuple) else seq
+    return seq[0, x.shape[1]:].tolist()
+
+
 def make_chain(variant: str, *, caching: bool = True, block_size: int = 4, chunk: int = 512, code2wav_kwargs=None):
     """Three engines wired like stage_configs/qwen3_omni_tiny.yaml (without the pipeline layer)."""
     from omni.engine.one_shot import OneShotEngineConfig, OneShotStageEngine

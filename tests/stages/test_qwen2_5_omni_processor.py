@@ -43,7 +43,7 @@ def _ours(thinker_stage, prompt, mm):
 def _rendered(thinker_stage, prompt, mm) -> str:
     from stages.qwen2_5_omni.inputs import messages_for, render_chat
 
-    return render_chat(messages_for(prompt, mm), thinker_stage.preprocess_cfg["system_prompt"])
+    return render_chat(messages_for(prompt, [m.modality for m in mm]), thinker_stage.preprocess_cfg["system_prompt"])
 
 
 @pytest.mark.parametrize("shape", [(56, 84), (61, 93), (300, 97), (17, 29)])
@@ -102,7 +102,7 @@ def test_audio_features_are_made_only_when_the_encoder_reads_them(thinker_stage)
     mm = [MultiModalInput("audio", wave, 16000)]
     _, (first,) = _ours(thinker_stage, chat, mm)
     assert first._data is None and first.frames == -(-wave.shape[0] // 160)  # known from the length
-    rows, _ = thinker_stage.encode(first)  # a miss: the features are made now
+    rows = thinker_stage.encode(first)[0]  # a miss: the features are made now
     ref = _reference_processor(thinker_stage)(text=[_rendered(thinker_stage, chat, mm)], audio=[wave],
                                               return_tensors="pt")
     valid = int(ref["feature_attention_mask"][0].sum())

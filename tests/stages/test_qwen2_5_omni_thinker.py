@@ -102,6 +102,8 @@ def test_encoder_cache_hit_when_image_straddles_cached_and_fresh_block(thinker_s
 def test_bad_multimodal_input_is_a_clear_error(thinker_stage):
     engine = make_engine(None, model=thinker_stage, block_size=4)
     with pytest.raises(ValueError, match="modality"):
+        engine.add_request(StageInput("x", prompt="hi", mm_inputs=[MultiModalInput("voice", image(0))]))
+    with pytest.raises(ValueError, match=r"video\[0\]: expected a video file's bytes .* shape \(56, 84, 3\)"):
         engine.add_request(StageInput("x", prompt="hi", mm_inputs=[MultiModalInput("video", image(0))]))
     with pytest.raises(ValueError, match="placeholder"):
         engine.add_request(StageInput("y", prompt="<|vision_bos|><|IMAGE|><|vision_eos|> hi"))

@@ -155,12 +155,15 @@ def test_refusals_name_the_field():
     thinker, talker, code2wav = stages("tiny")
     from omni.messages import MultiModalInput
 
-    frames = np.zeros((4, 32, 32, 3), np.uint8)
+    frames = np.zeros((4, 32, 32, 3), np.float32)
     with pytest.raises(RequestError) as e:
         thinker.preprocess(StageInput("r", prompt="hi", mm_inputs=[MultiModalInput("video", frames)]))
-    assert e.value.field == "multi_modal_data" and "video" in str(e.value)
+    assert e.value.field == "multi_modal_data.video[0]" and "uint8" in str(e.value)
     with pytest.raises(RequestError) as e:
         thinker.preprocess(StageInput("r", prompt=[{"role": "user", "content": [{"type": "video"}]}]))
+    assert e.value.field == "prompt" and "more video placeholders than video mm_inputs (0)" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        thinker.preprocess(StageInput("r", prompt=[{"role": "user", "content": [{"type": "hologram"}]}]))
     assert e.value.field == "prompt[0].content[0].type"
     with pytest.raises(RequestError) as e:
         talker.preprocess(StageInput("r"))

@@ -101,3 +101,19 @@ def test_a_talker_killed_mid_request_fails_it_and_the_pipeline_serves_the_next(p
     assert after.outputs["thinker"].token_ids == before.outputs["thinker"].token_ids
     assert len(after.outputs["code2wav"].audio) > 0
     np.testing.assert_array_equal(after.outputs["code2wav"].audio, before.outputs["code2wav"].audio)
+
+
+def test_a_video_with_its_processor_setting_crosses_to_the_thinker_actor(pipeline):
+    """A video named by path (read into its bytes by the API) and the request's mm_processor_kwargs reach the thinker
+    actor; its reply equals transformers' generate on the same tensors, and the talker voices it."""
+    from tests.stages.qwen3_omni_utils import hf_thinker_tokens
+    from tests.stages.video_utils import DATA, QUESTION, video_request
+
+    _, omni = pipeline
+    [r] = omni.generate([{"prompt": QUESTION, "multi_modal_data": {"video": str(DATA / "video" / "plain.mp4")},
+                          "mm_processor_kwargs": {"use_audio_in_video": False}, "request_id": "video"}],
+                        use_tqdm=False)
+    assert r.error is None, r.error
+    want = hf_thinker_tokens(video_request("ref", "plain", False))
+    assert isinstance(want, list) and r.outputs["thinker"].token_ids == want
+    assert r.outputs["code2wav"].audio.size > 0

@@ -100,7 +100,7 @@ def test_both_omni_renderers_name_a_part_they_cannot_take_and_leave_empty_conten
     from omni.errors import RequestError
     from stages.qwen2_5_omni.inputs import render_chat
 
-    video = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "video"}]}]
+    video = [{"role": "user", "content": "Hi"}, {"role": "user", "content": [{"type": "hologram"}]}]
     for render, model in ((lambda m: render_chatml(m, None), "Qwen3-Omni"), (lambda m: render_chat(m, "S"),
                                                                               "Qwen2.5-Omni")):
         with pytest.raises(RequestError, match=rf"prompt\[1\]\.content\[0\]\.type: the {model} thinker") as e:

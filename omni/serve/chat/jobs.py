@@ -1,8 +1,10 @@
 """OpenAI requests -> what AsyncOmni runs (a Job): the prompt, per-stage sampling, what to send back.
 
-    chat messages          -> chat messages for the entry stage; each image_url / input_audio part
-                              becomes an {"type": "image" | "audio"} part + its decoded array in
-                              mm_inputs (images RGB uint8, audio mono float32 resampled to the model's rate)
+    chat messages          -> chat messages for the entry stage; each image_url / input_audio / video_url part
+                              becomes an {"type": "image" | "audio" | "video"} part + its decoded array in
+                              mm_inputs (images RGB uint8, audio mono float32 resampled to the model's rate,
+                              a video its file's bytes: the stage decodes the frames it samples)
+    mm_processor_kwargs    -> StageInput.mm_processor_kwargs (use_audio_in_video)
     top-level sampling     -> the text stage (the stage whose final_output is text), over its defaults
     sampling_params_list   -> stage i (config order), over its defaults; the top-level fields win on the text stage
     cache_salt             -> StageInput.cache_salt;  audio.voice -> the request's speaker
@@ -15,7 +17,7 @@ from typing import Any
 
 from omni.messages import MultiModalInput, StageInput
 from omni.serve.audio.codecs import decode_audio
-from omni.serve.media import b64decode, decode_image, parse_data_url
+from omni.serve.media import b64decode, decode_image, parse_data_url, video_bytes
 from omni.serve.generation.job import TOP_LEVEL_SAMPLING, Job, voice_short_replies
 from omni.serve.generation.tools import force_tool_call, template_tool_calls
 from omni.serve.http.errors import bad_request, too_large
@@ -106,13 +108,15 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
         raise bad_request(f"modalities: pipeline {info.model!r} has no text output stage", "modalities")
     n_media = _media_count(req)
     if n_media > settings.max_media_items:
-        raise too_large(f"messages: {n_media} images/audio clips, at most {settings.max_media_items} per request "
-                        "(--max-media-items)", "messages")
+        raise too_large(f"messages: {n_media} images/audio clips/videos, at most {settings.max_media_items} per "
+                        "request (--max-media-items)", "messages")
     fields = {"prompt": "messages", "speaker": "audio.voice", "tools": "tools", "request_id": "request_id",
-              "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+              "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+              "mm_processor_kwargs": "mm_processor_kwargs",
+              "mm_processor_kwargs.use_audio_in_video": "mm_processor_kwargs.use_audio_in_video"}
     messages: list[dict[str, Any]] = []
     media: list[MultiModalInput] = []
-    counts = {"image": 0, "audio": 0}
+    counts = {"image": 0, "audio": 0, "video": 0}
     for i, msg in enumerate(req.messages):
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(msg.content or []):
@@ -124,6 +128,9 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
                 _, data = parse_data_url(part.image_url.url, f"{where}.image_url.url", "image")
                 item = MultiModalInput("image", decode_image(data, f"{where}.image_url.url", settings.max_media_bytes))
                 at = f"{where}.image_url"
+            elif part.type == "video_url":
+                at = f"{where}.video_url"
+                item = MultiModalInput("video", video_bytes(part.video_url.url, f"{at}.url", settings.max_media_bytes))
             else:
                 rate_out = settings.audio_input_rate  # resampled to it; its size bounded before allocating
                 if part.type == "input_audio":
@@ -147,7 +154,8 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
         raise bad_request(unknown, voice_field)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools,
-                        chat_template_kwargs=dict(req.chat_template_kwargs) if req.chat_template_kwargs else None)
+                        chat_template_kwargs=dict(req.chat_template_kwargs) if req.chat_template_kwargs else None,
+                        mm_processor_kwargs=dict(req.mm_processor_kwargs) if req.mm_processor_kwargs else None)
     job = Job(request_id, prompt, {}, info.text_stage if "text" in want else None,
               info.audio_stage if "audio" in want else None, info.text_stage or info.entry_stage,
               [], fields)

@@ -76,8 +76,19 @@ class AudioURLPart(RequestModel):
     audio_url: AudioURL = Field(description="The audio.")
 
 
-ContentPart = Annotated[TextPart | ImagePart | InputAudioPart | AudioURLPart, Field(discriminator="type")]
-PART_TAGS = frozenset({"text", "image_url", "input_audio", "audio_url"})  # dropped from error paths
+class VideoURL(RequestModel):
+    url: str = Field(description="A data: URL, data:video/mp4;base64,... (mp4, webm, mkv, mov, ...).")
+
+
+class VideoURLPart(RequestModel):
+    type: Literal["video_url"] = Field(description="A video part (vLLM's shape); with mm_processor_kwargs."
+                                       "use_audio_in_video, its audio track is heard too.")
+    video_url: VideoURL = Field(description="The video.")
+
+
+ContentPart = Annotated[TextPart | ImagePart | InputAudioPart | AudioURLPart | VideoURLPart,
+                        Field(discriminator="type")]
+PART_TAGS = frozenset({"text", "image_url", "input_audio", "audio_url", "video_url"})  # dropped from error paths
 
 
 class AssistantAudio(RequestModel):
@@ -105,7 +116,7 @@ class ToolCall(RequestModel):
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks.")
     content: list[ContentPart] | None = Field(
-        None, description="Text, or a list of text / image_url / input_audio / audio_url parts.")
+        None, description="Text, or a list of text / image_url / input_audio / audio_url / video_url parts.")
     name: str | None = Field(None, description="Accepted; not shown to the model.")
     audio: AssistantAudio | None = Field(None, description="An assistant turn's earlier audio reply (by id).")
     # What the openai client's ChatCompletionMessage carries when a reply is appended to the conversation as is.

@@ -43,7 +43,6 @@ VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,),
     "vllm_xargs": (None,),
     "kv_transfer_params": (None,),
-    "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
 }
 
@@ -149,7 +148,9 @@ class GenerationRequest(RequestModel):
     structural_tag: Any = Field(None, description="vLLM's: not implemented (null).")
     vllm_xargs: Any = Field(None, description="vLLM's: not implemented (null).")
     kv_transfer_params: Any = Field(None, description="vLLM's: not implemented (null).")
-    mm_processor_kwargs: Any = Field(None, description="vLLM's: not implemented (null or {}).")
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: how the model's processor takes the media. {\"use_audio_in_video\": true}: each "
+        "video's audio track interleaved with its frames by time (the Qwen omni thinkers).")
     prompt_embeds: Any = Field(None, description="vLLM's: not implemented over HTTP (null); the Python API takes "
                                "prompt_embeds.")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
@@ -174,6 +175,12 @@ class GenerationRequest(RequestModel):
     @model_validator(mode="after")
     def _vllm_unsupported(self) -> "GenerationRequest":
         check_unsupported(self, VLLM_UNSUPPORTED)
+        for key, value in (self.mm_processor_kwargs or {}).items():
+            if key != "use_audio_in_video":
+                raise field_error(f"mm_processor_kwargs.{key}", "not a setting this server's processors take "
+                                  "(use_audio_in_video)", "unsupported_parameter")
+            if not isinstance(value, bool):
+                raise field_error("mm_processor_kwargs.use_audio_in_video", f"expected true or false, got {value!r}")
         return self
 
     @field_validator("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p")
