@@ -51,7 +51,7 @@ def one_line_error(capsys) -> str:
     ('{"prompt_token_ids": "12"}', "prompt_token_ids: expected a list of ints"),
     ('{"prompt_token_ids": []}', "prompt_token_ids: the prompt is empty (0 tokens)"),
     ('{"prompt": [{"role": "user"}]}', "prompt.messages[0].content: expected text or a list of content parts"),
-    ('{"prompt": [{"role": "user", "content": [{"type": "video"}]}]}', "messages[0].content[0]: expected a dict"),
+    ('{"prompt": [{"role": "user", "content": [{"type": "hologram"}]}]}', "messages[0].content[0]: expected a dict"),
     ('{"prompt": "x", "multi_modal_data": {"audio": [[[0.1], 16000, 1]]}}', "multi_modal_data.audio[0]"),
     ('{"prompt": "x", "request_id": 7}', "request_id: expected a str, got int"),
     # inline arrays: their shape is checked now, not by the stage once the models have loaded
