@@ -103,9 +103,16 @@ def _ray_cpus(args: argparse.Namespace, cfg: Any) -> dict[str, float]:
 
 
 def _backend_overrides(args: argparse.Namespace, cfg: Any, base: dict[str, Any], backend: str) -> dict[str, Any]:
-    if backend != "ray":
+    """Every stage's forward pass with --threads-per-stage threads on both backends: num_cpus of each stage actor
+    on Ray; in-process, the stages take turns on one polling thread, which gets the CPUs they reserve together
+    (omni/pipeline/threads.py), so each reserves its share of one stage's threads."""
+    k = args.threads_per_stage
+    if backend == "ray":
+        return _merge(base, {s: {"resources": {"num_cpus": n}} for s, n in _ray_cpus(args, cfg).items()})
+    if not k:
         return base
-    return _merge(base, {s: {"resources": {"num_cpus": n}} for s, n in _ray_cpus(args, cfg).items()})
+    share = k / sum(s.replicas for s in cfg.stages)
+    return _merge(base, {s.name: {"resources": {"num_cpus": share}} for s in cfg.stages})
 
 
 def _step_timers(omni: Any) -> dict[str, dict[str, float]]:
@@ -135,7 +142,8 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
                  backend="local")
     ray_omni = None
     try:
-        print(f"  local backend up in {time.perf_counter() - t0:.1f}s (torch threads: {torch.get_num_threads()})")
+        local_threads = _ray_threads(local)
+        print(f"  local backend up in {time.perf_counter() - t0:.1f}s (torch threads per stage: {local_threads})")
         t0 = time.perf_counter()
         ray_omni = Omni(cfg, stage_overrides=_backend_overrides(args, cfg, base_overrides, "ray"), backend="ray")
         ray_threads = _ray_threads(ray_omni)
@@ -190,7 +198,7 @@ def bench_backends(args: argparse.Namespace, cfg: Any, base_overrides: dict[str,
         "tick_cpu_ms": {name: {stage: s["tick_cpu_ms"] for stage, s in by_stage.items()}
                         for name, by_stage in steps.items()},
         "threads": {"cpu_count": cores, "local_torch_threads": torch.get_num_threads(),
-                    "threads_per_stage_setting": k or None,
+                    "threads_per_stage_setting": k or None, "local_torch_threads_per_stage": local_threads,
                     "ray_num_cpus_per_stage": ray_cpus, "ray_torch_threads_per_stage": ray_threads},
     }
 
