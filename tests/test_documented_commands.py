@@ -387,6 +387,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni serve \S+ --ray-serve\b", covered("tests/serve/test_ray_serve.py::test_ray_serve_ingress")),
     (r"^omni serve \.\.\. --enable-auto-tool-choice --tool-call-parser hermes$",
      covered("tests/serve/test_auto_tools_server.py::test_a_call_in_the_reply_comes_back_as_tool_calls")),
+    (r"^omni serve \.\.\. --default-modalities text,audio$",
+     covered("tests/serve/test_vllm_omni_defaults.py::test_no_modalities_is_text_and_audio_on_a_server_that_says_so")),
     # benches with smoke tests of their own
     (r"^omni bench kv$", covered("tests/bench/test_bench_kv.py::test_bench_kv_reports_every_key")),
     (r"^omni bench cuda-graphs$", covered("tests/bench/test_bench_cuda_graphs.py::test_without_cuda_it_is_a_clean_skip")),
