@@ -85,6 +85,10 @@ def test_a_talker_killed_mid_request_fails_it_and_the_pipeline_serves_the_next(p
     while o.stats()["stages"]["talker"].get("running", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert o.stats()["stages"]["talker"]["running"] == 1  # held mid-request
+    # ... and the thinker done with it (a loaded machine may still be generating its reply): its part is reported
+    while o.stats()["stages"]["thinker"].get("running", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert o.stats()["stages"]["thinker"]["running"] == 0
     ray.kill(o._backend.actors["talker"], no_restart=False)
     released(hold)  # the restarted talker runs freely
     t.join(120)
