@@ -3,13 +3,13 @@ tiny_chain): a committed clip is transcribed beside the conversation (completed 
 a session transcribes at most --max-session-responses clips at once."""
 from __future__ import annotations
 
-import asyncio
 import base64
 
 import pytest
 
 from tests.fakes import fake_factory
 from tests.serve.realtime_utils import pcm16, ran_to_its_end, speech_24k, until
+from tests.serve.realtime.test_realtime_protocol import _text_turn, run
 from tests.serve.server_utils import CHAIN, held, serve_in_process, wait_idle
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,17 +22,6 @@ def server():
         yield s
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def _text_turn(conn, text: str) -> tuple[list, object]:
-    seen: list = []
-    await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                              "content": [{"type": "input_text", "text": text}]})
-    await conn.response.create()
-    done = await until(conn, "response.done", seen)
-    return seen, done
 
 
 def test_input_audio_transcription_completes_or_fails_alone(server):
