@@ -257,6 +257,11 @@ class Omni:
         self._check_open()
         return self._infos[self.graph.entry_stages[0]].shows_tools
 
+    def speaks_prompt(self) -> bool:
+        """Whether the entry stage's model speaks its prompt (StageInfo.speaks_prompt: a text-to-speech model)."""
+        self._check_open()
+        return self._infos[self.graph.entry_stages[0]].speaks_prompt
+
     def input_media(self) -> tuple[str, ...] | None:
         """The multimodal inputs ("image", "audio") a request's prompt may hold: the entry stage's
         (StageInfo.input_media: () for a model that renders no prompt of its own); None when it does not say."""

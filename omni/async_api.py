@@ -152,6 +152,10 @@ class AsyncOmni:
         """Omni.shows_tools() (as voices())."""
         return self._omni.shows_tools()
 
+    def speaks_prompt(self) -> bool:
+        """Omni.speaks_prompt() (as voices())."""
+        return self._omni.speaks_prompt()
+
     def input_media(self) -> tuple[str, ...] | None:
         """Omni.input_media() (as voices())."""
         return self._omni.input_media()

@@ -29,7 +29,7 @@ from omni.messages import MultiModalInput, StageInput
 from omni.prompt_videos import video_input
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "multi_modal_data", "cache_salt", "request_id",
-               "tools", "chat_template_kwargs", "mm_processor_kwargs")
+               "tools", "chat_template_kwargs", "mm_processor_kwargs", "voice")
 MODALITIES = ("image", "audio", "video")
 PART_TYPES = ("text", *MODALITIES)
 
@@ -93,11 +93,31 @@ def to_stage_input(p: Any, where: str, new_id: Callable[[], str]) -> StageInput:
     mm_kwargs = p.get("mm_processor_kwargs")
     if mm_kwargs is not None and not (isinstance(mm_kwargs, Mapping) and all(isinstance(k, str) for k in mm_kwargs)):
         raise _bad(where, "mm_processor_kwargs", "expected a dict like {'use_audio_in_video': True}")
+    media, extra = mm_inputs(p.get("multi_modal_data"), where), voice_options(p.get("voice"), where)
+    if "reference_text" in extra:
+        media.append(extra.pop("reference_audio"))
     return StageInput(p.get("request_id") or new_id(), prompt=prompt, prompt_token_ids=ids, prompt_embeds=embeds,
-                      mm_inputs=mm_inputs(p.get("multi_modal_data"), where),
+                      mm_inputs=media, extra=extra,
                       cache_salt=p.get("cache_salt"), tools=[dict(t) for t in tools] if tools else None,
                       chat_template_kwargs=dict(kwargs) if kwargs else None,
                       mm_processor_kwargs=dict(mm_kwargs) if mm_kwargs else None)
+
+
+def voice_options(voice: Any, where: str) -> dict[str, Any]:
+    """A prompt's `voice`: a voice's name (the talkers' speakers, a text-to-speech model's named voices) ->
+    {"speaker": name}; a reference clip {"audio": wave | (wave, rate), "text": its transcript} (a text-to-speech
+    model clones it) -> {"reference_text", "reference_audio"}: the clip goes after the prompt's other media."""
+    if voice is None:
+        return {}
+    if isinstance(voice, str) and voice:
+        return {"speaker": voice}
+    if not isinstance(voice, Mapping) or set(voice) != {"audio", "text"} or not isinstance(voice["text"], str):
+        raise _bad(where, "voice", "expected a voice's name, or a reference clip {'audio': wave | (wave, rate), "
+                   "'text': its transcript}")
+    clip = mm_inputs({"audio": voice["audio"]}, where)
+    if len(clip) != 1:
+        raise _bad(where, "voice.audio", "expected one clip: a waveform or (waveform, sampling_rate)")
+    return {"reference_text": voice["text"], "reference_audio": clip[0]}
 
 
 def check_messages(messages: Any, where: str = "") -> None:

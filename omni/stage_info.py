@@ -40,6 +40,9 @@ class StageInfo:
     # The fewest upstream tokens it needs to produce anything as the upstream generates (a talker's 2: it
     # voices each reply token from the row of the next one); `omni serve` voices a shorter reply once whole.
     min_upstream_tokens: int = 1
+    # A text-to-speech model: its prompt is the text it speaks (a voice in `extra["speaker"]`, a style in
+    # `extra["instructions"]`); `omni serve`'s speech endpoint hands it `input` as it is, no reply forced.
+    speaks_prompt: bool = False
     # -- filled in by a loaded model ------------------------------------------------------------
     # The voices it speaks in (a talker's speakers, from its checkpoint): what `omni serve` checks a
     # request's voice against; () for a model that names none.

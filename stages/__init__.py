@@ -25,6 +25,10 @@ def register() -> None:
                          info="stages.qwen3_omni.info:TALKER")
     register_stage_model("qwen3_omni_code2wav", "stages.qwen3_omni.edges:Qwen3OmniCode2WavStage",
                          info="stages.qwen3_omni.info:CODE2WAV")
+    register_stage_model("higgs_audio_v2", "stages.higgs_audio_v2.edges:HiggsAudioV2Stage",
+                         info="stages.higgs_audio_v2.info:MODEL")
+    register_stage_model("higgs_audio_v2_codec", "stages.higgs_audio_v2.edges:HiggsAudioV2CodecStage",
+                         info="stages.higgs_audio_v2.info:CODEC")
 
     register_input_processor("hidden_to_embeds", "stages.common.processors:hidden_to_embeds", needs_hidden_states=True,
                              incremental="stages.common.processors:hidden_to_embeds_chunk")
@@ -41,5 +45,9 @@ def register() -> None:
     register_input_processor("qwen3_omni_talker2code2wav", "stages.qwen3_omni.edges:talker2code2wav",
                              needs_hidden_states=True, incremental="stages.qwen3_omni.edges:talker2code2wav_chunk",
                              chunk_state="stages.qwen3_omni.edges:FramesFeed")
+    # Higgs Audio v2: the codec reads the model's `audio_codes` rows, aligned (the delay pattern undone).
+    register_input_processor("higgs_audio_v2_to_codec", "stages.higgs_audio_v2.edges:model2codec",
+                             needs_hidden_states=True, incremental="stages.higgs_audio_v2.edges:model2codec_chunk",
+                             chunk_state="stages.higgs_audio_v2.edges:DelayedFrames")
 
     register_model_path_scheme("builtin", "stages.checkpoints.builtin:builtin_path", check="stages.checkpoints.builtin:check_builtin")

@@ -27,6 +27,7 @@ BENCHES = {
     "capacity": "capacity",
     "plan": "plan",
     "realtime": "realtime",
+    "tts": "tts",
     "qwen3-vs-hf": "qwen3_vs_hf",
     "head": "head",
     "cuda-graphs": "cuda_graphs",

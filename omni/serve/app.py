@@ -77,6 +77,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
     info = PipelineInfo.of(omni.config, settings.served_model_name, omni.voices(), omni.shows_tools(),
                            omni.context_reserve(), omni.min_spoken_tokens(), omni.input_media())
     info.voice_map = checked_voice_map(settings.voice_map, info)
+    info.speaks_prompt = omni.speaks_prompt()
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state

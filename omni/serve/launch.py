@@ -18,6 +18,7 @@ import math
 import signal
 import socket
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default, OpenAI's) or text,audio (vLLM-Omni's)")
     p.add_argument("--voice-map", help="OpenAI voice names -> the pipeline's voices, e.g. alloy=Chelsie,echo=Ethan "
                    "(default: none, OpenAI's names are refused)")
+    p.add_argument("--voice-dir", help="a folder of NAME.wav + NAME.txt (its transcript) pairs: the voices a "
+                   "text-to-speech stage clones, by NAME (default: the config's model_kwargs.voices)")
     p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help='chat tool_choice "auto" (the default with tools): calls read from the reply (needs '
                         "--tool-call-parser), as vLLM's flag")
@@ -123,6 +126,26 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         default_modalities=_listed(args.default_modalities), voice_map=_voice_map(args.voice_map),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser)
+
+
+def with_voice_dir(config: Any, voice_dir: str | None) -> Any:
+    """--voice-dir DIR: the config with `model_kwargs.voice_dir` set on its text-to-speech stages (StageInfo.
+    speaks_prompt); ConfigError when DIR is no folder or no stage clones voices."""
+    if voice_dir is None:
+        return config
+    from omni.errors import ConfigError
+    from omni.registry import stage_model_entry
+
+    folder = Path(voice_dir).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--voice-dir: {folder} is not a directory", field="--voice-dir")
+    stages = [s if not stage_model_entry(s.model).info.speaks_prompt else
+              s.model_copy(update={"model_kwargs": {**s.model_kwargs, "voice_dir": str(folder.resolve())}})
+              for s in config.stages]
+    if stages == list(config.stages):
+        raise ConfigError(f"--voice-dir: no stage of pipeline {config.name!r} is a text-to-speech model that clones "
+                          "voices", field="--voice-dir")
+    return config.model_copy(update={"stages": stages})
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -233,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = AsyncOmni.load_config(args.config, args.stage_overrides, memory_gb=getattr(args, "memory_gb", None),
                                        check_paths=True)
+        config = with_voice_dir(config, args.voice_dir)
         settings = settings_from_args(args)
     except ConfigError as e:
         return error(str(e))

@@ -56,6 +56,8 @@ class PipelineInfo:
     media: tuple[str, ...] | None = None
     # --voice-map: OpenAI's voice names (lower case) -> the pipeline's voices; empty: off (such a name is refused)
     voice_map: dict[str, str] = field(default_factory=dict)
+    # The entry stage is a text-to-speech model (Omni.speaks_prompt): speech requests hand it `input` as its prompt
+    speaks_prompt: bool = False
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),

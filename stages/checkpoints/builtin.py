@@ -9,6 +9,7 @@ a family and checking a name imports no torch.
     builtin:smollm2                           stages/checkpoints/smollm2.py
     builtin:*-qwen2_5-omni*                   stages/qwen2_5_omni/checkpoint.py
     builtin:*-qwen3-omni*                     stages/qwen3_omni/checkpoint.py
+    builtin:*-higgs-audio-v2*                 stages/higgs_audio_v2/checkpoint.py
 
     python -m stages.checkpoints.builtin --all          # warm the cache (used by `make`)
 """
@@ -41,6 +42,9 @@ RECIPES: dict[str, Recipe] = {
     "tiny-qwen3-omni": Recipe("stages.qwen3_omni.checkpoint:tiny_qwen3_omni_checkpoint", ("tiny",)),
     "tiny-qwen3-omni-k1g2": Recipe("stages.qwen3_omni.checkpoint:tiny_qwen3_omni_checkpoint", ("k1g2",)),
     "small-qwen3-omni": Recipe("stages.qwen3_omni.checkpoint:tiny_qwen3_omni_checkpoint", ("small",)),
+    "tiny-higgs-audio-v2": Recipe("stages.higgs_audio_v2.checkpoint:higgs_checkpoint", ("tiny",)),
+    "tiny-higgs-audio-v2-k8": Recipe("stages.higgs_audio_v2.checkpoint:higgs_checkpoint", ("k8",)),
+    "small-higgs-audio-v2": Recipe("stages.higgs_audio_v2.checkpoint:higgs_checkpoint", ("small",)),
     "qwen2_5-omni-7b-shapes": Recipe("stages.qwen2_5_omni.checkpoint:shapes_omni_checkpoint"),
 }
 BUILTIN_MODELS = tuple(RECIPES)

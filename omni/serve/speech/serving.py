@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
-    """The thinker prompt (instructions, input) with its reply forced to `input`; audio wanted."""
+    """The thinker prompt (instructions, input) with its reply forced to `input`, or, when the entry stage is a
+    text-to-speech model, `input` as its prompt with the voice and instructions; audio wanted."""
     if info.audio_stage is None:
         raise bad_request(f"model: pipeline {info.model!r} has no audio output stage", "model")
     if unknown := info.unknown_voice(req.speaker, req.voice_field):
@@ -61,6 +62,13 @@ def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
     if req.response_format not in encodable():
         raise bad_request(f"response_format: {req.response_format!r} has no encoder on this server; one of "
                           f"{', '.join(encodable())}", "response_format", "unsupported_value")
+    if info.speaks_prompt:
+        # a text-to-speech model: `input` is its prompt, the voice and the instructions its options
+        extra = {"speaker": info.speaker(req.speaker), "instructions": req.instructions or None}
+        prompt = StageInput("", prompt=req.input, extra=extra)
+        fields = {"prompt": "input", "speaker": req.voice_field, "voice": req.voice_field,
+                  "instructions": "instructions"}
+        return Job(request_id, prompt, {}, None, info.audio_stage, info.entry_stage, [], fields)
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -88,9 +96,13 @@ class _SpeechRun(Run):
         return super()._error(err)
 
 
-def _usage(run: Run) -> dict[str, int]:
+def _usage(run: Run, speaks_prompt: bool = False) -> dict[str, int]:
     """OpenAI's speech usage: the input is what the thinker read (its prompt, and its reply forced to `input`:
-    nothing of it sampled), the output what was generated, the talker's codec tokens (OpenAI's audio tokens)."""
+    nothing of it sampled), the output what was generated, the talker's codec tokens (OpenAI's audio tokens). A
+    text-to-speech entry stage reads its prompt and generates the audio frames itself."""
+    if speaks_prompt:
+        return {"input_tokens": run.prompt_tokens, "output_tokens": run.completion_tokens,
+                "total_tokens": run.prompt_tokens + run.completion_tokens}
     read = run.prompt_tokens + run.completion_tokens
     return {"input_tokens": read, "output_tokens": run.audio_tokens, "total_tokens": read + run.audio_tokens}
 
@@ -237,7 +249,7 @@ async def _sse_body(reply: _Reply, fmt: str) -> AsyncIterator[dict[str, str]]:
         else:
             samples, rate = await _collect(reply)
             yield delta(await asyncio.to_thread(encode, samples, rate, fmt))
-        yield sse_event({"type": "speech.audio.done", "usage": _usage(reply.run)})
+        yield sse_event({"type": "speech.audio.done", "usage": _usage(reply.run, reply.state.info.speaks_prompt)})
     except ApiError as e:
         reply.reason = "error"
         yield sse_error(e)

@@ -1,0 +1,233 @@
+"""Higgs Audio v2's LLM as a stage: text (and reference voices) in, audio codec frames out, one frame a step.
+
+Mirrors transformers' `HiggsAudioV2ForConditionalGeneration.generate` for one request:
+
+    prompt        the conversation rendered by the checkpoint's chat template, each audio item's placeholders
+                  expanded to its frames (stages/higgs_audio_v2/prompt.py); an audio position's input is the sum
+                  of its frame's K codebook embeddings (`embed_audio_tokens`), a text position's the token's
+    decoder       the Llama decoder with DualFFN: a position whose token is <|AUDIO_OUT|> or the delay token
+                  goes through the audio layer norms and MLP, any other through the text ones (transformers
+                  runs every decode position on the audio path: each is one of those two tokens)
+    a step        the audio head's K x C logits of the request's last position, masked by the delay pattern
+                  (stages/higgs_audio_v2/delay.py), sampled per codebook with the request's temperature, top-k
+                  and top-p (greedy: argmax); the frame feeds the next position; the token the engine appends
+                  is the frame's flat token (audio / delay / eos: eos ends the request)
+
+The frame is sampled inside `forward`, which knows each row's request; `compute_logits` then hands the engine
+logits that allow only the frame's flat token, so the engine's stop rules (eos, max_tokens) run as for any model.
+Log-probabilities and the sampler's token-level options mean nothing here and are refused at admission.
+
+Per-token output `audio_codes`: at the position that sampled frame j, the frame (K codes); -1 elsewhere, so the
+codec edge reads every frame, the last one included, from the rows.
+
+Block hashes: the prompt's audio items are multimodal features hashed by their frames (any code of any codebook
+changes the hash); generated positions are hashed by their flat tokens, and a request recomputed after preemption
+replays its own kept frames. A sampled request's generated blocks could be looked up only by another request with
+the same prompt and the same flat tokens; `model_kwargs`' seed or a `cache_salt` keeps sampled voices apart when
+that matters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni.engine.memory import StageGeometry, checkpoint_geometry
+from omni.engine.runner.attention import register_attention
+from omni.engine.runner.forward_context import get_forward_context
+from omni.engine.runner.sampler import Sampler, make_generator
+from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
+from omni.errors import RequestError
+from omni.messages import StageInput
+from omni.sampling_params import SamplingParams
+
+from stages.common.decoder import decoder_kv_spec
+from stages.higgs_audio_v2.delay import AudioIds, DelayState, next_token
+from stages.higgs_audio_v2.info import MODEL
+from stages.higgs_audio_v2.prompt import HiggsPrompter
+
+# Request options that select or score text tokens: the frames are sampled by the stage, not by the engine.
+_REFUSED = {"logprobs": None, "prompt_logprobs": None, "min_tokens": 0, "ignore_eos": False}
+
+
+@dataclass(slots=True)
+class _Request:
+    num_prompt: int
+    frames_at: dict[int, np.ndarray]  # prompt position -> its audio frame [K]
+    last_prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    input_complete: bool = True
+    frames: list[list[int]] = field(default_factory=list)  # frame j: sampled at position num_prompt - 1 + j
+    tokens: list[int] = field(default_factory=list)  # the flat token of each frame
+    delay: DelayState | None = None
+
+    def last_token(self, j: int) -> int:
+        return self.tokens[j - 1] if j else self.last_prompt_ids[-1]
+
+
+class HiggsAudioV2Stage(AutoregressiveStageModel):
+    info = MODEL
+
+    def __init__(self, model, tokenizer, prompter: HiggsPrompter, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompter = prompter
+        self.device, self.dtype = device, dtype
+        cfg = self.config = model.config
+        self.info = prompter.info(MODEL)
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = int(cfg.max_position_embeddings)
+        self.eos_token_id = int(cfg.eos_token_id if not isinstance(cfg.eos_token_id, list) else cfg.eos_token_id[0])
+        self.ids = AudioIds(audio_token=cfg.audio_token_id, delay_token=cfg.audio_delay_token_id,
+                            audio_bos=cfg.audio_bos_token_id, eos_token=self.eos_token_id,
+                            stream_bos=cfg.audio_stream_bos_id, stream_eos=cfg.audio_stream_eos_id,
+                            num_codebooks=cfg.num_codebooks, codebook_size=cfg.codebook_size)
+        self.decoder = model.model
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._flat: list[int] = []  # flat tokens of this step's sampled rows, in packed order
+
+    @classmethod
+    def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
+             model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None) -> "HiggsAudioV2Stage":
+        from transformers import AutoTokenizer, HiggsAudioV2ForConditionalGeneration
+
+        kwargs = dict(model_kwargs or {})
+        model = HiggsAudioV2ForConditionalGeneration.from_pretrained(
+            str(model_path), dtype=dtype, attn_implementation=register_attention())
+        model.to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
+        prompter = HiggsPrompter.from_checkpoint(Path(model_path), tokenizer, model.config, device, kwargs)
+        return cls(model, tokenizer, prompter, device, dtype)
+
+    @classmethod
+    def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
+        return checkpoint_geometry(model_path)
+
+    def kv_spec(self) -> KVSpec:
+        return decoder_kv_spec(self.config)
+
+    def stats(self) -> dict[str, Any]:
+        return self.prompter.stats()
+
+    # -- requests -------------------------------------------------------------------------------
+    def preprocess(self, inp: StageInput) -> PreparedPrompt:
+        sp = inp.sampling_params
+        if isinstance(sp, SamplingParams):
+            for name, default in _REFUSED.items():
+                value = getattr(sp, name, default)
+                if value is not None and value != default:
+                    raise RequestError(f"{name}: higgs_audio_v2 samples audio frames, not text tokens: leave "
+                                       f"{name} at {default!r}", field=name)
+        return self.prompter.prepare(inp)
+
+    def add_request(self, request_id: str, prompt: PreparedPrompt | None, inp: StageInput) -> None:
+        if prompt is None:
+            raise RequestError("higgs_audio_v2 renders its own prompt: give text or chat messages", field="prompt")
+        sp = inp.sampling_params if isinstance(inp.sampling_params, SamplingParams) else SamplingParams()
+        params = SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+                                seed=sp.seed)
+        self._requests[request_id] = _Request(
+            num_prompt=len(prompt.token_ids), frames_at=prompt.extra["frames_at"],
+            last_prompt_ids=list(prompt.token_ids[-self.ids.num_codebooks:]), params=params,
+            generator=make_generator(params, self.device), input_complete=inp.input_complete)
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # -- the step -------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(input_ids)
+
+    def _frame_rows(self, ctx) -> tuple[list[int], list[list[int]]]:
+        """The batch rows that are audio positions with a known frame, and their frames."""
+        rows, frames = [], []
+        for rid, a, start, end in ctx.request_spans():
+            st = self._requests[rid]
+            for p in range(start, end):
+                if p < st.num_prompt:
+                    frame = st.frames_at.get(p)
+                    if frame is not None:
+                        rows.append(a + p - start)
+                        frames.append(frame.tolist())
+                else:
+                    rows.append(a + p - start)
+                    frames.append(st.frames[p - st.num_prompt])  # sampled at position p - 1
+        return rows, frames
+
+    def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
+        ctx = get_forward_context()
+        ids = input_ids
+        embeds = self.decoder.embed_tokens(ids) if inputs_embeds is None else inputs_embeds.clone()
+        rows, frames = self._frame_rows(ctx)
+        audio = (ids == self.ids.audio_token) | (ids == self.ids.delay_token)
+        if rows:
+            codes = torch.tensor(frames, dtype=torch.long, device=embeds.device)
+            audio_embeds = self.decoder.embed_audio_tokens(codes)
+            embeds[torch.tensor(rows, device=embeds.device)] = audio_embeds.to(embeds.dtype)
+        mask = None if bool(audio.all()) else audio[None]
+        h = embeds[None]
+        pos = positions[None]
+        rotary = self.decoder.rotary_emb(h, pos)
+        for layer in self.decoder.layers[: self.config.num_hidden_layers]:
+            h = layer(h, position_embeddings=rotary, attention_mask=None, audio_token_mask=mask, position_ids=pos)
+        hidden = self.decoder.norm(h)[0]
+        out_codes = torch.full((hidden.shape[0], self.ids.num_codebooks), -1.0, dtype=torch.float32,
+                               device=hidden.device)
+        self._flat = self._sample_frames(ctx, hidden)
+        self._codes_rows(ctx, out_codes)
+        return {"hidden_states": hidden, "audio_codes": out_codes}
+
+    def _sample_frames(self, ctx, hidden: torch.Tensor) -> list[int]:
+        """Sample (or replay) the frame of every request whose last known position this step computed."""
+        due: list[tuple[_Request, int, int]] = []  # (request, batch row, frame index)
+        for rid, a, start, end in ctx.request_spans():
+            st = self._requests[rid]
+            j = end - st.num_prompt
+            if st.input_complete and end >= st.num_prompt and j == len(st.frames):
+                due.append((st, a + end - 1 - start, j))
+        if not due:
+            return []
+        k, c = self.ids.num_codebooks, self.ids.codebook_size
+        rows = torch.tensor([r for _, r, _ in due], device=hidden.device)
+        logits = self.model.audio_lm_head(hidden[rows]).float().view(len(due), k, c)
+        masked = []
+        for (st, _, j), scores in zip(due, logits):
+            if st.delay is None:
+                st.delay = DelayState(self.ids, st.last_prompt_ids)
+            masked.append(st.delay.mask(scores, st.last_token(j)))
+        params = [st.params for st, _, _ in due for _ in range(k)]
+        gens = [st.generator for st, _, _ in due for _ in range(k)]
+        codes = self.sampler(torch.cat(masked), params, gens).view(len(due), k).tolist()
+        flat = []
+        for (st, _, j), frame in zip(due, codes):
+            tok = next_token(self.ids, frame, st.last_token(j))
+            st.frames.append(frame)
+            st.tokens.append(tok)
+            flat.append(tok)
+        return flat
+
+    def _codes_rows(self, ctx, out_codes: torch.Tensor) -> None:
+        """Every computed position that sampled a frame (this step or before a recompute) gets it as its row."""
+        for rid, a, start, end in ctx.request_spans():
+            st = self._requests[rid]
+            first = max(start, st.num_prompt - 1)
+            last = min(end, st.num_prompt - 1 + len(st.frames))
+            if last > first:
+                out_codes[a + first - start:a + last - start] = torch.tensor(
+                    st.frames[first - st.num_prompt + 1:last - st.num_prompt + 1], dtype=out_codes.dtype)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        flat, self._flat = self._flat, []
+        if hidden_states.shape[0] != len(flat):
+            raise RuntimeError(f"higgs_audio_v2: {hidden_states.shape[0]} rows to sample, {len(flat)} frames sampled "
+                               "by the forward (the stage computes no logits for other rows)")
+        logits = torch.full((len(flat), self.vocab_size), float("-inf"), dtype=torch.float32,
+                            device=hidden_states.device)
+        logits[torch.arange(len(flat)), torch.tensor(flat, dtype=torch.long)] = 0.0
+        return logits

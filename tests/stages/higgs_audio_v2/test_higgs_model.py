@@ -1,0 +1,91 @@
+"""Higgs Audio v2's LLM stage equals transformers' `HiggsAudioV2ForConditionalGeneration.generate`: greedy frames
+(every codebook, under the delay pattern) with prefix caching on and off, with and without a reference voice,
+batched with requests of other lengths, and for a second request in the same voice that hits the cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omni.errors import RequestError
+from omni.messages import StageInput
+from omni.sampling_params import SamplingParams
+from stages.checkpoints.builtin import builtin_path
+from tests.engine_utils import assert_no_leak
+from tests.stages.higgs_audio_v2.higgs_utils import engine_for, hf_frames, load_stage, run, voice_codes
+
+TEXTS = ["The sun rises in the east.", "A second, rather longer sentence to speak now, slowly.", "Yes."]
+
+
+@pytest.fixture(scope="module", params=["tiny", "k8"])
+def setup(request, tmp_path_factory):
+    from transformers import HiggsAudioV2ForConditionalGeneration
+
+    path = builtin_path(f"tiny-higgs-audio-v2{'' if request.param == 'tiny' else '-k8'}")
+    hf = HiggsAudioV2ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    k, c = hf.config.num_codebooks, hf.config.audio_stream_bos_id
+    voices = {"alice": voice_codes(k, c, 40, 0), "bob": voice_codes(k, c, 33, 1)}
+    stage = load_stage(path, voices, tmp_path_factory.mktemp("voices"))
+    return path, hf, stage, voices
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_batched_frames_equal_transformers_generate(setup, caching):
+    path, hf, stage, voices = setup
+    engine = engine_for(stage, path, caching=caching)
+    reqs = [(TEXTS[0], "alice"), (TEXTS[1], None), (TEXTS[2], "bob"), (TEXTS[1], "alice")]
+    got = run(engine, reqs)
+    for (text, voice), (frames, _) in zip(reqs, got):
+        want = hf_frames(hf, stage, text, voices.get(voice), voice_name=voice)
+        np.testing.assert_array_equal(frames, want)
+        assert (frames[0] == hf.config.audio_stream_bos_id).all()  # the generation starts all stream-bos
+    assert_no_leak(engine)
+
+
+def test_second_request_in_a_voice_hits_the_cache_and_equals_transformers(setup):
+    path, hf, stage, voices = setup
+    engine = engine_for(stage, path)
+    (first, o1), = run(engine, [(TEXTS[0], "alice")], prefix="a")
+    (second, o2), = run(engine, [(TEXTS[1], "alice")], prefix="b")
+    # the voice reference (system turn, transcript, every frame of the clip) is a cached prefix of the second
+    assert o2.num_cached_tokens >= 16 * ((len(voices["alice"][0]) + 4 + 20) // 16)
+    np.testing.assert_array_equal(second, hf_frames(hf, stage, TEXTS[1], voices["alice"], voice_name="alice"))
+    (again, o3), = run(engine, [(TEXTS[1], "bob")], prefix="c")
+    np.testing.assert_array_equal(again, hf_frames(hf, stage, TEXTS[1], voices["bob"], voice_name="bob"))
+    assert_no_leak(engine)
+
+
+def test_one_residual_code_changes_the_voice_blocks(setup, tmp_path):
+    path, hf, stage, voices = setup
+    other = voices["alice"].copy()
+    other[-1, 3] = (other[-1, 3] + 1) % hf.config.audio_stream_bos_id  # one code of the last codebook
+    twin = load_stage(path, {"alice": voices["alice"], "twin": other}, tmp_path)
+    a = twin.prompter.prepare(StageInput("a", prompt=TEXTS[0], extra={"speaker": "alice"}))
+    b = twin.prompter.prepare(StageInput("b", prompt=TEXTS[0], extra={"speaker": "twin"}))
+    assert a.token_ids == b.token_ids  # the same placeholders...
+    assert a.mm_features[0].mm_hash != b.mm_features[0].mm_hash  # ...never the same blocks
+
+
+def test_seeded_sampling_is_reproducible(setup):
+    path, hf, stage, voices = setup
+    params = dict(temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    (a, _), = run(engine_for(stage, path), [(TEXTS[0], "alice")], prefix="s", **params)
+    (b, _), (c, _) = run(engine_for(stage, path), [(TEXTS[0], "alice"), (TEXTS[1], None)], prefix="t", **params)
+    np.testing.assert_array_equal(a, b)  # the same draws whatever shares the batch
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", 2), ("min_tokens", 3), ("ignore_eos", True)])
+def test_text_token_options_are_refused_by_name(setup, field, value):
+    path, hf, stage, voices = setup
+    engine = engine_for(stage, path)
+    with pytest.raises(RequestError, match="samples audio frames") as e:
+        engine.add_request(StageInput("x", prompt="Hi.", sampling_params=SamplingParams(**{field: value})))
+    assert e.value.field == field
+    assert_no_leak(engine)
+
+
+def test_unknown_voice_names_the_known_ones(setup):
+    path, hf, stage, voices = setup
+    with pytest.raises(RequestError, match="known: alice, bob") as e:
+        stage.prompter.prepare(StageInput("x", prompt="Hi.", extra={"speaker": "carol"}))
+    assert e.value.field == "voice"
