@@ -25,6 +25,8 @@ def register() -> None:
                          info="stages.qwen3_omni.info:TALKER")
     register_stage_model("qwen3_omni_code2wav", "stages.qwen3_omni.edges:Qwen3OmniCode2WavStage",
                          info="stages.qwen3_omni.info:CODE2WAV")
+    register_stage_model("higgs_audio_v2_codec", "stages.higgs_audio_v2.codec:HiggsAudioV2CodecStage",
+                         info="stages.higgs_audio_v2.info:CODEC")
 
     register_input_processor("hidden_to_embeds", "stages.common.processors:hidden_to_embeds", needs_hidden_states=True,
                              incremental="stages.common.processors:hidden_to_embeds_chunk")

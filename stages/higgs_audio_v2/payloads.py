@@ -1,0 +1,17 @@
+"""What Higgs Audio v2's input processors hand its models."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from omni.messages import EdgePayload
+
+
+@dataclass(slots=True)
+class CodesToWave(EdgePayload):
+    """The codec's side input: audio frames as the LLM generated them, the delay pattern already undone and
+    each code clipped to the codebook (as transformers' processor does before its audio tokenizer's decode).
+    On a streaming edge each chunk carries the frames that arrived since the last one."""
+
+    codes: np.ndarray  # [frames, num_codebooks] int64
