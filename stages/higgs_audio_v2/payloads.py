@@ -10,7 +10,8 @@ from omni.messages import EdgePayload
 
 @dataclass(slots=True)
 class CodesToWave(EdgePayload):
-    """higgs_audio_v2_to_codec: the codec's frames, aligned (the delay pattern undone) and clipped to the codebook
-    (prompt_token_ids carries their first codebook for the engine's bookkeeping)."""
+    """The codec's side input: audio frames as the LLM generated them, the delay pattern already undone and
+    each code clipped to the codebook (as transformers' processor does before its audio tokenizer's decode).
+    On a streaming edge each chunk carries the frames that arrived since the last one."""
 
     codes: np.ndarray  # [frames, num_codebooks] int64
