@@ -125,9 +125,9 @@ async def _mode(args, tts: str, audio: str, folder: Path, voices, requests, **mo
     omni = await AsyncOmni.create(args.config, overrides, args.backend)
     try:
         await closed_loop_timed(omni, [{"prompt": "Warm up, please."}], 1, id_prefix="warm")  # one-time costs
-        before = (await omni.stats())[tts]
+        before = (await omni.stats())["stages"][tts]
         recs = _records((await closed_loop_timed(omni, requests, 1, id_prefix="q"))[0], audio)
-        after = (await omni.stats())[tts]
+        after = (await omni.stats())["stages"][tts]
         later = [r["ttfa_s"] for i, r in enumerate(recs) if i not in firsts]
         result: dict[str, Any] = {"ttfa_ms_p50": 1000 * statistics.median(later), "records": recs,
                                   "hit_rate": _hit_rate(before, after)}

@@ -128,14 +128,15 @@ def serve_in_process(config: Path | str, *args: str, env: dict[str, str] | None 
     from omni.cli.entry import build_parser
     from omni.config.loader import load_config
     from omni.serve.app import create_app
-    from omni.serve.launch import UVICORN_SHUTDOWN_S, settings_from_args
+    from omni.serve.launch import UVICORN_SHUTDOWN_S, settings_from_args, with_voice_dir
 
     ns = build_parser().parse_args(["serve", str(config), *args])
     with pytest.MonkeyPatch.context() as mp:
         for k, v in (env or {}).items():
             mp.setenv(k, v)
         settings = settings_from_args(ns)
-    omni = AsyncOmni(load_config(ns.config, ns.stage_overrides), backend=ns.backend, engine_factory=engine_factory)
+    config = with_voice_dir(load_config(ns.config, ns.stage_overrides), ns.voice_dir)
+    omni = AsyncOmni(config, backend=ns.backend, engine_factory=engine_factory)
     sock = socket.socket()
     try:
         sock.bind(("127.0.0.1", 0))

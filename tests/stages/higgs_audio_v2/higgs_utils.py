@@ -48,12 +48,14 @@ def run(engine, requests: list[tuple[str, str | None]], max_tokens: int = 48, pr
     return result
 
 
-def hf_frames(hf, stage: HiggsAudioV2Stage, text: str, voice: np.ndarray | None, max_tokens: int = 48,
-              voice_name: str | None = None) -> np.ndarray:
-    """transformers' generate on the same prompt: the generated frames [n, K]."""
+def hf_frames(hf, stage: HiggsAudioV2Stage | None, text: str, voice: np.ndarray | None, max_tokens: int = 48,
+              voice_name: str | None = None, prompt_ids: list[int] | None = None) -> np.ndarray:
+    """transformers' generate on the same prompt (our stage's, or `prompt_ids`): the generated frames [n, K]."""
     cfg = hf.config
-    prompt = stage.prompter.prepare(StageInput("hf", prompt=text, extra={"speaker": voice_name} if voice_name else {}))
-    ids = torch.tensor([prompt.token_ids])
+    if prompt_ids is None:
+        extra = {"speaker": voice_name} if voice_name else {}
+        prompt_ids = stage.prompter.prepare(StageInput("hf", prompt=text, extra=extra)).token_ids
+    ids = torch.tensor([prompt_ids])
     kwargs = {}
     if voice is not None:
         fr = build_delay_pattern(voice, cfg.audio_stream_bos_id, cfg.audio_stream_eos_id)
