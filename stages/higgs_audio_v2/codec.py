@@ -2,7 +2,7 @@
 
     one shot   all frames decoded at once: transformers' `HiggsAudioV2TokenizerModel.decode` (the processor's
                batch_decode runs it on the frames once the delay pattern is undone and the codes clipped); a
-               step's requests of equal length decode as one batch
+               step's requests of equal length decode as one batch (of at most max_num_batched_tokens frames)
     streaming  (a `stream: true` edge from the LLM) frames [s, e) are decoded on the window
                [s - left_context_frames, e + right_context_frames) as soon as those frames exist (the whole
                rest at the end) and the samples of [s, e) kept. The DAC decoder is not causal: every
@@ -42,7 +42,6 @@ from stages.higgs_audio_v2.info import CODEC
 from stages.higgs_audio_v2.payloads import CodesToWave
 
 PROCESSOR = "higgs_audio_v2 LLM -> codec"  # the input processor that makes CodesToWave, as errors name it
-_EMPTY = np.zeros(0, np.float32)
 
 
 @dataclass(slots=True, eq=False)
@@ -141,17 +140,21 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
         return self.check_codes(value, have)
 
     @torch.inference_mode()
-    def decode_batch(self, windows: list[np.ndarray]) -> list[np.ndarray]:
-        """Each [n, K] window's waveform: windows of one length decode as one batch, the others alone."""
+    def decode_batch(self, windows: list[np.ndarray], max_frames: int | None = None) -> list[np.ndarray]:
+        """Each [n, K] window's waveform: windows of one length decode as one batch of at most `max_frames`
+        frames in all (None: no bound; a longer window alone), the others alone."""
         out: list[np.ndarray | None] = [None] * len(windows)
         by_length: dict[int, list[int]] = {}
         for i, w in enumerate(windows):
             by_length.setdefault(len(w), []).append(i)
-        for idx in by_length.values():
-            codes = torch.from_numpy(np.stack([windows[i].T for i in idx])).to(self.device)
-            wave = self.codec.decode(codes)[:, 0].float().cpu().numpy()
-            for row, i in enumerate(idx):
-                out[i] = wave[row]
+        for length, idx in by_length.items():
+            per_call = len(idx) if max_frames is None else max(1, max_frames // max(1, length))
+            for first in range(0, len(idx), per_call):
+                part = idx[first : first + per_call]
+                codes = torch.from_numpy(np.stack([windows[i].T for i in part])).to(self.device)
+                wave = self.codec.decode(codes)[:, 0].float().cpu().numpy()
+                for row, i in enumerate(part):
+                    out[i] = wave[row]
         return out
 
     def profile_inputs(self, lengths: list[int]) -> list[StageInput]:
@@ -168,11 +171,12 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
         return self._codes(inp)
 
     def run_generation(self, job: np.ndarray) -> dict[str, Any]:
-        return self.run_generation_batch([job], 0)[0]
+        return self.run_generation_batch([job], None)[0]
 
-    def run_generation_batch(self, jobs: list[np.ndarray], max_batch_tokens: int) -> list[dict[str, Any]]:
-        waves = iter(self.decode_batch([j for j in jobs if len(j)]))
-        return [{"audio": next(waves) if len(j) else _EMPTY, "sampling_rate": self.sampling_rate} for j in jobs]
+    def run_generation_batch(self, jobs: list[np.ndarray], max_batch_tokens: int | None) -> list[dict[str, Any]]:
+        waves = iter(self.decode_batch([j for j in jobs if len(j)], max_batch_tokens))
+        return [{"audio": next(waves) if len(j) else np.zeros(0, np.float32), "sampling_rate": self.sampling_rate}
+                for j in jobs]
 
     # -- streaming --------------------------------------------------------------
     def prepare_stream(self, inp: StageInput, seed: int) -> _CodeStream:
@@ -212,10 +216,10 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
             return None
         start = state.done
         if end <= start:
-            return _Window(state, start, end, start, start, None, _EMPTY)
+            return _Window(state, start, end, start, start, None, np.zeros(0, np.float32))
         lo = max(0, start - self.left_context_frames)
         hi = min(state.total, end + self.right_context_frames)
-        return _Window(state, start, end, lo, hi, state.codes(lo, hi).copy())
+        return _Window(state, start, end, lo, hi, state.codes(lo, hi))
 
     def item_size(self, item: _Window) -> int:
         return item.hi - item.lo
