@@ -43,7 +43,7 @@ def test_omni_validate_imports_no_torch():
 
 @pytest.mark.parametrize("name", ["causal_lm", "qwen2_5_omni_thinker", "qwen2_5_omni_talker",
                                   "qwen2_5_omni_token2wav", "qwen3_omni_thinker", "qwen3_omni_talker",
-                                  "qwen3_omni_code2wav", "higgs_audio_v2_codec"])
+                                  "qwen3_omni_code2wav", "higgs_audio_v2", "higgs_audio_v2_codec"])
 def test_registered_stage_models_resolve_and_their_facts_hold(name):
     entry = registry.stage_model_entry(name)
     cls = registry.resolve_stage_model(name)

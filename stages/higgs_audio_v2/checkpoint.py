@@ -24,7 +24,7 @@ from stages.checkpoints.cache import build_once, cache_root, save_tokenizer
 from stages.checkpoints.qwen_tokenizer import qwen_bpe_tokenizer
 from stages.checkpoints.random_init import TEXT_STD
 
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2  # v2: the codec recipe v2
 _SEED = 2468
 # After Qwen2's 151,643 BPE ranks, in this order (ids 151643...).
 HIGGS_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",

@@ -41,7 +41,7 @@ from stages.higgs_audio_v2.codec_model import HiggsCodec
 from stages.higgs_audio_v2.info import CODEC
 from stages.higgs_audio_v2.payloads import CodesToWave
 
-PROCESSOR = "higgs_audio_v2 LLM -> codec"  # the input processor that makes CodesToWave, as errors name it
+PROCESSOR = "higgs_audio_v2_to_codec"  # the input processor that makes CodesToWave, as errors name it
 
 
 @dataclass(slots=True, eq=False)

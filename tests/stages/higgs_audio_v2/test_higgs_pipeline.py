@@ -20,7 +20,7 @@ from tests.stages.higgs_audio_v2.higgs_utils import VOICE_TEXT, hf_frames
 pytestmark = pytest.mark.timeout(600)
 CONFIG = "stage_configs/higgs_audio_v2_tiny.yaml"
 TEXTS = ["Please water the plants before you leave.", "Our train was delayed by twenty minutes."]  # 40+ frames
-STREAMED_SNR_DB = 30.0  # the streamed windows' bound against the one-shot decode (codec.py)
+STREAMED_SNR_DB = 60.0  # the streamed windows' bound against the one-shot decode (codec.py)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +74,22 @@ def _speak(omni, texts, voice="beckett"):
     return [np.asarray(o.outputs["codec"].audio, np.float32) for o in outs]
 
 
+AGREE_DB = 80.0  # the random codec's deep decoder amplifies fp32 rounding: 97-110 dB between batch shapes
+
+
+def _agrees(audio: np.ndarray, want: np.ndarray) -> None:
+    """The same waveform up to the blocking of fp32 sums (the codec's convolutions in other batch shapes and thread
+    counts): one differing code of one frame puts it below 20 dB."""
+    from omni.bench.measures import snr_db
+
+    assert len(audio) == len(want) and snr_db(want, audio) >= AGREE_DB
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_one_shot_audio_equals_transformers(clip, reference, caching):
     with Omni(CONFIG, _overrides(clip[0], caching=caching, streamed=False), backend="local") as o:
         for text, audio in zip(TEXTS, _speak(o, TEXTS)):
-            np.testing.assert_array_equal(audio, reference[text])
+            _agrees(audio, reference[text])
 
 
 def test_streamed_audio_has_the_one_shot_length_and_agrees(clip, reference):
@@ -111,12 +122,12 @@ def test_a_per_request_reference_clip_is_the_named_voice(clip):
         outs = o.generate([{"prompt": TEXTS[0], "voice": {"audio": (wave, rate), "text": VOICE_TEXT}}] * 2)
         cloned = [np.asarray(x.outputs["codec"].audio) for x in outs]
         stats = o.stats()["stages"]["tts"]
-    np.testing.assert_array_equal(cloned[0], named)
-    np.testing.assert_array_equal(cloned[1], named)
+    _agrees(cloned[0], named)  # the two decode as one batch: other shapes of the same sums
+    _agrees(cloned[1], named)
     assert stats["encoder_cache_hits"] >= 1  # the same clip sent twice: encoded once
 
 
 def test_ray_backend_speaks_the_same_audio(clip, reference, ray_cluster):
     with Omni(CONFIG, _overrides(clip[0], streamed=False), backend="ray") as o:
         (audio,) = _speak(o, TEXTS[:1])
-    np.testing.assert_array_equal(audio, reference[TEXTS[0]])
+    _agrees(audio, reference[TEXTS[0]])
