@@ -358,7 +358,7 @@ def _chat_client_check(out: str, args: list[str]) -> None:
 
 
 # What a command that needs real weights or a GPU says on this machine (the tests run without either).
-NO_WEIGHTS = r"(model path|QWEN2_5_OMNI_PATH|QWEN3_OMNI_PATH).*(does not exist|no such|not found)"
+NO_WEIGHTS = r"(model path|QWEN2_5_OMNI_PATH|QWEN3_OMNI_PATH|HIGGS_AUDIO_PATH).*(does not exist|no such|not found)"
 NO_CUDA = r"no CUDA device|torch sees no CUDA device"
 RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     # not runnable here, each with why
@@ -369,7 +369,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^source \.venv/bin/activate$", skip("changes the calling shell's PATH, nothing of its own to check "
                                            "(`make` creates .venv)")),
     # needs real weights or a GPU: runs to its error, which must say what is missing
-    (r"qwen2_5_omni_7b\.yaml|qwen3_omni_30b_a3b\.yaml", fails(NO_WEIGHTS)),
+    (r"qwen2_5_omni_7b\.yaml|qwen3_omni_30b_a3b\.yaml|higgs_audio_v2\.yaml", fails(NO_WEIGHTS)),
     (r"qwen2_5_omni_7b_shapes\.yaml|--device cuda", fails(NO_CUDA)),
     # mentions: a command named in prose, no arguments
     (r"^omni (run|validate|serve|plan)( --[\w-]+)*$", mention),
@@ -387,6 +387,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni serve \S+ --ray-serve\b", covered("tests/serve/test_ray_serve.py::test_ray_serve_ingress")),
     (r"^omni serve \.\.\. --enable-auto-tool-choice --tool-call-parser hermes$",
      covered("tests/serve/test_auto_tools_server.py::test_a_call_in_the_reply_comes_back_as_tool_calls")),
+    (r"^omni serve (stage_configs/higgs_audio_v2_tiny\.yaml )?--voice-dir (DIR|voices/)$",
+     covered("tests/serve/test_tts_server.py::test_the_voice_dir_voices_are_listed_and_spoken")),
     (r"^omni serve \.\.\. --default-modalities text,audio$",
      covered("tests/serve/test_vllm_omni_defaults.py::test_no_modalities_is_text_and_audio_on_a_server_that_says_so")),
     # benches with smoke tests of their own
@@ -783,7 +785,7 @@ def run_snippet(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
     """A README Python snippet as printed, as a script of its own (`__main__`, nothing given to it), in a
     folder where the repository's stage_configs/ are at hand as from its root. A model named in the snippet is
     served by the test server (a documented config too large for the suite: its SUBSTITUTES entry, served
-    under the documented name). Every WAV file it names must exist afterwards and open with `wave`."""
+    under the documented name). Every WAV file it writes must exist afterwards and open with `wave`."""
     (tmp / "stage_configs").symlink_to(REPO / "stage_configs")
     code = doc.text
     if "127.0.0.1:8000" in code:
@@ -792,7 +794,7 @@ def run_snippet(doc: Doc, tmp: Path, capsys, monkeypatch, request) -> None:
         code = code.replace("http://127.0.0.1:8000", server.url)
     exec(compile(code, doc.where, "exec"), {"__name__": "__main__"})
     assert capsys.readouterr().out.strip(), "the snippet printed nothing"
-    for name in re.findall(r'"([\w./-]+\.wav)"', code):
+    for name in re.findall(r'(?:open|write_to_file|write)\(\s*"([\w./-]+\.wav)"', code):  # the WAVs it writes
         with wave.open(str(tmp / name), "rb") as w:
             assert (w.getnchannels(), w.getsampwidth()) == (1, 2) and w.getnframes() > 0, name
 

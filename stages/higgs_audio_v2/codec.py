@@ -14,7 +14,9 @@
                `max_chunk_frames`, a short last chunk on its own.
 
     model_kwargs: chunk_frames (25), first_chunk_frames (8), max_chunk_frames (100), left_context_frames and
-                  right_context_frames (the decoder's reach), max_frames (4096)
+                  right_context_frames (the decoder's reach), first_right_context_frames (the first window's:
+                  right_context_frames; fewer brings the first audio sooner, at the cost of that window's last
+                  samples), max_frames (4096)
 
 Streamed windows are the engine's work items (`pieces_span_steps`, omni/engine/in_flight.py): each is one decode,
 and the windows in flight of several streams that have the same length decode as one batch (others alone).
@@ -83,7 +85,7 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
     def __init__(self, codec: HiggsCodec, device: torch.device, chunk_frames: int = 25,
                  first_chunk_frames: int | None = 8, max_chunk_frames: int | None = 100,
                  left_context_frames: int | None = None, right_context_frames: int | None = None,
-                 max_frames: int = 4096):
+                 first_right_context_frames: int | None = None, max_frames: int = 4096):
         self.codec = codec
         self.device = device
         self.dtype = torch.float32
@@ -97,7 +99,9 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
         reach = codec.decoder_reach_frames()
         self.left_context_frames = reach if left_context_frames is None else int(left_context_frames)
         self.right_context_frames = reach if right_context_frames is None else int(right_context_frames)
-        for name in ("left_context_frames", "right_context_frames"):
+        self.first_right_context_frames = (self.right_context_frames if first_right_context_frames is None
+                                           else int(first_right_context_frames))
+        for name in ("left_context_frames", "right_context_frames", "first_right_context_frames"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model_kwargs.{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_model_len < 1:
@@ -200,7 +204,11 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
         if state.last_cut:
             return None
         return self.schedule.next_end(state.windows, state.done, state.total, state.complete,
-                                      self.right_context_frames)
+                                      self._right_context(state))
+
+    def _right_context(self, state: _CodeStream) -> int:
+        """The frames after a window it waits for: fewer for the first one (time to first audio) when set."""
+        return self.first_right_context_frames if state.windows == 0 else self.right_context_frames
 
     def chunk_size(self, index: int) -> int:
         """Frames in a stream's chunk number `index` (stages/common/audio_chunks.py)."""
@@ -218,7 +226,7 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
         if end <= start:
             return _Window(state, start, end, start, start, None, np.zeros(0, np.float32))
         lo = max(0, start - self.left_context_frames)
-        hi = min(state.total, end + self.right_context_frames)
+        hi = min(state.total, end + self._right_context(state))
         return _Window(state, start, end, lo, hi, state.codes(lo, hi))
 
     def item_size(self, item: _Window) -> int:

@@ -359,3 +359,19 @@ def test_a_downstream_stage_is_retried_with_the_same_upstream_output():
     be.finish("talker", "r", [0] * 13, [1])
     orch.step()
     assert orch.pop_result("r").error is None
+
+
+def test_requests_in_one_voice_share_their_voice_blocks_whatever_they_say():
+    """A text-to-speech prompt starts with its voice's reference: the voice is whole text blocks of its own, so two
+    requests in one voice share a prefix key (prefix affinity sends them where the reference is cached)."""
+    from omni.messages import StageInput
+    from omni.pipeline.routing.keys import prompt_text
+
+    def keys(text: str, **extra) -> list[bytes]:
+        return text_hashes(prompt_text(StageInput("r", prompt=text, extra=extra)))
+
+    a, b = keys("The sun rises.", speaker="alice"), keys("Rain tomorrow.", speaker="alice")
+    c = keys("The sun rises.", speaker="bob")
+    assert a[0] == b[0] and a[0] != c[0]
+    assert keys("Hi.", reference_text="My own clip's words.")[0] != a[0]
+    assert keys("x" * 64) == text_hashes("x" * 64)  # no voice: the prompt's text alone, as before

@@ -71,12 +71,18 @@ def token_hashes(token_ids: list[int], block_size: int, seed: int, cache_salt: s
 
 
 def prompt_text(request: StageInput) -> str | None:
-    """The prompt as one string whose prefixes are the prefixes of the conversation (messages in order)."""
+    """The prompt as one string whose prefixes are the prefixes of the conversation (messages in order), after the
+    request's voice: a text-to-speech model's prompt starts with the voice's reference (its transcript and clip),
+    so requests in one voice share that prefix whatever they say (a talker's prompt holds its speaker too)."""
+    extra = request.extra or {}
+    voice = extra.get("speaker") or extra.get("reference_text")
+    head = f"\x02voice\x00{voice}\x00" if voice else ""
+    head = head.ljust(-(-len(head) // TEXT_BLOCK_CHARS) * TEXT_BLOCK_CHARS, "\x00")  # whole blocks: shared
     p = request.prompt
     if isinstance(p, str):
-        return p
+        return head + p
     if isinstance(p, list):
-        return "".join(json.dumps([m.get("role"), m.get("content")], sort_keys=True, default=str) for m in p)
+        return head + "".join(json.dumps([m.get("role"), m.get("content")], sort_keys=True, default=str) for m in p)
     return None
 
 
