@@ -416,6 +416,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni bench plan$", covered("tests/bench/test_bench_plan.py::test_bench_plan_reports_the_issue_keys")),
     # omni plan loads and profiles every stage: its own tests run it on the tiny chain
     (r"^omni plan \S+", covered("tests/planning/test_plan_cli.py::test_plan_profiles_then_prints_the_table")),
+    (r"^omni bench tts( --config stage_configs/higgs_audio_v2_small\.yaml)?$",
+     covered("tests/bench/test_bench_tts.py::test_bench_tts_reports_the_issue_keys_on_the_tiny_pipeline")),
     (r"^omni bench realtime$",
      covered("tests/bench/test_bench_realtime.py::test_bench_realtime_reports_per_turn_latency_on_and_off")),
     (r"^omni bench realtime --config stage_configs/qwen3_omni_small\.yaml$",

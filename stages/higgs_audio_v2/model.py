@@ -21,10 +21,12 @@ Per-token output `audio_codes`: at the position that sampled frame j, the frame 
 codec edge reads every frame, the last one included, from the rows.
 
 Block hashes: the prompt's audio items are multimodal features hashed by their frames (any code of any codebook
-changes the hash); generated positions are hashed by their flat tokens, and a request recomputed after preemption
-replays its own kept frames. A sampled request's generated blocks could be looked up only by another request with
-the same prompt and the same flat tokens; `model_kwargs`' seed or a `cache_salt` keeps sampled voices apart when
-that matters.
+changes the hash), so two prompts that differ in one residual code never share a block. Generated positions are
+hashed by their flat tokens: under greedy decoding a frame is a function of the prefix, so equal hashes mean equal
+frames. A request recomputed after preemption replays its own kept frames, but its generated blocks are looked up
+by flat tokens: a *sampled* request preempted while another sampled request with the same prompt holds generated
+blocks of the same flat tokens could take their KV (not its own frames'). Only the engine's preemption reaches this
+(size the KV cache so it never preempts, or give such requests a `cache_salt`).
 """
 from __future__ import annotations
 

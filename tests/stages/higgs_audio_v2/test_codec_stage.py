@@ -173,6 +173,23 @@ def test_without_right_context_the_streamed_waveform_is_far_off(codec_stage, hig
     assert _snr_db(joined, one_shot) < 30
 
 
+def test_a_short_first_right_context_brings_the_first_audio_sooner_and_costs_only_that_window(codec_stage,
+                                                                                             higgs_ref):
+    """first_right_context_frames: the first window waits for fewer frames after it; the later windows keep the
+    decoder's reach, so only the first window's samples move away from the one-shot waveform."""
+    frames = _frames(higgs_ref, 90)
+    one_shot = codec_stage.run_generation(frames)["audio"]
+    stage = HiggsAudioV2CodecStage(codec_stage.codec, torch.device("cpu"), first_chunk_frames=2,
+                                   first_right_context_frames=2)
+    deltas, _, first_at, _ = _stream(stage, {"a": frames}, piece=1)
+    joined = np.concatenate([a for _, a in deltas])
+    assert first_at["a"] == 4 and len(deltas[0][1]) == 2 * 480  # 2 frames + 2 of right context
+    assert len(joined) == len(one_shot)
+    head = 2 * 480
+    assert _snr_db(joined[head:], one_shot[head:]) >= STREAM_SNR_DB
+    assert _snr_db(joined[:head], one_shot[:head]) < STREAM_SNR_DB  # the price, on the first window alone
+
+
 @pytest.mark.slow
 def test_windows_of_several_streams_decode_in_one_batch(codec_stage, higgs_ref):
     """Two streams fed alike have windows of one length in flight together: one decode for both, each piece
