@@ -147,7 +147,7 @@ def test_bench_names_map_to_modules():
                            "tensor-cache": "tensor_cache", "pipeline": "pipeline", "omni": "omni_bench",
                            "token2wav": "token2wav", "streaming": "streaming", "routing": "routing", "serve": "serve",
                            "capacity": "capacity", "plan": "plan",
-                           "realtime": "realtime", "qwen3-vs-hf": "qwen3_vs_hf", "head": "head",
+                           "realtime": "realtime", "tts": "tts", "qwen3-vs-hf": "qwen3_vs_hf", "head": "head",
                            "cuda-graphs": "cuda_graphs"}
 
 
