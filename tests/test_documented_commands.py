@@ -358,7 +358,7 @@ def _chat_client_check(out: str, args: list[str]) -> None:
 
 
 # What a command that needs real weights or a GPU says on this machine (the tests run without either).
-NO_WEIGHTS = r"(model path|QWEN2_5_OMNI_PATH|QWEN3_OMNI_PATH).*(does not exist|no such|not found)"
+NO_WEIGHTS = r"(model path|QWEN2_5_OMNI_PATH|QWEN3_OMNI_PATH|QWEN3_ASR_PATH).*(does not exist|no such|not found)"
 NO_CUDA = r"no CUDA device|torch sees no CUDA device"
 RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     # not runnable here, each with why
@@ -369,7 +369,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^source \.venv/bin/activate$", skip("changes the calling shell's PATH, nothing of its own to check "
                                            "(`make` creates .venv)")),
     # needs real weights or a GPU: runs to its error, which must say what is missing
-    (r"qwen2_5_omni_7b\.yaml|qwen3_omni_30b_a3b\.yaml", fails(NO_WEIGHTS)),
+    (r"qwen2_5_omni_7b\.yaml|qwen3_omni_30b_a3b\.yaml|qwen3_asr\.yaml", fails(NO_WEIGHTS)),
     (r"qwen2_5_omni_7b_shapes\.yaml|--device cuda", fails(NO_CUDA)),
     # mentions: a command named in prose, no arguments
     (r"^omni (run|validate|serve|plan)( --[\w-]+)*$", mention),
