@@ -1,7 +1,8 @@
 """Qwen3-ASR as a stage: audio in, the transcript's tokens out, as `Qwen3ASRForConditionalGeneration.generate`.
 
-    prompt     the processor's (stages/qwen3_asr/prompt.py): the context, one placeholder run per clip, the
-               forced language; a clip's placeholders are its encoder rows (stages/qwen3_asr/audio.py)
+    prompt     the processor's (stages/qwen3_asr/prompt.py): the context, the clip's placeholder run, the forced
+               language; the clip's placeholders are its encoder rows (stages/qwen3_asr/audio.py); a prompt given
+               as token ids is taken as it is, its placeholder runs matched to its clips in order
     encoder    transformers' own audio tower and projector (`get_audio_features`) on one clip at a time, through the
                encoder cache keyed by the clip's content hash (stages/common/encoder_cache.py): a request that
                re-sends a clip, or one whose clip straddles a prefix-cached block and a fresh one, runs no encoder
@@ -110,8 +111,9 @@ class Qwen3ASRStage(AutoregressiveStageModel):
                  for m, where in zip(inp.mm_inputs, media_names(inp.mm_inputs))]
         if inp.prompt_token_ids is not None:
             if forced_language(inp) is not None:
-                raise RequestError("mm_processor_kwargs.language: the prompt's token ids are taken as they are; "
-                                   "give the context as `prompt` to force a language", field="mm_processor_kwargs.language")
+                where = "mm_processor_kwargs.language"
+                raise RequestError(f"{where}: the prompt's token ids are taken as they are; give the context as "
+                                   "`prompt` to force a language", field=where)
             ids = [int(t) for t in inp.prompt_token_ids]
         else:
             ids = list(self.tokenizer(render_prompt(inp))["input_ids"])

@@ -4,9 +4,10 @@
     <|im_start|>user\\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>\\n     (one per clip)
     <|im_start|>assistant\\n[language {Name}<asr_text>]
 
-A request's `prompt` is the processor's `prompt` (the context: hotwords, domain text), as text, or as chat messages
-whose system texts are the context and whose user turns hold the clips' audio parts (the template shows the model
-nothing else, so anything else is refused, naming it). `mm_processor_kwargs.language` is the processor's
+A request holds one clip (`Qwen3ASRProcessor` takes one per conversation). Its `prompt` is the processor's `prompt`
+(the context: hotwords, domain text), as text, or as chat messages whose system texts are the context and whose user
+turn holds the clip's audio part (the template shows the model nothing else, so anything else is refused, naming
+it). `mm_processor_kwargs.language` is the processor's
 `language` (a code or a name of the languages the model was trained on, in any case): forced, the assistant turn
 starts with the tag the model would write, and it writes only the transcript.
 
@@ -67,15 +68,19 @@ def _context_and_clips(prompt: Any, num_clips: int) -> tuple[str, int]:
             elif role == "user" and kind == "text" and not part.get("text"):
                 continue
             else:
-                raise RequestError(f"{where}: Qwen3-ASR's prompt holds the context (system text) and the clips (the "
-                                   f"user's audio parts); a {role} {kind} part is never shown to the model (force "
-                                   "the language with mm_processor_kwargs.language)", field=where)
+                raise RequestError(f"{where}: Qwen3-ASR's prompt holds the context (system text) and the clip (the "
+                                   f"user's audio part); the {role} turn's {kind!r} part is never shown to the model "
+                                   "(force the language with mm_processor_kwargs.language)", field=where)
     return context, clips or num_clips
 
 
 def render_prompt(inp: StageInput) -> str:
-    """The prompt's text, with one audio placeholder per clip."""
-    context, clips = _context_and_clips(inp.prompt, len(inp.mm_inputs))
+    """The prompt's text, with the clip's audio placeholder."""
+    if len(inp.mm_inputs) != 1:
+        where = "multi_modal_data.audio" + ("[1]" if inp.mm_inputs else "")
+        raise RequestError(f"{where}: Qwen3-ASR transcribes one clip a request, as its processor takes it (got "
+                           f"{len(inp.mm_inputs)})", field=where)
+    context, clips = _context_and_clips(inp.prompt, 1)
     language = forced_language(inp)
     return (f"<|im_start|>system\n{context}<|im_end|>\n<|im_start|>user\n{AUDIO_PLACEHOLDER * clips}<|im_end|>\n"
             "<|im_start|>assistant\n" + (f"language {language}<asr_text>" if language else ""))

@@ -8,8 +8,8 @@ from omni.serve.generation.transcript import Transcript
 
 MARKER = "<asr_text>"
 REPLIES = ["language English<asr_text> Hello there, Godot.  ", "language None<asr_text>", "no tag at all \n",
-           "language Chinese\n<asr_text>你好，世界", "  language German<asr_text>Guten Tag\n", "German<asr_text>ja",
-           "language English<asr_text>a<asr_text>b", "", "language Eng"]
+           "language Chinese\n<asr_text>你好，世界", "  language German<asr_text>Guten Tag\n",
+           "German<asr_text>ja", "language English<asr_text>a<asr_text>b", "", "language Eng"]
 
 
 def _streamed(reply: str, cuts: list[int]) -> tuple[list[str], Transcript]:

@@ -22,8 +22,9 @@ SMALL = REPO / "stage_configs" / "qwen3_asr_small.yaml"
 def _prompts(tmp_path: Path) -> Path:
     """Two lines: 3 s of the recording alone, and the same with a forced language and a context."""
     sf.write(tmp_path / "clip.wav", speech()[: 3 * 16000], 16000, subtype="FLOAT")
-    lines = [{"prompt": "", "multi_modal_data": {"audio": "clip.wav"}},
-             {"prompt": "Beckett", "multi_modal_data": {"audio": "clip.wav"}, "mm_processor_kwargs": {"language": "en"}}]
+    audio = {"audio": "clip.wav"}
+    lines = [{"prompt": "", "multi_modal_data": audio},
+             {"prompt": "Beckett", "multi_modal_data": audio, "mm_processor_kwargs": {"language": "en"}}]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path

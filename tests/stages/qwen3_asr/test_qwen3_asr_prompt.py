@@ -29,7 +29,8 @@ def test_prompt_ids_equal_the_processors(asr_stage, asr_processor, language, con
 def test_chat_messages_give_the_same_prompt(asr_stage, asr_processor):
     """The context as system messages (joined, as the template joins them) and the clip as the user's audio part."""
     clip = clips()["a"]
-    messages = [{"role": "system", "content": "Godot, "}, {"role": "system", "content": [{"type": "text", "text": "Beckett"}]},
+    messages = [{"role": "system", "content": "Godot, "},
+                {"role": "system", "content": [{"type": "text", "text": "Beckett"}]},
                 {"role": "user", "content": [{"type": "audio"}]}]
     inp = StageInput("m", prompt=messages, mm_inputs=[MultiModalInput("audio", clip, 16000)],
                      mm_processor_kwargs={"language": "en"})
@@ -69,8 +70,19 @@ def test_media_it_cannot_hear_is_refused_naming_the_input(asr_stage, media, fiel
     assert e.value.field == field
 
 
-def test_a_prompt_with_more_clips_than_placeholders_is_refused(asr_stage):
-    inp = StageInput("two", prompt=[{"role": "user", "content": [{"type": "audio"}]}],
-                     mm_inputs=[MultiModalInput("audio", clips()["a"], 16000)] * 2)
-    with pytest.raises(RequestError, match="2 audio mm_inputs but 1 audio placeholders"):
+@pytest.mark.parametrize("n,field", [(0, "multi_modal_data.audio"), (2, "multi_modal_data.audio[1]")])
+def test_one_clip_a_request_as_the_processor_takes_them(asr_stage, n, field):
+    inp = StageInput("n", prompt="", mm_inputs=[MultiModalInput("audio", clips()["a"], 16000)] * n)
+    with pytest.raises(RequestError) as e:
         asr_stage.preprocess(inp)
+    assert e.value.field == field
+
+
+def test_token_ids_are_taken_as_they_are_their_placeholders_matched_to_the_clips(asr_stage):
+    clip = MultiModalInput("audio", clips()["a"], 16000)
+    ids = [151644, 151669, 151676, 151670, 151645]
+    prepared = asr_stage.preprocess(StageInput("ids", prompt_token_ids=ids, mm_inputs=[clip]))
+    n = prepared.mm_features[0].length
+    assert prepared.token_ids == [151644, 151669] + [151676] * n + [151670, 151645] and n == 33  # 2.5 s: 13 rows a second, 7 for the last half
+    with pytest.raises(RequestError, match="2 audio mm_inputs but 1 audio placeholders"):
+        asr_stage.preprocess(StageInput("two", prompt_token_ids=ids, mm_inputs=[clip, clip]))
