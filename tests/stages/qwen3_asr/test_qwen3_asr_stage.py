@@ -9,6 +9,7 @@ import pytest
 from omni.messages import MultiModalInput, StageInput
 from omni.sampling_params import SamplingParams
 from tests.engine_utils import assert_no_leak, make_engine, run_to_completion
+from tests.tolerances import assert_rows_close, decoder_atol
 from tests.stages.qwen3_asr.asr_utils import EOS_TEXT, MAX_TOKENS, clips, hf_generate, shown_text
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[EOS_TEXT])
@@ -74,6 +75,10 @@ def test_a_repeated_clip_hits_the_encoder_cache_and_the_prefix_cache(asr_stage, 
     n = len(again.prompt_token_ids)
     assert again.num_cached_tokens == (n - 1) // 4 * 4 and again.cached_mm_tokens["audio"] > 0
     assert again.token_ids == first.token_ids == reference["a"][1]
+    # ...and hands on the whole sequence's hidden states: cached rows + fresh ones, as computed the first time
+    ref = first.hidden_states
+    assert again.hidden_states.shape == ref.shape == (n + len(first.token_ids) - 1, stage.hidden_size)
+    assert_rows_close(again.hidden_states, ref, decoder_atol(ref, layers=3, widest_sum=max(128, len(ref))))
     stats = engine.stats()  # what a caller sees: the model's encoder counters and the KV cache's hits
     assert (stats.extra["encoder_runs"], stats.extra["encoder_cache_hits"]) == (1, 1)
     assert stats.prefix_cache_hits >= again.num_cached_tokens // 4
