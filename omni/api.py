@@ -262,6 +262,18 @@ class Omni:
         self._check_open()
         return self._infos[self.graph.entry_stages[0]].speaks_prompt
 
+    def transcribes_audio(self) -> bool:
+        """Whether the entry stage's model is a speech recognizer (StageInfo.transcribes_audio): the clip is its
+        prompt, a text prompt its context."""
+        self._check_open()
+        return self._infos[self.graph.entry_stages[0]].transcribes_audio
+
+    def transcript_marker(self) -> str | None:
+        """What ends the language tag the entry stage's speech recognizer writes before the transcript
+        (StageInfo.transcript_marker); None: its whole reply is the transcript."""
+        self._check_open()
+        return self._infos[self.graph.entry_stages[0]].transcript_marker
+
     def input_media(self) -> tuple[str, ...] | None:
         """The multimodal inputs ("image", "audio") a request's prompt may hold: the entry stage's
         (StageInfo.input_media: () for a model that renders no prompt of its own); None when it does not say."""

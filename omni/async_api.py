@@ -156,6 +156,14 @@ class AsyncOmni:
         """Omni.speaks_prompt() (as voices())."""
         return self._omni.speaks_prompt()
 
+    def transcribes_audio(self) -> bool:
+        """Omni.transcribes_audio() (as voices())."""
+        return self._omni.transcribes_audio()
+
+    def transcript_marker(self) -> str | None:
+        """Omni.transcript_marker() (as voices())."""
+        return self._omni.transcript_marker()
+
     def input_media(self) -> tuple[str, ...] | None:
         """Omni.input_media() (as voices())."""
         return self._omni.input_media()

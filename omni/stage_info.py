@@ -43,6 +43,13 @@ class StageInfo:
     # A text-to-speech model: its prompt is the text it speaks (a voice in `extra["speaker"]`, a style in
     # `extra["instructions"]`); `omni serve`'s speech endpoint hands it `input` as it is, no reply forced.
     speaks_prompt: bool = False
+    # A speech-recognition model: its prompt is the clip (`mm_inputs`), a text `prompt` the context it is given and
+    # `mm_processor_kwargs.language` the language it is told; `omni serve`'s transcription endpoint hands it the
+    # clip so, instead of asking a chat model to write the audio down.
+    transcribes_audio: bool = False
+    # Its reply leads with a tag (the language it heard) ended by this marker; the transcript is what follows (the
+    # whole reply when the marker never comes). None: the whole reply is the transcript.
+    transcript_marker: str | None = None
     # -- filled in by a loaded model ------------------------------------------------------------
     # The voices it speaks in (a talker's speakers, from its checkpoint): what `omni serve` checks a
     # request's voice against; () for a model that names none.

@@ -29,6 +29,7 @@ def register() -> None:
                          info="stages.higgs_audio_v2.info:MODEL")
     register_stage_model("higgs_audio_v2_codec", "stages.higgs_audio_v2.edges:HiggsAudioV2CodecStage",
                          info="stages.higgs_audio_v2.info:CODEC")
+    register_stage_model("qwen3_asr", "stages.qwen3_asr.model:Qwen3ASRStage", info="stages.qwen3_asr.info:ASR")
 
     register_input_processor("hidden_to_embeds", "stages.common.processors:hidden_to_embeds", needs_hidden_states=True,
                              incremental="stages.common.processors:hidden_to_embeds_chunk")

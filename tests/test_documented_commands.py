@@ -358,7 +358,7 @@ def _chat_client_check(out: str, args: list[str]) -> None:
 
 
 # What a command that needs real weights or a GPU says on this machine (the tests run without either).
-NO_WEIGHTS = r"(model path|QWEN2_5_OMNI_PATH|QWEN3_OMNI_PATH|HIGGS_AUDIO_PATH).*(does not exist|no such|not found)"
+NO_WEIGHTS = r"(model path|QWEN2_5_OMNI_PATH|QWEN3_OMNI_PATH|HIGGS_AUDIO_PATH|QWEN3_ASR_PATH).*(does not exist|no such|not found)"
 NO_CUDA = r"no CUDA device|torch sees no CUDA device"
 RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     # not runnable here, each with why

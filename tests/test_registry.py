@@ -43,7 +43,7 @@ def test_omni_validate_imports_no_torch():
 
 @pytest.mark.parametrize("name", ["causal_lm", "qwen2_5_omni_thinker", "qwen2_5_omni_talker",
                                   "qwen2_5_omni_token2wav", "qwen3_omni_thinker", "qwen3_omni_talker",
-                                  "qwen3_omni_code2wav", "higgs_audio_v2", "higgs_audio_v2_codec"])
+                                  "qwen3_omni_code2wav", "higgs_audio_v2", "higgs_audio_v2_codec", "qwen3_asr"])
 def test_registered_stage_models_resolve_and_their_facts_hold(name):
     entry = registry.stage_model_entry(name)
     cls = registry.resolve_stage_model(name)
@@ -53,7 +53,8 @@ def test_registered_stage_models_resolve_and_their_facts_hold(name):
 
 
 @pytest.mark.parametrize("name,media", [("causal_lm", None), ("qwen2_5_omni_thinker", ("image", "audio")),
-                                        ("qwen3_omni_thinker", ("image", "audio")), ("qwen2_5_omni_talker", None)])
+                                        ("qwen3_omni_thinker", ("image", "audio")), ("qwen2_5_omni_talker", None),
+                                        ("qwen3_asr", ("audio",))])
 def test_the_media_a_model_takes_are_declared_with_its_facts(name, media):
     """StageInfo.media: what the thinkers' own prompts take (the server refuses other media at the edge); a request
     may hold them only for a model that renders its own prompt (input_media: () for one that does not, a plain

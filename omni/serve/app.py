@@ -78,6 +78,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
                            omni.context_reserve(), omni.min_spoken_tokens(), omni.input_media())
     info.voice_map = checked_voice_map(settings.voice_map, info)
     info.speaks_prompt = omni.speaks_prompt()
+    info.transcribes_audio, info.transcript_marker = omni.transcribes_audio(), omni.transcript_marker()
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state

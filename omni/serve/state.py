@@ -58,6 +58,10 @@ class PipelineInfo:
     voice_map: dict[str, str] = field(default_factory=dict)
     # The entry stage is a text-to-speech model (Omni.speaks_prompt): speech requests hand it `input` as its prompt
     speaks_prompt: bool = False
+    # The entry stage is a speech recognizer (Omni.transcribes_audio): a transcription hands it the clip as its prompt
+    transcribes_audio: bool = False
+    # What ends the language tag its replies lead with (Omni.transcript_marker): the transcript follows it
+    transcript_marker: str | None = None
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),

@@ -10,6 +10,7 @@ a family and checking a name imports no torch.
     builtin:*-qwen2_5-omni*                   stages/qwen2_5_omni/checkpoint.py
     builtin:*-qwen3-omni*                     stages/qwen3_omni/checkpoint.py
     builtin:*-higgs-audio-v2*                 stages/higgs_audio_v2/checkpoint.py
+    builtin:*-qwen3-asr                       stages/qwen3_asr/checkpoint.py
 
     python -m stages.checkpoints.builtin --all          # warm the cache (used by `make`)
 """
@@ -45,6 +46,8 @@ RECIPES: dict[str, Recipe] = {
     "tiny-higgs-audio-v2": Recipe("stages.higgs_audio_v2.checkpoint:higgs_checkpoint", ("tiny",)),
     "tiny-higgs-audio-v2-k8": Recipe("stages.higgs_audio_v2.checkpoint:higgs_checkpoint", ("k8",)),
     "small-higgs-audio-v2": Recipe("stages.higgs_audio_v2.checkpoint:higgs_checkpoint", ("small",)),
+    "tiny-qwen3-asr": Recipe("stages.qwen3_asr.checkpoint:qwen3_asr_checkpoint", ("tiny",)),
+    "small-qwen3-asr": Recipe("stages.qwen3_asr.checkpoint:qwen3_asr_checkpoint", ("small",)),
     "qwen2_5-omni-7b-shapes": Recipe("stages.qwen2_5_omni.checkpoint:shapes_omni_checkpoint"),
 }
 BUILTIN_MODELS = tuple(RECIPES)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni.serve.generation.asr_job import asr_job, asr_usage
 from omni.serve.generation.run import Run, TextEvent
+from omni.serve.generation.transcript import Transcript
 from omni.serve.http.errors import ApiError
 from omni.serve.realtime import limits
 from omni.serve.realtime.hub import ClientGone
@@ -62,7 +63,7 @@ class Transcriptions:
                       prompt=config.get("prompt"), fields={"prompt": "session.audio.input.transcription",
                                                            "max_tokens": "session.audio.input.transcription"})
         run = Run(server.omni, job, server.settings.default_audio_rate)
-        text, admitted = "", False
+        transcript, admitted = Transcript(server.info.transcript_marker), False
         try:
             limit = server.settings.max_session_responses  # a session's transcriptions at once: its responses' bound
             if len(self.tasks) > limit:
@@ -72,11 +73,14 @@ class Transcriptions:
             server.state.admit()  # a pipeline request, counted as a response is (realtime/limits.py); 503: failed
             admitted = True
             await run.start()
-            async for ev in run.events():
-                if isinstance(ev, TextEvent) and ev.text:
-                    text += ev.text
+            async for ev in run.events():  # a speech recognizer's language tag is held back and dropped
+                delta = transcript.feed(ev.text) if isinstance(ev, TextEvent) and ev.text else ""
+                if delta:
                     await session.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
-                                        "delta": ev.text})
+                                        "delta": delta})
+            if delta := transcript.finish():
+                await session.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
+                                    "delta": delta})
         except asyncio.CancelledError:
             raise  # the session closed: its socket is gone, nothing to say
         except ClientGone:  # ... or the socket closed first
@@ -97,7 +101,7 @@ class Transcriptions:
             await run.aclose()
             if admitted:
                 limits.release(session)
-        part.transcript = text
+        part.transcript = text = transcript.text
         with contextlib.suppress(Exception):  # the socket may be gone
             await session.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
                                 "transcript": text, "usage": asr_usage(run)})

@@ -27,6 +27,7 @@ class TranscriptSegment:
     span: SpeechSegment
     text: str
     token_logprobs: list[TokenLogprob]  # the reply's tokens, each with its log-probability
+    language: str | None = None  # the language a speech recognizer's tag named (generation/transcript.py)
 
 
 def compression_ratio(text: str) -> float:
@@ -72,8 +73,9 @@ def to_verbose_json(segments: list[TranscriptSegment], *, task: str, language: s
                     temperature: float, usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "task": task,
-        # omni does not detect the language: the ISO-639-1 code the request named ("en" for a translation)
-        "language": "en" if task == "translate" else (language or "unknown"),
+        # the ISO-639-1 code the request named ("en" for a translation), else the language a speech recognizer
+        # heard (its name, lower case, as OpenAI's shows it); a thinker names none
+        "language": "en" if task == "translate" else (language.lower() if language else "unknown"),
         "duration": round(duration_s, 3),
         "text": joined_text(segments),
         "segments": [{

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from omni.async_api import AsyncOmni
 from omni.serve.generation.job import Job
 from omni.serve.generation.run import Run, TextEvent, leave_runs, summed
+from omni.serve.generation.transcript import Transcript
 from omni.serve.transcription.formats import TranscriptSegment
 from omni.serve.transcription.speech_segments import SpeechSegment
 
@@ -28,9 +29,11 @@ PARALLEL = 4  # segments in the pipeline at once: enough for the text stage to b
 
 
 class SegmentedRun:
-    def __init__(self, omni: AsyncOmni, jobs: list[Job], spans: list[SpeechSegment], default_rate: int):
+    def __init__(self, omni: AsyncOmni, jobs: list[Job], spans: list[SpeechSegment], default_rate: int,
+                 marker: str | None = None):
         self.runs = [Run(omni, job, default_rate) for job in jobs]
         self.spans = spans
+        self.marker = marker  # a speech recognizer's language tag ends with it (generation/transcript.py)
         self.t0 = time.monotonic()
         self._gate = asyncio.Semaphore(PARALLEL)
         self._tasks: list[asyncio.Task] = []
@@ -67,11 +70,12 @@ class SegmentedRun:
             await run.start()
             if admitted is not None:
                 admitted.set()
-            text = ""
+            transcript = Transcript(self.marker)
             async for ev in run.events():
                 if isinstance(ev, TextEvent):
-                    text += ev.text
-        return TranscriptSegment(span, text, run.logprobs or [])
+                    transcript.feed(ev.text)
+            transcript.finish()
+        return TranscriptSegment(span, transcript.text, run.logprobs or [], transcript.language)
 
     async def start(self) -> None:
         """Start every segment (PARALLEL at a time); waits for the first one's admission so that a refused

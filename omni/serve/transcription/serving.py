@@ -1,6 +1,6 @@
 """`POST /v1/audio/transcriptions` and `POST /v1/audio/translations`: OpenAI's speech-to-text endpoints on a
-pipeline whose text stage hears audio (the omni thinkers), as `client.audio.transcriptions.create(model=...,
-file=...)` calls them.
+pipeline whose text stage hears audio (the omni thinkers) or whose entry stage is a speech recognizer (Qwen3-ASR:
+StageInfo.transcribes_audio), as `client.audio.transcriptions.create(model=..., file=...)` calls them.
 
     multipart/form-data   file (the clip: WAV, FLAC, OGG, ...; mono or mixed down, resampled to the model's
                           rate), model (the served name), language (ISO-639-1; transcriptions), prompt,
@@ -9,7 +9,9 @@ file=...)` calls them.
                           chunking_strategy ("auto" or {"type": "server_vad", threshold, prefix_padding_ms,
                           silence_duration_ms})
       -> the text stage transcribes the clip (or translates it into English) in a text-only request
-         (generation/asr_job.py)
+         (generation/asr_job.py); a speech recognizer gets the clip, `prompt` as its context and `language` as
+         its own, and its reply's language tag is taken off (generation/transcript.py; verbose_json's `language`
+         is the one it heard when the request names none); it does not translate
       -> {"text", "usage"} (json; with include logprobs: "logprobs") or the bare text (text); streamed:
          `transcript.text.delta` events, then `transcript.text.done` with the text and the usage
 
@@ -38,6 +40,7 @@ from omni.serve.audio.codecs import decode_audio
 from omni.serve.audio.vad import VadUnavailable, speech_probabilities
 from omni.serve.generation.asr_job import asr_job, asr_usage
 from omni.serve.generation.openai_shapes import token_entry
+from omni.serve.generation.transcript import Transcript
 from omni.serve.generation.run import Run, TextEvent
 from omni.serve.http.disconnect import ClientGone, race
 from omni.serve.http.errors import ApiError, bad_request, from_validation_error
@@ -142,12 +145,12 @@ async def _serve(state: ServerState, request: Request, task: str) -> Response:
         return await _serve_segments(state, request, req, task, wave, rate, chunking)
     language = getattr(req, "language", None)
     job = asr_job(state.info, wave, rate, task=task, language=language, prompt=req.prompt,
-                  temperature=req.temperature, fields=FIELDS, logprobs=_wants_logprobs(req))
+                  temperature=req.temperature, fields=_fields(state.info), logprobs=_wants_logprobs(req))
     state.admit()
     run = Run(state.omni, job, settings.default_audio_rate, state.metrics)
 
     async def reply() -> Response:
-        text = await _text(run)
+        text = await _text(run, state.info.transcript_marker)
         if req.response_format == "text":
             return PlainTextResponse(text)
         body: dict[str, Any] = {"text": text, "usage": asr_usage(run)}
@@ -185,7 +188,15 @@ async def _answer(state: ServerState, request: Request, run: Run | SegmentedRun,
             state.release(run, reason)
 
 
+# omni's names -> the request's: a thinker's prompt is the clip (the instruction is the server's); a speech
+# recognizer's prompt is the request's context, its audio the clip, its processor's language the request's
 FIELDS = {"prompt": "file", "temperature": "temperature"}
+RECOGNIZER_FIELDS = {"prompt": "prompt", "multi_modal_data": "file", "mm_processor_kwargs": "language",
+                     "temperature": "temperature"}
+
+
+def _fields(info: Any) -> dict[str, str]:
+    return RECOGNIZER_FIELDS if info.transcribes_audio else FIELDS
 
 
 def _wants_logprobs(req: TranscriptionFormBase) -> bool:
@@ -213,10 +224,10 @@ async def _serve_segments(state: ServerState, request: Request, req: Transcripti
     language = getattr(req, "language", None)
     logprobs = _wants_logprobs(req)
     jobs = [asr_job(state.info, wave[int(s.start_s * rate):int(s.end_s * rate)], rate, task=task, language=language,
-                    prompt=req.prompt, temperature=req.temperature, fields=FIELDS,
+                    prompt=req.prompt, temperature=req.temperature, fields=_fields(state.info),
                     logprobs=logprobs or req.response_format == "verbose_json") for s in spans]
     state.admit()
-    runs = SegmentedRun(state.omni, jobs, spans, settings.default_audio_rate)
+    runs = SegmentedRun(state.omni, jobs, spans, settings.default_audio_rate, state.info.transcript_marker)
 
     async def reply() -> Response:
         segments = await _collect(runs)
@@ -225,7 +236,8 @@ async def _serve_segments(state: ServerState, request: Request, req: Transcripti
             return PlainTextResponse((to_srt if fmt == "srt" else to_vtt)(segments),
                                      media_type="application/x-subrip" if fmt == "srt" else "text/vtt")
         if fmt == "verbose_json":
-            return JSONResponse(to_verbose_json(segments, task=task, language=language, duration_s=duration,
+            heard = next((s.language for s in segments if s.language), None)
+            return JSONResponse(to_verbose_json(segments, task=task, language=language or heard, duration_s=duration,
                                                 temperature=req.temperature, usage=asr_usage(runs)))
         text = joined_text(segments)
         if fmt == "text":
@@ -243,12 +255,13 @@ async def _collect(runs: SegmentedRun) -> list[Any]:
     return [seg async for seg in runs.segments()]
 
 
-async def _text(run: Run) -> str:
-    text = ""
+async def _text(run: Run, marker: str | None) -> str:
+    transcript = Transcript(marker)
     async for ev in run.events():
         if isinstance(ev, TextEvent):
-            text += ev.text
-    return text
+            transcript.feed(ev.text)
+    transcript.finish()
+    return transcript.text
 
 
 def _delta(text: str, lps: list[Any] | None) -> dict[str, str]:
@@ -265,11 +278,15 @@ def _done_event(text: str, run: Any, lps: list[Any] | None) -> dict[str, str]:
     return sse_event(body)
 
 
-async def _run_pieces(run: Run) -> AsyncIterator[tuple[str, list[Any]]]:
+async def _run_pieces(run: Run, marker: str | None) -> AsyncIterator[tuple[str, list[Any]]]:
+    """The transcript's pieces as the reply streams (a speech recognizer's language tag held back and dropped)."""
+    transcript = Transcript(marker)
     async for ev in run.events():
         # a piece with no text may still carry tokens (one whose character the next token completes, an eos)
         if isinstance(ev, TextEvent) and (ev.text or ev.logprobs):
-            yield ev.text, ev.logprobs or []
+            yield transcript.feed(ev.text), ev.logprobs or []
+    if rest := transcript.finish():
+        yield rest, []
 
 
 async def _segment_pieces(runs: SegmentedRun) -> AsyncIterator[tuple[str, list[Any]]]:
@@ -285,7 +302,7 @@ async def _segment_pieces(runs: SegmentedRun) -> AsyncIterator[tuple[str, list[A
 
 
 def _events(state: ServerState, run: Run, logprobs: bool) -> AsyncIterator[dict[str, str]]:
-    return _transcript_events(state, run, _run_pieces(run), logprobs)
+    return _transcript_events(state, run, _run_pieces(run, state.info.transcript_marker), logprobs)
 
 
 def _segment_events(state: ServerState, runs: SegmentedRun, logprobs: bool) -> AsyncIterator[dict[str, str]]:
