@@ -40,6 +40,7 @@ from omni.messages import StageInput
 from stages.common.audio_chunks import ChunkSchedule
 from stages.common.processors import expect_payload
 from stages.higgs_audio_v2.codec_model import HiggsCodec
+from stages.higgs_audio_v2.codec_weights import codec_directory
 from stages.higgs_audio_v2.info import CODEC
 from stages.higgs_audio_v2.payloads import CodesToWave
 
@@ -110,11 +111,12 @@ class HiggsAudioV2CodecStage(OneShotStageModel):
     @classmethod
     def load(cls, model_path: Path, *, dtype: torch.dtype, device: torch.device,
              model_kwargs: dict[str, Any] | None = None, tokenizer_path: Path | None = None):
-        """The codec of `model_path`: a codec directory, or a whole Higgs Audio v2 directory whose codec is in
-        its `audio_tokenizer/` folder (as the processor saves it)."""
-        path = Path(model_path)
-        if (path / "audio_tokenizer" / "config.json").is_file():
-            path = path / "audio_tokenizer"
+        """The codec of `model_path`: a codec directory, or a whole Higgs Audio v2 directory with its codec in
+        `audio_tokenizer/` or where its processor_config.json says (codec_weights.codec_directory)."""
+        path = codec_directory(model_path)
+        if path is None:
+            raise FileNotFoundError(f"{model_path}: no Higgs Audio v2 codec (a codec's config.json, an "
+                                    "audio_tokenizer/ folder, or a local folder named by processor_config.json's audio_tokenizer)")
         return cls(HiggsCodec.from_pretrained(path, device=device, dtype=torch.float32), device,
                    **(model_kwargs or {}))
 

@@ -11,6 +11,7 @@ not match fails the load, naming the keys.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -67,3 +68,26 @@ def match_keys(state: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, to
         raise ValueError(f"Higgs Audio v2 codec checkpoint does not match the model: missing {missing[:8]} "
                          f"({len(missing)}), unexpected {unexpected[:8]} ({len(unexpected)})")
     return out
+
+
+def codec_directory(model_path: str | os.PathLike) -> Path | None:
+    """Where a Higgs Audio v2 directory keeps its codec: the folder itself (a codec's own config.json), its
+    `audio_tokenizer/` folder, or the local folder its processor_config.json names (`audio_tokenizer_name_or_path`,
+    as `HiggsAudioV2Processor.save_pretrained` records the audio tokenizer it was given); None when none holds one."""
+    import json
+
+    path = Path(model_path).expanduser()
+    config = path / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "higgs_audio_v2_tokenizer":
+        return path
+    if (path / "audio_tokenizer" / "config.json").is_file():
+        return path / "audio_tokenizer"
+    processor = path / "processor_config.json"
+    if processor.is_file():
+        named = (json.loads(processor.read_text()).get("audio_tokenizer") or {}).get("audio_tokenizer_name_or_path")
+        if named:
+            candidate = Path(named).expanduser()
+            candidate = candidate if candidate.is_absolute() else path / candidate
+            if (candidate / "config.json").is_file():
+                return candidate
+    return None

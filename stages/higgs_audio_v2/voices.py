@@ -4,7 +4,8 @@ reference clip into codes once per content.
     model_kwargs.voices       {NAME: {"audio": WAV path, "text": transcript}} ("codes": a .npy [K, T] instead of
                               audio: codes made earlier)
     model_kwargs.voice_dir    a folder of NAME.wav + NAME.txt pairs (`omni serve --voice-dir` sets it)
-    model_kwargs.audio_tokenizer_path   the codec (default: the checkpoint's `audio_tokenizer/` folder)
+    model_kwargs.audio_tokenizer_path   the codec (default: the checkpoint's `audio_tokenizer/` folder, or the
+                              local folder its processor_config.json names)
 
 A clip is encoded by the codec's encoder (HuBERT + DAC + RVQ) at 24 kHz the first time its content is seen; the
 codes are kept by the clip's hash (an LRU of `encoder_cache_size` entries), so a voice used by every request is
@@ -55,9 +56,10 @@ class VoiceBook:
             if not isinstance(spec, dict) or "text" not in spec or not ({"audio", "codes"} & set(spec)):
                 raise ValueError(f"voices.{name}: give {{audio: WAV path, text: transcript}} (or codes: a .npy)")
             voices[str(name)] = dict(spec)
+        from stages.higgs_audio_v2.codec_weights import codec_directory
+
         codec = kwargs.get("audio_tokenizer_path")
-        codec_path = Path(codec).expanduser() if codec else model_path / "audio_tokenizer"
-        return cls(voices, codec_path if codec_path.is_dir() else None, device, num_codebooks,
+        return cls(voices, codec_directory(codec if codec else model_path), device, num_codebooks,
                    int(kwargs.get("encoder_cache_size", DEFAULT_ENTRIES)))
 
     def names(self) -> tuple[str, ...]:

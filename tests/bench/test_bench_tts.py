@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_bench_tts_reports_the_issue_keys_on_the_tiny_pipeline():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--config", "stage_configs/higgs_audio_v2_tiny.yaml", "--voices", "2", "--sentences",
-                              "2", "--reference-s", "2", "--max-frames", "24", "--concurrency", "2"])
+    args = parser.parse_args(["--config", "stage_configs/higgs_audio_v2_tiny.yaml", "--backend", "local", "--voices",
+                              "2", "--sentences", "2", "--reference-s", "2", "--max-frames", "24", "--concurrency", "2"])
     res = bench.run(args)
     assert res["requests"] == 4 and res["counted_requests"] == 2 and res["reference_frames"] == 100
     for key in ("ttfa_speedup", "streaming_ttfa_speedup", "vs_hf_audio_s_per_s_c4", "audio_s_per_s_c4",

@@ -58,7 +58,8 @@ def test_long_sentences_cut_at_clauses_and_runs_without_punctuation_at_words():
     pieces = cut(words, clause_chars=50, max_chars=50)
     assert all(len(p) <= 50 for p in pieces) and len(pieces) > 5 and "".join(pieces) == words
     assert all(p.startswith(" ") for p in pieces[1:])  # cut at word boundaries
-    assert cut("x" * 120, clause_chars=50, max_chars=50) == ["x" * 50, "x" * 50, "x" * 20]  # no space at all: at max_chars
+    # no space at all: at max_chars
+    assert cut("x" * 120, clause_chars=50, max_chars=50) == ["x" * 50, "x" * 50, "x" * 20]
 
 
 def test_pieces_joined_are_the_stream_whatever_the_deltas():

@@ -89,3 +89,31 @@ def test_unknown_voice_names_the_known_ones(setup):
     with pytest.raises(RequestError, match="known: alice, bob") as e:
         stage.prompter.prepare(StageInput("x", prompt="Hi.", extra={"speaker": "carol"}))
     assert e.value.field == "voice"
+
+
+def test_a_directory_as_transformers_saves_the_model_and_processor_loads(setup, tmp_path):
+    """The model as HiggsAudioV2ForConditionalGeneration.save_pretrained writes it, the tokenizer and chat template as
+    the processor saves them, and the audio tokenizer wherever processor_config.json names it (no other file)."""
+    import json
+    import shutil
+
+    from stages.higgs_audio_v2.checkpoint import CHAT_TEMPLATE
+    from stages.higgs_audio_v2.codec import HiggsAudioV2CodecStage
+
+    path, hf, stage, voices = setup
+    model_dir, codec_dir = tmp_path / "model", tmp_path / "elsewhere" / "tokenizer"
+    hf.save_pretrained(model_dir)
+    stage.tokenizer.save_pretrained(model_dir)
+    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    shutil.copytree(path / "audio_tokenizer", codec_dir)
+    (model_dir / "processor_config.json").write_text(json.dumps({
+        "processor_class": "HiggsAudioV2Processor", "audio_tokenizer": {
+            "audio_tokenizer_class": "HiggsAudioV2TokenizerModel", "audio_tokenizer_name_or_path": str(codec_dir)}}))
+    loaded = HiggsAudioV2Stage.load(model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    assert loaded.prompter.voices.codec_path == codec_dir
+    a = loaded.prompter.prepare(StageInput("a", prompt=TEXTS[0]))
+    assert a.token_ids == stage.prompter.prepare(StageInput("b", prompt=TEXTS[0])).token_ids
+    codec = HiggsAudioV2CodecStage.load(model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    assert codec.num_codebooks == hf.config.num_codebooks
+    with pytest.raises(FileNotFoundError, match="no Higgs Audio v2 codec"):
+        HiggsAudioV2CodecStage.load(tmp_path, dtype=torch.float32, device=torch.device("cpu"))

@@ -23,7 +23,8 @@ def _processor(tokenizer, config, codes: np.ndarray):
                                upsampling_ratios=[2], hidden_size=4, n_codebooks=2, codebook_size=4, codebook_dim=2))
     codec.config.num_quantizers = codes.shape[0]
     codec.encode = lambda input_values, **kw: SimpleNamespace(audio_codes=torch.tensor(codes)[None])
-    return HiggsAudioV2Processor(DacFeatureExtractor(sampling_rate=24000), tokenizer, codec, chat_template=CHAT_TEMPLATE,
+    return HiggsAudioV2Processor(DacFeatureExtractor(sampling_rate=24000), tokenizer, codec,
+                                 chat_template=CHAT_TEMPLATE,
                                  audio_stream_bos_id=config.audio_stream_bos_id,
                                  audio_stream_eos_id=config.audio_stream_eos_id)
 
