@@ -11,6 +11,7 @@ from omni.errors import RequestError
 from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from stages.checkpoints.builtin import builtin_path
+from stages.higgs_audio_v2.model import HiggsAudioV2Stage
 from tests.engine_utils import assert_no_leak
 from tests.stages.higgs_audio_v2.higgs_utils import engine_for, hf_frames, load_stage, run, voice_codes
 
