@@ -387,7 +387,7 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^omni serve \S+ --ray-serve\b", covered("tests/serve/test_ray_serve.py::test_ray_serve_ingress")),
     (r"^omni serve \.\.\. --enable-auto-tool-choice --tool-call-parser hermes$",
      covered("tests/serve/test_auto_tools_server.py::test_a_call_in_the_reply_comes_back_as_tool_calls")),
-    (r"^omni serve (stage_configs/higgs_audio_v2_tiny\.yaml )?--voice-dir (DIR|voices/)$",
+    (r"^omni serve stage_configs/higgs_audio_v2_tiny\.yaml --voice-dir voices/$",
      covered("tests/serve/test_tts_server.py::test_the_voice_dir_voices_are_listed_and_spoken")),
     (r"^omni serve \.\.\. --default-modalities text,audio$",
      covered("tests/serve/test_vllm_omni_defaults.py::test_no_modalities_is_text_and_audio_on_a_server_that_says_so")),
