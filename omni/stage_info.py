@@ -31,6 +31,10 @@ class StageInfo:
     # consumes one thinker row per step and says how far it can go through `compute_limit`); False: a
     # growing prompt is only prefilled, and decoding starts once the input is complete.
     decodes_before_input_complete: bool = False
+    # Its input may go on after it has replied (a TTS speaking an LLM's reply piece by piece in one request: each
+    # piece a new turn after the audio of the last): the model renders each turn itself and hands the engine its
+    # tokens through `take_input`; they follow the outputs as tokens the request did not sample.
+    takes_input_after_output: bool = False
     # A model whose `preprocess` renders its own prompt from chat messages: True when that rendering shows
     # the model the request's `tools`; else a request with tools is refused, naming the field.
     renders_tools: bool = False

@@ -51,4 +51,11 @@ def register() -> None:
                              needs_hidden_states=True, incremental="stages.higgs_audio_v2.edges:model2codec_chunk",
                              chunk_state="stages.higgs_audio_v2.edges:DelayedFrames")
 
+    # A voice agent: the recognizer's transcript is the user's turn of the LLM's conversation; the LLM's reply is
+    # spoken piece by piece as it streams (cut at sentence ends).
+    register_input_processor("qwen3_asr_to_chat", "stages.qwen3_asr.edges:asr2chat")
+    register_input_processor("text_to_higgs_audio_v2", "stages.higgs_audio_v2.speak_edges:text2speech",
+                             incremental="stages.higgs_audio_v2.speak_edges:text2speech_chunk",
+                             chunk_state="stages.higgs_audio_v2.speak_edges:SpokenPieces")
+
     register_model_path_scheme("builtin", "stages.checkpoints.builtin:builtin_path", check="stages.checkpoints.builtin:check_builtin")

@@ -194,6 +194,19 @@ class StageEngine:
             if not token_ids and not self.model.info.decodes_before_input_complete:
                 self.scheduler.recompute_last_token(req)
         req.compute_limit = self.model.compute_limit(request_id)
+        self._take_input()
+
+    def _take_input(self) -> None:
+        """A model that takes input after its outputs (StageInfo.takes_input_after_output): append the turns it
+        rendered since the last call to their requests, and move every request's compute limit."""
+        if not self.model.info.takes_input_after_output:
+            return
+        for rid, token_ids in self.model.take_input().items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and token_ids:
+                req.append_input(token_ids)
+        for rid, req in self.scheduler.requests.items():
+            req.compute_limit = self.model.compute_limit(rid)
 
     def read_rows(self, request_id: str, start: int, end: int) -> dict[str, np.ndarray]:
         """Per-token rows [start, end) of a running request that keeps rows (end <= its computed tokens)."""
@@ -253,6 +266,7 @@ class StageEngine:
             if result.rows is not None or result.other_outputs:
                 self.rows.collect(result.row_ranges, result.rows, result.other_outputs, result.slot_mapping)
             finished = self.scheduler.update(result.sampled)
+            self._take_input()
             if self.outputs.stops:
                 finished += self.outputs.stop_strings(result.sampled, finished)
             if result.logprobs:

@@ -186,8 +186,15 @@ class AutoregressiveStageModel(StageModel):
     def compute_limit(self, request_id: str) -> int | None:
         """How many of the request's tokens can be computed with the input received so far (a model
         that decodes before its input is complete: info.decodes_before_input_complete); None: no limit.
-        Called by StageEngine after add_request and after each extend_request."""
+        Called by StageEngine after add_request and after each extend_request (and after every step for a model
+        with info.takes_input_after_output, whose limit moves as it replies)."""
         return None
+
+    def take_input(self) -> dict[str, list[int]]:
+        """The tokens each request's input grew by since the last call, after its outputs (info.takes_input_after_
+        output: a model that renders each later input turn itself). Called by StageEngine after every step and
+        every extend_request of such a model; the engine appends them to the request, to be computed, not sampled."""
+        return {}
 
 
 class OneShotStageModel(StageModel):

@@ -29,6 +29,7 @@ from omni.pipeline.backend import StreamTarget, Submission
 class _TargetProgress:
     target: StreamTarget
     tokens_sent: int = 0
+    text_sent: int = 0
     rows_sent: int = 0
     seq: int = 0
 
@@ -41,6 +42,7 @@ class Outgoing:
         self.request_id = request_id
         self.progress = [_TargetProgress(t) for t in targets]
         self.tokens: list[int] = []  # generated so far
+        self.text = ""  # their text so far (a consumer that reads the reply's words: a TTS speaking an LLM's reply)
         self.prompt_ids: list[int] | None = None  # from the first delta; sent with every first chunk
 
     @property
@@ -51,6 +53,7 @@ class Outgoing:
                  ) -> list[tuple[StreamTarget, int, StageDelta]]:
         """Chunks due after one step of the running request: (target, seq, chunk)."""
         self.tokens.extend(delta.token_ids)
+        self.text += delta.text
         if delta.prompt_token_ids is not None:
             self.prompt_ids = delta.prompt_token_ids
         if delta.finished:
@@ -66,6 +69,8 @@ class Outgoing:
     def on_finished(self, full: StageOutput) -> list[tuple[StreamTarget, int, StageDelta]]:
         """The last chunk of every consumer, from the request's complete output."""
         self.prompt_ids = list(full.prompt_token_ids)
+        if full.text is not None:
+            self.text = full.text
         out = []
         for p in self.progress:
             rows: dict[str, np.ndarray] = {}
@@ -81,10 +86,12 @@ class Outgoing:
 
     def _emit(self, p: _TargetProgress, tokens: list[int], rows: dict[str, np.ndarray], rows_end: int,
               finished: bool) -> tuple[StreamTarget, int, StageDelta]:
-        chunk = StageDelta(self.request_id, self.stage, token_ids=list(tokens), finished=finished,
+        chunk = StageDelta(self.request_id, self.stage, token_ids=list(tokens), text=self.text[p.text_sent:],
+                           finished=finished,
                            num_computed_tokens=rows_end, rows=rows, rows_start=p.rows_sent,
                            prompt_token_ids=self.prompt_ids if p.seq == 0 else None)
         p.tokens_sent += len(tokens)
+        p.text_sent = len(self.text)
         p.rows_sent = rows_end if p.target.needs_rows else p.rows_sent
         p.seq += 1
         return p.target, p.seq - 1, chunk

@@ -5,11 +5,11 @@
 
 The processor (`higgs_audio_v2_to_codec`, registered in stages/__init__.py) reads the model's `audio_codes` rows
 and does what `HiggsAudioV2Processor.batch_decode` does before its codec call: the frames after the generation's
-all-stream-bos frame up to the first all-stream-eos frame, the delay pattern reverted, codes clipped to the
-codebook. On a streaming edge an aligned frame goes on as soon as the K - 1 frames after it exist, so the pieces
-joined are the one-shot frames. (batch_decode starts after the *last* all-bos frame of the sequence; a generation
-starts with one, and a model that emitted another all-bos frame later would be cut there by transformers and not
-here.)
+all-stream-bos frame up to the all-stream-eos frame, the delay pattern reverted, codes clipped to the codebook (a
+request that spoke several turns: each turn's run so, one after another). On a streaming edge an aligned frame goes
+on as soon as the K - 1 frames after it exist, so the pieces joined are the one-shot frames. (batch_decode starts
+after the *last* all-bos frame of the sequence; a generation starts with one, and a model that emitted another
+all-bos frame inside a run would be cut there by transformers and not here.)
 """
 from __future__ import annotations
 
@@ -44,37 +44,45 @@ def _input(request: StageInput, codes: np.ndarray, **kwargs) -> StageInput:
 
 @dataclass(slots=True)
 class DelayedFrames:
-    """The generated frames of one request, aligned as they come (also the streaming edge's chunk state)."""
+    """The generated frames of one request, aligned as they come (also the streaming edge's chunk state). A request
+    that speaks several turns (a text edge's pieces) generates one delayed run per turn, each from an all-bos frame to
+    an all-eos one: each is aligned on its own and the codes follow one another."""
 
     stream_bos: int = -1
     stream_eos: int = -1
-    frames: list[np.ndarray] = field(default_factory=list)  # after the all-bos frame, before the all-eos one
+    frames: list[np.ndarray] = field(default_factory=list)  # the current run's, after its all-bos frame
     started: bool = False
-    ended: bool = False
-    sent: int = 0  # aligned frames handed on
+    sent: int = 0  # aligned frames of the current run handed on
+    done: list[np.ndarray] = field(default_factory=list)  # aligned frames of ended runs, not handed on yet
     input_started: bool = False
 
     def add(self, frames: np.ndarray) -> None:
         for f in frames:
-            if self.ended:
-                return
             if not self.started:
                 self.started = bool((f == self.stream_bos).all())
             elif (f == self.stream_eos).all():
-                self.ended = True
+                self.done.append(self._aligned())
+                self.frames, self.sent, self.started = [], 0, False
             else:
                 self.frames.append(f)
 
     def aligned(self) -> np.ndarray:
-        """The aligned frames not handed on yet (frame t needs frames t .. t + K - 1)."""
+        """The aligned frames not handed on yet (frame t needs frames t .. t + K - 1 of its run)."""
+        rows = [*self.done, self._aligned()]
+        self.done = []
+        rows = [r for r in rows if len(r)]
+        if not rows:
+            return np.zeros((0, max(len(self.frames[0]) if self.frames else 0, 0)), np.int64)
+        return np.clip(np.concatenate(rows), 0, self.stream_bos - 1)
+
+    def _aligned(self) -> np.ndarray:
         k = self.frames[0].shape[0] if self.frames else 0
         ready = max(0, len(self.frames) - k + 1) if k else 0
         if ready <= self.sent:
             return np.zeros((0, k), np.int64)
         rows = np.stack([np.stack([self.frames[t + i][i] for i in range(k)]) for t in range(self.sent, ready)])
         self.sent = ready
-        return np.clip(rows, 0, self.stream_bos - 1)
-
+        return rows.astype(np.int64)
 
     def know(self, frames: np.ndarray) -> None:
         """Stream bos / eos from the generation's first frame: the delay pattern forces it all stream-bos, and
@@ -90,8 +98,7 @@ def model2codec(upstream: dict[str, StageOutput], request: StageInput) -> StageI
     frames = _generated(out.mm_outputs or {})
     feed = DelayedFrames()
     feed.know(frames)
-    starts = np.flatnonzero((frames == feed.stream_bos).all(axis=1)) if len(frames) else []
-    feed.add(frames[starts[-1]:] if len(starts) else frames[:0])
+    feed.add(frames)
     return _input(request, feed.aligned(), sampling_params=request.extra.get("codec_sampling_params"))
 
 

@@ -30,6 +30,7 @@ blocks of the same flat tokens could take their KV (not its own frames'). Only t
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,16 @@ from omni.engine.runner.forward_context import get_forward_context
 from omni.engine.runner.sampler import Sampler, make_generator
 from omni.engine.stage_model import AutoregressiveStageModel, KVSpec, PreparedPrompt
 from omni.errors import RequestError
-from omni.messages import StageInput
+from omni.messages import EdgePayload, StageInput
 from omni.sampling_params import SamplingParams
 
 from stages.common.decoder import decoder_kv_spec
 from stages.higgs_audio_v2.delay import AudioIds, DelayState, next_token
 from stages.higgs_audio_v2.info import MODEL
+from stages.higgs_audio_v2.payloads import SpeakNext
 from stages.higgs_audio_v2.prompt import HiggsPrompter
+
+logger = logging.getLogger(__name__)
 
 # Request options that select or score text tokens: the frames are sampled by the stage, not by the engine.
 _REFUSED = {"logprobs": None, "prompt_logprobs": None, "min_tokens": 0, "ignore_eos": False}
@@ -61,16 +65,15 @@ _REFUSED = {"logprobs": None, "prompt_logprobs": None, "min_tokens": 0, "ignore_
 class _Request:
     num_prompt: int
     frames_at: dict[int, np.ndarray]  # prompt position -> its audio frame [K]
-    last_prompt_ids: list[int]
+    ids: list[int]  # the request's tokens as the engine holds them: prompt, flat tokens, later turns
     params: SamplingParams
     generator: torch.Generator | None
     input_complete: bool = True
-    frames: list[list[int]] = field(default_factory=list)  # frame j: sampled at position num_prompt - 1 + j
-    tokens: list[int] = field(default_factory=list)  # the flat token of each frame
+    sampled: dict[int, list[int]] = field(default_factory=dict)  # position -> the frame sampled there (next input)
+    speaking: bool = True  # a turn's audio is being generated (False: its last frame came, the next turn has not)
+    pending: list[str] = field(default_factory=list)  # text to speak after the current turn
+    turn_ids: list[int] = field(default_factory=list)  # rendered, not yet taken by the engine
     delay: DelayState | None = None
-
-    def last_token(self, j: int) -> int:
-        return self.tokens[j - 1] if j else self.last_prompt_ids[-1]
 
 
 class HiggsAudioV2Stage(AutoregressiveStageModel):
@@ -139,9 +142,52 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         params = SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
                                 seed=sp.seed)
         self._requests[request_id] = _Request(
-            num_prompt=len(prompt.token_ids), frames_at=prompt.extra["frames_at"],
-            last_prompt_ids=list(prompt.token_ids[-self.ids.num_codebooks:]), params=params,
-            generator=make_generator(params, self.device), input_complete=inp.input_complete)
+            num_prompt=len(prompt.token_ids), frames_at=prompt.extra["frames_at"], ids=list(prompt.token_ids),
+            params=params, generator=make_generator(params, self.device), input_complete=inp.input_complete)
+        if inp.payload is not None:
+            self.extend_request(request_id, inp.payload, inp.input_complete)
+
+    def extend_request(self, request_id: str, payload: EdgePayload | None, last: bool) -> None:
+        """The next piece of text to speak (SpeakNext), spoken once the current turn's audio has ended."""
+        st = self._requests[request_id]
+        if payload is not None:
+            if not isinstance(payload, SpeakNext):
+                raise RequestError(f"payload: higgs_audio_v2 takes text to speak next (SpeakNext), not "
+                                   f"{type(payload).__name__}", field="payload")
+            if payload.text.strip():
+                st.pending.append(payload.text)
+        st.input_complete = st.input_complete or last
+        self._next_turn(st)
+
+    def _next_turn(self, st: _Request) -> None:
+        """After a turn's last frame: render the next piece as the next turn (when it fits the context)."""
+        if st.speaking or not st.pending:
+            return
+        text = " ".join(p.strip() for p in st.pending)
+        st.pending.clear()
+        turn = self.prompter.next_turn(text)
+        if len(st.ids) + len(turn) >= self.max_model_len:  # no room left to speak it: the reply ends here
+            logger.warning("higgs_audio_v2: %d more tokens do not fit max_model_len %d: the rest of the reply is "
+                           "not spoken", len(turn), self.max_model_len)
+            st.input_complete = True
+            return
+        st.ids.extend(turn)
+        st.turn_ids.extend(turn)
+        st.speaking, st.delay = True, None
+
+    def take_input(self) -> dict[str, list[int]]:
+        out = {}
+        for rid, st in self._requests.items():
+            if st.turn_ids:
+                out[rid], st.turn_ids = st.turn_ids, []
+        return out
+
+    def compute_limit(self, request_id: str) -> int | None:
+        """A turn's last frame waits (uncomputed) for the next turn's text, or the end of the input."""
+        st = self._requests.get(request_id)
+        if st is None or st.speaking or st.input_complete:
+            return None
+        return len(st.ids) - 1
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -156,14 +202,10 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         for rid, a, start, end in ctx.request_spans():
             st = self._requests[rid]
             for p in range(start, end):
-                if p < st.num_prompt:
-                    frame = st.frames_at.get(p)
-                    if frame is not None:
-                        rows.append(a + p - start)
-                        frames.append(frame.tolist())
-                else:
+                frame = st.frames_at.get(p) if p < st.num_prompt else st.sampled.get(p - 1)
+                if frame is not None:
                     rows.append(a + p - start)
-                    frames.append(st.frames[p - st.num_prompt])  # sampled at position p - 1
+                    frames.append(frame if isinstance(frame, list) else frame.tolist())
         return rows, frames
 
     def forward(self, input_ids, inputs_embeds, positions) -> dict[str, torch.Tensor]:
@@ -190,43 +232,57 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         return {"hidden_states": hidden, "audio_codes": out_codes}
 
     def _sample_frames(self, ctx, hidden: torch.Tensor) -> list[int]:
-        """Sample (or replay) the frame of every request whose last known position this step computed."""
-        due: list[tuple[_Request, int, int]] = []  # (request, batch row, frame index)
+        """Sample the frame of every request whose last known position this step computed (a request whose turn
+        ended and whose input is complete gets the eos token instead: its reply ends there)."""
+        due: list[tuple[_Request, int, int]] = []  # (request, batch row, position)
+        ended: dict[int, int] = {}  # index among the due rows -> the token without a frame
         for rid, a, start, end in ctx.request_spans():
             st = self._requests[rid]
-            j = end - st.num_prompt
-            if st.input_complete and end >= st.num_prompt and j == len(st.frames):
-                due.append((st, a + end - 1 - start, j))
+            if end == len(st.ids) and end >= st.num_prompt:
+                if not st.speaking:
+                    ended[len(due)] = self.ids.eos_token
+                due.append((st, a + end - 1 - start, end - 1))
         if not due:
             return []
+        speaking = [i for i in range(len(due)) if i not in ended]
         k, c = self.ids.num_codebooks, self.ids.codebook_size
-        rows = torch.tensor([r for _, r, _ in due], device=hidden.device)
-        logits = self.model.audio_lm_head(hidden[rows]).float().view(len(due), k, c)
-        masked = []
-        for (st, _, j), scores in zip(due, logits):
-            if st.delay is None:
-                st.delay = DelayState(self.ids, st.last_prompt_ids)
-            masked.append(st.delay.mask(scores, st.last_token(j)))
-        params = [st.params for st, _, _ in due for _ in range(k)]
-        gens = [st.generator for st, _, _ in due for _ in range(k)]
-        codes = self.sampler(torch.cat(masked), params, gens).view(len(due), k).tolist()
-        flat = []
-        for (st, _, j), frame in zip(due, codes):
-            tok = next_token(self.ids, frame, st.last_token(j))
-            st.frames.append(frame)
-            st.tokens.append(tok)
+        codes: list[list[int]] = []
+        if speaking:
+            rows = torch.tensor([due[i][1] for i in speaking], device=hidden.device)
+            logits = self.model.audio_lm_head(hidden[rows]).float().view(len(speaking), k, c)
+            masked = []
+            for i, scores in zip(speaking, logits):
+                st, _, p = due[i]
+                if st.delay is None:
+                    st.delay = DelayState(self.ids, st.ids[p + 1 - k:p + 1])
+                masked.append(st.delay.mask(scores, st.ids[p]))
+            params = [due[i][0].params for i in speaking for _ in range(k)]
+            gens = [due[i][0].generator for i in speaking for _ in range(k)]
+            codes = self.sampler(torch.cat(masked), params, gens).view(len(speaking), k).tolist()
+        flat, it = [], iter(codes)
+        for i, (st, _, p) in enumerate(due):
+            if i in ended:
+                tok = ended[i]
+            else:
+                frame = next(it)
+                tok = next_token(self.ids, frame, st.ids[p])
+                st.sampled[p] = frame
+                if tok == self.ids.eos_token and not (st.input_complete and not st.pending):
+                    # the turn's last frame, more to speak: it stands as the audio turn's last position does
+                    tok, st.speaking = self.ids.delay_token, False
+            st.ids.append(tok)
             flat.append(tok)
+            self._next_turn(st)
         return flat
 
     def _codes_rows(self, ctx, out_codes: torch.Tensor) -> None:
         """Every computed position that sampled a frame (this step or before a recompute) gets it as its row."""
         for rid, a, start, end in ctx.request_spans():
             st = self._requests[rid]
-            first = max(start, st.num_prompt - 1)
-            last = min(end, st.num_prompt - 1 + len(st.frames))
-            if last > first:
-                out_codes[a + first - start:a + last - start] = torch.tensor(
-                    st.frames[first - st.num_prompt + 1:last - st.num_prompt + 1], dtype=out_codes.dtype)
+            for p in range(max(start, st.num_prompt - 1), end):
+                frame = st.sampled.get(p)
+                if frame is not None:
+                    out_codes[a + p - start] = torch.tensor(frame, dtype=out_codes.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         flat, self._flat = self._flat, []

@@ -15,3 +15,11 @@ class CodesToWave(EdgePayload):
     On a streaming edge each chunk carries the frames that arrived since the last one."""
 
     codes: np.ndarray  # [frames, num_codebooks] int64
+
+
+@dataclass(slots=True)
+class SpeakNext(EdgePayload):
+    """The model's side input on a text edge (an LLM's reply spoken as it streams): the next piece of text to speak in
+    the same request, after the audio of the pieces before it (a new user turn of the conversation)."""
+
+    text: str

@@ -143,6 +143,14 @@ class HiggsPrompter:
             messages.insert(0, {"role": "system", "content": DEFAULT_SYSTEM})
         return messages, codes
 
+    def next_turn(self, text: str) -> list[int]:
+        """The tokens that follow a generated reply's last frame to speak `text` next in the same request: the rest
+        of the assistant's audio turn, the user's turn with the text, and the generation prompt, as the chat template
+        renders the conversation with that reply as an audio turn (the frame positions are the reply's own)."""
+        return self.tokenizer(f"<|audio_eos|><|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{text.strip()}"
+                              "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n<|audio_out_bos|>",
+                              add_special_tokens=False)["input_ids"]
+
     def prepare(self, inp: StageInput) -> PreparedPrompt:
         messages, codes = self.conversation(inp)
         text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,

@@ -37,7 +37,7 @@ from stages.common.media import media_names
 from stages.common.mm_items import MMItem, expand_placeholders
 from stages.qwen3_asr.audio import audio_item
 from stages.qwen3_asr.info import ASR
-from stages.qwen3_asr.prompt import forced_language, render_prompt
+from stages.qwen3_asr.prompt import forced_language, last_clip, render_prompt
 
 
 @dataclass(slots=True)
@@ -55,8 +55,11 @@ class Qwen3ASRStage(AutoregressiveStageModel):
     graphs_need_generated_tokens = True
 
     def __init__(self, model, tokenizer, extractor, device: torch.device, dtype: torch.dtype,
-                 encoder_cache_size: int = DEFAULT_ENTRIES):
+                 encoder_cache_size: int = DEFAULT_ENTRIES, in_conversation: bool = False):
         self.model = model
+        # The ears of a voice agent (model_kwargs.in_conversation): its prompt is the agent's conversation, and it
+        # transcribes the clip of the last user turn alone, with no context (the conversation is the LLM's).
+        self.in_conversation = in_conversation
         self.tokenizer = tokenizer
         self.extractor = extractor
         self.device, self.dtype = device, dtype
@@ -80,6 +83,7 @@ class Qwen3ASRStage(AutoregressiveStageModel):
 
         kwargs = dict(model_kwargs or {})
         cache_size = int(kwargs.pop("encoder_cache_size", DEFAULT_ENTRIES))
+        in_conversation = bool(kwargs.pop("in_conversation", False))
         model = Qwen3ASRForConditionalGeneration.from_pretrained(str(model_path), dtype=dtype,
                                                                  attn_implementation="sdpa", **kwargs)
         model.to(device).eval()
@@ -88,7 +92,7 @@ class Qwen3ASRStage(AutoregressiveStageModel):
         prepare_cpu_head(model.lm_head, device)  # decode logits at memory speed
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         extractor = Qwen3ASRFeatureExtractor.from_pretrained(str(model_path))
-        return cls(model, tokenizer, extractor, device, dtype, cache_size)
+        return cls(model, tokenizer, extractor, device, dtype, cache_size, in_conversation)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
@@ -107,6 +111,8 @@ class Qwen3ASRStage(AutoregressiveStageModel):
 
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
+        if self.in_conversation:
+            inp = last_clip(inp)
         items = [audio_item(m, self.extractor, self.n_window, self.max_model_len, where)
                  for m, where in zip(inp.mm_inputs, media_names(inp.mm_inputs))]
         if inp.prompt_token_ids is not None:

@@ -15,6 +15,8 @@ Each clip's <|audio_pad|> then repeats once per encoder row (stages/qwen3_asr/au
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from omni.errors import RequestError
@@ -72,6 +74,15 @@ def _context_and_clips(prompt: Any, num_clips: int) -> tuple[str, int]:
                                    f"user's audio part); the {role} turn's {kind!r} part is never shown to the model "
                                    "(force the language with mm_processor_kwargs.language)", field=where)
     return context, clips or num_clips
+
+
+def last_clip(inp: StageInput) -> StageInput:
+    """A voice agent's turn as its ears take it: the last clip of the conversation (the user's new turn), no context."""
+    if not inp.mm_inputs:
+        raise RequestError("multi_modal_data.audio: the voice agent's speech recognizer hears the user's turn: give it "
+                           "as audio (an input_audio part of the last user message)", field="multi_modal_data.audio",
+                           code="missing_audio")
+    return dataclasses.replace(inp, prompt=None, prompt_token_ids=None, mm_inputs=list(inp.mm_inputs[-1:]))
 
 
 def render_prompt(inp: StageInput) -> str:

@@ -206,6 +206,14 @@ class Request:
         if hasher is not None and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
             self.block_hashes.extend(hasher(self))
 
+    def append_input(self, token_ids: list[int]) -> None:
+        """Input that follows the outputs (a model that takes input after it replied: StageInfo.
+        takes_input_after_output): kept in the output as tokens the request did not sample, so that prompt +
+        output stays the sequence the model computes."""
+        if not self.output_token_ids:
+            raise ValueError(f"request {self.request_id!r}: input after the outputs needs an output first")
+        self.append_output_token_ids(list(token_ids))
+
     def extend_prompt(self, token_ids: list[int], prompt_embeds_digests: list[bytes] | None = None) -> None:
         """Grow the prompt (streaming input; only before any token is generated); hash every
         block that became full. `prompt_embeds_digests`: the whole list, one per prompt block."""

@@ -1,0 +1,71 @@
+"""Higgs Audio v2 speaking a text LLM's reply (a voice agent's mouth): `text_to_higgs_audio_v2`, registered in
+stages/__init__.py.
+
+    llm  (any causal LM)   the reply, streamed a few tokens at a time
+    tts  (higgs_audio_v2)  the reply spoken piece by piece in ONE request: the first piece is its prompt (with the
+                           request's voice), each later piece a new user turn after the audio of the pieces before it
+
+On a streaming edge the reply is cut by `SentenceCutter` (stages/common/sentence_pieces.py): a piece goes on as soon as
+its sentence (or a long clause) is complete, so the first audio waits for the first sentence, not the whole reply.
+The voice stays one across pieces: the reference clip is the request's prefix (its blocks hit the prefix cache) and
+every piece is spoken after the audio of the ones before it, as Higgs' own long-form generation conditions each chunk
+on the audio generated so far. The pieces joined are the reply's text (nothing lost, nothing twice).
+
+On a plain edge (the LLM finished first) the whole reply is the prompt of one turn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omni.errors import OmniError
+from omni.messages import StageDelta, StageInput, StageOutput
+
+from stages.common.processors import single_upstream
+from stages.common.sentence_pieces import SentenceCutter
+from stages.higgs_audio_v2.payloads import SpeakNext
+
+EDGE = "text_to_higgs_audio_v2"
+
+
+def _input(request: StageInput, text: str, **kwargs) -> StageInput:
+    return StageInput(request.request_id, prompt=text, extra=dict(request.extra), cache_salt=request.cache_salt,
+                      **kwargs)
+
+
+def _nothing_to_say(request: StageInput) -> OmniError:
+    return OmniError(f"{EDGE}: the upstream reply of request {request.request_id!r} has no text to speak")
+
+
+def text2speech(upstream: dict[str, StageOutput], request: StageInput) -> StageInput:
+    """The upstream's finished reply, spoken as one turn."""
+    text = (single_upstream(upstream, EDGE).text or "").strip()
+    if not text:
+        raise _nothing_to_say(request)
+    return _input(request, text)
+
+
+@dataclass(slots=True)
+class SpokenPieces:
+    """The streaming edge's state per request: the cutter, and whether the request has started."""
+
+    cutter: SentenceCutter = field(default_factory=SentenceCutter)
+    started: bool = False
+
+
+def text2speech_chunk(chunk: StageDelta, request: StageInput, state: SpokenPieces) -> StageInput | None:
+    """The pieces a chunk of the reply completes: the first starts the request, the rest follow as SpeakNext."""
+    pieces = state.cutter.feed(chunk.text)
+    if chunk.finished:
+        rest = state.cutter.flush()
+        pieces += [rest] if rest else []
+    pieces = [p for p in pieces if p.strip()]
+    if not state.started:
+        if not pieces:
+            if chunk.finished:
+                raise _nothing_to_say(request)
+            return None
+        state.started = True
+        later = " ".join(p.strip() for p in pieces[1:])
+        return _input(request, pieces[0].strip(), payload=SpeakNext(later) if later else None,
+                      input_complete=chunk.finished)
+    return StageInput(request.request_id, payload=SpeakNext(" ".join(p.strip() for p in pieces)) if pieces else None)
