@@ -1,27 +1,33 @@
-"""`omni bench realtime`: spoken multi-turn sessions over `/v1/realtime`, prefix caching on vs off, one run.
+"""`omni bench realtime`: spoken multi-turn sessions over `/v1/realtime`, prefix caching on vs off (and, for a
+pipeline with streaming edges, streamed vs plain edges), one run.
 
-Two `omni serve CONFIG` processes (default: the small Qwen2.5-Omni): one as configured (prefix caching
-on), one with `enable_prefix_caching: false` on every stage. For each session count S (default 1 and 4),
-S sessions at once on each server (the two alternate, so a change of machine load hits both alike), each
-session --turns turns with the real `openai` client (`client.realtime.connect`): the turn speaks
---speech-s of real recorded speech (the next part of the clip each turn: --speech-wav, default the sample
-clip the useful-moonshine-onnx package ships), commits it and asks for a response; the turn latency is
-the time from sending the commit to the response's first `response.output_audio.delta`. Every session has
-its own instructions (its number, then --instructions-words words of a brief: the context every turn
-re-sends), so sessions never share a prefix: only a session's own earlier turns can be hit.
+`omni serve CONFIG` processes (default: the small Qwen2.5-Omni): one as configured (prefix caching on), one with
+`enable_prefix_caching: false` on every stage, and, when the config streams any edge (a voice agent's LLM -> TTS ->
+codec), one with every edge plain (each stage starts when the one before it has finished: ASR, then the LLM, then the
+TTS, as three services glued by an application run them). For each session count S (default 1 and 4), S sessions at
+once on each server (the servers alternate, so a change of machine load hits all alike), each session --turns turns
+with the real `openai` client (`client.realtime.connect`): the turn speaks --speech-s of real recorded speech (the next
+part of the clip each turn: --speech-wav, default the sample clip the useful-moonshine-onnx package ships), commits
+it and asks for a response; the turn latency is the time from sending the commit to the response's first
+`response.output_audio.delta`. Every session has its own instructions (its number, then --instructions-words words
+of a brief: the context every turn re-sends), so sessions never share a prefix: only a session's own earlier turns
+can be hit.
 
 JSON keys (S = the smallest session count; the same with a `_c4` suffix at 4 sessions):
-    turn_latency_p50_ms           {"on": {"1": ms, "2": ...}, "off": {...}} p50 per turn index
-    turn2plus_first_audio_speedup p50 over turns 2+ of off / on (target >= 2)
-    turn5_over_turn2_latency      on: p50 of the last turn / p50 of turn 2 (target <= 1.2: flat as the
-                                  conversation grows)
-    cached_tokens_mean            {"on": {turn: mean thinker cached tokens}, "off": {...}}
+    turn_latency_p50_ms           {"on": {"1": ms, "2": ...}, "off": {...}, "plain": {...}} p50 per turn index
+    turn2plus_first_audio_speedup p50 over turns 2+ of off / on
+    last_turn_caching_speedup     the last turn's p50, off / on (target >= 2)
+    last_over_turn2_latency       on: p50 of the last turn / p50 of turn 2 (target <= 1.2: flat as the conversation
+                                  grows; also as turn5_over_turn2_latency, its name when turns were 5)
+    first_audio_speedup_vs_plain  p50 over all turns, plain edges / streamed edges (caching on both; target >= 3)
+    cached_tokens_mean            {"on": {turn: mean cached tokens (usage: the text stage's)}, "off": {...}}
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import base64
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -51,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-tokens", type=int, default=32, help="the thinker's reply length per turn")
     p.add_argument("--instructions-words", type=int, default=600, help="words of session instructions (the "
                    "context every turn re-sends: what caching saves, and what grows the prompt without it)")
-    p.add_argument("--voice", default="Chelsie")
+    p.add_argument("--voice", help="the session's voice (default: the server's)")
 
 
 def default_speech() -> Path:
@@ -92,7 +98,8 @@ async def _session(client: Any, model: str, index: int, speech: np.ndarray, args
         await conn.session.update(session={
             "type": "realtime", "instructions": instructions(index, args.instructions_words),
             "max_output_tokens": args.max_output_tokens,
-            "audio": {"input": {"turn_detection": None}, "output": {"voice": args.voice}}})
+            "audio": {"input": {"turn_detection": None},
+                      "output": {"voice": args.voice} if args.voice else {}}})
         for t in range(args.turns):
             start = (t * per_turn) % max(1, speech.size - per_turn)
             pcm = (np.clip(speech[start:start + per_turn], -1, 1) * 32767).astype("<i2").tobytes()
@@ -134,7 +141,8 @@ def _summary(results: list[list[dict[str, float]]], turns: int) -> dict[str, Any
                                    for t in range(turns)},
             "input_tokens_mean": {str(t + 1): statistics.mean(s[t]["input_tokens"] for s in results)
                                   for t in range(turns)},
-            "turn2plus_p50_ms": percentile([x for t, v in lat.items() if t >= 1 for x in v], 50)}
+            "turn2plus_p50_ms": percentile([x for t, v in lat.items() if t >= 1 for x in v], 50),
+            "all_p50_ms": percentile([x for v in lat.values() for x in v], 50)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,37 +153,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(args.config)
     speech = load_speech(Path(args.speech_wav) if args.speech_wav else default_speech())
     off = json.dumps({s.name: {"enable_prefix_caching": False} for s in cfg.stages})
+    plain = {s.name: {"inputs": [e.stage for e in s.inputs]} for s in cfg.stages if any(e.stream for e in s.inputs)}
     common = ["--port", "0", "--log-level", "warning", "--max-sessions", str(max(args.sessions) + 1),
               *(["--backend", args.backend] if args.backend else [])]
     env = {**os.environ, "OMNI_API_KEY": ""}
     result: dict[str, Any] = {"config": cfg.name, "sessions": args.sessions, "turns": args.turns,
                               "speech_s": args.speech_s, "loadavg_before": [round(x, 2) for x in os.getloadavg()],
                               "runs": {}}
-    with serve_process(args.config, *common, env=env) as on_srv, \
-            serve_process(args.config, *common, "--stage-overrides", off, env=env) as off_srv:
-        servers = {"on": on_srv.url, "off": off_srv.url}
+    with contextlib.ExitStack() as stack:
+        servers = {"on": stack.enter_context(serve_process(args.config, *common, env=env)).url,
+                   "off": stack.enter_context(serve_process(args.config, *common, "--stage-overrides", off,
+                                                            env=env)).url}
+        if plain:
+            servers["plain"] = stack.enter_context(serve_process(args.config, *common, "--stage-overrides",
+                                                                 json.dumps(plain), env=env)).url
         for mode, url in servers.items():  # warm-up: one-time costs (first forward passes) out of the timing
             asyncio.run(_workload(url, cfg.name, 1, 10_000, speech, argparse.Namespace(**{**vars(args), "turns": 1})))
         offset = 0
         for n in args.sessions:
-            entry: dict[str, Any] = {}
-            for mode, url in servers.items():
-                entry[mode] = _summary(asyncio.run(_workload(url, cfg.name, n, offset, speech, args)), args.turns)
+            entry: dict[str, Any] = {mode: _summary(asyncio.run(_workload(url, cfg.name, n, offset, speech, args)),
+                                                    args.turns) for mode, url in servers.items()}
             offset += n
-            on, off_ = entry["on"], entry["off"]
-            entry["turn2plus_first_audio_speedup"] = off_["turn2plus_p50_ms"] / on["turn2plus_p50_ms"]
-            last = str(args.turns)
-            entry["turn5_over_turn2_latency"] = on["turn_latency_p50_ms"][last] / on["turn_latency_p50_ms"]["2"]
+            entry.update(_ratios(entry, args.turns))
             result["runs"][f"c{n}"] = entry
-            print(f"{cfg.name} {n} session(s): turn p50 ms on {on['turn_latency_p50_ms']} off "
-                  f"{off_['turn_latency_p50_ms']}; speedup turns 2+ {entry['turn2plus_first_audio_speedup']:.2f}x, "
-                  f"turn {last} / turn 2 (on) {entry['turn5_over_turn2_latency']:.2f}", flush=True)
+            print(f"{cfg.name} {n} session(s): turn p50 ms "
+                  + "; ".join(f"{m} {entry[m]['turn_latency_p50_ms']}" for m in servers)
+                  + f"; {json.dumps({k: round(v, 2) for k, v in _ratios(entry, args.turns).items()})}", flush=True)
     for i, n in enumerate(args.sessions):
         entry = result["runs"][f"c{n}"]
         suffix = "" if i == 0 else f"_c{n}"
-        result[f"turn_latency_p50_ms{suffix}"] = {m: entry[m]["turn_latency_p50_ms"] for m in ("on", "off")}
+        result[f"turn_latency_p50_ms{suffix}"] = {m: entry[m]["turn_latency_p50_ms"] for m in servers}
         result[f"cached_tokens_mean{suffix}"] = {m: entry[m]["cached_tokens_mean"] for m in ("on", "off")}
-        result[f"turn2plus_first_audio_speedup{suffix}"] = entry["turn2plus_first_audio_speedup"]
-        result[f"turn5_over_turn2_latency{suffix}"] = entry["turn5_over_turn2_latency"]
+        for key, value in _ratios(entry, args.turns).items():
+            result[f"{key}{suffix}"] = value
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result
+
+
+def _ratios(entry: dict[str, Any], turns: int) -> dict[str, float]:
+    on, off = entry["on"], entry["off"]
+    last = str(turns)
+    out = {"turn2plus_first_audio_speedup": off["turn2plus_p50_ms"] / on["turn2plus_p50_ms"],
+           "last_turn_caching_speedup": off["turn_latency_p50_ms"][last] / on["turn_latency_p50_ms"][last],
+           "last_over_turn2_latency": on["turn_latency_p50_ms"][last] / on["turn_latency_p50_ms"]["2"]}
+    out["turn5_over_turn2_latency"] = out["last_over_turn2_latency"]
+    if "plain" in entry:
+        out["first_audio_speedup_vs_plain"] = entry["plain"]["all_p50_ms"] / on["all_p50_ms"]
+    return out

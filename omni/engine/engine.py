@@ -6,7 +6,6 @@ The loop that ties the stage's pieces together, as vLLM's EngineCore between its
     step()         schedule -> forward -> rows -> scheduler update -> stop strings, logprobs, deltas and
                    outputs (io/outputs.py) -> release what finished -> EngineStepOutput
     abort()        the request is finished and released at once (its id reusable); the next step() reports it
-    tokenize(), detokenize()   io/text_ops.py
 
 The scheduler is the source of truth of a request's life; `_release_finished` is the one place where all else
 the stage holds for a request (runner state, the model's per-request state, collected rows, its text) is
@@ -43,7 +42,7 @@ from omni.engine.memory import check_before_load, check_loaded
 from omni.engine.runner.model_runner import ModelRunner, RunnerRequestState
 from omni.engine.runner.sampler import make_generator
 from omni.engine.stage_model import AutoregressiveStageModel
-from omni.engine.stats import StepCounters
+from omni.engine.stats import StepCounters, stage_stats
 from omni.engine.step_profile import StepProfile
 from omni.engine.tensor_cache import StageTensorCache
 
@@ -197,16 +196,14 @@ class StageEngine:
         self._take_input()
 
     def _take_input(self) -> None:
-        """A model that takes input after its outputs (StageInfo.takes_input_after_output): append the turns it
-        rendered since the last call to their requests, and move every request's compute limit."""
-        if not self.model.info.takes_input_after_output:
-            return
-        for rid, token_ids in self.model.take_input().items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None and token_ids:
-                req.append_input(token_ids)
-        for rid, req in self.scheduler.requests.items():
-            req.compute_limit = self.model.compute_limit(rid)
+        """A model that takes input after its outputs (StageInfo.takes_input_after_output): the turns it rendered
+        since the last call join their requests, and every request's compute limit moves."""
+        if self.model.info.takes_input_after_output:
+            for rid, token_ids in self.model.take_input().items():
+                if rid in self.scheduler.requests and token_ids:
+                    self.scheduler.requests[rid].append_input(token_ids)
+            for rid, req in self.scheduler.requests.items():
+                req.compute_limit = self.model.compute_limit(rid)
 
     def read_rows(self, request_id: str, start: int, end: int) -> dict[str, np.ndarray]:
         """Per-token rows [start, end) of a running request that keeps rows (end <= its computed tokens)."""
@@ -299,18 +296,5 @@ class StageEngine:
             self.outputs.drop(rid)
 
     # ---------------------------------------------------------------- stats
-    def stats(self) -> StageStats:
-        kv = self.kv.stats()
-        extra = dict(self.tensor_cache.stats()) if self.tensor_cache is not None else {}
-        extra.update(self.runner.stats())
-        extra.update(device=str(self.model.device), **self.rows.stats())
-        extra.update(self.model.stats())
-        return StageStats(
-            stage=self.name, running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
-            kv_usage=self.kv.usage, num_blocks=self.kv.num_blocks, max_model_len=self.max_model_len,
-            prefix_caching=self.config.enable_prefix_caching, prefix_cache_queries=kv["queries"],
-            prefix_cache_hits=kv["hits"], prefix_cache_hit_rate=kv["hit_rate"],
-            preemptions=self.scheduler.num_preemptions, tensor_cache_time_s=self.rows.time_s,
-            torch_threads=torch.get_num_threads(), **self.counters.stats_fields(), **self.profile.stats(),
-            extra=extra,
-        )
+    def stats(self) -> StageStats:  # engine/stats.py
+        return stage_stats(self)

@@ -1,0 +1,60 @@
+"""The text -> Higgs Audio v2 edge (an LLM's reply spoken as it streams): the first complete sentence starts the TTS
+request, each later piece follows as SpeakNext, the pieces joined are the reply; a plain edge speaks the whole reply."""
+from __future__ import annotations
+
+import pytest
+
+from omni.errors import OmniError
+from omni.messages import StageDelta, StageInput, StageOutput
+from stages.higgs_audio_v2.payloads import SpeakNext
+from stages.higgs_audio_v2.speak_edges import SpokenPieces, text2speech, text2speech_chunk
+
+REPLY = "Sure. Dr. Smith arrived at 3.30 p.m. on Monday, and the meeting ran long! Was it worth it? Maybe"
+REQUEST = StageInput("r", prompt=[{"role": "user", "content": [{"type": "audio"}]}], extra={"speaker": "alice"},
+                     cache_salt="s")
+
+
+def _chunks(text: str, size: int) -> list[StageDelta]:
+    parts = [text[i:i + size] for i in range(0, len(text), size)]
+    return [StageDelta("r", "llm", text=p, finished=i == len(parts) - 1) for i, p in enumerate(parts)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 17, 1000])
+def test_pieces_start_the_request_then_follow_and_join_to_the_reply(size):
+    state, spoken, first = SpokenPieces(), [], None
+    for chunk in _chunks(REPLY, size):
+        part = text2speech_chunk(chunk, REQUEST, state)
+        if first is None:
+            if part is None:
+                continue
+            first = part
+            assert part.prompt and part.extra == {"speaker": "alice"} and part.cache_salt == "s"
+            assert part.input_complete == chunk.finished
+            spoken.append(part.prompt)
+        elif part is not None and part.payload is not None:
+            assert part.prompt is None and isinstance(part.payload, SpeakNext)
+            spoken.append(part.payload.text)
+        if first is not None and first.payload is not None:
+            spoken.append(first.payload.text)
+            first.payload = None
+    assert first is not None and first.prompt == "Sure."
+    assert " ".join(spoken).split() == REPLY.split()  # nothing lost, nothing twice
+
+
+def test_the_first_piece_waits_for_its_sentence_end():
+    state = SpokenPieces()
+    assert text2speech_chunk(StageDelta("r", "llm", text="Hello there"), REQUEST, state) is None
+    part = text2speech_chunk(StageDelta("r", "llm", text=". And"), REQUEST, state)
+    assert part is not None and part.prompt == "Hello there." and part.payload is None
+
+
+def test_an_empty_reply_is_an_error_not_silence_forever():
+    with pytest.raises(OmniError, match="no text to speak"):
+        text2speech_chunk(StageDelta("r", "llm", text="  ", finished=True), REQUEST, SpokenPieces())
+    with pytest.raises(OmniError, match="no text to speak"):
+        text2speech({"llm": StageOutput("r", "llm", text="")}, REQUEST)
+
+
+def test_a_plain_edge_speaks_the_whole_reply_in_the_requests_voice():
+    inp = text2speech({"llm": StageOutput("r", "llm", text=f" {REPLY} ")}, REQUEST)
+    assert inp.prompt == REPLY and inp.extra == {"speaker": "alice"} and inp.payload is None
