@@ -54,6 +54,9 @@ class PreparedPrompt:
     prompt_embeds: np.ndarray | None = None
     # Anything the stage model keeps per request (pixel values, mrope positions, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # The reply the model forces for this request, as sampling_params.forced_token_ids would (a stage with nothing to
+    # do for it: a voice agent's ears on a typed turn reply [eos] at once); None: sampled.
+    forced_reply: list[int] | None = None
 
 
 class StageModel:

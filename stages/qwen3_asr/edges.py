@@ -33,10 +33,10 @@ def _is_audio(part: Any) -> bool:
 
 
 def with_transcript(prompt: Any, text: str) -> list[dict[str, Any]]:
-    """The conversation with the last user turn's audio replaced by `text` (appended as a user turn when the prompt
-    is no conversation)."""
+    """The conversation with the last user turn's audio replaced by `text` (a typed last turn, or a text prompt: the
+    conversation as it is, and an empty transcript adds nothing)."""
     if not isinstance(prompt, list):
-        return [{"role": "user", "content": text}]
+        return [{"role": "user", "content": prompt if isinstance(prompt, str) and not text else text}]
     messages = copy.deepcopy(prompt)
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
     last = users[-1] if users else None
@@ -49,7 +49,9 @@ def with_transcript(prompt: Any, text: str) -> list[dict[str, Any]]:
                                "give earlier turns as text (their transcripts)", field=f"prompt[{i}].content")
         kept = [p for p in content if not _is_audio(p)]
         msg["content"] = [*kept, {"type": "text", "text": text}] if kept else text
-    if last is None or not any(_is_audio(p) for p in (prompt[last].get("content") or []) if isinstance(p, dict)):
+    spoke = last is not None and isinstance(prompt[last].get("content"), list) and any(
+        _is_audio(p) for p in prompt[last]["content"])
+    if not spoke and text:
         messages.append({"role": "user", "content": text})
     return messages
 

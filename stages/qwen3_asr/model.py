@@ -112,7 +112,11 @@ class Qwen3ASRStage(AutoregressiveStageModel):
     # ------------------------------------------------------------ per request
     def preprocess(self, inp: StageInput) -> PreparedPrompt:
         if self.in_conversation:
-            inp = last_clip(inp)
+            heard = last_clip(inp)
+            if heard is None:  # a typed turn: nothing to transcribe, an empty transcript at once
+                ids = list(self.tokenizer("<|im_start|>assistant\n")["input_ids"])
+                return PreparedPrompt(ids, forced_reply=[self.eos_token_id])
+            inp = heard
         items = [audio_item(m, self.extractor, self.n_window, self.max_model_len, where)
                  for m, where in zip(inp.mm_inputs, media_names(inp.mm_inputs))]
         if inp.prompt_token_ids is not None:

@@ -76,13 +76,21 @@ def _context_and_clips(prompt: Any, num_clips: int) -> tuple[str, int]:
     return context, clips or num_clips
 
 
-def last_clip(inp: StageInput) -> StageInput:
-    """A voice agent's turn as its ears take it: the last clip of the conversation (the user's new turn), no context."""
-    if not inp.mm_inputs:
-        raise RequestError("multi_modal_data.audio: the voice agent's speech recognizer hears the user's turn: give it "
-                           "as audio (an input_audio part of the last user message)", field="multi_modal_data.audio",
-                           code="missing_audio")
+def last_clip(inp: StageInput) -> StageInput | None:
+    """A voice agent's turn as its ears take it: the last clip of the conversation (the user's new turn), no context;
+    None when the last user turn has no audio (a typed turn: nothing to hear)."""
+    if not inp.mm_inputs or not _last_user_speaks(inp.prompt):
+        return None
     return dataclasses.replace(inp, prompt=None, prompt_token_ids=None, mm_inputs=list(inp.mm_inputs[-1:]))
+
+
+def _last_user_speaks(prompt: Any) -> bool:
+    """The prompt's last user turn holds an audio part (a prompt that is no conversation: its clips are the turn)."""
+    if not isinstance(prompt, list):
+        return True
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    content = users[-1].get("content") if users else None
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "audio" for p in content)
 
 
 def render_prompt(inp: StageInput) -> str:

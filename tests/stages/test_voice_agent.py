@@ -81,3 +81,10 @@ def test_the_real_weights_config_validates_on_directories_as_transformers_saves_
     out = capsys.readouterr().out
     assert "llm: causal_lm (builtin:smollm2)  <- asr via qwen3_asr_to_chat" in out
     assert "tts: higgs_audio_v2" in out and "<- llm (streaming) via text_to_higgs_audio_v2" in out
+
+
+def test_a_typed_turn_skips_the_ears_and_is_answered_aloud(agent):
+    (out,) = agent.generate([{"prompt": [SYSTEM, {"role": "user", "content": "Tell me about the moon."}]}])
+    assert out.error is None, out.error
+    assert out.outputs["asr"].text == "" and out.outputs["asr"].token_ids == [151645]  # <|im_end|> at once
+    assert "moon" in out.outputs["llm"].text.lower() and out.outputs["codec"].audio.size > 0

@@ -84,6 +84,8 @@ class Admission:
                                         prepared is not None or prompt_embeds is not None or not inp.input_complete)
         params = self._fit_reply(params, len(token_ids))
         forced = self._forced_reply(params, inp, len(token_ids))
+        if forced is None and prepared is not None and prepared.forced_reply is not None:
+            forced = self.checks.token_ids(prepared.forced_reply, "forced_reply")
         if params.prompt_logprobs is not None and (forced is not None or not inp.input_complete):
             raise RequestError("sampling_params.prompt_logprobs: needs a complete prompt and a sampled reply (not a "
                                "streamed input, nor a forced reply)", stage=self.name,

@@ -44,3 +44,9 @@ def test_audio_in_an_earlier_turn_is_refused_by_name():
     with pytest.raises(RequestError, match=r"prompt\[0\]\.content") as e:
         asr2chat(_asr("x"), StageInput("r", prompt=prompt))
     assert e.value.field == "prompt[0].content"
+
+
+def test_a_typed_last_turn_is_the_conversation_as_it_is():
+    prompt = [{"role": "user", "content": "What is the time?"}]
+    assert with_transcript(prompt, "") == prompt
+    assert with_transcript("Hello?", "") == [{"role": "user", "content": "Hello?"}]
