@@ -369,7 +369,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
     (r"^source \.venv/bin/activate$", skip("changes the calling shell's PATH, nothing of its own to check "
                                            "(`make` creates .venv)")),
     # needs real weights or a GPU: runs to its error, which must say what is missing
-    (r"qwen2_5_omni_7b\.yaml|qwen3_omni_30b_a3b\.yaml|higgs_audio_v2\.yaml|qwen3_asr\.yaml", fails(NO_WEIGHTS)),
+    (r"qwen2_5_omni_7b\.yaml|qwen3_omni_30b_a3b\.yaml|higgs_audio_v2\.yaml|qwen3_asr\.yaml|voice_agent\.yaml",
+     fails(NO_WEIGHTS)),
     (r"qwen2_5_omni_7b_shapes\.yaml|--device cuda", fails(NO_CUDA)),
     # mentions: a command named in prose, no arguments
     (r"^omni (run|validate|serve|plan)( --[\w-]+)*$", mention),
