@@ -59,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voices", type=int, default=3)
     p.add_argument("--sentences", type=int, default=3, help="sentences per voice")
     p.add_argument("--reference-s", type=float, default=10.0, help="seconds of each voice's reference")
-    p.add_argument("--max-frames", type=int, default=100, help="frames a reply may have (max_tokens)")
+    p.add_argument("--max-frames", type=int, default=175, help="frames a reply may have (max_tokens; 175: 7 s at 25 "
+                   "frames a second, what the sentences here take to say at 150 words a minute; a random model "
+                   "never ends a reply by itself)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--backend", choices=["ray", "local"], help="the pipelines' backend (default: the config's)")
 

@@ -8,6 +8,8 @@
     POST /v1/audio/transcriptions, /v1/audio/translations
                                 speech -> text by the pipeline's thinker (transcription/): json / text, SSE
     WS   /v1/realtime           the Realtime protocol: one conversation per socket (realtime/)
+    GET|POST /v1/audio/voices, DELETE /v1/audio/voices/{name}
+                                the voices a request may name; reference voices uploaded to clone (voices/)
     GET  /v1/models             the one model: the pipeline
     GET  /v1/models/{model}     that model (404 naming `model` for any other name)
     GET  /health                200 while the pipeline serves (HEAD too); GET|POST /ping: the same (vLLM's)
@@ -45,6 +47,7 @@ from omni.serve.settings import ServeSettings
 from omni.serve.speech.serving import create_speech
 from omni.serve.state import PipelineInfo, ServerState, check_model, checked_voice_map
 from omni.serve.transcription.serving import create_transcription, create_translation
+from omni.serve.voices.serving import delete_voice, list_voices, upload_voice
 
 logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0  # a scrape waits this long for the stages' stats
@@ -112,9 +115,10 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
         await deny(ws, ApiError(404, f"no WebSocket route /{path}: this server's WebSocket is /v1/realtime",
                                 code="not_found"))
 
-    @app.get("/v1/audio/voices")  # vLLM-Omni's: the voices a request may name (and --voice-map's names)
-    async def _voices() -> JSONResponse:
-        return JSONResponse({"voices": list(state.info.voices), "voice_map": state.info.voice_map})
+    # vLLM-Omni's: the voices a request may name (--voice-map's names too), and reference voices uploaded to clone
+    app.add_api_route("/v1/audio/voices", lambda: list_voices(state), methods=["GET"])
+    app.add_api_route("/v1/audio/voices", _endpoint(state, upload_voice), methods=["POST"])
+    app.add_api_route("/v1/audio/voices/{name}", lambda name: delete_voice(state, name), methods=["DELETE"])
 
     @app.get("/v1/models")
     async def _models() -> JSONResponse:

@@ -24,6 +24,7 @@ from omni.serve.http.errors import ApiError, bad_request
 from omni.serve.http.metrics import ServerMetrics
 from omni.serve.http.shutdown import Drain
 from omni.serve.settings import ServeSettings
+from omni.serve.voices.store import UploadedVoices
 
 # OpenAI's voice names (chat audio.voice, /v1/audio/speech, realtime): --voice-map may map them to the pipeline's
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
@@ -167,6 +168,8 @@ class ServerState:
     drain: Drain = field(default_factory=Drain)
     # The transcripts of the spoken replies this server gave, by audio id, until their expires_at
     audio_transcripts: AudioTranscripts = field(default_factory=lambda: AudioTranscripts(AUDIO_TTL_S))
+    # Reference voices uploaded to this server (POST /v1/audio/voices), for a pipeline that clones voices
+    uploaded_voices: UploadedVoices = field(default_factory=UploadedVoices)
 
     @property
     def max_pending(self) -> int:

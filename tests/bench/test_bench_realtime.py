@@ -45,3 +45,19 @@ def test_bench_realtime_on_qwen3_omni():
         "--turns", "2", "--speech-s", "1.0", "--max-output-tokens", "4", "--instructions-words", "50"]))
     assert res["config"] == "qwen3_omni_tiny" and res["turn2plus_first_audio_speedup"] > 0
     assert res["cached_tokens_mean"]["on"]["2"] > 0 and res["cached_tokens_mean"]["off"] == {"1": 0, "2": 0}
+
+
+def test_bench_realtime_on_the_voice_agent():
+    """The cascade (ASR -> LLM -> TTS -> codec): a third server with plain edges, the keys the voice agent is
+    measured by; the LLM's cache hits from turn 2 on."""
+    from tests.serve.server_utils import REPO
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    res = bench.run(parser.parse_args([
+        "--config", str(REPO / "stage_configs" / "voice_agent_tiny.yaml"), "--backend", "local", "--sessions", "1",
+        "--turns", "2", "--speech-s", "1.0", "--max-output-tokens", "12", "--instructions-words", "30"]))
+    assert set(res["turn_latency_p50_ms"]) == {"on", "off", "plain"}
+    for key in ("first_audio_speedup_vs_plain", "last_turn_caching_speedup", "last_over_turn2_latency"):
+        assert res[key] > 0
+    assert res["cached_tokens_mean"]["on"]["2"] > 0 and res["cached_tokens_mean"]["off"] == {"1": 0, "2": 0}

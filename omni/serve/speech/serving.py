@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from omni.errors import ContextLengthError, OmniError
-from omni.messages import StageInput
+from omni.messages import MultiModalInput, StageInput
 from omni.serve.audio.codecs import pcm16_chunks
 from omni.serve.audio.formats import MEDIA_TYPES, encodable, encode
 from omni.serve.audio.time_stretch import TimeStretch
@@ -48,15 +48,24 @@ from omni.serve.http.sse import sse_error, sse_event, sse_response
 from omni.serve.protocol.parse import parse_request
 from omni.serve.protocol.speech import SpeechRequest
 from omni.serve.state import PipelineInfo, ServerState, check_model
+from omni.serve.voices.store import UploadedVoice
 
 logger = logging.getLogger(__name__)
 
 
-def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str) -> Job:
+def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str, uploaded: UploadedVoice | None = None
+               ) -> Job:
     """The thinker prompt (instructions, input) with its reply forced to `input`, or, when the entry stage is a
-    text-to-speech model, `input` as its prompt with the voice and instructions; audio wanted."""
+    text-to-speech model, `input` as its prompt with the voice and instructions; audio wanted. `uploaded`: the voice
+    the request names, uploaded to this server (POST /v1/audio/voices): its clip is the request's reference."""
     if info.audio_stage is None:
         raise bad_request(f"model: pipeline {info.model!r} has no audio output stage", "model")
+    if uploaded is not None and info.speaks_prompt:
+        extra = {"reference_text": uploaded.text, "instructions": req.instructions or None}
+        prompt = StageInput("", prompt=req.input, extra=extra,
+                            mm_inputs=[MultiModalInput("audio", uploaded.wave, uploaded.rate)])
+        fields = {"prompt": "input", "voice": req.voice_field, "instructions": "instructions"}
+        return Job(request_id, prompt, {}, None, info.audio_stage, info.entry_stage, [], fields)
     if unknown := info.unknown_voice(req.speaker, req.voice_field):
         raise bad_request(unknown, req.voice_field)
     if req.response_format not in encodable():
@@ -179,7 +188,7 @@ class _Streamed(Response):
 async def create_speech(state: ServerState, request: Request) -> Any:
     req = parse_request(SpeechRequest, await request.body())
     check_model(req.model, state.info)
-    job = speech_job(req, state.info, new_id("speech"))
+    job = speech_job(req, state.info, new_id("speech"), state.uploaded_voices.get(req.speaker))
     fmt, media_type = req.response_format, MEDIA_TYPES[req.response_format]
     state.admit()
     run = _SpeechRun(state.omni, job, state.settings.default_audio_rate, state.metrics)
