@@ -39,7 +39,7 @@ from omni.serve.audio.resampling import resample
 from omni.serve.protocol import realtime as E
 from omni.serve.protocol.realtime import RealtimeEventError
 from omni.serve.realtime.conversation import ConvItem, Conversation, Part, new_item_id
-from omni.serve.realtime import checks, limits
+from omni.serve.realtime import cascade, checks, limits
 from omni.serve.realtime.hub import RealtimeHub
 from omni.serve.realtime.input_audio import InputAudio
 from omni.serve.realtime.items import client_item, response_context
@@ -218,7 +218,8 @@ class Session:
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
         await self._item_added(item, previous)
-        if self.transcription is not None:
+        # (a voice agent's turn is transcribed by its response's own recognizer: realtime/cascade.py)
+        if self.transcription is not None and self.server.info.recognizer is None:
             self.transcriptions.start(item, self.transcription)
 
     async def _on_input_audio_buffer_clear(self, ev: E.AudioClear) -> None:
@@ -350,6 +351,8 @@ class Session:
         context = self.conversation
         if params is not None and params.input is not None:
             context = await response_context(params.input, event_id, self)
+        if self.server.info.recognizer is not None:
+            cascade.check_turn(context, event_id)
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         tools, tool_choice = self.tools, self.tool_choice
         if params is not None:
