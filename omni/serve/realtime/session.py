@@ -24,7 +24,8 @@ server VAD's `interrupt_response`) and a closed socket cancel it. Out-of-band re
 "none"`) run beside it (up to the session's bound): their items stay out of the conversation, their context is the
 conversation or their own `input`; only their own `response.cancel` (by id) or the socket's close cancels
 them. What a session may hold (responses at once, the conversation's size) is bounded: realtime/limits.py.
-Any refused client event is an `error` event naming the event and field; the session goes on.
+Any refused client event is an `error` event naming the event and field; the session goes on. On a voice agent's
+cascade (a speech recognizer, an LLM, a TTS) the protocol is the same: realtime/cascade.py says what differs.
 """
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ send "whisper-1", "gpt-4o-transcribe", ...), the pipeline's own text stage trans
 name it was given. `language` (ISO-639-1) and `prompt` become part of the instruction. A session transcribes at
 most --max-session-responses items at once, each counted in the server's admission (realtime/limits.py): past
 either bound, that item's transcription fails (code session_response_limit, overloaded).
+
+On a voice agent's cascade (realtime/cascade.py) the response's own recognizer transcribes its turn: no request
+of its own at commit; `transcribe` serves only a turn no response heard, before the next response runs.
 """
 from __future__ import annotations
 

@@ -160,3 +160,23 @@ def test_voices_and_typed_turns_are_refused_and_the_session_goes_on(server):
         finally:
             await conn.close()
     asyncio.run(go())
+
+
+def test_an_unanswered_turn_is_transcribed_before_the_next_response(server):
+    """Two turns committed, one response: the first turn's audio is no longer the newest, so it is transcribed on
+    its own (the LLM reads every earlier turn as text) and the response answers the second."""
+    async def go():
+        conn = await _connect(server)
+        try:
+            item1 = await _speak(conn, 1.5)
+            item2 = await _speak(conn, 1.5, offset_s=3.0)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            seen: list = []
+            done = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(done), done.status_details
+            heard = [e.item_id for e in seen if e.type == "conversation.item.input_audio_transcription.completed"]
+            assert heard == [item1, item2]
+        finally:
+            await conn.close()
+    asyncio.run(go())
+    wait_idle(server)
