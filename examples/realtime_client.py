@@ -9,7 +9,12 @@ pcm16 and sent in 100 ms pieces, as a microphone would), each `--say TEXT` a typ
 given. Manual turns (commit, then response.create) unless `--vad`: then the server's voice-activity
 detection ends each spoken turn and answers by itself. Per turn the reply's transcript is printed as it
 streams, its audio saved as replies/turn-N.wav, and `cached_tokens` shows the prefix cache holding the
-conversation so far (from turn 2 on). The API key comes from $OMNI_API_KEY.
+conversation so far (from turn 2 on). `--voice`: one of the server's voices (GET /v1/audio/voices); none
+given, the pipeline's default voice. The API key comes from $OMNI_API_KEY.
+
+The same client talks to a voice agent's cascade (stage_configs/voice_agent_small.yaml served as above: a
+speech recognizer, an LLM and a TTS): there the recognizer hears each turn, so every turn is spoken (`--speak`;
+a typed turn is refused), and what it heard is printed as the turn's `user (heard):` line.
 """
 from __future__ import annotations
 
@@ -60,8 +65,9 @@ async def converse(args: argparse.Namespace) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     vad = {"type": "server_vad", "silence_duration_ms": 1000} if args.vad else None
     async with client.realtime.connect(model=model) as conn:
+        output = {"voice": args.voice} if args.voice else {}  # none: the pipeline's default voice
         await conn.session.update(session={"type": "realtime", "audio": {
-            "input": {"turn_detection": vad}, "output": {"voice": args.voice}}})
+            "input": {"turn_detection": vad}, "output": output}})
         for n, (kind, value) in enumerate(args.turns, 1):
             if kind == "speak":
                 pcm = pcm16_of_wav(Path(value))
@@ -79,24 +85,33 @@ async def converse(args: argparse.Namespace) -> None:
                                                           "content": [{"type": "input_text", "text": value}]})
                 await conn.response.create()
                 print(f"[turn {n}] user: {value}")
-            audio = b""
-            print(f"[turn {n}] assistant: ", end="", flush=True)
+            audio, said = b"", False
+
+            def say(text: str) -> None:  # the reply's transcript, after its `assistant:` prefix
+                nonlocal said
+                if not said:
+                    said = True
+                    print(f"[turn {n}] assistant: ", end="", flush=True)
+                print(text, end="", flush=True)
+
             async for event in conn:
-                if event.type == "response.output_audio_transcript.delta":
-                    print(event.delta, end="", flush=True)
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    # what a voice agent's recognizer heard of the turn (before its reply)
+                    print(f"[turn {n}] user (heard): {event.transcript}")
+                elif event.type == "response.output_audio_transcript.delta":
+                    say(event.delta)
                 elif event.type == "response.output_audio.delta":
                     audio += base64.b64decode(event.delta)
                 elif event.type == "error":
                     raise SystemExit(f"\nerror: {event.error.message}")
                 elif event.type == "response.done":
                     usage = event.response.usage
-                    print()
+                    say("\n")
                     if args.vad and kind == "speak" and event.response.status == "cancelled":
                         # A pause in the speech ended the turn and the speech went on (a barge-in): the
                         # server cancelled that response and answers again once the speech ends.
                         print(f"[turn {n}] (the speech went on: that response was cut, the next one follows)")
-                        print(f"[turn {n}] assistant: ", end="", flush=True)
-                        audio = b""
+                        audio, said = b"", False
                         continue
                     if event.response.status not in ("completed", "incomplete"):  # incomplete: max tokens
                         raise SystemExit(f"[turn {n}] the response ended {event.response.status}")
@@ -113,7 +128,7 @@ def main() -> None:
     p.add_argument("--speak", action=TurnAction, metavar="WAV", help="a spoken turn, from a WAV file")
     p.add_argument("--say", action=TurnAction, metavar="TEXT", help="a typed turn")
     p.add_argument("--vad", action="store_true", help="server VAD ends spoken turns (else manual commits)")
-    p.add_argument("--voice", default="Chelsie")
+    p.add_argument("--voice", help="one of the server's voices (Qwen2.5-Omni: Chelsie, Ethan); default: its own")
     p.add_argument("--model", help="default: the server's model")
     p.add_argument("--out-dir", type=Path, default=Path("replies"))
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")

@@ -78,10 +78,10 @@ def _endpoint(state: ServerState, handler: Callable[[ServerState, Request], Awai
 def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAPI:
     settings = settings or ServeSettings()
     info = PipelineInfo.of(omni.config, settings.served_model_name, omni.voices(), omni.shows_tools(),
-                           omni.context_reserve(), omni.min_spoken_tokens(), omni.input_media())
+                           omni.context_reserve(), omni.min_spoken_tokens(), omni.input_media(),
+                           omni.transcribes_audio(), omni.transcript_marker())
     info.voice_map = checked_voice_map(settings.voice_map, info)
     info.speaks_prompt = omni.speaks_prompt()
-    info.transcribes_audio, info.transcript_marker = omni.transcribes_audio(), omni.transcript_marker()
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state

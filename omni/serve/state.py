@@ -63,16 +63,28 @@ class PipelineInfo:
     transcribes_audio: bool = False
     # What ends the language tag its replies lead with (Omni.transcript_marker): the transcript follows it
     transcript_marker: str | None = None
+    # A voice agent's cascade (ASR -> LLM -> TTS): the entry stage, a speech recognizer with stages after it. Its
+    # transcript of the user's speech is the user's turn, the reply's text is the text stage after it (text_stage),
+    # and the voice is the speech stage's, whose `voices` are all it knows (none: it speaks its default voice only)
+    recognizer: str | None = None
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),
            shows_tools: bool | None = None, context_reserve: int = 0, min_spoken_tokens: int = 1,
-           media: tuple[str, ...] | None = None) -> "PipelineInfo":
+           media: tuple[str, ...] | None = None, transcribes_audio: bool = False,
+           transcript_marker: str | None = None) -> "PipelineInfo":
         finals = {s.name: s.final_output for s in config.stages}
-        first = lambda kind: next((n for n, k in finals.items() if k == kind), None)  # noqa: E731
         entry = next(s.name for s in config.stages if not s.inputs)
+        # the entry stage transcribes audio and stages follow it: a cascade, whose reply is the stages' after it
+        recognizer = entry if transcribes_audio and len(finals) > 1 else None
+        first = lambda kind: next((n for n, k in finals.items() if k == kind and n != recognizer), None)  # noqa: E731
+        if recognizer is not None:
+            # Omni.context_reserve is the room a talker needs in its thinker's context (its prompt is the thinker's
+            # sequence); a cascade's speech stage reads the reply's text as its own prompt: the LLM keeps its context
+            context_reserve = 0
         return cls(served_model_name or config.name, list(finals), entry, first("text"), first("audio"),
-                   tuple(voices), shows_tools, context_reserve, min_spoken_tokens, media)
+                   tuple(voices), shows_tools, context_reserve, min_spoken_tokens, media,
+                   transcribes_audio=transcribes_audio, transcript_marker=transcript_marker, recognizer=recognizer)
 
     def takes(self, kind: str) -> bool:
         """Whether a prompt may hold media of `kind` ("image", "audio"); True when the pipeline does not say."""
@@ -87,8 +99,13 @@ class PipelineInfo:
         so that a stream never starts for a voice its talker would refuse (matched case-insensitively, as the
         talkers match it, after --voice-map)."""
         spoken = self.speaker(voice)
-        if spoken is None or not self.voices or spoken.lower() in (v.lower() for v in self.voices):
+        if spoken is None or spoken.lower() in (v.lower() for v in self.voices):
             return None
+        if not self.voices and self.recognizer is None:  # the stage that takes the voice decides
+            return None
+        if not self.voices:  # a cascade's speech stage knows the voices it names (Higgs: --voice-dir's clips)
+            return (f"{field}: {voice!r} is not a voice of this pipeline: its speech stage names no voices (start the "
+                    "server with --voice-dir to clone some); leave the voice unset for its default voice")
         hint = ""
         if voice.lower() in OPENAI_VOICES and not self.voice_map:
             hint = (f"; OpenAI's voice names map to this pipeline's with `omni serve --voice-map "

@@ -44,6 +44,9 @@ class Job:
     # hold no tool call (a call has no speech); the request itself runs text only (reply_stream.Run). Also a
     # spoken reply bounded below what the audio stages voice as it comes (voice_short_replies)
     voice_after: str | None = None
+    # A voice agent's speech recognizer ahead of the text stage (PipelineInfo.recognizer): its transcript of the
+    # user's new turn comes as HeardEvents (and its tokens are no part of the reply's usage)
+    heard_stage: str | None = None
 
     def sampling_param(self, stage: str, name: str) -> str:
         """The request field that set `stage`'s sampling field `name`."""

@@ -57,6 +57,24 @@ class AudioEvent:
     rate: int
 
 
+@dataclass(slots=True)
+class HeardEvent:
+    """A piece of what the recognizer ahead of the text stage heard (Job.heard_stage); `done`: its reply is whole,
+    and the Run's `heard` holds its token counts."""
+
+    text: str
+    done: bool = False
+
+
+@dataclass(slots=True)
+class StageUsage:
+    """One stage's token counts (the recognizer's, for its transcript's usage)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_mm_tokens: dict[str, int]
+
+
 class Observer(Protocol):
     def first_token(self, stage: str, seconds: float) -> None: ...
     def first_audio(self, seconds: float) -> None: ...
@@ -126,7 +144,10 @@ class Run:
         self.stop_reason: str | int | None = None
         self._voice_whole = False  # the talker refused a reply too short to voice as it came: voiced once whole
         self._voice: Run | None = None
+        self._heard_text = ""
+        self.heard: StageUsage | None = None  # the recognizer's counts, once its reply is whole (Job.heard_stage)
         wanted = {job.usage_stage} | ({job.audio_stage} if job.audio_stage else set())
+        wanted |= {job.heard_stage} if job.heard_stage else set()
         self._wanted = frozenset(wanted)
 
     @property
@@ -157,7 +178,7 @@ class Run:
             await self.aclose()
             raise self._error(self._first.error)
 
-    async def events(self) -> AsyncIterator[TextEvent | AudioEvent]:
+    async def events(self) -> AsyncIterator[TextEvent | AudioEvent | HeardEvent]:
         """The reply's pieces as they come; raises ApiError when the request fails midway."""
         item, self._first = self._first, None
         try:
@@ -216,8 +237,10 @@ class Run:
             await self._voice.aclose()
 
     # ------------------------------------------------------------ items
-    def _on(self, item: StageDelta | StageOutput) -> list[TextEvent | AudioEvent]:
+    def _on(self, item: StageDelta | StageOutput) -> list[TextEvent | AudioEvent | HeardEvent]:
         job, out = self.job, []
+        if item.stage == job.heard_stage and job.heard_stage is not None:
+            return self._heard(item)
         if isinstance(item, StageDelta):
             if item.token_ids and item.stage not in self._ttft_seen:
                 self._ttft_seen.add(item.stage)
@@ -283,6 +306,18 @@ class Run:
             full = np.asarray(item.audio, dtype=np.float32).reshape(-1)
             out += self._audio(full[self._audio_sent:], item.passthrough.get("sampling_rate"))
         return out
+
+    def _heard(self, item: StageDelta | StageOutput) -> list[HeardEvent]:
+        if isinstance(item, StageDelta):
+            self._heard_text += item.text or ""
+            return [HeardEvent(item.text)] if item.text else []
+        if item.error is not None:
+            raise self._error(item.error)
+        self._done.add(item.stage)
+        self.heard = StageUsage(len(item.prompt_token_ids), len(item.token_ids), dict(item.prompt_mm_tokens or {}))
+        whole = item.text or ""  # what its deltas did not carry (none when it streamed them all)
+        rest = whole[len(self._heard_text):] if whole.startswith(self._heard_text) else ""
+        return [HeardEvent(rest), HeardEvent("", done=True)] if rest else [HeardEvent("", done=True)]
 
     def _text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[TextEvent]:
         self.text += text

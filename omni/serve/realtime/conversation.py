@@ -174,13 +174,22 @@ class Conversation:
         self.dropped.discard(item_id)
         return True
 
-    def prompt(self, instructions: str | None) -> tuple[list[dict[str, Any]], list[MultiModalInput]]:
+    def last_user(self) -> ConvItem | None:
+        """The newest user message the prompts hold (a voice agent's new turn, when it holds audio)."""
+        return next((i for i in reversed(self.items) if i.id not in self.dropped and i.type == "message"
+                     and i.role == "user"), None)
+
+    def prompt(self, instructions: str | None, cascade: bool = False
+               ) -> tuple[list[dict[str, Any]], list[MultiModalInput]]:
         """Chat messages (media as {"type": "audio" | "image"} parts, as chat completions' prompts) and their
-        audio and images, in order."""
+        audio and images, in order. `cascade`: a voice agent's (ASR -> LLM -> TTS): the newest user turn's audio
+        goes as one clip each part (its recognizer hears the last whole), every earlier user turn's audio as its
+        transcript (realtime/cascade.py)."""
         messages: list[dict[str, Any]] = []
         media: list[MultiModalInput] = []
         if instructions:
             messages.append({"role": "system", "content": instructions})
+        last = self.last_user() if cascade else None
         for item in self.items:
             if item.id in self.dropped:
                 continue
@@ -201,11 +210,16 @@ class Conversation:
                     continue  # an assistant turn that said nothing heard (cut before its first word)
                 messages.append({"role": item.role, "content": text})
                 continue
+            if cascade and item is not last:
+                if turn := _heard_turn(item):
+                    messages.append({"role": "user", "content": turn})
+                continue
             parts: list[dict[str, Any]] = []
             for p in item.parts:
                 if p.kind == "input_audio" and p.audio is not None:
-                    # a turn longer than the encoder's window is heard as consecutive clips of it
-                    for clip in clips(p.audio, p.audio_rate):
+                    # a turn longer than the encoder's window is heard as consecutive clips of it (a recognizer
+                    # hears the whole)
+                    for clip in [p.audio] if cascade else clips(p.audio, p.audio_rate):
                         parts.append({"type": "audio"})
                         media.append(MultiModalInput("audio", clip, sampling_rate=p.audio_rate))
                 elif p.kind == "input_image" and p.image is not None:
@@ -216,3 +230,15 @@ class Conversation:
             if parts:
                 messages.append({"role": "user", "content": parts})
         return messages, media
+
+
+def _heard_turn(item: ConvItem) -> str | list[dict[str, Any]] | None:
+    """An earlier user turn as a voice agent's LLM read it (stages/qwen3_asr/edges.py `with_transcript`): its
+    text parts, then its audio's transcript (the transcript alone when it holds nothing else); None: nothing (audio
+    never transcribed: its turn was cancelled before, and its transcription failed)."""
+    kept = [{"type": "text", "text": p.text} for p in item.parts if p.kind == "input_text" and p.text]
+    known = [p.transcript for p in item.parts if p.kind == "input_audio" and p.transcript is not None]
+    if not known:
+        return kept or None
+    heard = " ".join(known)
+    return [*kept, {"type": "text", "text": heard}] if kept else heard

@@ -36,11 +36,11 @@ from omni.serve.audio.resampling import Resampler8k24k, resample
 from omni.serve.audio.time_stretch import TimeStretch
 from omni.serve.generation.job import Job, voice_short_replies
 from omni.serve.generation.openai_shapes import input_token_details
-from omni.serve.generation.run import AudioEvent, Run, TextEvent
+from omni.serve.generation.run import AudioEvent, HeardEvent, Run, TextEvent
 from omni.serve.generation.tool_parser import ToolCallStream
 from omni.serve.generation.tools import force_call, reply_tool_calls
 from omni.serve.http.errors import ApiError
-from omni.serve.realtime import limits
+from omni.serve.realtime import cascade, limits
 from omni.serve.realtime.hub import ClientGone
 from omni.serve.realtime.conversation import ConvItem, Part, new_item_id
 
@@ -93,7 +93,7 @@ class RealtimeResponse:
         """The whole conversation as one request (realtime/conversation.py), this response's options."""
         self.instructions = instructions
         info = self.session.server.info
-        messages, media = self.context.prompt(instructions)
+        messages, media = self.context.prompt(instructions, cascade=info.recognizer is not None)
         extra = {"speaker": info.speaker(self.voice)} if self.voice else {}
         prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra, tools=self.tools or None)
         text_stage = info.text_stage or info.entry_stage
@@ -113,6 +113,7 @@ class RealtimeResponse:
         elif self.tool_parser is not None:
             job.tool_parser = self.tool_parser
             job.voice_after, job.audio_stage = job.audio_stage, None  # a call has no speech
+        job.heard_stage = info.recognizer  # a voice agent's: its recognizer's transcript of the turn (cascade.py)
         voice_short_replies(job, info)
         return job
 
@@ -184,10 +185,20 @@ class RealtimeResponse:
                 kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
                 await session.send({"type": kind, **ids, "delta": text})
 
+        heard = None
         try:
             await self.begin()
+            if server.info.recognizer is not None:  # a voice agent's turn (realtime/cascade.py)
+                if await cascade.transcribe_earlier(session, self.context):  # earlier turns as text
+                    run = Run(server.omni, self.job(self.instructions), server.settings.default_audio_rate,
+                              server.metrics)
+                heard = cascade.HeardTurn.of(session, self.context)
             run = await self._start(run)
             async for ev in run.events():
+                if isinstance(ev, HeardEvent):
+                    if heard is not None:
+                        await heard.on(ev, run)
+                    continue
                 if isinstance(ev, TextEvent):
                     if self.forced_tool is None:  # (a forced call's JSON is read whole, at the end)
                         await send_text(ev.text if parser is None else parser.feed(ev.text))

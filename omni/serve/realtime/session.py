@@ -24,7 +24,8 @@ server VAD's `interrupt_response`) and a closed socket cancel it. Out-of-band re
 "none"`) run beside it (up to the session's bound): their items stay out of the conversation, their context is the
 conversation or their own `input`; only their own `response.cancel` (by id) or the socket's close cancels
 them. What a session may hold (responses at once, the conversation's size) is bounded: realtime/limits.py.
-Any refused client event is an `error` event naming the event and field; the session goes on.
+Any refused client event is an `error` event naming the event and field; the session goes on. On a voice agent's
+cascade (a speech recognizer, an LLM, a TTS) the protocol is the same: realtime/cascade.py says what differs.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from omni.serve.audio.resampling import resample
 from omni.serve.protocol import realtime as E
 from omni.serve.protocol.realtime import RealtimeEventError
 from omni.serve.realtime.conversation import ConvItem, Conversation, Part, new_item_id
-from omni.serve.realtime import checks, limits
+from omni.serve.realtime import cascade, checks, limits
 from omni.serve.realtime.hub import RealtimeHub
 from omni.serve.realtime.input_audio import InputAudio
 from omni.serve.realtime.items import client_item, response_context
@@ -218,7 +219,8 @@ class Session:
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
         await self._item_added(item, previous)
-        if self.transcription is not None:
+        # (a voice agent's turn is transcribed by its response's own recognizer: realtime/cascade.py)
+        if self.transcription is not None and self.server.info.recognizer is None:
             self.transcriptions.start(item, self.transcription)
 
     async def _on_input_audio_buffer_clear(self, ev: E.AudioClear) -> None:
@@ -350,6 +352,8 @@ class Session:
         context = self.conversation
         if params is not None and params.input is not None:
             context = await response_context(params.input, event_id, self)
+        if self.server.info.recognizer is not None:
+            cascade.check_turn(context, event_id)
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         tools, tool_choice = self.tools, self.tool_choice
         if params is not None:

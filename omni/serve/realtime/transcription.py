@@ -14,6 +14,9 @@ send "whisper-1", "gpt-4o-transcribe", ...), the pipeline's own text stage trans
 name it was given. `language` (ISO-639-1) and `prompt` become part of the instruction. A session transcribes at
 most --max-session-responses items at once, each counted in the server's admission (realtime/limits.py): past
 either bound, that item's transcription fails (code session_response_limit, overloaded).
+
+On a voice agent's cascade (realtime/cascade.py) the response's own recognizer transcribes its turn: no request
+of its own at commit; `transcribe` serves only a turn no response heard, before the next response runs.
 """
 from __future__ import annotations
 
@@ -58,53 +61,21 @@ class Transcriptions:
 
     async def _run(self, item: ConvItem, part: Part, config: dict[str, Any]) -> None:
         session, server = self.session, self.session.server
-        ids = {"item_id": item.id, "content_index": item.parts.index(part)}
-        job = asr_job(server.info, part.audio, part.audio_rate, language=config.get("language"),
-                      prompt=config.get("prompt"), fields={"prompt": "session.audio.input.transcription",
-                                                           "max_tokens": "session.audio.input.transcription"})
-        run = Run(server.omni, job, server.settings.default_audio_rate)
-        transcript, admitted = Transcript(server.info.transcript_marker), False
+        limit = server.settings.max_session_responses  # a session's transcriptions at once: its responses' bound
         try:
-            limit = server.settings.max_session_responses  # a session's transcriptions at once: its responses' bound
             if len(self.tasks) > limit:
                 raise ApiError(429, f"this session transcribes {len(self.tasks) - 1} items, its limit "
                                f"(--max-session-responses {limit}); commit again once one is done",
                                code="session_response_limit")
             server.state.admit()  # a pipeline request, counted as a response is (realtime/limits.py); 503: failed
-            admitted = True
-            await run.start()
-            async for ev in run.events():  # a speech recognizer's language tag is held back and dropped
-                delta = transcript.feed(ev.text) if isinstance(ev, TextEvent) and ev.text else ""
-                if delta:
-                    await session.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
-                                        "delta": delta})
-            if delta := transcript.finish():
-                await session.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
-                                    "delta": delta})
-        except asyncio.CancelledError:
-            raise  # the session closed: its socket is gone, nothing to say
-        except ClientGone:  # ... or the socket closed first
-            return
-        except Exception as e:  # noqa: BLE001 - a failed transcription fails alone; the session goes on
-            error = ({"type": e.type, "code": e.code, "message": e.message, "param": e.param}
-                     if isinstance(e, ApiError) else
-                     {"type": "server_error", "code": "internal_error", "message": f"the server failed: "
-                                                                                  f"{type(e).__name__}",
-                      "param": None})
-            if not isinstance(e, ApiError):
-                logger.exception("realtime transcription of %s failed", item.id)
+        except ApiError as e:
             with contextlib.suppress(Exception):
-                await session.send({"type": "conversation.item.input_audio_transcription.failed", **ids,
-                                    "error": error})
+                await _failed(session, item, part, e)
             return
+        try:
+            await transcribe(session, item, part, config)
         finally:
-            await run.aclose()
-            if admitted:
-                limits.release(session)
-        part.transcript = text = transcript.text
-        with contextlib.suppress(Exception):  # the socket may be gone
-            await session.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
-                                "transcript": text, "usage": asr_usage(run)})
+            limits.release(session)
 
     async def close(self) -> None:
         """Cancel what runs (each request aborted on every stage) and wait for it."""
@@ -114,3 +85,48 @@ class Transcriptions:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+
+
+async def _failed(session: Session, item: ConvItem, part: Part, e: Exception) -> None:
+    error = ({"type": e.type, "code": e.code, "message": e.message, "param": e.param} if isinstance(e, ApiError)
+             else {"type": "server_error", "code": "internal_error",
+                   "message": f"the server failed: {type(e).__name__}", "param": None})
+    await session.send({"type": "conversation.item.input_audio_transcription.failed", "item_id": item.id,
+                        "content_index": item.parts.index(part), "error": error})
+
+
+async def transcribe(session: Session, item: ConvItem, part: Part, config: dict[str, Any]) -> None:
+    """`part`'s transcription, its events sent and its transcript kept (a request admitted by the caller); a
+    failure is the `.failed` event (the session goes on)."""
+    server = session.server
+    ids = {"item_id": item.id, "content_index": item.parts.index(part)}
+    job = asr_job(server.info, part.audio, part.audio_rate, language=config.get("language"),
+                  prompt=config.get("prompt"), fields={"prompt": "session.audio.input.transcription",
+                                                       "max_tokens": "session.audio.input.transcription"})
+    run = Run(server.omni, job, server.settings.default_audio_rate)
+    transcript = Transcript(server.info.transcript_marker)
+    try:
+        await run.start()
+        async for ev in run.events():  # a speech recognizer's language tag is held back and dropped
+            delta = transcript.feed(ev.text) if isinstance(ev, TextEvent) and ev.text else ""
+            if delta:
+                await session.send({"type": "conversation.item.input_audio_transcription.delta", **ids,
+                                    "delta": delta})
+        if delta := transcript.finish():
+            await session.send({"type": "conversation.item.input_audio_transcription.delta", **ids, "delta": delta})
+    except asyncio.CancelledError:
+        raise  # the session closed: its socket is gone, nothing to say
+    except ClientGone:  # ... or the socket closed first
+        return
+    except Exception as e:  # noqa: BLE001 - a failed transcription fails alone; the session goes on
+        if not isinstance(e, ApiError):
+            logger.exception("realtime transcription of %s failed", item.id)
+        with contextlib.suppress(Exception):
+            await _failed(session, item, part, e)
+        return
+    finally:
+        await run.aclose()
+    part.transcript = text = transcript.text
+    with contextlib.suppress(Exception):  # the socket may be gone
+        await session.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
+                            "transcript": text, "usage": asr_usage(run)})

@@ -1,0 +1,182 @@
+"""`/v1/realtime` on a voice agent's cascade (stage_configs/voice_agent_tiny.yaml: tiny random Qwen3-ASR -> SmolLM2
+-> tiny random Higgs Audio v2 and its codec) with the real `openai` client, in this process: a spoken turn (real
+recorded speech) gets its transcription from the pipeline's own recognizer and a spoken reply; turn 2 hits the LLM's
+prefix cache; a cancelled response (barge-in) stops every stage and the next turn still works; a disconnect frees
+every stage; voices and typed turns are refused as errors the session survives. The random recognizer writes
+gibberish: the events and their structure are checked, not words."""
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+
+from tests.serve.realtime_utils import pcm16, ran_to_its_end, speech_24k, types, until
+from tests.serve.server_utils import REPO, generating, held, serve_in_process, wait_idle
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+CONFIG = REPO / "stage_configs" / "voice_agent_tiny.yaml"
+MODEL = "voice_agent_tiny"
+# manual turns, short replies (the LLM's reply is bounded: each turn stays fast), the server's default voice
+MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, "max_output_tokens": 8}
+STAGES = {"asr", "llm", "tts"}  # those with a KV cache (the codec has none)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    with serve_in_process(CONFIG, "--backend", "local", "--audio-chunk-ms", "20") as s:
+        yield s
+
+
+async def _connect(server):
+    conn = await server.async_client().realtime.connect(model=MODEL).enter()
+    await until(conn, "session.created")
+    await conn.session.update(session=MANUAL)
+    await until(conn, "session.updated")
+    return conn
+
+
+async def _speak(conn, seconds: float, offset_s: float = 0.0) -> str:
+    """A spoken turn committed; its item's id."""
+    data = pcm16(speech_24k(seconds, offset_s))
+    step = 2400 * 2
+    for i in range(0, len(data), step):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(data[i:i + step]).decode())
+    await conn.input_audio_buffer.commit()
+    return (await until(conn, "input_audio_buffer.committed")).item_id
+
+
+def _heard(events, item_id: str) -> str:
+    """The turn's transcription: its deltas joined are its completed transcript."""
+    (done,) = [e for e in events if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert done.item_id == item_id and done.transcript.strip()
+    deltas = "".join(e.delta for e in events if e.type == "conversation.item.input_audio_transcription.delta"
+                     and e.item_id == item_id)
+    assert deltas == done.transcript and "<asr_text>" not in done.transcript  # the language tag dropped
+    assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0
+    return done.transcript
+
+
+def _audio(events) -> np.ndarray:
+    chunks = [base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"]
+    assert chunks and all(len(c) % 2 == 0 for c in chunks)  # whole pcm16 samples in every delta
+    return np.frombuffer(b"".join(chunks), "<i2")
+
+
+def test_spoken_turns_are_transcribed_answered_and_cached(server):
+    async def go():
+        conn = await _connect(server)
+        try:
+            item1 = await _speak(conn, 2.0)
+            await conn.response.create()
+            seen: list = []
+            r1 = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(r1), r1.status_details
+            heard1 = _heard(seen, item1)
+            reply = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+            assert reply and reply == r1.output[0].content[0].transcript
+            audio = _audio(seen)
+            assert audio.size > 0 and np.abs(audio).max() > 0
+            await conn.conversation.item.retrieve(item_id=item1)
+            kept = (await until(conn, "conversation.item.retrieved")).item
+            assert kept.content[0].transcript == heard1  # what turn 2 sends the LLM for it
+            item2 = await _speak(conn, 2.0, offset_s=3.0)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            seen = []
+            r2 = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(r2), r2.status_details
+            _heard(seen, item2)
+            text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+            assert text and "response.output_audio.delta" not in types(seen)
+            # turn 2's LLM prompt starts with turn 1's (its transcript, then its reply): the prefix cache holds it
+            assert r2.usage.input_token_details.cached_tokens > 0
+            assert r2.usage.input_tokens > r1.usage.input_tokens
+            assert r1.usage.input_token_details.audio_tokens == 0  # the LLM reads text
+        finally:
+            await conn.close()
+    asyncio.run(go())
+    wait_idle(server)
+
+
+def test_barge_in_cancels_every_stage_and_the_next_turn_works(server):
+    async def go():
+        conn = await _connect(server)
+        try:
+            with held(server, "tts", until=generating(1)):  # the reply cannot finish before the cancel
+                await _speak(conn, 2.0)
+                await conn.response.create()
+                await until(conn, "response.output_audio_transcript.delta")
+                await conn.response.cancel()
+                cancelled = (await until(conn, "response.done")).response
+            assert cancelled.status == "cancelled"
+            await asyncio.to_thread(wait_idle, server)  # nothing left running on any stage
+            item = await _speak(conn, 2.0, offset_s=5.0)
+            await conn.response.create()
+            seen: list = []
+            again = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(again), again.status_details
+            _heard(seen, item)
+            assert _audio(seen).size > 0
+        finally:
+            await conn.close()
+    asyncio.run(go())
+    wait_idle(server)
+
+
+def test_disconnect_mid_response_frees_every_stage(server):
+    async def go():
+        conn = await _connect(server)
+        with held(server, "tts", until=generating(1)):
+            await _speak(conn, 2.0)
+            await conn.response.create()
+            await until(conn, "response.output_audio_transcript.delta")
+            await conn.close()
+            await asyncio.sleep(0.5)
+    asyncio.run(go())
+    kv = wait_idle(server)  # no stage runs, waits for or holds anything: every block is free
+    assert STAGES <= set(kv) and not any(kv.values())
+    assert server.metrics()[("omni_realtime_sessions_open", ())] == 0
+
+
+def test_voices_and_typed_turns_are_refused_and_the_session_goes_on(server):
+    async def go():
+        conn = await _connect(server)
+        try:
+            # no --voice-dir: the speech stage names no voices, so a named one is refused at the update (not by
+            # every response's TTS); the default voice stays
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}})
+            err = await until(conn, "error")
+            assert (err.error.param, err.error.code) == ("session.audio.output.voice", "invalid_value"), err.error
+            assert "--voice-dir" in err.error.message
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hello"}]})
+            await until(conn, "conversation.item.done")
+            await conn.response.create(event_id="typed")
+            err = await until(conn, "error")
+            assert (err.error.event_id, err.error.code) == ("typed", "unsupported_value"), err.error
+            await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
+            assert (await until(conn, "session.updated")).session.audio.output.voice is None
+        finally:
+            await conn.close()
+    asyncio.run(go())
+
+
+def test_an_unanswered_turn_is_transcribed_before_the_next_response(server):
+    """Two turns committed, one response: the first turn's audio is no longer the newest, so it is transcribed on
+    its own (the LLM reads every earlier turn as text) and the response answers the second."""
+    async def go():
+        conn = await _connect(server)
+        try:
+            item1 = await _speak(conn, 1.5)
+            item2 = await _speak(conn, 1.5, offset_s=3.0)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            seen: list = []
+            done = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(done), done.status_details
+            heard = [e.item_id for e in seen if e.type == "conversation.item.input_audio_transcription.completed"]
+            assert heard == [item1, item2]
+        finally:
+            await conn.close()
+    asyncio.run(go())
+    wait_idle(server)
