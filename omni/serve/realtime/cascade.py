@@ -11,8 +11,9 @@ hears the audio itself. The protocol is the same; what differs is what a turn se
     the reply         the LLM's text (response.output_audio_transcript.delta / output_text.delta), the codec's
                       audio (response.output_audio.delta); usage is the LLM's (cached_tokens: its prefix hit)
 
-The newest user turn must hold audio (the recognizer hears it): a response to a typed turn is refused at
-response.create. A user turn whose audio never got its transcript (its response was cancelled before the recognizer
+A typed newest turn is answered as it is: the recognizer has nothing to hear (an empty transcript at once, its model's
+forced reply) and the LLM reads the text. A response with no user turn at all is refused at response.create. A user
+turn whose audio never got its transcript (its response was cancelled before the recognizer
 finished, or no response answered it) is transcribed on its own (realtime/transcription.py) before the next response
 runs, so that every earlier turn is text. Cancelling a response aborts its one request on every stage at once.
 """
@@ -47,12 +48,12 @@ def heard_part(context: Conversation) -> tuple[ConvItem, Part] | None:
 
 
 def check_turn(context: Conversation, event_id: str | None) -> None:
-    """A cascade answers speech: its newest user turn holds audio."""
-    if heard_part(context) is None:
-        raise RealtimeEventError("response.create: this pipeline is a voice agent (a speech recognizer hears the "
-                                 "user's turn): the conversation's newest user message must hold audio "
-                                 "(input_audio_buffer.commit, or an input_audio part); typed turns are not answered",
-                                 None, "unsupported_value", event_id)
+    """A cascade answers the user: its conversation holds a user turn (spoken, or typed: the recognizer then hears
+    nothing and the LLM reads the text)."""
+    if context.last_user() is None:
+        raise RealtimeEventError("response.create: this pipeline is a voice agent: the conversation holds no user "
+                                 "turn to answer (input_audio_buffer.commit, or a user message)", None,
+                                 "unsupported_value", event_id)
 
 
 async def transcribe_earlier(session: Session, context: Conversation) -> bool:

@@ -353,7 +353,7 @@ class Session:
         if params is not None and params.input is not None:
             context = await response_context(params.input, event_id, self)
         if self.server.info.recognizer is not None:
-            cascade.check_turn(context, event_id)
+            cascade.check_turn(context, event_id)  # a turn to answer: the newest user message
         voice, max_tokens, speed, out_format = self.voice, self.max_output_tokens, self.speed, self.output_format
         tools, tool_choice = self.tools, self.tool_choice
         if params is not None:
