@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(args.config)
     speech = load_speech(Path(args.speech_wav) if args.speech_wav else default_speech())
     off = json.dumps({s.name: {"enable_prefix_caching": False} for s in cfg.stages})
-    plain = {s.name: {"inputs": [e.stage for e in s.inputs]} for s in cfg.stages if any(e.stream for e in s.inputs)}
+    plain = {s.name: {"inputs": [getattr(e, "stage", e) for e in s.inputs]} for s in cfg.stages
+             if any(getattr(e, "stream", False) for e in s.inputs)}  # `inputs: [name]` or [{stage, stream, ...}]
     common = ["--port", "0", "--log-level", "warning", "--max-sessions", str(max(args.sessions) + 1),
               *(["--backend", args.backend] if args.backend else [])]
     env = {**os.environ, "OMNI_API_KEY": ""}

@@ -182,3 +182,27 @@ def test_an_unanswered_turn_is_transcribed_before_the_next_response(server):
             await conn.close()
     asyncio.run(go())
     wait_idle(server)
+
+
+def test_chat_completions_hear_a_clip_and_answer_aloud_and_a_typed_turn_too(server):
+    """The cascade behind chat completions: an input_audio part is the turn the recognizer hears, the reply's
+    content is the LLM's text (not the transcript) and its audio the codec's; a typed turn skips the recognizer."""
+    import io
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000)
+        w.writeframes(pcm16(speech_24k(1.5)))
+    client = server.client()
+    clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    for content in ([clip], "Tell me about the moon."):
+        out = client.chat.completions.create(model=MODEL, modalities=["text", "audio"], max_tokens=8,
+                                             messages=[{"role": "user", "content": content}])
+        msg = out.choices[0].message
+        assert msg.audio is not None and len(base64.b64decode(msg.audio.data)) > 44
+        reply = msg.audio.transcript
+        assert reply and "<asr_text>" not in reply and out.usage.completion_tokens > 0
+        if isinstance(content, str):
+            assert "moon" in reply.lower()  # SmolLM2 read the typed turn
+    wait_idle(server)
