@@ -6,7 +6,8 @@ stages/__init__.py.
                            request's voice), each later piece a new user turn after the audio of the pieces before it
 
 On a streaming edge the reply is cut by `SentenceCutter` (stages/common/sentence_pieces.py): a piece goes on as soon as
-its sentence (or a long clause) is complete, so the first audio waits for the first sentence, not the whole reply.
+its sentence (or a long clause) is complete, so the first audio waits for the first sentence, not the whole reply (and
+the first piece is cut sooner: at its first clause, or by a few words).
 The voice stays one across pieces: the reference clip is the request's prefix (its blocks hit the prefix cache) and
 every piece is spoken after the audio of the ones before it, as Higgs' own long-form generation conditions each chunk
 on the audio generated so far. The pieces joined are the reply's text (nothing lost, nothing twice).
@@ -44,17 +45,31 @@ def text2speech(upstream: dict[str, StageOutput], request: StageInput) -> StageI
     return _input(request, text)
 
 
+# The first piece is cut sooner (the first audio waits for it): at its sentence end, at a clause end once it holds
+# FIRST_CLAUSE_CHARS, or at a word boundary by FIRST_MAX_CHARS; the pieces after it as SentenceCutter's defaults.
+FIRST_CLAUSE_CHARS, FIRST_MAX_CHARS = 16, 48
+
+
 @dataclass(slots=True)
 class SpokenPieces:
-    """The streaming edge's state per request: the cutter, and whether the request has started."""
+    """The streaming edge's state per request: the cutter (an eager one until the first piece), whether the request
+    has started."""
 
-    cutter: SentenceCutter = field(default_factory=SentenceCutter)
+    cutter: SentenceCutter = field(default_factory=lambda: SentenceCutter(FIRST_CLAUSE_CHARS, FIRST_MAX_CHARS))
     started: bool = False
+
+    def feed(self, text: str) -> list[str]:
+        pieces = self.cutter.feed(text)
+        if pieces and not self.started:  # the first piece is out: the rest is cut at sentence ends
+            rest = "".join(pieces[1:]) + (self.cutter.flush() or "")
+            self.cutter = SentenceCutter()
+            pieces = pieces[:1] + self.cutter.feed(rest)
+        return pieces
 
 
 def text2speech_chunk(chunk: StageDelta, request: StageInput, state: SpokenPieces) -> StageInput | None:
     """The pieces a chunk of the reply completes: the first starts the request, the rest follow as SpeakNext."""
-    pieces = state.cutter.feed(chunk.text)
+    pieces = state.feed(chunk.text)
     if chunk.finished:
         rest = state.cutter.flush()
         pieces += [rest] if rest else []

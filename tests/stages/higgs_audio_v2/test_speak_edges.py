@@ -58,3 +58,17 @@ def test_an_empty_reply_is_an_error_not_silence_forever():
 def test_a_plain_edge_speaks_the_whole_reply_in_the_requests_voice():
     inp = text2speech({"llm": StageOutput("r", "llm", text=f" {REPLY} ")}, REQUEST)
     assert inp.prompt == REPLY and inp.extra == {"speaker": "alice"} and inp.payload is None
+
+
+def test_the_first_piece_is_cut_sooner_at_a_clause_or_a_few_words():
+    state = SpokenPieces()
+    long = "Well honestly I would say that the answer depends on many things we have not discussed yet. Next one."
+    part = text2speech_chunk(StageDelta("r", "llm", text=long), REQUEST, state)
+    assert part is not None and len(part.prompt) <= 48 and long.startswith(part.prompt)
+    rest = text2speech_chunk(StageDelta("r", "llm", text=" And more", finished=True), REQUEST, state)
+    spoken = [part.prompt, part.payload.text if part.payload else "", rest.payload.text]
+    assert " ".join(spoken).split() == (long + " And more").split()
+    state = SpokenPieces()  # a clause end once the piece holds 16 characters
+    part = text2speech_chunk(StageDelta("r", "llm", text="Of course, the station is north of here, past the bridge. "),
+                             REQUEST, state)
+    assert part.prompt == "Of course, the station is north of here," and part.payload.text == "past the bridge."
