@@ -31,6 +31,7 @@ blocks of the same flat tokens could take their KV (not its own frames'). Only t
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from stages.higgs_audio_v2.payloads import SpeakNext
 from stages.higgs_audio_v2.prompt import HiggsPrompter
 
 logger = logging.getLogger(__name__)
+MIN_TURN_FRAMES = 25  # a second of audio
 
 # Request options that select or score text tokens: the frames are sampled by the stage, not by the engine.
 _REFUSED = {"logprobs": None, "prompt_logprobs": None, "min_tokens": 0, "ignore_eos": False}
@@ -74,13 +76,20 @@ class _Request:
     pending: list[str] = field(default_factory=list)  # text to speak after the current turn
     turn_ids: list[int] = field(default_factory=list)  # rendered, not yet taken by the engine
     delay: DelayState | None = None
+    turn_cap: int | None = None  # the current turn's codebook 0 ends at this frame (model_kwargs.turn_frames_per_char)
+    turn_frames: int = 0
 
 
 class HiggsAudioV2Stage(AutoregressiveStageModel):
     info = MODEL
 
-    def __init__(self, model, tokenizer, prompter: HiggsPrompter, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, tokenizer, prompter: HiggsPrompter, device: torch.device, dtype: torch.dtype,
+                 turn_frames_per_char: float | None = None):
         self.model = model
+        # A turn's frames are bounded by its text (model_kwargs.turn_frames_per_char): codebook 0 is made to end at
+        # frame max(MIN_TURN_FRAMES, ceil(per_char x characters)) and the delay pattern ends the others K - 1 frames
+        # later, as a chunk of Higgs' long-form generation is bounded by its max_new_tokens. None: only max_tokens.
+        self.turn_frames_per_char = turn_frames_per_char
         self.tokenizer = tokenizer
         self.prompter = prompter
         self.device, self.dtype = device, dtype
@@ -105,6 +114,9 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         from transformers import AutoTokenizer, HiggsAudioV2ForConditionalGeneration
 
         kwargs = dict(model_kwargs or {})
+        per_char = kwargs.pop("turn_frames_per_char", None)
+        if per_char is not None and not (isinstance(per_char, (int, float)) and per_char > 0):
+            raise ValueError(f"model_kwargs.turn_frames_per_char: a number > 0 (frames a character), got {per_char!r}")
         model = HiggsAudioV2ForConditionalGeneration.from_pretrained(
             str(model_path), dtype=dtype, attn_implementation=register_attention())
         model.to(device).eval()
@@ -112,7 +124,7 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         prepare_cpu_head(model.audio_lm_head, device)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         prompter = HiggsPrompter.from_checkpoint(Path(model_path), tokenizer, model.config, device, kwargs)
-        return cls(model, tokenizer, prompter, device, dtype)
+        return cls(model, tokenizer, prompter, device, dtype, per_char)
 
     @classmethod
     def checkpoint_geometry(cls, model_path: Path) -> StageGeometry | None:
@@ -143,7 +155,8 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
                                 seed=sp.seed)
         self._requests[request_id] = _Request(
             num_prompt=len(prompt.token_ids), frames_at=prompt.extra["frames_at"], ids=list(prompt.token_ids),
-            params=params, generator=make_generator(params, self.device), input_complete=inp.input_complete)
+            params=params, generator=make_generator(params, self.device), input_complete=inp.input_complete,
+            turn_cap=self._turn_cap(prompt.extra.get("turn_chars", 0)))
         if inp.payload is not None:
             self.extend_request(request_id, inp.payload, inp.input_complete)
 
@@ -174,6 +187,12 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         st.ids.extend(turn)
         st.turn_ids.extend(turn)
         st.speaking, st.delay = True, None
+        st.turn_cap, st.turn_frames = self._turn_cap(len(text.strip())), 0
+
+    def _turn_cap(self, chars: int) -> int | None:
+        if self.turn_frames_per_char is None:
+            return None
+        return max(MIN_TURN_FRAMES, math.ceil(self.turn_frames_per_char * chars))
 
     def take_input(self) -> dict[str, list[int]]:
         out = {}
@@ -255,7 +274,11 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
                 st, _, p = due[i]
                 if st.delay is None:
                     st.delay = DelayState(self.ids, st.ids[p + 1 - k:p + 1])
-                masked.append(st.delay.mask(scores, st.ids[p]))
+                scores = st.delay.mask(scores, st.ids[p])
+                if st.turn_cap is not None and st.turn_frames >= st.turn_cap:
+                    scores[0, :] = float("-inf")  # the turn is as long as its text allows: codebook 0 ends,
+                    scores[0, self.ids.stream_eos] = 0.0  # the delay pattern ends the others after it
+                masked.append(scores)
             params = [due[i][0].params for i in speaking for _ in range(k)]
             gens = [due[i][0].generator for i in speaking for _ in range(k)]
             codes = self.sampler(torch.cat(masked), params, gens).view(len(speaking), k).tolist()
@@ -267,6 +290,7 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
                 frame = next(it)
                 tok = next_token(self.ids, frame, st.ids[p])
                 st.sampled[p] = frame
+                st.turn_frames += 1
                 if tok == self.ids.eos_token and not (st.input_complete and not st.pending):
                     # the turn's last frame, more to speak: it stands as the audio turn's last position does
                     tok, st.speaking = self.ids.delay_token, False

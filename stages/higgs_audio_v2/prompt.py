@@ -175,7 +175,10 @@ class HiggsPrompter:
             h = xxhash.xxh3_128(f"higgs|{f.shape}|".encode())
             h.update(np.ascontiguousarray(f).tobytes())
             features.append(MultiModalFeature(h.hexdigest(), start, length, "audio"))
-        return PreparedPrompt(token_ids=list(ids), mm_features=features, extra={"frames_at": frames_at})
+        last = messages[-1].get("content")
+        spoken = last if isinstance(last, str) else " ".join(p.get("text", "") for p in last or [] if isinstance(p, dict))
+        return PreparedPrompt(token_ids=list(ids), mm_features=features,
+                              extra={"frames_at": frames_at, "turn_chars": len(spoken.strip())})
 
 
 def _has_audio(msg: dict[str, Any]) -> bool:

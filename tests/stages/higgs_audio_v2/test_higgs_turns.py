@@ -148,3 +148,26 @@ def test_a_turn_waits_for_the_next_piece_and_the_end_ends_the_reply(setup, turns
     feed.add(frames)
     assert len(feed.aligned()) == (len(first) - k - 1) + (len(second) - k - 1)  # both turns' codes, one after another
     assert_no_leak(engine)
+
+
+def test_a_turn_is_as_long_as_its_text_allows_then_the_next_is_spoken(setup, monkeypatch):
+    """model_kwargs.turn_frames_per_char: a turn's codebook 0 ends at frame max(MIN_TURN_FRAMES, ceil(per_char x
+    characters)), the others after it as the delay pattern has them; the next piece follows (a random model would
+    never end a turn by itself). Here the bound is below where these models end a turn of their own."""
+    path, hf, stage, voices = setup
+    k = hf.config.num_codebooks
+    monkeypatch.setattr(model_module, "MIN_TURN_FRAMES", 4)
+    monkeypatch.setattr(stage, "turn_frames_per_char", 0.3)
+    engine = engine_for(stage, path)
+    engine.add_request(StageInput("c", prompt=FIRST, sampling_params=SamplingParams(temperature=0.0, max_tokens=200),
+                                  extra={"speaker": "alice"}, input_complete=False))
+    engine.extend_request("c", [], payload=SpeakNext(SECOND), last=True)
+    (out,) = _drive(engine, "c")
+    assert out.error is None and out.finish_reason == "stop"
+    first, second = _split(_frames(out), k, hf.config.audio_stream_bos_id)
+    eos = hf.config.audio_stream_eos_id
+    cap = max(4, -(-len(FIRST) * 3 // 10))  # 8 frames: these models do not end this turn by then (END_AT's test)
+    # codebook 0 ends at frame `cap`, codebook k (k >= 1) at cap + k + 1: the all-eos frame is frame cap + K
+    assert len(first) == cap + k + 1 and first[cap, 0] == eos != first[cap - 1, 0]
+    assert len(second) <= max(4, -(-len(SECOND) * 3 // 10)) + k + 1  # 13 frames at most (it may end by itself)
+    assert_no_leak(engine)
