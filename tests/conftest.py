@@ -185,9 +185,61 @@ def _tokenizer_cache():
             cache.restore()
 
 
+class GrammarTokenizerCache:
+    """Structured outputs read a stage's tokenizer into llguidance's view of it once per engine
+    (omni/engine/io/structured_output.py `_lltokenizer`: seconds for the tiny checkpoints' 151k-token vocabulary).
+    The engines of this process share their tokenizers (TokenizerCache), so once installed, that view is built
+    once per (tokenizer, vocabulary size, end token) for the session: llguidance only reads it (each request gets
+    a matcher of its own). A tokenizer is known by its serialized backend (all that view is made of): the tiny,
+    small and k1g2 checkpoints of a family share one. Failures are not remembered; Ray actors and subprocesses
+    build their own."""
+
+    def __init__(self) -> None:
+        self.digests: dict[int, tuple[Any, str]] = {}  # id -> (the tokenizer, kept: its id is not reused; digest)
+        self.built: dict[tuple[str, int, Any], Any] = {}
+        self.restore: Any = None
+
+    def digest(self, tokenizer: Any) -> str:
+        if id(tokenizer) not in self.digests:
+            import hashlib
+
+            text = tokenizer.backend_tokenizer.to_str()
+            self.digests[id(tokenizer)] = (tokenizer, hashlib.sha256(text.encode()).hexdigest())
+        return self.digests[id(tokenizer)][1]
+
+    def install(self) -> None:
+        """Wraps `_lltokenizer` once its module is imported (by the engine: a session that never imports it does
+        not pay for the import here)."""
+        module = sys.modules.get("omni.engine.io.structured_output")
+        if self.restore is not None or module is None:
+            return
+        original = module._lltokenizer
+
+        def _lltokenizer(tokenizer, vocab_size, eos_token_id):
+            eos = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+            key = (self.digest(tokenizer), int(vocab_size), eos)
+            if key not in self.built:
+                self.built[key] = original(tokenizer, vocab_size, eos_token_id)
+            return self.built[key]
+
+        module._lltokenizer = _lltokenizer
+        self.restore = lambda: setattr(module, "_lltokenizer", original)
+
+
+@pytest.fixture(scope="session")
+def _grammar_tokenizer_cache():
+    cache = GrammarTokenizerCache()
+    try:
+        yield cache
+    finally:
+        if cache.restore is not None:
+            cache.restore()
+
+
 @pytest.fixture(autouse=True)
-def _tokenizers_loaded_once(_tokenizer_cache):
+def _tokenizers_loaded_once(_tokenizer_cache, _grammar_tokenizer_cache):
     _tokenizer_cache.install()
+    _grammar_tokenizer_cache.install()
 
 
 # ------------------------------------------------------------------------ Ray

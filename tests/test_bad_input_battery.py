@@ -389,7 +389,8 @@ def qwen3():
         yield o
 
 
-@pytest.mark.parametrize("pipeline,sampling", [("chain", GOOD), ("omni", OMNI_GOOD), ("qwen3", QWEN3_GOOD)])
+@pytest.mark.parametrize("pipeline,sampling", [("chain", GOOD), ("omni", OMNI_GOOD),
+                                               pytest.param("qwen3", QWEN3_GOOD, marks=pytest.mark.slow)])
 def test_empty_token_ids_are_the_callers_fault_on_every_entry_stage(pipeline, sampling, request):
     """No prompt tokens is refused naming the field on every entry stage model, not only on those whose own
     preprocessing happens to survive 0 tokens (Qwen2.5-Omni's thinker failed with an internal IndexError, a

@@ -101,6 +101,7 @@ def test_tokenizer_config_lists_the_added_tokens_of_tokenizer_json(tiny_qwen2, t
         assert len(tokens) >= 22, path  # Qwen2's 22 added tokens at least
 
 
+@pytest.mark.slow
 def test_tiny_checkpoint_is_reproducible_and_built_once(tmp_path, tiny_qwen2):
     path = tiny_checkpoint("qwen2", cache_dir=tmp_path)
     assert path.parent == tmp_path

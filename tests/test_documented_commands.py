@@ -252,8 +252,10 @@ def plan_build_app(doc: Doc) -> Plan:
 
 def plan_snippet(doc: Doc) -> Plan:
     server = "127.0.0.1:8000" in doc.text
+    # The voice agent's three stages (recognizer, LLM, TTS with its codec) load for ~20 s on 2 cores: `make test` only.
+    slow = "stage_configs/voice_agent" in doc.text
     return Plan("run", "a README snippet", run=run_snippet, key=("snippet", doc.text),
-                marks=(pytest.mark.subprocess,) if server else ())
+                marks=((pytest.mark.subprocess,) if server else ()) + ((pytest.mark.slow,) if slow else ()))
 
 
 def fails(message: str) -> Callable[[Doc], Plan]:

@@ -8,6 +8,7 @@ import pytest
 from omni.bench import kv
 
 
+@pytest.mark.slow
 def test_bench_kv_reports_every_key(capsys):
     parser = argparse.ArgumentParser()
     kv.add_arguments(parser)

@@ -14,6 +14,7 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--model", "builtin:tiny-qwen2_5-omni", *argv])
 
 
+@pytest.mark.slow
 def test_token2wav_bench_compares_with_transformers_and_agrees(tiny_omni):
     """3 codes lie inside one DiT block (bitwise transformers'); 40 span several (block-local attention:
     the same waveform up to the order of fp32 sums, far above 100 dB SNR)."""

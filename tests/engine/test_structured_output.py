@@ -52,6 +52,7 @@ def test_a_grammar_that_spells_out_an_added_token_is_followed(tiny_qwen2, seed):
     assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_constrained_replies_follow_their_grammar_in_a_mixed_batch(tiny_qwen2):
     engine = make_engine(tiny_qwen2, caching=True)
     tok = engine.tokenizer

@@ -483,6 +483,7 @@ def _speech_slice(data: bytes, start_s: float, end_s: float) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow
 def test_timestamped_transcripts_are_the_segments_transcribed_one_by_one(server, client):
     """verbose_json, srt and vtt, and `chunking_strategy`: the clip (a real recorded reading, ~10 s, six phrases)
     is cut at its silences by Silero VAD, and each segment's text is exactly the thinker's greedy reply to the

@@ -197,6 +197,7 @@ def _prompt_tokens(server, messages, tools) -> int:
     return len(thinker.tokenizer(render_chatml(messages, thinker.system_prompt, tools))["input_ids"])
 
 
+@pytest.mark.slow
 def test_tools_reach_the_thinker_and_its_calls_come_back(server, client):
     """The Qwen3-Omni thinker shows the model the tools (Qwen3's format) and the earlier calls and results; a
     Hermes call in its reply (forced here: the random model says what it is told) comes back as tool_calls,

@@ -48,6 +48,7 @@ def _run(tmp: Path, capsys, *extra: str) -> tuple[dict, dict, bytes]:
     return first, second, frames
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_omni_run_matches_transformers_generate(tmp_path, capsys):
     thinker_max, talker_max = _limits()

@@ -39,6 +39,7 @@ def _run(config: Path, prompts: Path, capsys, *extra: str) -> list[dict]:
     return [r["outputs"]["asr"] for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_omni_run_transcribes_a_prompts_files_clip_as_transformers(tmp_path, capsys, hf_asr, asr_processor):
     from tests.stages.qwen3_asr.asr_utils import hf_generate, shown_text
