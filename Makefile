@@ -10,6 +10,9 @@ PYTEST_ARGS ?=
 # work, the tests that start their own Ray cluster one unit; the longest units first (tests/conftest.py).
 PYTEST_WORKERS ?= auto
 XDIST  := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+# Bytecode caches on, whatever the calling environment says: the test workers, Ray workers and servers of one run
+# then compile the project (and pytest's rewritten tests) once, not each on its own (~10 s of collection a process).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-fast bench clean
 
