@@ -425,6 +425,8 @@ RULES: list[tuple[str, Callable[[Doc], Plan]]] = [
      covered("tests/bench/test_bench_realtime.py::test_bench_realtime_reports_per_turn_latency_on_and_off")),
     (r"^omni bench realtime --config stage_configs/qwen3_omni_small\.yaml$",
      covered("tests/bench/test_bench_realtime.py::test_bench_realtime_on_qwen3_omni")),
+    (r"^omni bench realtime --config stage_configs/voice_agent_small\.yaml --turns 8$",
+     covered("tests/bench/test_bench_realtime.py::test_bench_realtime_on_the_voice_agent")),
     # run here
     (r"^omni bench throughput$", plan_bench(["--model", "builtin:tiny-qwen2", "--num-requests", "1"],
                                             _bench_json_has("omni_tokens_per_s", "hf_generate_tokens_per_s",

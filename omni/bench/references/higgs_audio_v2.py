@@ -100,5 +100,9 @@ class Decoder:
 
 def reply(model: Any, decoder: Decoder, prompt_ids: list[int], voice: np.ndarray | None, max_frames: int) -> HFReply:
     frames, gen_s = generate(model, prompt_ids, voice, max_frames)
+    # HiggsAudioV2Processor.batch_decode's cut: the frames from the sequence's last all-stream-bos frame (the
+    # generation's start; any audio of the prompt's before it is not the reply)
+    starts = np.flatnonzero((frames == model.config.audio_stream_bos_id).all(axis=1))
+    frames = frames[starts[-1]:] if len(starts) else frames
     audio, dec_s = decoder.decode(frames)
     return HFReply(frames, audio, gen_s, dec_s)
