@@ -1,6 +1,7 @@
 """`/v1/audio/voices`: the voices a request may name, and reference voices uploaded to clone (vLLM-Omni's routes).
 
-    GET    /v1/audio/voices          {"voices": [the pipeline's and the uploaded], "uploaded": [cards], "voice_map"}
+    GET    /v1/audio/voices          {"voices": [the pipeline's and the uploaded], "voice_map"} (+ "uploaded": [cards]
+                                     on a pipeline that clones voices)
     POST   /v1/audio/voices          multipart/form-data: `audio_sample` (or `file`: the clip, WAV / FLAC / OGG / MP3),
                                      `name`, `ref_text` (or `text`: what the clip says), `consent` (optional, kept)
                                      -> {"success": true, "voice": card}
@@ -24,15 +25,23 @@ MAX_FIELD_BYTES = 16 * 1024
 
 
 def list_voices(state: ServerState) -> JSONResponse:
+    """The pipeline's voices (and --voice-map's names); on a pipeline that clones voices, the uploaded ones too."""
     info = state.info
+    if not takes_uploads(info):
+        return JSONResponse({"voices": list(info.voices), "voice_map": info.voice_map})
     uploaded = state.uploaded_voices
     return JSONResponse({"voices": [*info.voices, *uploaded.names()], "uploaded": uploaded.cards(),
                          "voice_map": info.voice_map})
 
 
+def takes_uploads(info) -> bool:
+    """Its entry stage speaks its prompt and takes audio: a text-to-speech model cloning from reference clips."""
+    return info.speaks_prompt and info.takes("audio")
+
+
 async def upload_voice(state: ServerState, request: Request) -> JSONResponse:
     info = state.info
-    if not (info.speaks_prompt and info.takes("audio")):
+    if not takes_uploads(info):
         raise bad_request(f"audio_sample: pipeline {info.model!r} clones no voices (its entry stage takes no "
                           "reference clips)", "audio_sample", "unsupported_value")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
