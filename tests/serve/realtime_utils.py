@@ -62,3 +62,12 @@ def ran_to_its_end(response) -> bool:
     "incomplete" with reason max_output_tokens: the tiny random models rarely end a reply by themselves)."""
     return response.status == "completed" or (response.status == "incomplete"
                                                and response.status_details.reason == "max_output_tokens")
+
+
+async def connect(server: Any, model: str, session: dict[str, Any]) -> Any:
+    """A realtime connection to `server`, its session updated to `session` (both acknowledged)."""
+    conn = await server.async_client().realtime.connect(model=model).enter()
+    await until(conn, "session.created")
+    await conn.session.update(session=session)
+    await until(conn, "session.updated")
+    return conn

@@ -13,7 +13,7 @@ import base64
 import numpy as np
 import pytest
 
-from tests.serve.realtime_utils import pcm16, ran_to_its_end, speech_24k, types, until
+from tests.serve.realtime_utils import connect, pcm16, ran_to_its_end, speech_24k, types, until
 from tests.serve.server_utils import REPO, generating, held, serve_in_process, wait_idle
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -31,11 +31,7 @@ def server(smollm2):
 
 
 async def _connect(server):
-    conn = await server.async_client().realtime.connect(model=MODEL).enter()
-    await until(conn, "session.created")
-    await conn.session.update(session=MANUAL)
-    await until(conn, "session.updated")
-    return conn
+    return await connect(server, MODEL, MANUAL)
 
 
 async def _speak(conn, seconds: float, offset_s: float = 0.0) -> str:
