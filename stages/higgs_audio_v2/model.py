@@ -41,7 +41,6 @@ import torch
 
 from omni.engine.memory import StageGeometry, checkpoint_geometry
 from omni.engine.runner.attention import register_attention
-from omni.engine.runner.cpu_linear import pack_cpu_linears
 from omni.engine.runner.output_head import prepare_cpu_head
 from omni.engine.runner.forward_context import get_forward_context
 from omni.engine.runner.sampler import Sampler, make_generator
@@ -120,7 +119,8 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         model = HiggsAudioV2ForConditionalGeneration.from_pretrained(
             str(model_path), dtype=dtype, attn_implementation=register_attention())
         model.to(device).eval()
-        pack_cpu_linears(model.model, device)  # decode steps stop re-packing weights (as any decoder LM's)
+        # transformers' own products in the decoder (no pack_cpu_linears): packed, a near-tied code of a long reply
+        # flips against transformers' generate (as for the omni stages; omni/engine/runner/cpu_linear.py)
         prepare_cpu_head(model.audio_lm_head, device)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or model_path))
         prompter = HiggsPrompter.from_checkpoint(Path(model_path), tokenizer, model.config, device, kwargs)

@@ -20,7 +20,8 @@ Where: the `causal_lm` stages' decoders (stages/causal_lm.py). The Qwen2.5-Omni 
 keep transformers' own products: with their thinker and talker packed, one of `omni bench capacity`'s 16
 greedy replies flipped a near-tied codec code (code 227 of 250) against transformers' `generate`
 (`audio_identical` 0), and on the small checkpoints packing bought nothing measurable: their cost is
-the vocoder's.
+the vocoder's. The Higgs Audio v2 stage keeps them too: packed, `omni bench tts`'s second reply in a voice
+flipped a code at frame 146 of 175 (transformers' top two logits 1.2e-4 apart; `audio_identical` 0).
 
 Memory: the packed copy is the layers' weights once more in host memory (SmolLM2: 425 MB); the
 parameters stay as they are (the state dict, tied weights and `omni bench throughput`'s shapes read
