@@ -3,8 +3,9 @@ prefix caching on vs off, streamed vs one-shot audio, omni at concurrency 4 vs t
 
 Requests: --voices voices, each a --reference-s reference (its codes [K, T] drawn once from a seeded generator at
 the codec's frame rate, given to the stage as a named voice: every request in that voice repeats the whole
-reference at the front of its prompt), --sentences sentences per voice (distinct texts). Greedy; every reply at
-most --max-frames frames. The pipelines run on the config's backend (--backend to choose).
+reference at the front of its prompt), --sentences sentences per voice (distinct texts). Greedy; every reply
+--max-frames frames long (min_tokens = max_tokens: what the sentences take to say; a random model's stream-eos
+comes at random frames, 22 to 175 in one run, which is noise, not speech ending; --min-frames 0 lets it end). The pipelines run on the config's backend (--backend to choose).
 
 1. Time to first audio, one request at a time, on three pipelines: as configured (caching on, the model -> codec
    edge streamed), caching off, and the edge one-shot (plain). The first request of each voice is a miss on every
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-frames", type=int, default=175, help="frames a reply may have (max_tokens; 175: 7 s at 25 "
                    "frames a second, what the sentences here take to say at 150 words a minute; a random model "
                    "never ends a reply by itself)")
+    p.add_argument("--min-frames", type=int, help="frames before a reply may end (min_tokens; default: "
+                   "--max-frames: every reply as long as its sentence takes to say, on both sides)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--backend", choices=["ray", "local"], help="the pipelines' backend (default: the config's)")
 
@@ -93,10 +96,11 @@ def _voices(config: Any, args, folder: Path) -> dict[str, np.ndarray]:
 
 
 def _overrides(tts: str, audio: str, folder: Path, voices: dict[str, np.ndarray], *, caching: bool,
-               oneshot: bool, max_frames: int) -> dict[str, Any]:
+               oneshot: bool, max_frames: int, min_frames: int = 0) -> dict[str, Any]:
     spec = {n: {"codes": str(folder / f"{n}.npy"), "text": TRANSCRIPT} for n in voices}
     ov: dict[str, Any] = {tts: {"enable_prefix_caching": caching, "model_kwargs": {"voices": spec},
-                                "sampling": {"temperature": 0.0, "max_tokens": max_frames}}}
+                                "sampling": {"temperature": 0.0, "max_tokens": max_frames,
+                                             "min_tokens": min_frames}}}
     if oneshot:
         ov[audio] = {"inputs": [tts]}
     return ov
@@ -127,7 +131,8 @@ async def _mode(args, tts: str, audio: str, folder: Path, voices, requests, **mo
 
     concurrent = mode.pop("concurrent", False)
     firsts = {min(i for i, q in enumerate(requests) if q["voice"] == r["voice"]) for r in requests}
-    overrides = _overrides(tts, audio, folder, voices, max_frames=args.max_frames, **mode)
+    overrides = _overrides(tts, audio, folder, voices, max_frames=args.max_frames, min_frames=_min_frames(args),
+                           **mode)
     omni = await AsyncOmni.create(args.config, overrides, args.backend)
     try:
         await closed_loop_timed(omni, [{"prompt": "Warm up, please."}], 1, id_prefix="warm")  # one-time costs
@@ -148,6 +153,10 @@ async def _mode(args, tts: str, audio: str, folder: Path, voices, requests, **mo
     finally:
         await omni.close()
     return result
+
+
+def _min_frames(args) -> int:
+    return args.max_frames if args.min_frames is None else min(args.min_frames, args.max_frames)
 
 
 def _hit_rate(before: dict[str, Any], after: dict[str, Any]) -> float | None:
@@ -181,7 +190,8 @@ def run(args) -> dict[str, Any]:
     model = hf_ref.load(resolve_model_path(entry.model_path))
     decoder = hf_ref.Decoder(codec_stage, tts)
     t0 = time.perf_counter()
-    replies = [hf_ref.reply(model, decoder, p, voices[r["voice"]], args.max_frames) for p, r in zip(ids, requests)]
+    replies = [hf_ref.reply(model, decoder, p, voices[r["voice"]], args.max_frames, _min_frames(args))
+               for p, r in zip(ids, requests)]
     hf_wall = time.perf_counter() - t0
     decoder.close()
     hf_audio_s = sum(len(r.audio) / RATE for r in replies)
@@ -196,6 +206,7 @@ def run(args) -> dict[str, Any]:
     return {
         "bench": "tts", "config": args.config, "voices": args.voices, "requests": len(requests),
         "reference_frames": int(next(iter(voices.values())).shape[1]), "max_frames": args.max_frames,
+        "min_frames": _min_frames(args), "reply_frames": [len(r.frames) for r in replies],
         "ttfa_ms": {"on": on["ttfa_ms_p50"], "off": off["ttfa_ms_p50"], "oneshot": oneshot["ttfa_ms_p50"]},
         "ttfa_speedup": off["ttfa_ms_p50"] / on["ttfa_ms_p50"],
         "voice_prefix_hit_rate": on["hit_rate"], "hit_rate_off": off["hit_rate"],

@@ -15,7 +15,8 @@ Mirrors transformers' `HiggsAudioV2ForConditionalGeneration.generate` for one re
 
 The frame is sampled inside `forward`, which knows each row's request; `compute_logits` then hands the engine
 logits that allow only the frame's flat token, so the engine's stop rules (eos, max_tokens) run as for any model.
-Log-probabilities and the sampler's token-level options mean nothing here and are refused at admission.
+Log-probabilities and the sampler's token-level options mean nothing here and are refused at admission;
+`min_tokens` is the frames before which no codebook may end (stream-eos masked, as a text model's eos is).
 
 Per-token output `audio_codes`: at the position that sampled frame j, the frame (K codes); -1 elsewhere, so the
 codec edge reads every frame, the last one included, from the rows.
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 MIN_TURN_FRAMES = 25  # a second of audio
 
 # Request options that select or score text tokens: the frames are sampled by the stage, not by the engine.
-_REFUSED = {"logprobs": None, "prompt_logprobs": None, "min_tokens": 0, "ignore_eos": False}
+_REFUSED = {"logprobs": None, "prompt_logprobs": None, "ignore_eos": False}
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class _Request:
     delay: DelayState | None = None
     turn_cap: int | None = None  # the current turn's codebook 0 ends at this frame (model_kwargs.turn_frames_per_char)
     turn_frames: int = 0
+    min_frames: int = 0  # min_tokens: no codebook may end before this many frames were sampled
 
 
 class HiggsAudioV2Stage(AutoregressiveStageModel):
@@ -156,7 +158,7 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
         self._requests[request_id] = _Request(
             num_prompt=len(prompt.token_ids), frames_at=prompt.extra["frames_at"], ids=list(prompt.token_ids),
             params=params, generator=make_generator(params, self.device), input_complete=inp.input_complete,
-            turn_cap=self._turn_cap(prompt.extra.get("turn_chars", 0)))
+            turn_cap=self._turn_cap(prompt.extra.get("turn_chars", 0)), min_frames=sp.min_tokens)
         if inp.payload is not None:
             self.extend_request(request_id, inp.payload, inp.input_complete)
 
@@ -275,6 +277,9 @@ class HiggsAudioV2Stage(AutoregressiveStageModel):
                 if st.delay is None:
                     st.delay = DelayState(self.ids, st.ids[p + 1 - k:p + 1])
                 scores = st.delay.mask(scores, st.ids[p])
+                if len(st.sampled) < st.min_frames:  # min_tokens: no codebook ends yet (any one's stream-eos
+                    free = torch.isfinite(scores).sum(dim=1) > 1  # would start the end), unless forced
+                    scores[free, self.ids.stream_eos] = float("-inf")
                 if st.turn_cap is not None and st.turn_frames >= st.turn_cap:
                     scores[0, :] = float("-inf")  # the turn is as long as its text allows: codebook 0 ends,
                     scores[0, self.ids.stream_eos] = 0.0  # the delay pattern ends the others after it

@@ -47,7 +47,7 @@ def text2speech(upstream: dict[str, StageOutput], request: StageInput) -> StageI
 
 # The first piece is cut sooner (the first audio waits for it): at its sentence end, at a clause end once it holds
 # FIRST_CLAUSE_CHARS, or at a word boundary by FIRST_MAX_CHARS; the pieces after it as SentenceCutter's defaults.
-FIRST_CLAUSE_CHARS, FIRST_MAX_CHARS = 16, 48
+FIRST_CLAUSE_CHARS, FIRST_MAX_CHARS = 8, 28
 
 
 @dataclass(slots=True)

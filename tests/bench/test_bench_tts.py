@@ -25,3 +25,4 @@ def test_bench_tts_reports_the_issue_keys_on_the_tiny_pipeline():
     assert set(res["ttfa_ms"]) == {"on", "off", "oneshot"}
     assert res["voice_prefix_hit_rate"] > 0.3 and res["hit_rate_off"] == 0  # the voice's blocks, on only
     assert res["audio_identical"] == 1
+    assert res["min_frames"] == 24 and res["reply_frames"] == [24] * 4  # every reply its sentence's length

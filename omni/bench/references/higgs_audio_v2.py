@@ -47,9 +47,34 @@ def voice_frames(model: Any, codes: np.ndarray) -> np.ndarray:
     return HiggsAudioV2Processor.build_delay_pattern(me, full)[0].T.numpy()
 
 
-def generate(model: Any, prompt_ids: list[int], voice: np.ndarray | None, max_frames: int) -> tuple[np.ndarray, float]:
-    """One request through generate(): its frames [n, K] and the wall time."""
+def min_frames_processor(frames: int, prompt_len: int, stream_eos: int) -> Any:
+    """A logits processor for `generate`: every codebook's stream-eos masked at the first `frames` steps (any one's
+    would start the reply's end: what omni's stage does for `min_tokens`; transformers' Higgs generation has no
+    minimum of its own). Higgs' generate takes only processors that read scores alone (its
+    `_supported_logits_processor_types`); this one reads no more than the step's index, so it is declared one of
+    them (InfNanRemoveLogitsProcessor's type, its own __call__). It runs after the delay pattern's processor, on the
+    per-codebook [batch x K, codebook] scores."""
+    from transformers import InfNanRemoveLogitsProcessor
+
+    class MinFrames(InfNanRemoveLogitsProcessor):
+        def __init__(self):
+            self.frames, self.prompt_len, self.stream_eos = frames, prompt_len, stream_eos
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if input_ids.shape[1] - self.prompt_len < self.frames:
+                scores = scores.clone()
+                scores.view(input_ids.shape[0], -1, scores.shape[-1])[:, :, self.stream_eos] = float("-inf")
+            return scores
+
+    return MinFrames()
+
+
+def generate(model: Any, prompt_ids: list[int], voice: np.ndarray | None, max_frames: int,
+             min_frames: int = 0) -> tuple[np.ndarray, float]:
+    """One request through generate(): its frames [n, K] and the wall time (no codebook ending before
+    `min_frames` frames: min_frames_processor)."""
     import torch
+    from transformers import LogitsProcessorList
 
     ids = torch.tensor([prompt_ids], device=model.device)
     kwargs: dict[str, Any] = {}
@@ -57,12 +82,15 @@ def generate(model: Any, prompt_ids: list[int], voice: np.ndarray | None, max_fr
         fr = torch.tensor(voice_frames(model, voice), device=model.device)[None]
         kwargs = {"audio_input_ids": fr, "audio_input_ids_mask": torch.ones(fr.shape[:2], dtype=torch.bool,
                                                                            device=model.device)}
+    if min_frames:
+        kwargs["logits_processor"] = LogitsProcessorList([min_frames_processor(min_frames, ids.shape[1],
+                                                                               model.config.audio_stream_eos_id)])
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_frames, **kwargs)
     seconds = time.perf_counter() - t0
-    skip = kwargs["audio_input_ids"].shape[1] if voice is not None else 0
+    skip = fr.shape[1] if voice is not None else 0
     return out[0, skip:].cpu().numpy(), seconds
 
 
@@ -98,8 +126,9 @@ class Decoder:
         self.engine.close()
 
 
-def reply(model: Any, decoder: Decoder, prompt_ids: list[int], voice: np.ndarray | None, max_frames: int) -> HFReply:
-    frames, gen_s = generate(model, prompt_ids, voice, max_frames)
+def reply(model: Any, decoder: Decoder, prompt_ids: list[int], voice: np.ndarray | None, max_frames: int,
+          min_frames: int = 0) -> HFReply:
+    frames, gen_s = generate(model, prompt_ids, voice, max_frames, min_frames)
     # HiggsAudioV2Processor.batch_decode's cut: the frames from the sequence's last all-stream-bos frame (the
     # generation's start; any audio of the prompt's before it is not the reply)
     starts = np.flatnonzero((frames == model.config.audio_stream_bos_id).all(axis=1))

@@ -49,7 +49,7 @@ def run(engine, requests: list[tuple[str, str | None]], max_tokens: int = 48, pr
 
 
 def hf_frames(hf, stage: HiggsAudioV2Stage | None, text: str, voice: np.ndarray | None, max_tokens: int = 48,
-              voice_name: str | None = None, prompt_ids: list[int] | None = None) -> np.ndarray:
+              voice_name: str | None = None, prompt_ids: list[int] | None = None, min_frames: int = 0) -> np.ndarray:
     """transformers' generate on the same prompt (our stage's, or `prompt_ids`): the generated frames [n, K]."""
     cfg = hf.config
     if prompt_ids is None:
@@ -61,6 +61,13 @@ def hf_frames(hf, stage: HiggsAudioV2Stage | None, text: str, voice: np.ndarray 
         fr = build_delay_pattern(voice, cfg.audio_stream_bos_id, cfg.audio_stream_eos_id)
         kwargs = dict(audio_input_ids=torch.tensor(fr)[None],
                       audio_input_ids_mask=torch.ones(1, fr.shape[0], dtype=torch.bool))
+    if min_frames:
+        from transformers import LogitsProcessorList
+
+        from omni.bench.references.higgs_audio_v2 import min_frames_processor
+
+        kwargs["logits_processor"] = LogitsProcessorList([min_frames_processor(min_frames, ids.shape[1],
+                                                                                 cfg.audio_stream_eos_id)])
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=max_tokens, **kwargs)

@@ -12,7 +12,7 @@ from omni.messages import StageInput
 from omni.sampling_params import SamplingParams
 from stages.checkpoints.builtin import builtin_path
 from stages.higgs_audio_v2.model import HiggsAudioV2Stage
-from tests.engine_utils import assert_no_leak
+from tests.engine_utils import assert_no_leak, run_to_completion
 from tests.stages.higgs_audio_v2.higgs_utils import engine_for, hf_frames, load_stage, run, voice_codes
 
 TEXTS = ["The sun rises in the east.", "A second, rather longer sentence to speak now, slowly.", "Yes."]
@@ -75,7 +75,28 @@ def test_seeded_sampling_is_reproducible(setup):
     np.testing.assert_array_equal(a, b)  # the same draws whatever shares the batch
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", 2), ("min_tokens", 3), ("ignore_eos", True)])
+def test_min_tokens_keeps_every_codebook_going_as_a_masked_stream_eos_in_generate_does(setup):
+    """min_tokens: no codebook may end before that many frames (stream-eos masked); the frames equal
+    transformers' generate with the same mask (the bench's min_frames_processor), batched with a request without one."""
+    path, hf, stage, voices = setup
+    eos = hf.config.audio_stream_eos_id
+    (free, _), = run(engine_for(stage, path), [(TEXTS[2], "alice")], max_tokens=40, prefix="f")
+    assert len(free) < 30  # left alone, this reply ends early (both tiny configurations)
+    engine = engine_for(stage, path)
+    engine.add_request(StageInput("m0", prompt=TEXTS[2], extra={"speaker": "alice"},
+                                  sampling_params=SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30)))
+    engine.add_request(StageInput("m1", prompt=TEXTS[1], sampling_params=SamplingParams(temperature=0.0, max_tokens=40)))
+    outs = run_to_completion(engine)
+    rows = {r: np.asarray(outs[r].mm_outputs["audio_codes"]).astype(np.int64) for r in ("m0", "m1")}
+    held, other = (x[x[:, 0] >= 0] for x in rows.values())
+    assert len(held) >= 30 and not (held[:30] == eos).any()
+    np.testing.assert_array_equal(held, hf_frames(hf, stage, TEXTS[2], voices["alice"], 40, voice_name="alice",
+                                                  min_frames=30))
+    np.testing.assert_array_equal(other, hf_frames(hf, stage, TEXTS[1], None, 40))
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", 2), ("ignore_eos", True)])
 def test_text_token_options_are_refused_by_name(setup, field, value):
     path, hf, stage, voices = setup
     engine = engine_for(stage, path)
