@@ -136,6 +136,7 @@ class StageWorker:
             registry.resolve_incremental_processor(stage.input_processor or "passthrough_tokens")
             if any(e.stream for e in stage.input_edges) else (None, None))
         self._incoming: dict[str, Incoming] = {}  # waiting for (more) chunks
+        self._started: list[tuple[StreamTarget, str, int, StageDelta]] = []  # STARTED signals not sent yet
         # Chunks whose request's submission has not reached this worker yet -> (expiry, chunks in arrival order).
         self._early: dict[str, tuple[float, list[_Chunk]]] = {}
         self._outgoing: dict[str, Outgoing] = {}  # feeding streaming consumers
@@ -226,6 +227,8 @@ class StageWorker:
         inp.stream = rid in self._stream_out or out is not None
         try:
             self.engine.add_request(inp)
+            if out is not None:  # its consumers' first-chunk clocks restart now (streaming.STARTED)
+                self._started += [(to, rid, seq, c) for to, seq, c in out.started()]
         except Exception as e:  # noqa: BLE001 - a refused request fails alone
             if not isinstance(e, OmniError):  # not a refusal on purpose: the stage's fault, its traceback kept
                 logger.exception("stage %s: admitting %s failed", self.name, rid)
@@ -306,7 +309,8 @@ class StageWorker:
 
     def _tick(self) -> TickResult:
         self.drain()
-        result = TickResult()
+        result = TickResult(chunks=self._started)
+        self._started = []
         now = time.monotonic()
         for rid, inc in list(self._incoming.items()):
             if inc.expired(now):

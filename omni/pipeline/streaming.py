@@ -11,7 +11,11 @@ downstream processor reads rows, the rows of the tokens computed since then, so 
 chunks the downstream prompt is exactly what the non-streaming edge would have built. Chunks
 carry a sequence number; a downstream applies them in order and merges those that wait (a slow
 stage holds at most one merged chunk per request, never a growing queue). Every wait for a chunk
-has a deadline (runtime.stream_chunk_timeout_s).
+has a deadline (runtime.stream_chunk_timeout_s), counted from the downstream's submission, from the
+last chunk, and from the upstream request's start: when the upstream admits the request into its
+engine it sends each consumer a STARTED signal (no data, no sequence number of its own), so that in
+a chain of streamed stages (llm ~> tts ~> codec) the codec's clock waits for the tts's first frames,
+not for the llm's prefill and first sentence before them as well.
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ import numpy as np
 
 from omni.messages import StageDelta, StageOutput
 from omni.pipeline.backend import StreamTarget, Submission
+
+
+STARTED = -1  # the sequence number of the signal "the upstream request started" (see the module docstring)
 
 
 @dataclass(slots=True)
@@ -48,6 +55,10 @@ class Outgoing:
     @property
     def needs_rows(self) -> bool:
         return any(p.target.needs_rows for p in self.progress)
+
+    def started(self) -> list[tuple[StreamTarget, int, StageDelta]]:
+        """The STARTED signal for every consumer: the request is in the upstream's engine (its clock restarts)."""
+        return [(p.target, STARTED, StageDelta(self.request_id, self.stage)) for p in self.progress]
 
     def on_delta(self, delta: StageDelta, read_rows: Callable[[int, int], dict[str, np.ndarray]]
                  ) -> list[tuple[StreamTarget, int, StageDelta]]:
@@ -146,6 +157,9 @@ class Incoming:
         return self.sub.stream_from
 
     def receive(self, seq: int, chunk: StageDelta) -> None:
+        if seq == STARTED:  # the upstream request started: its first chunk is due from now
+            self.deadline = time.monotonic() + self.timeout_s
+            return
         if seq < self.next_seq:
             return  # a duplicate
         self.waiting[seq] = chunk

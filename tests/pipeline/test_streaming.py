@@ -227,6 +227,28 @@ def test_chunks_that_reach_the_consumer_before_its_submission_are_kept(reference
         assert not talker._early
 
 
+def test_the_upstream_start_restarts_the_consumers_first_chunk_clock():
+    """A consumer's first-chunk clock restarts when its upstream admits the request (streaming.STARTED): in a chain
+    of streamed stages the last one's clock does not also run through the stages before its producer."""
+    from omni.messages import StageDelta as Delta
+    from omni.pipeline.streaming import STARTED, Incoming
+
+    with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=30.0), backend="local") as o:
+        talker = o._backend.workers["talker"]
+        seen, push = [], talker.push_chunk
+        talker.push_chunk = lambda rid, seq, chunk: (seen.append(seq), push(rid, seq, chunk))
+        [out] = o.generate(["Hello there"], GREEDY, use_tqdm=False)
+        assert out.error is None and seen[0] == STARTED and seen[1:] == list(range(len(seen) - 1))
+        del talker.push_chunk
+        assert_clean(o)
+    inc = Incoming(None, 5.0, time.monotonic() - 1.0)  # its deadline passed...
+    assert inc.expired(time.monotonic())
+    inc.receive(STARTED, Delta("r", "thinker"))  # ...the upstream started: 5 s from now
+    assert not inc.expired(time.monotonic()) and inc.take() is None and inc.next_seq == 0
+    inc.receive(0, Delta("r", "thinker", token_ids=[7]))
+    assert inc.take().token_ids == [7] and inc.next_seq == 1
+
+
 def test_a_chunk_that_never_comes_fails_naming_the_edge():
     with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=1.0), backend="local") as o:
         talker = o._backend.workers["talker"]
