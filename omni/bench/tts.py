@@ -5,7 +5,8 @@ Requests: --voices voices, each a --reference-s reference (its codes [K, T] draw
 the codec's frame rate, given to the stage as a named voice: every request in that voice repeats the whole
 reference at the front of its prompt), --sentences sentences per voice (distinct texts). Greedy; every reply
 --max-frames frames long (min_tokens = max_tokens: what the sentences take to say; a random model's stream-eos
-comes at random frames, 22 to 175 in one run, which is noise, not speech ending; --min-frames 0 lets it end). The pipelines run on the config's backend (--backend to choose).
+comes at random frames, which is noise, not speech ending; --min-frames 0 lets it end). The pipelines run on the
+config's backend (--backend to choose).
 
 1. Time to first audio, one request at a time, on three pipelines: as configured (caching on, the model -> codec
    edge streamed), caching off, and the edge one-shot (plain). The first request of each voice is a miss on every
@@ -61,8 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sentences", type=int, default=3, help="sentences per voice")
     p.add_argument("--reference-s", type=float, default=10.0, help="seconds of each voice's reference")
     p.add_argument("--max-frames", type=int, default=175, help="frames a reply may have (max_tokens; 175: 7 s at 25 "
-                   "frames a second, what the sentences here take to say at 150 words a minute; a random model "
-                   "never ends a reply by itself)")
+                   "frames a second, what the sentences here take to say at 150 words a minute)")
     p.add_argument("--min-frames", type=int, help="frames before a reply may end (min_tokens; default: "
                    "--max-frames: every reply as long as its sentence takes to say, on both sides)")
     p.add_argument("--concurrency", type=int, default=4)
