@@ -113,8 +113,8 @@ class Omni:
         """Run every prompt through the pipeline; one RequestOutput per prompt, in input order.
 
         `output_modalities` (e.g. ["text"]): the final outputs wanted (the stages' `final_output`s: text,
-        tokens, audio, hidden); only the stages they need run (a text-only reply skips the talker and the
-        vocoder). None: every final output.
+        tokens, audio, hidden, or a final stage's name: ["asr"] on a voice agent); only the stages they need
+        run (a text-only reply skips the talker and the vocoder). None: every final output.
 
         A request that fails (a stage error, timeout or abort) has `error` set; others are unaffected.
         Per-token rows (hidden states, mm_outputs) are dropped from the outputs unless

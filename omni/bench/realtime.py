@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import importlib.util
 import itertools
 import json
@@ -42,7 +41,7 @@ import numpy as np
 
 from omni.bench.measures import percentile
 from omni.bench.serve import NOTES
-from omni.bench.server_process import serve_process
+from omni.bench.server_process import serve_processes
 
 RATE = 24000
 
@@ -134,6 +133,15 @@ async def _workload(url: str, model: str, sessions: int, offset: int, speech: np
         return await asyncio.gather(*(_session(client, model, offset + i, speech, args) for i in range(sessions)))
 
 
+def _run_on(mode: str, sessions: int, url: str, model: str, offset: int, speech: np.ndarray, args: Any
+           ) -> list[list[dict[str, float]]]:
+    """One server's run of `sessions` sessions; a failure names the server (caching on / off, plain edges)."""
+    try:
+        return asyncio.run(_workload(url, model, sessions, offset, speech, args))
+    except Exception as e:
+        raise RuntimeError(f"the {mode!r} server at {sessions} session(s): {e}") from e
+
+
 def _summary(results: list[list[dict[str, float]]], turns: int) -> dict[str, Any]:
     lat = {t: [s[t]["latency_s"] * 1000 for s in results] for t in range(turns)}
     return {"turn_latency_p50_ms": {str(t + 1): percentile(v, 50) for t, v in lat.items()},
@@ -161,19 +169,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"config": cfg.name, "sessions": args.sessions, "turns": args.turns,
                               "speech_s": args.speech_s, "loadavg_before": [round(x, 2) for x in os.getloadavg()],
                               "runs": {}}
-    with contextlib.ExitStack() as stack:
-        servers = {"on": stack.enter_context(serve_process(args.config, *common, env=env)).url,
-                   "off": stack.enter_context(serve_process(args.config, *common, "--stage-overrides", off,
-                                                            env=env)).url}
-        if plain:
-            servers["plain"] = stack.enter_context(serve_process(args.config, *common, "--stage-overrides",
-                                                                 json.dumps(plain), env=env)).url
-        for mode, url in servers.items():  # warm-up: one-time costs (first forward passes) out of the timing
-            asyncio.run(_workload(url, cfg.name, 1, 10_000, speech, argparse.Namespace(**{**vars(args), "turns": 1})))
+    modes = {"on": common, "off": [*common, "--stage-overrides", off],
+             **({"plain": [*common, "--stage-overrides", json.dumps(plain)]} if plain else {})}
+    with serve_processes([(args.config, a) for a in modes.values()], env=env) as procs:
+        servers = {mode: p.url for mode, p in zip(modes, procs)}
+        one_turn = argparse.Namespace(**{**vars(args), "turns": 1})
+
+        async def warm_up() -> None:  # one-time costs (first forward passes) out of the timing, all servers at once
+            await asyncio.gather(*(_workload(url, cfg.name, 1, 10_000, speech, one_turn) for url in servers.values()))
+
+        asyncio.run(warm_up())
         offset = 0
         for n in args.sessions:
-            entry: dict[str, Any] = {mode: _summary(asyncio.run(_workload(url, cfg.name, n, offset, speech, args)),
-                                                    args.turns) for mode, url in servers.items()}
+            entry: dict[str, Any] = {mode: _summary(_run_on(mode, n, url, cfg.name, offset, speech, args), args.turns)
+                                     for mode, url in servers.items()}
             offset += n
             entry.update(_ratios(entry, args.turns))
             result["runs"][f"c{n}"] = entry

@@ -180,9 +180,10 @@ class StageGraph:
 
     def stages_for(self, output_modalities: Iterable[str] | None) -> frozenset[str]:
         """The stages a request runs to produce the final outputs of `output_modalities` (text | tokens | audio
-        | hidden; None: every final output): the final stages that give one of them and everything upstream of
-        those. A text-only reply of a thinker -> talker -> vocoder pipeline runs the thinker alone.
-        RequestError (field output_modalities) for a modality no final stage gives."""
+        | hidden, or a final stage's own name; None: every final output): the final stages that give one of them
+        (or are named) and everything upstream of those. A text-only reply of a thinker -> talker -> vocoder
+        pipeline runs the thinker alone; ["asr"] on asr -> llm -> tts runs the recognizer alone (a transcription,
+        where "text" would run the LLM too). RequestError (field output_modalities) for anything else."""
         if output_modalities is None:
             return frozenset(self.order)
         if isinstance(output_modalities, str):
@@ -192,12 +193,13 @@ class StageGraph:
                                f"got {output_modalities!r}", field="output_modalities", code="invalid_type")
         wanted = list(dict.fromkeys(output_modalities))
         given = sorted({self.stages[n].final_output for n in self.final_stages})
-        unknown = [m for m in wanted if m not in given]
+        unknown = [m for m in wanted if m not in given and m not in self.final_stages]
         if not wanted or unknown:
             what = f"{unknown[0]!r} is not an output of this pipeline" if unknown else "empty"
-            raise RequestError(f"output_modalities: {what}; its final stages give {', '.join(given)}",
-                               field="output_modalities", code="unsupported_value")
-        need, todo = set(), [n for n in self.final_stages if self.stages[n].final_output in wanted]
+            raise RequestError(f"output_modalities: {what}; its final stages give {', '.join(given)} (or name one "
+                               f"of them: {', '.join(self.final_stages)})", field="output_modalities",
+                               code="unsupported_value")
+        need, todo = set(), [n for n in self.final_stages if self.stages[n].final_output in wanted or n in wanted]
         while todo:
             n = todo.pop()
             if n not in need:

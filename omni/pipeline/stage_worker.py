@@ -136,7 +136,7 @@ class StageWorker:
             registry.resolve_incremental_processor(stage.input_processor or "passthrough_tokens")
             if any(e.stream for e in stage.input_edges) else (None, None))
         self._incoming: dict[str, Incoming] = {}  # waiting for (more) chunks
-        self._started: list[tuple[StreamTarget, str, int, StageDelta]] = []  # STARTED signals not sent yet
+        self._alive: list[tuple[StreamTarget, str, int, StageDelta]] = []  # ALIVE signals not sent yet
         # Chunks whose request's submission has not reached this worker yet -> (expiry, chunks in arrival order).
         self._early: dict[str, tuple[float, list[_Chunk]]] = {}
         self._outgoing: dict[str, Outgoing] = {}  # feeding streaming consumers
@@ -155,12 +155,21 @@ class StageWorker:
         self._inbox.append(_Chunk(request_id, seq, chunk))
 
     def has_work(self) -> bool:
+        now = time.monotonic()
         return (bool(self._inbox) or bool(self._ready) or self.engine.has_unfinished()
-                or any(inc.expired(time.monotonic()) for inc in self._incoming.values()))
+                or any(inc.expired(now) for inc in self._incoming.values())
+                or any(out.alive_due(self._alive_every_s) <= now for out in self._outgoing.values()))
 
     def next_deadline(self) -> float | None:
-        """When a chunk wait runs out next (monotonic), or None: the step loop wakes up then."""
-        return min((inc.deadline for inc in self._incoming.values()), default=None)
+        """When a chunk wait runs out, or a consumer is due an ALIVE signal, next (monotonic), or None: the
+        step loop wakes up then."""
+        return min([inc.deadline for inc in self._incoming.values()]
+                   + [out.alive_due(self._alive_every_s) for out in self._outgoing.values()], default=None)
+
+    @property
+    def _alive_every_s(self) -> float:
+        """A held request's consumers hear from it at least this often (a third of their chunk timeout)."""
+        return self.chunk_timeout_s / 3
 
     def _done(self, out: StageOutput, keep_hidden: bool) -> None:
         self._ready.append((out, summarize(out, self.stage.final_output, keep_hidden)))
@@ -227,8 +236,8 @@ class StageWorker:
         inp.stream = rid in self._stream_out or out is not None
         try:
             self.engine.add_request(inp)
-            if out is not None:  # its consumers' first-chunk clocks restart now (streaming.STARTED)
-                self._started += [(to, rid, seq, c) for to, seq, c in out.started()]
+            if out is not None:  # its consumers' first-chunk clocks restart now (streaming.ALIVE)
+                self._alive += [(to, rid, seq, c) for to, seq, c in out.alive()]
         except Exception as e:  # noqa: BLE001 - a refused request fails alone
             if not isinstance(e, OmniError):  # not a refusal on purpose: the stage's fault, its traceback kept
                 logger.exception("stage %s: admitting %s failed", self.name, rid)
@@ -309,9 +318,12 @@ class StageWorker:
 
     def _tick(self) -> TickResult:
         self.drain()
-        result = TickResult(chunks=self._started)
-        self._started = []
         now = time.monotonic()
+        for rid, out in self._outgoing.items():  # held here, nothing sent lately: the consumers wait on
+            if out.alive_due(self._alive_every_s) <= now:
+                self._alive += [(to, rid, seq, c) for to, seq, c in out.alive()]
+        result = TickResult(chunks=self._alive)
+        self._alive = []
         for rid, inc in list(self._incoming.items()):
             if inc.expired(now):
                 self._stream_failed(rid, inc, inc.timeout_error(self.name))

@@ -10,12 +10,16 @@ A chunk is a StageDelta: the upstream tokens generated since the previous chunk 
 downstream processor reads rows, the rows of the tokens computed since then, so that over all
 chunks the downstream prompt is exactly what the non-streaming edge would have built. Chunks
 carry a sequence number; a downstream applies them in order and merges those that wait (a slow
-stage holds at most one merged chunk per request, never a growing queue). Every wait for a chunk
-has a deadline (runtime.stream_chunk_timeout_s), counted from the downstream's submission, from the
-last chunk, and from the upstream request's start: when the upstream admits the request into its
-engine it sends each consumer a STARTED signal (no data, no sequence number of its own), so that in
-a chain of streamed stages (llm ~> tts ~> codec) the codec's clock waits for the tts's first frames,
-not for the llm's prefill and first sentence before them as well.
+stage holds at most one merged chunk per request, never a growing queue).
+
+Every wait for a chunk has a deadline (runtime.stream_chunk_timeout_s): it finds a producer that died
+or lost the request, not one that is busy. The deadline counts from the downstream's submission and
+restarts with every chunk and every ALIVE signal (no data, no sequence number of its own). The
+upstream sends ALIVE to each consumer when it admits the request into its engine, and again whenever
+it has sent that consumer nothing for a third of the timeout while it still holds the request:
+queued behind other requests, waiting for its own upstream's chunks, or prefilling a long prompt. So
+under load a chain of streamed stages (llm ~> tts ~> codec) waits as long as each stage still has
+the request; the codec's clock never runs through the llm's queue, prefill and first sentence.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from omni.messages import StageDelta, StageOutput
 from omni.pipeline.backend import StreamTarget, Submission
 
 
-STARTED = -1  # the sequence number of the signal "the upstream request started" (see the module docstring)
+ALIVE = -1  # the sequence number of the signal "the upstream holds the request" (see the module docstring)
 
 
 @dataclass(slots=True)
@@ -51,14 +55,20 @@ class Outgoing:
         self.tokens: list[int] = []  # generated so far
         self.text = ""  # their text so far (a consumer that reads the reply's words: a TTS speaking an LLM's reply)
         self.prompt_ids: list[int] | None = None  # from the first delta; sent with every first chunk
+        self.last_sent = time.monotonic()  # the last chunk or ALIVE signal to the consumers
 
     @property
     def needs_rows(self) -> bool:
         return any(p.target.needs_rows for p in self.progress)
 
-    def started(self) -> list[tuple[StreamTarget, int, StageDelta]]:
-        """The STARTED signal for every consumer: the request is in the upstream's engine (its clock restarts)."""
-        return [(p.target, STARTED, StageDelta(self.request_id, self.stage)) for p in self.progress]
+    def alive(self) -> list[tuple[StreamTarget, int, StageDelta]]:
+        """The ALIVE signal for every consumer: this stage still holds the request (their clocks restart)."""
+        self.last_sent = time.monotonic()
+        return [(p.target, ALIVE, StageDelta(self.request_id, self.stage)) for p in self.progress]
+
+    def alive_due(self, every_s: float) -> float:
+        """When (monotonic) the consumers are due an ALIVE signal, had nothing been sent to them before."""
+        return self.last_sent + every_s
 
     def on_delta(self, delta: StageDelta, read_rows: Callable[[int, int], dict[str, np.ndarray]]
                  ) -> list[tuple[StreamTarget, int, StageDelta]]:
@@ -105,6 +115,7 @@ class Outgoing:
         p.text_sent = len(self.text)
         p.rows_sent = rows_end if p.target.needs_rows else p.rows_sent
         p.seq += 1
+        self.last_sent = time.monotonic()
         return p.target, p.seq - 1, chunk
 
 
@@ -157,7 +168,7 @@ class Incoming:
         return self.sub.stream_from
 
     def receive(self, seq: int, chunk: StageDelta) -> None:
-        if seq == STARTED:  # the upstream request started: its first chunk is due from now
+        if seq == ALIVE:  # the upstream still holds the request: its next chunk is due from now
             self.deadline = time.monotonic() + self.timeout_s
             return
         if seq < self.next_seq:

@@ -90,6 +90,31 @@ def test_what_the_graph_runs_for_each_modality():
         assert g.stages_for(["audio"]) == g.stages_for(["text", "audio"]) == {"thinker", "talker", "vocoder"}
 
 
+def cascade_config() -> dict:
+    """A voice agent's shape: a recognizer's text -> an LLM's text -> a TTS's audio."""
+    return {"name": "fake_cascade", "runtime": {"backend": "local"}, "stages": [
+        stage("asr", final_output="text", sampling={"max_tokens": 2}),
+        stage("llm", inputs=["asr"], final_output="text", sampling={"max_tokens": 3}),
+        stage("tts", inputs=["llm"], final_output="audio", sampling={"max_tokens": 2}),
+    ]}
+
+
+def test_a_final_stage_named_runs_it_and_what_is_upstream_of_it_alone():
+    """Two stages give text (a voice agent's transcript and reply): "text" runs both, the recognizer's name runs
+    the recognizer alone (a transcription never starts the LLM)."""
+    with Omni(cascade_config(), engine_factory=fake_factory) as o:
+        g = o.graph
+        assert g.stages_for(["text"]) == g.stages_for(["llm"]) == {"asr", "llm"}
+        assert g.stages_for(["asr"]) == {"asr"} and g.stages_for(["tts"]) == g.stages_for(None)
+        [heard] = o.generate("hi", use_tqdm=False, output_modalities=["asr"])
+        assert heard.error is None and list(heard.outputs) == ["asr"]
+        assert heard.outputs["asr"].token_ids == expected_tokens("asr", text_ids("hi"), 2)
+        assert submitted(o) == {"asr": 1, "llm": 0, "tts": 0}
+        with pytest.raises(RequestError) as e:  # a stage that is no final stage is not an output
+            o.generate("hi", use_tqdm=False, output_modalities=["nope"])
+        assert "name one of them: asr, llm, tts" in e.value.message
+
+
 @pytest.mark.parametrize("bad,what", [(["video"], "'video' is not an output"), ([], "empty"),
                                        (["text", "hidden"], "'hidden' is not an output"), (5, "expected a list"),
                                        ([1], "expected a list")])

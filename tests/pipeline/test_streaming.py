@@ -227,23 +227,45 @@ def test_chunks_that_reach_the_consumer_before_its_submission_are_kept(reference
         assert not talker._early
 
 
-def test_the_upstream_start_restarts_the_consumers_first_chunk_clock():
-    """A consumer's first-chunk clock restarts when its upstream admits the request (streaming.STARTED): in a chain
-    of streamed stages the last one's clock does not also run through the stages before its producer."""
+def test_a_producer_that_holds_the_request_keeps_its_consumer_waiting():
+    """The chunk timeout finds a producer that died or lost the request, not a busy one (streaming.ALIVE). The
+    thinker holds the request 3 s with no token (as a stage queued behind others, or waiting on its own streamed
+    upstream, does) against a 1 s timeout: it tells the talker on admission and every third of the timeout after,
+    and the talker waits, then gets the tokens it gets without the wait. (4 voice-agent sessions failed at turn 7:
+    the LLM queued their requests, the codec's clock ran out.)"""
+    from omni.engine.interface import EngineStepOutput
     from omni.messages import StageDelta as Delta
-    from omni.pipeline.streaming import STARTED, Incoming
+    from omni.pipeline.streaming import ALIVE, Incoming
 
-    with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=30.0), backend="local") as o:
-        talker = o._backend.workers["talker"]
-        seen, push = [], talker.push_chunk
-        talker.push_chunk = lambda rid, seq, chunk: (seen.append(seq), push(rid, seq, chunk))
-        [out] = o.generate(["Hello there"], GREEDY, use_tqdm=False)
-        assert out.error is None and seen[0] == STARTED and seen[1:] == list(range(len(seen) - 1))
-        del talker.push_chunk
+    with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=1.0), backend="local") as o:
+        thinker, talker = o._backend.workers["thinker"], o._backend.workers["talker"]
+        [plain] = o.generate(["Hello there"], GREEDY, use_tqdm=False)
+        seen, push, real_step = [], talker.push_chunk, thinker.engine.step
+        talker.push_chunk = lambda rid, seq, chunk: (seen.append((time.monotonic(), seq)), push(rid, seq, chunk))
+        until = time.monotonic() + 3.0
+
+        def busy_step():
+            if time.monotonic() < until:  # the request is held: no step makes progress on it
+                time.sleep(0.01)
+                return EngineStepOutput()
+            return real_step()
+
+        thinker.engine.step = busy_step
+        t0 = time.monotonic()
+        [held_out] = o.generate(["Hello there"], GREEDY, use_tqdm=False)
+        assert held_out.error is None and time.monotonic() - t0 >= 3.0
+        assert held_out.outputs["talker"].token_ids == plain.outputs["talker"].token_ids
+        seqs = [seq for _, seq in seen]
+        first = seqs.index(0)
+        assert seqs[0] == ALIVE and first >= 7 and set(seqs[:first]) == {ALIVE}  # ~9 in the 3 s
+        assert [q for q in seqs if q != ALIVE] == list(range(len(seqs) - seqs.count(ALIVE)))
+        gaps = [b - a for (a, _), (b, _) in zip([(t0, None)] + seen, seen)]
+        assert max(gaps[:first + 1]) < 1.0  # the talker never went a timeout without a word
+        del talker.push_chunk, thinker.engine.step
         assert_clean(o)
     inc = Incoming(None, 5.0, time.monotonic() - 1.0)  # its deadline passed...
     assert inc.expired(time.monotonic())
-    inc.receive(STARTED, Delta("r", "thinker"))  # ...the upstream started: 5 s from now
+    inc.receive(ALIVE, Delta("r", "thinker"))  # ...the upstream still has the request: 5 s from now
     assert not inc.expired(time.monotonic()) and inc.take() is None and inc.next_seq == 0
     inc.receive(0, Delta("r", "thinker", token_ids=[7]))
     assert inc.take().token_ids == [7] and inc.next_seq == 1

@@ -161,11 +161,12 @@ class Run:
         """Submit the request and wait for its first item: raises ApiError when it is refused (a bad field
         at the edge, or at the entry stage's admission) or failed before producing anything."""
         try:
-            # A reply without audio runs the stages its text needs, never the audio stages (whose failure on
-            # a reply they were not asked to voice, e.g. a one-token one, would fail the request).
+            # A reply without audio runs the stages its text stage needs, never the audio stages (whose failure
+            # on a reply they were not asked to voice, e.g. a one-token one, would fail the request), nor a text
+            # stage after it (a voice agent's transcription runs its recognizer, not the LLM behind it).
             text_only = self.job.text_stage is not None and self.job.audio_stage is None
             self._agen = self.omni.stream(self.job.prompt, self.job.sampling or None, request_id=self.job.request_id,
-                                          output_modalities=["text"] if text_only else None)
+                                          output_modalities=[self.job.text_stage] if text_only else None)
             self._first = await self._agen.__anext__()
         except BackendClosedError as e:
             raise ApiError(503, f"the pipeline is shutting down: {e}", type="server_error",

@@ -202,3 +202,25 @@ def test_chat_completions_hear_a_clip_and_answer_aloud_and_a_typed_turn_too(serv
         if isinstance(content, str):
             assert "moon" in reply.lower()  # SmolLM2 read the typed turn
     wait_idle(server)
+
+
+def test_a_transcription_runs_the_recognizer_alone(server):
+    """/v1/audio/transcriptions on the cascade is the recognizer's transcript: the LLM and the TTS behind it never
+    get the request (a transcription once started the LLM too: both are text stages)."""
+    import io
+    import wave
+
+    submitted = lambda: {n: s["orchestrator"]["submitted"]  # noqa: E731
+                         for n, s in server.omni._omni.stats()["stages"].items()}
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000)
+        w.writeframes(pcm16(speech_24k(1.5)))
+    before = submitted()
+    out = server.client().audio.transcriptions.create(model=MODEL, file=("turn.wav", buf.getvalue(), "audio/wav"),
+                                                      response_format="verbose_json")
+    assert out.text.strip() and "<asr_text>" not in out.text and out.duration == pytest.approx(1.5, abs=0.01)
+    after = submitted()
+    assert after["asr"] - before["asr"] == 1
+    assert (after["llm"], after["tts"], after["codec"]) == (before["llm"], before["tts"], before["codec"])
+    wait_idle(server)
