@@ -262,6 +262,13 @@ class Omni:
         self._check_open()
         return self._infos[self.graph.entry_stages[0]].speaks_prompt
 
+    def clones_voices(self) -> bool:
+        """Whether a request may hand a stage that speaks a reference clip of its own: a text-to-speech model
+        (StageInfo.speaks_prompt) that takes audio, as the entry stage or as a voice agent's speech stage."""
+        self._check_open()
+        return any(i.speaks_prompt and (i.input_media is None or "audio" in i.input_media)
+                   for i in self._infos.values())
+
     def transcribes_audio(self) -> bool:
         """Whether the entry stage's model is a speech recognizer (StageInfo.transcribes_audio): the clip is its
         prompt, a text prompt its context."""

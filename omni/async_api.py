@@ -156,6 +156,10 @@ class AsyncOmni:
         """Omni.speaks_prompt() (as voices())."""
         return self._omni.speaks_prompt()
 
+    def clones_voices(self) -> bool:
+        """Omni.clones_voices() (as voices())."""
+        return self._omni.clones_voices()
+
     def transcribes_audio(self) -> bool:
         """Omni.transcribes_audio() (as voices())."""
         return self._omni.transcribes_audio()

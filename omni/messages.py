@@ -36,6 +36,11 @@ class EdgePayload:
     """
 
 
+# StageInput.extra's key for a request's own reference voice (a MultiModalInput of audio; its transcript is
+# extra["reference_text"]): a voice agent's speech stage speaks in it (stages/higgs_audio_v2/speak_edges.py)
+REFERENCE_AUDIO = "reference_audio"
+
+
 @dataclass(slots=True)
 class StageInput:
     """What a stage receives for one request.
@@ -55,8 +60,9 @@ class StageInput:
     # A SamplingParams, or a dict validated into one by the stage; None -> stage defaults.
     sampling_params: Any = None
     cache_salt: str | None = None
-    # The caller's per-request options for stages past the entry stage (the API's voice as "speaker",
-    # "<stage>_sampling_params"): input processors read them and hand what a model needs on in `payload`.
+    # The caller's per-request options for stages past the entry stage (the API's voice as "speaker", or a
+    # voice's own clip as REFERENCE_AUDIO with its "reference_text"; "<stage>_sampling_params"): input processors
+    # read them and hand what a model needs on.
     extra: dict[str, Any] = field(default_factory=dict)
     # What an input processor made of the upstream outputs for this stage's model, typed per edge kind.
     payload: EdgePayload | None = None

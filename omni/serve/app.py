@@ -82,6 +82,7 @@ def create_app(omni: AsyncOmni, settings: ServeSettings | None = None) -> FastAP
                            omni.transcribes_audio(), omni.transcript_marker())
     info.voice_map = checked_voice_map(settings.voice_map, info)
     info.speaks_prompt = omni.speaks_prompt()
+    info.clones_voices = omni.clones_voices()
     state = ServerState(omni, settings, info)
     app = FastAPI(title="omni", version=omni_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.omni = state

@@ -67,6 +67,9 @@ class PipelineInfo:
     # transcript of the user's speech is the user's turn, the reply's text is the text stage after it (text_stage),
     # and the voice is the speech stage's, whose `voices` are all it knows (none: it speaks its default voice only)
     recognizer: str | None = None
+    # A request may hand the stage that speaks a reference clip of its own (Omni.clones_voices: a text-to-speech
+    # model that takes audio): POST /v1/audio/voices takes uploads, and a request may name one
+    clones_voices: bool = False
 
     @classmethod
     def of(cls, config: PipelineConfig, served_model_name: str | None = None, voices: tuple[str, ...] = (),

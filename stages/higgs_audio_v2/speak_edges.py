@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omni.errors import OmniError
-from omni.messages import StageDelta, StageInput, StageOutput
+from omni.messages import REFERENCE_AUDIO, MultiModalInput, StageDelta, StageInput, StageOutput
 
 from stages.common.processors import single_upstream
 from stages.common.sentence_pieces import SentenceCutter
@@ -29,8 +29,16 @@ EDGE = "text_to_higgs_audio_v2"
 
 
 def _input(request: StageInput, text: str, **kwargs) -> StageInput:
-    return StageInput(request.request_id, prompt=text, extra=dict(request.extra), cache_salt=request.cache_salt,
-                      **kwargs)
+    """The TTS request speaking `text`; a voice of the request's own (extra[REFERENCE_AUDIO], an uploaded voice)
+    is its reference clip, the last audio of its prompt, as a speech request's own clip is."""
+    extra = dict(request.extra)
+    clip = extra.pop(REFERENCE_AUDIO, None)
+    if clip is not None and (not isinstance(clip, MultiModalInput) or clip.modality != "audio"
+                             or extra.get("reference_text") is None):
+        raise OmniError(f"{EDGE}: extra[{REFERENCE_AUDIO!r}] of request {request.request_id!r} must be an audio "
+                        "MultiModalInput with its transcript as extra['reference_text']")
+    return StageInput(request.request_id, prompt=text, extra=extra, cache_salt=request.cache_salt,
+                      mm_inputs=[clip] if clip is not None else [], **kwargs)
 
 
 def _nothing_to_say(request: StageInput) -> OmniError:

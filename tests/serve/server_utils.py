@@ -89,6 +89,23 @@ class Server:
         return {dict(labels)["stage"]: v for (n, labels), v in self.metrics().items() if n == name}
 
 
+def upload_voice(server, name: str, clip: bytes | None, text: str | None) -> tuple[int, dict]:
+    """POST /v1/audio/voices as a multipart form (as curl -F sends it)."""
+    fields = {"name": name, "consent": "recorded-with-consent", **({"ref_text": text} if text is not None else {})}
+    parts = [f'--B\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
+    if clip is not None:
+        parts.append(b'--B\r\nContent-Disposition: form-data; name="audio_sample"; filename="voice.wav"\r\n'
+                     b"Content-Type: audio/wav\r\n\r\n" + clip + b"\r\n")
+    status, _, body = server.post("/v1/audio/voices", b"".join(parts) + b"--B--\r\n",
+                                  {"Content-Type": "multipart/form-data; boundary=B"})
+    return status, body
+
+
+def delete_voice(server, name: str) -> tuple[int, dict]:
+    status, _, body = _send(urllib.request.Request(f"{server.url}/v1/audio/voices/{name}", method="DELETE"))
+    return status, body
+
+
 def _send(req: urllib.request.Request) -> tuple[int, dict[str, str], Any]:
     try:
         with urllib.request.urlopen(req, timeout=120) as r:

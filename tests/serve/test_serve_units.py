@@ -398,3 +398,29 @@ def test_only_typed_request_errors_are_the_callers_fault():
     assert e.value.status == 400 and e.value.param == "max_tokens"
     with pytest.raises(ValueError, match="a shape bug"):
         asyncio.run(start(ValueError("a shape bug")))
+
+
+def test_speech_on_a_voice_agent_forces_the_llms_reply_and_speaks_an_uploaded_voice():
+    """/v1/audio/speech on asr -> llm -> tts: the LLM's reply is forced to `input` (a typed turn: the recognizer
+    hears nothing), not the recognizer's transcript, which the LLM would answer; an uploaded voice's clip and
+    transcript ride to the speech stage; a thinker pipeline still speaks its talker's voices only."""
+    from omni.messages import REFERENCE_AUDIO
+    from omni.serve.protocol.speech import SpeechRequest
+    from omni.serve.speech.serving import speech_job
+    from omni.serve.state import PipelineInfo
+    from omni.serve.voices.store import UploadedVoice
+
+    agent = PipelineInfo("agent", ["asr", "llm", "tts", "codec"], "asr", "llm", "codec", voices=("Beckett",),
+                         recognizer="asr", clones_voices=True)
+    guest = UploadedVoice("guest", np.ones(2400, np.float32), 24000, "my voice", 0, 100)
+    req = SpeechRequest(model="agent", input="Water the plants.", voice="guest")
+    job = speech_job(req, agent, "s1", guest)
+    assert job.sampling == {"llm": {"forced_text": "Water the plants."}} and job.usage_stage == "llm"
+    assert job.prompt.prompt[-1] == {"role": "user", "content": "Water the plants."}
+    clip = job.prompt.extra[REFERENCE_AUDIO]
+    assert clip.data is guest.wave and clip.sampling_rate == 24000 and job.prompt.extra["reference_text"] == "my voice"
+    named = speech_job(SpeechRequest(model="agent", input="Hi.", voice="beckett"), agent, "s2")
+    assert named.prompt.extra == {"speaker": "beckett"}
+    omni = PipelineInfo("m", ["thinker", "talker", "vocoder"], "thinker", "thinker", "vocoder", voices=("Ethan",))
+    with pytest.raises(ApiError, match="not a voice of this pipeline"):
+        speech_job(req, omni, "s3", guest)  # no stage of it clones voices

@@ -15,7 +15,7 @@ import pytest
 import soundfile as sf
 
 from tests.serve.realtime_utils import speech_wav
-from tests.serve.server_utils import serve_in_process, wait_idle
+from tests.serve.server_utils import delete_voice, serve_in_process, upload_voice, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 CONFIG = "stage_configs/higgs_audio_v2_tiny.yaml"
@@ -95,32 +95,11 @@ def test_an_unknown_voice_is_a_400_naming_the_voices(client):
     assert body["param"] == "voice" and "Beckett" in body["message"]
 
 
-def _upload(server, name: str, clip: bytes | None, text: str | None) -> tuple[int, dict]:
-    """POST /v1/audio/voices as a multipart form (as curl -F sends it)."""
-    fields = {"name": name, "consent": "recorded-with-consent", **({"ref_text": text} if text is not None else {})}
-    parts = [f'--B\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
-    if clip is not None:
-        parts.append(b'--B\r\nContent-Disposition: form-data; name="audio_sample"; filename="voice.wav"\r\n'
-                     b"Content-Type: audio/wav\r\n\r\n" + clip + b"\r\n")
-    status, _, body = server.post("/v1/audio/voices", b"".join(parts) + b"--B--\r\n",
-                                  {"Content-Type": "multipart/form-data; boundary=B"})
-    return status, body
-
-
-def _delete(server, name: str) -> tuple[int, dict]:
-    import urllib.request
-
-    from tests.serve.server_utils import _send
-
-    status, _, body = _send(urllib.request.Request(f"{server.url}/v1/audio/voices/{name}", method="DELETE"))
-    return status, body
-
-
 def test_an_uploaded_voice_is_cloned_as_a_configured_one_and_can_be_deleted(server, client, reference, tmp_path):
     wave_, rate = sf.read(speech_wav(), dtype="float32")
     sf.write(tmp_path / "clip.wav", wave_[: 3 * rate], rate)  # the clip and transcript of the Beckett voice
     clip = (tmp_path / "clip.wav").read_bytes()
-    status, body = _upload(server, "mine", clip, "Hello there, this is how my voice sounds.")
+    status, body = upload_voice(server, "mine", clip, "Hello there, this is how my voice sounds.")
     assert status == 200 and body["success"] and body["voice"]["name"] == "mine"
     assert body["voice"]["duration_s"] == 3.0 and body["voice"]["consent"] == "recorded-with-consent"
     listed = server.get("/v1/audio/voices")[2]
@@ -128,10 +107,10 @@ def test_an_uploaded_voice_is_cloned_as_a_configured_one_and_can_be_deleted(serv
     for voice in ("mine", {"id": "Mine"}):
         got = _wav(client.audio.speech.create(model=MODEL, input=TEXT, voice=voice, response_format="wav").content)
         np.testing.assert_array_equal(got, reference)  # the same clip and transcript: the same voice
-    assert _delete(server, "mine") == (200, {"success": True, "message": "voice 'mine' deleted"})
+    assert delete_voice(server, "mine") == (200, {"success": True, "message": "voice 'mine' deleted"})
     with pytest.raises(openai.BadRequestError, match="voice"):
         client.audio.speech.create(model=MODEL, input=TEXT, voice="mine")
-    status, body = _delete(server, "mine")
+    status, body = delete_voice(server, "mine")
     assert status == 404 and body["error"]["param"] == "name"
     wait_idle(server)
 
@@ -145,5 +124,5 @@ def test_an_uploaded_voice_is_cloned_as_a_configured_one_and_can_be_deleted(serv
 def test_uploads_that_cannot_be_kept_name_their_field(server, tmp_path, name, text, with_clip, status, param):
     wave_, rate = sf.read(speech_wav(), dtype="float32")
     sf.write(tmp_path / "clip.wav", wave_[: rate], rate)
-    got, body = _upload(server, name, (tmp_path / "clip.wav").read_bytes() if with_clip else None, text)
+    got, body = upload_voice(server, name, (tmp_path / "clip.wav").read_bytes() if with_clip else None, text)
     assert got == status and body["error"]["param"] == param, body

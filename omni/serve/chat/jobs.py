@@ -25,6 +25,8 @@ from omni.serve.protocol.chat import ChatCompletionRequest
 from omni.serve.protocol.completions import CompletionRequest
 from omni.serve.settings import ServeSettings
 from omni.serve.state import PipelineInfo
+from omni.serve.voices.choice import uploaded_for_cascade, voice_extra
+from omni.serve.voices.store import UploadedVoices
 
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest, info: PipelineInfo, job: Job) -> None:
@@ -98,9 +100,10 @@ def _media_count(req: ChatCompletionRequest) -> int:
     return sum(p.type != "text" for m in req.messages for p in m.content or [])
 
 
-def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSettings, request_id: str) -> Job:
+def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSettings, request_id: str,
+             uploaded: UploadedVoices | None = None) -> Job:
     """Decode the media and build the Job (ApiError 400 / 413 naming the field). CPU work: run it off the
-    event loop."""
+    event loop. `uploaded`: the server's uploaded voices (a voice agent speaks in one its request names)."""
     want = req.output_modalities
     if "audio" in want and info.audio_stage is None:
         raise bad_request(f"modalities: pipeline {info.model!r} has no audio output stage", "modalities")
@@ -149,8 +152,9 @@ def chat_job(req: ChatCompletionRequest, info: PipelineInfo, settings: ServeSett
         messages.append(stage_message(msg, parts))
     voice, voice_field = req.voice
     fields["speaker"] = voice_field
-    extra = {"speaker": info.speaker(voice)} if voice else {}
-    if "audio" in want and (unknown := info.unknown_voice(voice, voice_field)):
+    own = uploaded_for_cascade(info, uploaded, voice) if uploaded is not None else None
+    extra = voice_extra(info, voice, own)
+    if "audio" in want and own is None and (unknown := info.unknown_voice(voice, voice_field)):
         raise bad_request(unknown, voice_field)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt = StageInput("", prompt=messages, mm_inputs=media, cache_salt=req.cache_salt, extra=extra, tools=tools,

@@ -53,7 +53,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                           "unsupported_value")
 
     def run_for() -> Choices:
-        return Choices(state.omni, chat_job(req, state.info, state.settings, rid), req.choices,
+        return Choices(state.omni, chat_job(req, state.info, state.settings, rid, state.uploaded_voices), req.choices,
                        state.settings.default_audio_rate, state.metrics)
 
     async def reply(run: Choices) -> Response:

@@ -6,10 +6,13 @@ from __future__ import annotations
 from omni.serve.protocol import realtime as E
 from omni.serve.protocol.realtime import RealtimeEventError
 from omni.serve.realtime.hub import RealtimeHub
+from omni.serve.voices.choice import uploaded_for_cascade
 
 
 def voice(server: RealtimeHub, name: str, param: str, event_id: str | None) -> None:
-    """A voice the pipeline's talker would refuse."""
+    """A voice the pipeline's talker would refuse (a voice agent's speech stage also speaks the uploaded ones)."""
+    if uploaded_for_cascade(server.info, server.state.uploaded_voices, name) is not None:
+        return
     unknown = server.info.unknown_voice(name, param)
     if unknown is not None:
         raise RealtimeEventError(unknown, param, "invalid_value", event_id)

@@ -43,6 +43,7 @@ from omni.serve.http.errors import ApiError
 from omni.serve.realtime import cascade, limits
 from omni.serve.realtime.hub import ClientGone
 from omni.serve.realtime.conversation import ConvItem, Part, new_item_id
+from omni.serve.voices.choice import uploaded_for_cascade, voice_extra
 
 logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class RealtimeResponse:
         self.instructions = instructions
         info = self.session.server.info
         messages, media = self.context.prompt(instructions, cascade=info.recognizer is not None)
-        extra = {"speaker": info.speaker(self.voice)} if self.voice else {}
+        extra = voice_extra(info, self.voice, uploaded_for_cascade(info, self.session.server.state.uploaded_voices,
+                                                                  self.voice))
         prompt = StageInput("", prompt=messages, mm_inputs=media, extra=extra, tools=self.tools or None)
         text_stage = info.text_stage or info.entry_stage
         mx = self.max_output_tokens

@@ -48,6 +48,7 @@ from omni.serve.http.sse import sse_error, sse_event, sse_response
 from omni.serve.protocol.parse import parse_request
 from omni.serve.protocol.speech import SpeechRequest
 from omni.serve.state import PipelineInfo, ServerState, check_model
+from omni.serve.voices.choice import speaks_uploaded, voice_extra
 from omni.serve.voices.store import UploadedVoice
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,10 @@ logger = logging.getLogger(__name__)
 def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str, uploaded: UploadedVoice | None = None
                ) -> Job:
     """The thinker prompt (instructions, input) with its reply forced to `input`, or, when the entry stage is a
-    text-to-speech model, `input` as its prompt with the voice and instructions; audio wanted. `uploaded`: the voice
-    the request names, uploaded to this server (POST /v1/audio/voices): its clip is the request's reference."""
+    text-to-speech model, `input` as its prompt with the voice and instructions; audio wanted. On a voice agent the
+    LLM's reply is forced (a typed turn: its recognizer hears nothing) and its speech stage voices it. `uploaded`:
+    the voice the request names, uploaded to this server (POST /v1/audio/voices): its clip is the request's
+    reference (on a voice agent, its speech stage's: voices/choice.py)."""
     if info.audio_stage is None:
         raise bad_request(f"model: pipeline {info.model!r} has no audio output stage", "model")
     if uploaded is not None and info.speaks_prompt:
@@ -66,7 +69,8 @@ def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str, uploaded
                             mm_inputs=[MultiModalInput("audio", uploaded.wave, uploaded.rate)])
         fields = {"prompt": "input", "voice": req.voice_field, "instructions": "instructions"}
         return Job(request_id, prompt, {}, None, info.audio_stage, info.entry_stage, [], fields)
-    if unknown := info.unknown_voice(req.speaker, req.voice_field):
+    own = uploaded if speaks_uploaded(info) else None
+    if own is None and (unknown := info.unknown_voice(req.speaker, req.voice_field)):
         raise bad_request(unknown, req.voice_field)
     if req.response_format not in encodable():
         raise bad_request(f"response_format: {req.response_format!r} has no encoder on this server; one of "
@@ -82,13 +86,12 @@ def speech_job(req: SpeechRequest, info: PipelineInfo, request_id: str, uploaded
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     messages.append({"role": "user", "content": req.input})
-    prompt = StageInput("", prompt=messages, extra={"speaker": info.speaker(req.speaker)})
+    prompt = StageInput("", prompt=messages, extra=voice_extra(info, req.speaker, own))
     # omni's names -> the request's: the prompt and the forced reply are both `input` (too long a reply
     # is refused as max_tokens would be: it is the input that asks for it)
     fields = {"prompt": "input", "speaker": req.voice_field, "forced_text": "input", "max_tokens": "input"}
-    job = Job(request_id, prompt, {info.entry_stage: {"forced_text": req.input}}, None, info.audio_stage,
-              info.entry_stage, [], fields)
-    return job
+    text = info.text_stage or info.entry_stage  # a thinker (the entry stage), or a voice agent's LLM
+    return Job(request_id, prompt, {text: {"forced_text": req.input}}, None, info.audio_stage, text, [], fields)
 
 
 class _SpeechRun(Run):

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from omni.serve.audio.codecs import decode_audio
 from omni.serve.http.errors import ApiError, bad_request
 from omni.serve.state import ServerState
+from omni.serve.voices.choice import speaks_uploaded
 from omni.serve.voices.store import MAX_SECONDS, VoiceUploadError
 
 MAX_FIELD_BYTES = 16 * 1024
@@ -35,8 +36,9 @@ def list_voices(state: ServerState) -> JSONResponse:
 
 
 def takes_uploads(info) -> bool:
-    """Its entry stage speaks its prompt and takes audio: a text-to-speech model cloning from reference clips."""
-    return info.speaks_prompt and info.takes("audio")
+    """A text-to-speech model cloning from reference clips speaks: its entry stage, or a voice agent's speech stage
+    (a chat or realtime request's voice may then name an uploaded one: voices/choice.py)."""
+    return info.clones_voices and (info.speaks_prompt or speaks_uploaded(info))
 
 
 async def upload_voice(state: ServerState, request: Request) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Voices uploaded to the server (`POST /v1/audio/voices`): reference clips a text-to-speech pipeline clones.
+"""Voices uploaded to the server (`POST /v1/audio/voices`): reference clips a text-to-speech pipeline, or a voice
+agent's speech stage (voices/choice.py), clones.
 
 A voice is a clip of recorded speech and its transcript, kept by the server (in memory, bounded: MAX_VOICES voices
 of at most MAX_SECONDS each) and named by the uploader. A speech request that names it (`voice: NAME` or

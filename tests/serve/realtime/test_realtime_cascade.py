@@ -224,3 +224,69 @@ def test_a_transcription_runs_the_recognizer_alone(server):
     assert after["asr"] - before["asr"] == 1
     assert (after["llm"], after["tts"], after["codec"]) == (before["llm"], before["tts"], before["codec"])
     wait_idle(server)
+
+
+BECKETT = "Hello there, this is how my voice sounds."
+
+
+def test_an_uploaded_voice_is_the_voice_agents_voice_in_chat_speech_and_realtime(smollm2, tmp_path):
+    """POST /v1/audio/voices on a voice agent: its speech stage clones the clip. A chat reply, a speech request and a
+    realtime response that name the uploaded voice are spoken in it: the same audio as in the --voice-dir voice made
+    of the same clip and transcript, not the default voice's. Once deleted, the name is refused again."""
+    import io
+
+    import openai
+    import soundfile as sf
+
+    from tests.serve.realtime_utils import speech_wav
+    from tests.serve.server_utils import delete_voice, upload_voice
+
+    wave_, rate = sf.read(speech_wav(), dtype="float32")
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    sf.write(voices / "Beckett.wav", wave_[: 3 * rate], rate)
+    (voices / "Beckett.txt").write_text(BECKETT + "\n")
+    buf = io.BytesIO()
+    sf.write(buf, wave_[: 3 * rate], rate, format="WAV")
+    with serve_in_process(CONFIG, "--backend", "local", "--voice-dir", str(voices)) as srv:
+        client = srv.client()
+        status, body = upload_voice(srv, "guest", buf.getvalue(), BECKETT)
+        assert status == 200 and body["voice"]["name"] == "guest", body
+        assert srv.get("/v1/audio/voices")[2]["voices"] == ["Beckett", "guest"]
+
+        def chat(voice: str | None) -> tuple[str, bytes]:
+            msg = client.chat.completions.create(
+                model=MODEL, modalities=["text", "audio"], max_tokens=8,
+                messages=[{"role": "user", "content": "Tell me about the moon."}],
+                **({"audio": {"voice": voice, "format": "wav"}} if voice else {})).choices[0].message
+            return msg.audio.transcript, base64.b64decode(msg.audio.data)
+
+        (text, guest), (same_text, beckett), (_, default) = chat("guest"), chat("Beckett"), chat(None)
+        assert text == same_text and guest == beckett and guest != default
+
+        def speech(voice: str) -> bytes:
+            return client.audio.speech.create(model=MODEL, input="Water the plants.", voice=voice,
+                                              response_format="wav").content
+
+        assert speech("guest") == speech("Beckett")
+
+        async def realtime(voice: str) -> bytes:
+            conn = await connect(srv, MODEL, {**MANUAL, "audio": {**MANUAL["audio"], "output": {"voice": voice}}})
+            try:
+                await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "Tell me about the moon."}]})
+                await until(conn, "conversation.item.done")
+                await conn.response.create()
+                seen: list = []
+                done = (await until(conn, "response.done", seen)).response
+                assert ran_to_its_end(done), done.status_details
+                return _audio(seen).tobytes()
+            finally:
+                await conn.close()
+
+        assert asyncio.run(realtime("guest")) == asyncio.run(realtime("Beckett"))
+        assert delete_voice(srv, "guest")[0] == 200
+        with pytest.raises(openai.BadRequestError) as e:
+            chat("guest")
+        assert e.value.body["param"] == "audio.voice"
+        wait_idle(srv)

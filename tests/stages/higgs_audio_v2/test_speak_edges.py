@@ -75,3 +75,26 @@ def test_the_first_piece_is_cut_sooner_at_a_clause_or_a_few_words():
     state = SpokenPieces()  # a shorter clause goes on with the rest
     part = text2speech_chunk(StageDelta("r", "llm", text="Ok, see you. "), REQUEST, state)
     assert part.prompt == "Ok, see you." and part.payload is None
+
+
+def test_a_voice_of_the_requests_own_is_the_tts_requests_reference_clip():
+    """An uploaded voice rides in extra[REFERENCE_AUDIO] past the recognizer and the LLM: the TTS request's prompt
+    audio is the clip (the stage's reference, as a speech request's own clip), its transcript stays in extra; the
+    request's other media (the clip the recognizer heard) never reach the TTS."""
+    import numpy as np
+
+    from omni.messages import REFERENCE_AUDIO, MultiModalInput
+
+    clip = MultiModalInput("audio", np.ones(2400, np.float32), sampling_rate=24000)
+    heard = MultiModalInput("audio", np.zeros(16000, np.float32), sampling_rate=16000)
+    own = StageInput("r", prompt=REQUEST.prompt, mm_inputs=[heard], cache_salt="s",
+                     extra={"reference_text": "my voice", REFERENCE_AUDIO: clip})
+    for inp in (text2speech({"llm": StageOutput("r", "llm", text="Hi there.")}, own),
+                text2speech_chunk(StageDelta("r", "llm", text="Hi there. And", finished=False), own, SpokenPieces())):
+        assert inp.mm_inputs == [clip] and inp.extra == {"reference_text": "my voice"}
+    assert own.extra[REFERENCE_AUDIO] is clip  # the request itself is left as it was
+    assert text2speech_chunk(StageDelta("r", "llm", text="Hi there.", finished=True), REQUEST,
+                             SpokenPieces()).mm_inputs == []
+    bad = StageInput("r", extra={REFERENCE_AUDIO: clip})  # a clip without its transcript
+    with pytest.raises(OmniError, match="reference_text"):
+        text2speech({"llm": StageOutput("r", "llm", text="Hi.")}, bad)
