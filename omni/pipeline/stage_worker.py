@@ -321,7 +321,7 @@ class StageWorker:
         now = time.monotonic()
         for rid, out in self._outgoing.items():  # held here, nothing sent lately: the consumers wait on
             if out.alive_due(self._alive_every_s) <= now:
-                self._alive += [(to, rid, seq, c) for to, seq, c in out.alive()]
+                self._alive += [(to, rid, seq, c) for to, seq, c in out.alive(self._alive_every_s)]
         result = TickResult(chunks=self._alive)
         self._alive = []
         for rid, inc in list(self._incoming.items()):

@@ -43,6 +43,7 @@ class _TargetProgress:
     text_sent: int = 0
     rows_sent: int = 0
     seq: int = 0
+    last_sent: float = field(default_factory=time.monotonic)  # its last chunk or ALIVE signal
 
 
 class Outgoing:
@@ -55,20 +56,23 @@ class Outgoing:
         self.tokens: list[int] = []  # generated so far
         self.text = ""  # their text so far (a consumer that reads the reply's words: a TTS speaking an LLM's reply)
         self.prompt_ids: list[int] | None = None  # from the first delta; sent with every first chunk
-        self.last_sent = time.monotonic()  # the last chunk or ALIVE signal to the consumers
 
     @property
     def needs_rows(self) -> bool:
         return any(p.target.needs_rows for p in self.progress)
 
-    def alive(self) -> list[tuple[StreamTarget, int, StageDelta]]:
-        """The ALIVE signal for every consumer: this stage still holds the request (their clocks restart)."""
-        self.last_sent = time.monotonic()
-        return [(p.target, ALIVE, StageDelta(self.request_id, self.stage)) for p in self.progress]
+    def alive(self, every_s: float | None = None) -> list[tuple[StreamTarget, int, StageDelta]]:
+        """The ALIVE signal (this stage still holds the request: their clocks restart) for every consumer, or with
+        `every_s` for those sent nothing for that long."""
+        now = time.monotonic()
+        due = [p for p in self.progress if every_s is None or now - p.last_sent >= every_s]
+        for p in due:
+            p.last_sent = now
+        return [(p.target, ALIVE, StageDelta(self.request_id, self.stage)) for p in due]
 
     def alive_due(self, every_s: float) -> float:
-        """When (monotonic) the consumers are due an ALIVE signal, had nothing been sent to them before."""
-        return self.last_sent + every_s
+        """When (monotonic) a consumer is next due an ALIVE signal, if nothing is sent to it before."""
+        return min((p.last_sent for p in self.progress), default=float("inf")) + every_s
 
     def on_delta(self, delta: StageDelta, read_rows: Callable[[int, int], dict[str, np.ndarray]]
                  ) -> list[tuple[StreamTarget, int, StageDelta]]:
@@ -115,7 +119,7 @@ class Outgoing:
         p.text_sent = len(self.text)
         p.rows_sent = rows_end if p.target.needs_rows else p.rows_sent
         p.seq += 1
-        self.last_sent = time.monotonic()
+        p.last_sent = time.monotonic()
         return p.target, p.seq - 1, chunk
 
 

@@ -271,6 +271,23 @@ def test_a_producer_that_holds_the_request_keeps_its_consumer_waiting():
     assert inc.take().token_ids == [7] and inc.next_seq == 1
 
 
+def test_each_consumer_hears_from_its_producer_within_a_third_of_the_timeout():
+    """ALIVE is per consumer: one fed a chunk every token does not keep a producer from telling another, fed every
+    100 tokens, that the request is still there."""
+    from omni.messages import StageDelta as Delta
+    from omni.pipeline.backend import StreamTarget
+    from omni.pipeline.streaming import ALIVE, Outgoing
+
+    fast, slow = StreamTarget("talker", 1, False), StreamTarget("other", 100, False)
+    out = Outgoing("thinker", "r", [fast, slow])
+    assert [(t, seq) for t, seq, _ in out.alive()] == [(fast, ALIVE), (slow, ALIVE)]  # on admission: both
+    assert out.alive(0.5) == [] and out.alive_due(0.5) > time.monotonic()
+    time.sleep(0.6)
+    sent = out.on_delta(Delta("r", "thinker", token_ids=[5], num_computed_tokens=1), lambda a, b: {})
+    assert [(t, seq) for t, seq, _ in sent] == [(fast, 0)]  # the fast one's chunk...
+    assert [(t, seq) for t, seq, _ in out.alive(0.5)] == [(slow, ALIVE)]  # ...the slow one is due its signal
+
+
 def test_a_chunk_that_never_comes_fails_naming_the_edge():
     with Omni(with_runtime(streaming(2), stream_chunk_timeout_s=1.0), backend="local") as o:
         talker = o._backend.workers["talker"]
