@@ -252,10 +252,14 @@ class Omni:
 
     def shows_tools(self) -> bool | None:
         """Whether a request's `tools` reach the entry stage's model (StageInfo.shows_tools: False for a model
-        whose own prompt format has no tools, which refuses them); None when the stage does not say (a chat
-        template shows them)."""
+        whose own prompt format has no tools, which refuses them), or, past an entry stage that passes them on
+        (StageInfo.passes_tools_on: a voice agent's recognizer), the next stage's; None when the stage does not
+        say (a chat template shows them)."""
         self._check_open()
-        return self._infos[self.graph.entry_stages[0]].shows_tools
+        stage = self.graph.entry_stages[0]
+        while self._infos[stage].passes_tools_on and self.graph.downstream[stage]:
+            stage = self.graph.downstream[stage][0]
+        return self._infos[stage].shows_tools
 
     def speaks_prompt(self) -> bool:
         """Whether the entry stage's model speaks its prompt (StageInfo.speaks_prompt: a text-to-speech model)."""

@@ -38,6 +38,10 @@ class StageInfo:
     # A model whose `preprocess` renders its own prompt from chat messages: True when that rendering shows
     # the model the request's `tools`; else a request with tools is refused, naming the field.
     renders_tools: bool = False
+    # Its prompt is a conversation whose `tools` are for the stage after it (a voice agent's recognizer, which hears
+    # the last turn's clip and hands the conversation on): a request with tools is not refused here, and whether
+    # they reach a model is the next stage's to say (Omni.shows_tools).
+    passes_tools_on: bool = False
     # The multimodal inputs its own prompt takes ("image", "audio"; its `preprocess` renders them); None: not
     # declared (its preprocess decides). A model that renders no prompt of its own takes none (`input_media`).
     media: tuple[str, ...] | None = None

@@ -16,6 +16,7 @@ at <|endoftext|> too: the stage configs name it in `stop_token_ids`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,11 @@ class Qwen3ASRStage(AutoregressiveStageModel):
                  encoder_cache_size: int = DEFAULT_ENTRIES, in_conversation: bool = False):
         self.model = model
         # The ears of a voice agent (model_kwargs.in_conversation): its prompt is the agent's conversation, and it
-        # transcribes the clip of the last user turn alone, with no context (the conversation is the LLM's).
+        # transcribes the clip of the last user turn alone, with no context (the conversation, and its tools, are
+        # the LLM's).
         self.in_conversation = in_conversation
+        if in_conversation:
+            self.info = dataclasses.replace(type(self).info, passes_tools_on=True)
         self.tokenizer = tokenizer
         self.extractor = extractor
         self.device, self.dtype = device, dtype

@@ -71,7 +71,8 @@ class Admission:
             kinds = sorted({m.modality for m in inp.mm_inputs})
             raise RequestError(f"multi_modal_data: stage {self.name!r} takes no {'/'.join(kinds)} inputs "
                                "(a text-only model)", stage=self.name, field="multi_modal_data")
-        if prepared is not None and inp.tools and not self.model.info.renders_tools:
+        if prepared is not None and inp.tools and not (self.model.info.renders_tools
+                                                       or self.model.info.passes_tools_on):
             # its own prompt renderer, which shows the model no tools: they would be silently dropped
             raise RequestError(f"tools: stage {self.name!r} renders its own prompt and shows the model no tools",
                                stage=self.name, field="tools")

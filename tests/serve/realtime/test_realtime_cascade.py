@@ -290,3 +290,43 @@ def test_an_uploaded_voice_is_the_voice_agents_voice_in_chat_speech_and_realtime
             chat("guest")
         assert e.value.body["param"] == "audio.voice"
         wait_idle(srv)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"enum": [1, 2, 3]}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_tools_are_the_llms_behind_the_recognizer(server):
+    """A voice agent's tools are its LLM's: the recognizer hands the conversation and its tools on (they were
+    refused as tools its own prompt does not show). A forced tool_choice gets a call from SmolLM2, in chat
+    completions and as a realtime response's function_call item (no audio: a call is not spoken)."""
+    import json
+
+    ask = "What is the weather in Oslo tomorrow?"
+    out = server.client().chat.completions.create(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": ask}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "days"}
+
+    async def go():
+        conn = await _connect(server)
+        try:
+            await conn.session.update(session={"type": "realtime", "tool_choice": "required", "tools": [
+                {"type": "function", "name": "get_weather", "parameters": WEATHER}]})
+            await until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ask}]})
+            await until(conn, "conversation.item.done")
+            await conn.response.create(response={"max_output_tokens": 80})
+            seen: list = []
+            done = (await until(conn, "response.done", seen)).response
+            assert ran_to_its_end(done), done.status_details
+            assert [o.type for o in done.output] == ["function_call"] and done.output[0].name == "get_weather"
+            assert set(json.loads(done.output[0].arguments)) == {"city", "days"}
+            assert "response.output_audio.delta" not in types(seen)
+        finally:
+            await conn.close()
+    asyncio.run(go())
+    wait_idle(server)
