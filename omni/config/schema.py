@@ -298,8 +298,10 @@ class RuntimeConfig(_Model):
     namespace: str | None = Field(None, description="Ray namespace of the stage actors.")
     request_timeout_s: float = Field(600.0, gt=0, description="A request still unfinished after this fails.")
     stream_chunk_timeout_s: float = Field(
-        60.0, gt=0, description="Longest wait of a stage for the next chunk on a streaming edge; the request "
-        "then fails with an error naming the edge.")
+        60.0, gt=0, description="Longest a stage waits on a streaming edge without a word from its producer "
+        "(a chunk, or the producer's signal that it still holds the request, sent every third of this while it "
+        "is queued or busy): the request then fails with an error naming the edge (a producer that died or lost "
+        "it). A busy or queued producer never runs it out; request_timeout_s bounds the whole request.")
     stage_start_timeout_s: float = Field(
         300.0, gt=0, description="Time a stage may take to start (model load, waiting for resources).")
     wait_for_nodes: StrictFlag = Field(
