@@ -16,8 +16,7 @@ at <|endoftext|> too: the stage configs name it in `stop_token_ids`.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,7 @@ class Qwen3ASRStage(AutoregressiveStageModel):
         # the LLM's).
         self.in_conversation = in_conversation
         if in_conversation:
-            self.info = dataclasses.replace(type(self).info, passes_tools_on=True)
+            self.info = replace(type(self).info, passes_tools_on=True)
         self.tokenizer = tokenizer
         self.extractor = extractor
         self.device, self.dtype = device, dtype
