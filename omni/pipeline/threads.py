@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections.abc import Iterable
 
@@ -54,6 +55,17 @@ def set_torch_threads(n: int) -> None:
 
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+def set_process_torch_threads(n: int) -> None:
+    """torch's threads in a process of the stage's own (a Ray actor), without importing torch for an engine that
+    never uses it (importing it is ~2 s of a worker's start on 2 cores): a torch already imported gets n threads
+    in the calling thread (set_torch_threads); one not imported yet starts with n in every thread, from
+    OMP_NUM_THREADS / MKL_NUM_THREADS, which it reads once, at its import."""
+    if "torch" in sys.modules:
+        set_torch_threads(n)
+    else:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
 
 
 class ThreadsPerCaller:

@@ -44,7 +44,7 @@ from omni.pipeline.backend import StreamTarget, Submission
 from omni.pipeline.engine_factory import EngineFactory, make_engine, start_error
 from omni.pipeline.ray.failures import describe
 from omni.pipeline.stage_worker import StageWorker, TickResult
-from omni.pipeline.threads import set_torch_threads, stage_threads
+from omni.pipeline.threads import set_process_torch_threads, stage_threads
 from omni.stage_info import StageInfo
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class StageActor:
         # whose engine cannot be built.
         self._start_error: StageStartError | None = None
         threads = stage_threads(stage.resources.num_cpus)
-        set_torch_threads(threads)  # loading (and any compute in it) in this thread too
+        set_process_torch_threads(threads)  # loading (and any compute in it) in this thread too
         try:
             registry.restore(registry_snapshot)  # registrations made in the driver
             self.worker = StageWorker(stage, make_engine(stage, engine_factory),
@@ -80,7 +80,7 @@ class StageActor:
             self._start_error = start_error(stage.name, e)
         # The one thread that runs the engine's steps (and stats): torch's thread count is set there.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"omni-{stage.name}",
-                                            initializer=set_torch_threads, initargs=(threads,))
+                                            initializer=set_process_torch_threads, initargs=(threads,))
         # The reply slot of each submit() call in flight (the worker holds the request itself).
         self._futures: dict[str, asyncio.Future[tuple[StageOutput, StageOutput]]] = {}
         self._deltas: dict[str, asyncio.Queue[StageDelta]] = {}  # requests whose caller streams
