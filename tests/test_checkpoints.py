@@ -34,6 +34,7 @@ def _greedy(model, ids, n):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_tiny_checkpoint_loads_and_generates_varied_tokens(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}")
     assert path == tiny_checkpoint(arch)  # idempotent: same cached directory
@@ -90,6 +91,7 @@ def test_tiny_qwen2_tokenizer_matches_qwen_tokenizer(tiny_qwen2):
     assert tok.decode([151644, 9707, 151645], skip_special_tokens=True) == "Hello"
 
 
+@pytest.mark.slow
 def test_tokenizer_config_lists_the_added_tokens_of_tokenizer_json(tiny_qwen2, tiny_omni):
     """As on the hub: the config's `added_tokens_decoder` is tokenizer.json's added tokens (id, text, special),
     so transformers takes them from the config and does not parse tokenizer.json again to find them."""

@@ -238,6 +238,7 @@ class _OutputPenalties:
         return scores
 
 
+@pytest.mark.slow
 def test_presence_and_frequency_penalties_match_transformers_with_them(tiny_qwen2):
     """Greedy with the penalties (and the repetition penalty first, as vLLM orders them): the tokens
     transformers' generate gives with the same penalties as a logits processor; and not the tokens

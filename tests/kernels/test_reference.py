@@ -267,6 +267,7 @@ def test_dispatch_torch_backend(monkeypatch):
     assert torch.equal(cache_k[1, 2], key[0])
 
 
+@pytest.mark.slow
 def test_import_dispatch_does_not_import_triton():
     code = "import sys, kernels.dispatch; kernels.dispatch.paged_attention; print('triton' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -389,6 +389,7 @@ def test_tqdm_progress_bar(chain, capsys):
     assert "Processed prompts" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_pipeline_is_closed_at_interpreter_exit():
     import subprocess
     import sys

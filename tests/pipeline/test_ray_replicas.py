@@ -75,7 +75,7 @@ def cluster(own_ray):
         procs.append(_start(["--address", address, "--object-store-memory", str(200 * 2**20),
                              "--temp-dir", str(root / "node2"), "--resources", '{"second_node": 1}', *_node_ports()],
                             root / "node2.log", env))
-        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+        ray.init(address=address, log_to_driver=False)  # the nodes hand their workers PYTHONPATH (env)
         while len([n for n in ray.nodes() if n["Alive"]]) < 2:
             if procs[1].poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the second node did not join:\n{tail(root / 'node2.log')}")

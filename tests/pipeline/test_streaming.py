@@ -227,6 +227,7 @@ def test_chunks_that_reach_the_consumer_before_its_submission_are_kept(reference
         assert not talker._early
 
 
+@pytest.mark.slow
 def test_a_producer_that_holds_the_request_keeps_its_consumer_waiting():
     """The chunk timeout finds a producer that died or lost the request, not a busy one (streaming.ALIVE). The
     thinker holds the request 3 s with no token (as a stage queued behind others, or waiting on its own streamed

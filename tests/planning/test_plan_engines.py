@@ -112,6 +112,7 @@ def test_cuda_meter_reads_torch_cuda_counts():
     assert meter.peak() == 1000 and ("sync", "cuda:0") in cuda.calls
 
 
+@pytest.mark.slow
 def test_profile_step_measures_a_cpu_stage(store, tiny_qwen2):
     cfg = load_config("stage_configs/tiny_chain.yaml")
     calls = []

@@ -472,6 +472,7 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "b
           "required": ["color", "size"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_structured_outputs_json_schema_json_object_regex_choice(client):
     """response_format json_schema: the reply is JSON valid against the schema, streamed or not, whatever the
     (random) model prefers; json_object: a JSON object; vLLM's structured_outputs regex / choice; a schema the

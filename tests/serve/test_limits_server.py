@@ -108,6 +108,7 @@ def test_choices_take_one_slot_each(server):
     assert c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, n=1).choices[0].message.content
 
 
+@pytest.mark.slow
 def test_request_timeout_is_504(timeout_server):
     c = timeout_server.client()
     with held(timeout_server, "thinker"):  # not a single step: it cannot finish within any timeout

@@ -171,6 +171,7 @@ def test_audio_reply_in_each_of_openais_chat_formats(server, client):
     assert e.value.body["param"] == "audio.format" and "flac" in e.value.body["message"], e.value.body
 
 
+@pytest.mark.slow
 def test_n_audio_replies(server, client):
     """n=2 with audio: each choice speaks its own text (its own audio id); greedy choices say the same, with the
     same waveform as the n=1 reply; streamed, each choice's pcm16 chunks add up to that waveform."""
@@ -379,6 +380,7 @@ def test_the_pipeline_names_its_voices_and_matches_them_in_any_case(server, clie
     assert got == 400 and err["error"]["param"] == "voice.id" and "Chelsie" in err["error"]["message"], err
 
 
+@pytest.mark.slow
 def test_chat_client_example(server, tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "examples" / "chat_client.py"), "--base-url", server.v1,
                           "--turn", "Hello, who are you?", "--turn", "Tell me more.", "--max-tokens", "8",
@@ -420,6 +422,7 @@ def _asr_by_chat(client, data: bytes, task: str, language: str | None) -> tuple[
     return got.choices[0].message.content, got.usage.completion_tokens
 
 
+@pytest.mark.slow
 def test_transcriptions_and_translations_with_the_openai_client(server, client):
     """`/v1/audio/transcriptions` and `/translations`: the pipeline's thinker writes down (or translates) a real
     recorded clip; the text is exactly its greedy reply to the speech-recognition prompt on the same samples (asked
@@ -442,6 +445,7 @@ def test_transcriptions_and_translations_with_the_openai_client(server, client):
     wait_idle(server)
 
 
+@pytest.mark.slow
 def test_transcription_logprobs_stream_every_token_with_its_own_bytes(server, client):
     """include[]=logprobs: one logprob per reply token, streamed and not alike, token by token. The clip's greedy
     reply has a token holding part of a UTF-8 character (its text alone is U+FFFD, its text waits for the next

@@ -55,6 +55,7 @@ def test_audio_reply_wav_and_streamed_pcm16_agree(server, client):
     wait_idle(server)
 
 
+@pytest.mark.slow
 def test_usage_counts_the_talkers_codec_tokens_and_a_one_token_reply_is_voiced(server, client):
     """As on Qwen2.5-Omni (test_omni_server.py): usage's audio tokens are the codec tokens the talker generated (one
     per frame, its first codebook: the code predictor's residual codes ride on those positions), non-streamed and in
@@ -98,6 +99,7 @@ def test_image_and_audio_inputs_and_voice_errors(client):
     assert e.value.body["param"] == "audio.voice", e.value.body
 
 
+@pytest.mark.slow
 def test_realtime_spoken_turns_on_qwen3_omni(server):
     """`/v1/realtime` on Qwen3-Omni with the real `openai` client: a spoken turn (recorded human speech) answered
     in speech (pcm16 deltas, their transcript), then a typed turn that hits the thinker's and the talker's prefix
@@ -152,6 +154,7 @@ def test_realtime_spoken_turns_on_qwen3_omni(server):
     assert server.stage_gauges("omni_stage_prefix_cache_hits_total")["talker"] > 0
 
 
+@pytest.mark.slow
 def test_speech_endpoint_on_qwen3_omni(server, client):
     """`/v1/audio/speech` on Qwen3-Omni: the thinker forced to the input, the talker and code2wav voice it; the
     streamed pcm is the WAV's samples (greedy stages: the same speech again)."""

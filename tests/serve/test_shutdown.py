@@ -190,6 +190,7 @@ def _health(url: str) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(monkeypatch, capsys):
     seen = _serve_and_sigterm(monkeypatch, grace_s=120, release_after_signal=True)
     events = sse_events(seen["stream"])

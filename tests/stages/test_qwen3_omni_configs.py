@@ -31,6 +31,7 @@ def test_configs_validate_and_wire_the_registered_stages(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_real_weights_config_runs_on_a_save_pretrained_directory(tmp_path, capsys, monkeypatch):
     from tests.stages.qwen3_omni_utils import checkpoint
 

@@ -42,6 +42,7 @@ def test_pipeline_matches_transformers_generate(variant, caching):
 
 
 @pytest.mark.parametrize("modality", ["audio", "image"])
+@pytest.mark.slow
 def test_three_turn_conversation_hits_the_caches_and_matches_transformers(modality):
     """Each turn's prompt is the conversation so far (an audio clip or an image in turn 1): from turn 2 on the
     thinker and the talker (whose prompt holds every user turn) hit their prefix caches, and still equal
@@ -78,6 +79,7 @@ def test_three_turn_conversation_hits_the_caches_and_matches_transformers(modali
     assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
 
 
+@pytest.mark.slow
 def test_streamed_code2wav_equals_chunked_decode():
     """Frames arriving in pieces: the waveform chunks, concatenated, equal transformers' chunked_decode with the
     same chunking, bitwise. A smaller first chunk equals chunked_decode's loop on those windows; against the

@@ -190,6 +190,7 @@ def test_a_client_gone_mid_response_ends_it_cancelled_not_failed(server, monkeyp
     assert not [r for r in caplog.records if "realtime response" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_a_disconnect_frees_the_slot_at_once_and_no_model_is_the_servers(server, monkeypatch):
     """A session whose handler is still busy (a VAD that loads) when its client leaves frees its slot at once:
     a client reconnecting then is not refused with 1013."""

@@ -462,6 +462,7 @@ def test_output_speed_changes_the_tempo_of_the_reply(server):
     wait_idle(server)
 
 
+@pytest.mark.slow
 def test_g711_in_and_out(server):
     """A phone line's session: mu-law at 8 kHz in (real speech; server VAD hears it), A-law or mu-law at 8 kHz
     out, a third of the pcm16 samples, the same reply as the pcm16 session's (within G.711's quantisation)."""
@@ -620,6 +621,7 @@ def test_input_audio_transcription_by_the_pipelines_own_thinker(server):
     wait_idle(server)
 
 
+@pytest.mark.slow
 def test_a_long_turn_an_interrupted_reply_and_a_refused_response(server):
     """A spoken turn longer than the audio encoder's 30 s window is heard as consecutive clips (it once failed
     every later response of the session); truncating the reply still being made stops it and keeps only what was

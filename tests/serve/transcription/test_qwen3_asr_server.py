@@ -67,6 +67,7 @@ def _expected(data: bytes, language: str | None = None, context: str | None = No
     return processor.decode(reply, return_format="transcription_only"), len(reply)
 
 
+@pytest.mark.slow
 def test_json_text_and_stream_are_transformers_transcript(server, client, clip):
     want, tokens = _expected(clip)
     got = client.audio.transcriptions.create(model=MODEL, file=("clip.wav", clip))

@@ -113,6 +113,7 @@ def test_unknown_voice_names_the_known_ones(setup):
     assert e.value.field == "voice"
 
 
+@pytest.mark.slow
 def test_a_directory_as_transformers_saves_the_model_and_processor_loads(setup, tmp_path):
     """The model as HiggsAudioV2ForConditionalGeneration.save_pretrained writes it, the tokenizer and chat template as
     the processor saves them, and the audio tokenizer wherever processor_config.json names it (no other file)."""
