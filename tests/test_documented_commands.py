@@ -237,7 +237,8 @@ def plan_example(script: str, small: Callable[[list[str], Path], list[str]],
         return Plan("run", f"python {script} {' '.join(args)}",
                     run=lambda *a: run_example(script, args, small, check, *a),
                     key=(script, *small(args, Path("/TMP"))),
-                    marks=(pytest.mark.subprocess,) if needs_server else ())
+                    # a pipeline's load and a conversation: ~4 s on 2 cores, `make test` only
+                    marks=(pytest.mark.slow,) + ((pytest.mark.subprocess,) if needs_server else ()))
     return plan
 
 

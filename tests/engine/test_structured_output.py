@@ -76,6 +76,7 @@ def test_constrained_replies_follow_their_grammar_in_a_mixed_batch(tiny_qwen2):
     assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_what_cannot_be_compiled_is_refused_naming_the_field(tiny_qwen2):
     engine = make_engine(tiny_qwen2)
     for spec, says in (({"json": {"type": "objekt"}}, "objekt"), ({"regex": "(unclosed"}, "regex")):

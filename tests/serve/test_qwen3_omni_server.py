@@ -295,6 +295,7 @@ def test_a_spoken_reply_with_tools_is_voiced_once_it_is_no_call(server, client):
     wait_idle(server)
 
 
+@pytest.mark.slow
 def test_realtime_forced_tool_choice_on_qwen3_omni(server):
     """A forced tool_choice in a realtime session (a named function, then "required"): the reply is constrained to a
     call, so even the random thinker makes a valid one, and it comes as function_call items only (no message item,

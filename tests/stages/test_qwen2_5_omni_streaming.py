@@ -182,6 +182,7 @@ def test_token2wav_flushes_the_last_chunk_exactly_once(tmp_path):
 # go on their own too (the common schedule, stages/common/audio_chunks.py: code2wav cuts as transformers'
 # chunked_decode does, and so does token2wav).
 @pytest.mark.parametrize("length,sizes", [(62, [3, 4, 8, 16, 16, 15]), (52, [3, 4, 8, 16, 16, 5])])
+@pytest.mark.slow
 def test_token2wav_chunks_grow_to_max_chunk_codes(length, sizes):
     """After the first chunk, chunks start at chunk_codes and double up to max_chunk_codes; a short tail
     is a chunk of its own; the pieces still make the one-shot waveform."""

@@ -73,6 +73,7 @@ def test_omni_run_matches_transformers_generate(tmp_path, capsys):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_omni_run_streams_code2wav_chunks(tmp_path, capsys):
     """code2wav on a streaming edge: chunks of 4 then 8 frames, each decoded with chunked_decode's left context."""
     thinker_max, talker_max = _limits()
