@@ -13,6 +13,7 @@ from omni.config.loader import load_config
 from omni.engine.interface import StageStats
 from omni.pipeline.threads import ThreadsPerCaller, available_cores, local_threads, stage_threads
 from tests.fakes import FakeEngine, chain_config
+from tests.pipeline.lazy_torch_engine import lazy_threads_factory
 
 
 class ThreadsEngine(FakeEngine):
@@ -57,6 +58,28 @@ def test_local_threads_are_the_pipelines_cpus_at_most_the_cores():
     data = with_cpus(chain_config(), 1, 1)
     data["stages"][1]["replicas"] = 3
     assert local_threads(load_config(data).stages, cores=16) == 4
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_an_actor_without_torch_yet_gives_it_the_stages_threads_for_when_it_comes():
+    """set_process_torch_threads in a fresh interpreter (a stage actor's process): no torch imported, so none is; the
+    torch imported later runs every thread with the stage's count."""
+    import subprocess
+    import sys
+
+    code = ("import sys, threading\n"
+            "from omni.pipeline.threads import set_process_torch_threads\n"
+            "set_process_torch_threads(1)\n"
+            "assert 'torch' not in sys.modules\n"
+            "import torch\n"
+            "seen = []\n"
+            "t = threading.Thread(target=lambda: seen.append(torch.get_num_threads())); t.start(); t.join()\n"
+            "print(torch.get_num_threads(), seen[0])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "1"]  # torch caps a larger count at the cores
 
 
 def test_available_cores_keep_to_the_environments_thread_budget(monkeypatch):
@@ -108,10 +131,12 @@ def test_local_backend_steps_stages_with_the_pipelines_cpus_and_gives_the_caller
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_stage_actor_steps_with_its_num_cpus(ray_cluster):
+# torch imported with the factory's module (before the actor's constructor), or only by the engine's first step
+@pytest.mark.parametrize("factory", [threads_factory, lazy_threads_factory], ids=["torch-at-start", "torch-later"])
+def test_ray_stage_actor_steps_with_its_num_cpus(ray_cluster, factory):
     data = with_cpus(chain_config(), 2, 0.5)
     data["runtime"]["backend"] = "ray"
-    with Omni(data, engine_factory=threads_factory) as o:
+    with Omni(data, engine_factory=factory) as o:
         o.generate(["hello"])
         stats = o.stats()["stages"]
     # num_cpus 2 -> 2 threads (1 on a one-CPU machine), 0.5 -> 1: whatever OMP_NUM_THREADS the actor
