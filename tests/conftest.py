@@ -7,9 +7,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A Ray cluster's raylet starts one idle Python worker per logical CPU for the first driver (8 for the test
-# clusters); a stage actor never takes one (it starts a worker with the job's runtime env), so on 2 cores those
-# are ~1.5 CPU-seconds of every cluster start spent for nothing. The clusters the tests start (in this process,
-# `ray start`, a CLI or server process) inherit it.
+# clusters, on 2 cores): ~1.5 CPU-seconds at every cluster start, for workers most tests never use (a stage actor
+# that finds none idle starts its own; measured: opening a pipeline is no slower). The clusters the tests start
+# (in this process, `ray start`, a CLI or server process) inherit it.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
