@@ -59,7 +59,7 @@ def set_torch_threads(n: int) -> None:
 
 def set_process_torch_threads(n: int) -> None:
     """torch's threads in a process of the stage's own (a Ray actor), without importing torch for an engine that
-    never uses it (importing it is ~2 s of a worker's start on 2 cores): a torch already imported gets n threads
+    never uses it (its import is much of a worker's start): a torch already imported gets n threads
     in the calling thread (set_torch_threads); one not imported yet starts with n in every thread, from
     OMP_NUM_THREADS / MKL_NUM_THREADS, which it reads once, at its import."""
     if "torch" in sys.modules:

@@ -1,5 +1,7 @@
-"""A fake engine that imports torch on its first step, not before: a stage actor built from it has no torch while it
-starts (omni/pipeline/threads.py `set_process_torch_threads`), as an engine that loads torch lazily would.
+"""The fake engine that reports the torch threads its last step ran with, importing torch on its first step, not
+before. Built from `lazy_threads_factory` (this module), a stage actor has no torch while it starts
+(omni/pipeline/threads.py `set_process_torch_threads`), as with an engine that loads torch lazily; built from a
+factory in a module that imports torch (tests/pipeline/test_threads.py), the actor has torch from the start.
 This module must not import torch at its top."""
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ from omni.engine.interface import StageStats
 from tests.fakes import FakeEngine
 
 
-class LazyTorchThreadsEngine(FakeEngine):
-    """The fake engine, reporting the torch threads its last step ran with; torch imported by its first step."""
+class ThreadsEngine(FakeEngine):
+    """The fake engine, reporting the torch threads its last step ran with."""
 
     threads: int | None = None
 
@@ -24,5 +26,5 @@ class LazyTorchThreadsEngine(FakeEngine):
         return s
 
 
-def lazy_threads_factory(stage) -> LazyTorchThreadsEngine:
-    return LazyTorchThreadsEngine(stage)
+def lazy_threads_factory(stage) -> ThreadsEngine:
+    return ThreadsEngine(stage)

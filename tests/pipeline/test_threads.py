@@ -10,28 +10,13 @@ import torch
 
 from omni import Omni
 from omni.config.loader import load_config
-from omni.engine.interface import StageStats
 from omni.pipeline.threads import ThreadsPerCaller, available_cores, local_threads, stage_threads
-from tests.fakes import FakeEngine, chain_config
-from tests.pipeline.lazy_torch_engine import lazy_threads_factory
-
-
-class ThreadsEngine(FakeEngine):
-    """The fake engine, reporting the torch threads its last step ran with."""
-
-    threads: int | None = None
-
-    def step(self):
-        self.threads = torch.get_num_threads()
-        return super().step()
-
-    def stats(self) -> StageStats:
-        s = super().stats()
-        s.extra["step_threads"] = self.threads
-        return s
+from tests.fakes import chain_config
+from tests.pipeline.lazy_torch_engine import ThreadsEngine, lazy_threads_factory
 
 
 def threads_factory(stage) -> ThreadsEngine:
+    """The engine of lazy_threads_factory, from this module, which imports torch: the actor has it from the start."""
     return ThreadsEngine(stage)
 
 
